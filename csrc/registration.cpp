@@ -1,0 +1,21 @@
+// Every torchfuse op schema, in one place. Implementations register per device next to their code
+// (norm.cpp: CPU, norm_cuda.cpp: CUDA); fake (meta) kernels and autograd are registered in Python.
+#include <torch/library.h>
+
+TORCH_LIBRARY(torchfuse, m) {
+    // Fused residual add + LayerNorm / RMSNorm (python/torchfuse/norm.py documents the semantics).
+    // norm_type: 0 LayerNorm, 1 RMSNorm with HF Llama's casts, 2 RMSNorm with Gemma's.
+    // Returns (y, y2, s, mean, rstd); y2, s, mean and rstd are empty when not asked for.
+    m.def(
+        "norm_fwd(Tensor x, Tensor? residual, Tensor? residual2, Tensor? weight, Tensor? bias, "
+        "Tensor? weight2, Tensor? bias2, float eps, int norm_type, float weight_offset, "
+        "ScalarType? residual_dtype, bool save_stats) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+    // Gradients of norm_fwd: (dx, dresidual, dresidual2, dweight, dbias, dweight2, dbias2). dresidual
+    // (dresidual2) is empty unless residual_dtype (residual2_dtype) asks for a separate copy; weight
+    // gradients are empty unless weight_grad and the parameter exists.
+    m.def(
+        "norm_bwd(Tensor? dy, Tensor? dy2, Tensor? ds, Tensor s, Tensor mean, Tensor rstd, Tensor? weight, "
+        "Tensor? weight2, int norm_type, float weight_offset, bool has_bias, bool has_bias2, "
+        "ScalarType x_dtype, ScalarType? residual_dtype, ScalarType? residual2_dtype, bool weight_grad) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
