@@ -1,0 +1,27 @@
+"""Where the host time of one decode-size norm call goes: the public API, the raw op, the op below
+the autograd layer, and eager's plain add. Wall time per call of back-to-back calls."""
+import torch
+
+import torchfuse
+from torchfuse._timing import wall_time_us
+
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+x = torch.randn(1, 2560, device=dev, dtype=torch.float16)
+r = torch.randn_like(x)
+w = torch.randn(2560, device=dev, dtype=torch.float16)
+b = torch.randn_like(w)
+op = torch.ops.torchfuse.norm_fwd.default
+
+
+def below():
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(x, r, None, w, b, None, None, 1e-5, 0, 0.0, None, False)
+
+
+with torch.no_grad():
+    for name, f in [("plain add", lambda: x + r),
+                    ("torchfuse.layer_norm", lambda: torchfuse.layer_norm(x, w, b, residual=r)),
+                    ("torch.ops norm_fwd", lambda: op(x, r, None, w, b, None, None, 1e-5, 0, 0.0, None, False)),
+                    ("norm_fwd below autograd", below),
+                    ("torch.empty_like x2", lambda: (torch.empty_like(x), torch.empty_like(x)))]:
+        print(f"{name:<26} {wall_time_us(f, dev):6.2f} us/call")
