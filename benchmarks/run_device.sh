@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)"
-( time pip install --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+( time python3 -m pip install --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 tail -3 "$OUT/build.log"
 python3 -m pytest tests -q -x -p no:cacheprovider > "$OUT/pytest.log" 2>&1; echo "pytest exit $?"; tail -15 "$OUT/pytest.log"
 if [ "${SANITIZE:-1}" = 1 ]; then
