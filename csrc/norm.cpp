@@ -117,21 +117,32 @@ NormFwd prepare_norm_fwd(const at::Tensor &x, const std::optional<at::Tensor> &r
     f.y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
     p.y = f.y.data_ptr();
     p.y_dtype = p.x_dtype;
-    f.y2 = w2.defined() ? at::empty_like(f.y) : no_output(x);
-    p.y2 = w2.defined() ? f.y2.data_ptr() : nullptr;
+    if (w2.defined()) {
+        f.y2 = at::empty_like(f.y);
+        p.y2 = f.y2.data_ptr();
+    }
     if (residual.has_value()) {
         f.s = at::empty(x.sizes(), x.options().dtype(s_type).memory_format(at::MemoryFormat::Contiguous));
         p.s = f.s.data_ptr();
-    } else {
-        f.s = no_output(x);
     }
-    const at::TensorOptions fopt = x.options().dtype(at::kFloat);
-    f.mean = save_stats && layer ? at::empty({p.rows}, fopt) : no_output(x);
-    f.rstd = save_stats ? at::empty({p.rows}, fopt) : no_output(x);
-    p.mean = save_stats && layer ? f.mean.data_ptr<float>() : nullptr;
-    p.rstd = save_stats ? f.rstd.data_ptr<float>() : nullptr;
+    if (save_stats) {
+        const at::TensorOptions fopt = x.options().dtype(at::kFloat);
+        f.rstd = at::empty({p.rows}, fopt);
+        p.rstd = f.rstd.data_ptr<float>();
+        if (layer) {
+            f.mean = at::empty({p.rows}, fopt);
+            p.mean = f.mean.data_ptr<float>();
+        }
+    }
     return f;
 }
+
+NormFwdResult NormFwd::result() const {
+    auto out = [this](const at::Tensor &t) { return t.defined() ? t : no_output(y); };
+    return {y, out(y2), out(s), out(mean), out(rstd)};
+}
+
+std::tuple<at::Tensor, at::Tensor> NormFwd::infer_result() const { return {y, s.defined() ? s : no_output(y)}; }
 
 NormBwd prepare_norm_bwd(const std::optional<at::Tensor> &dy, const std::optional<at::Tensor> &dy2,
                          const std::optional<at::Tensor> &ds, const at::Tensor &s, const at::Tensor &mean,
@@ -259,6 +270,17 @@ NormFwdResult norm_fwd_cpu(const at::Tensor &x, const std::optional<at::Tensor> 
     return f.result();
 }
 
+std::tuple<at::Tensor, at::Tensor> add_norm_cpu(const at::Tensor &x, const std::optional<at::Tensor> &residual,
+                                                const std::optional<at::Tensor> &weight,
+                                                const std::optional<at::Tensor> &bias, double eps,
+                                                int64_t norm_type, double weight_offset) {
+    NormFwd f = prepare_norm_fwd(x, residual, std::nullopt, weight, bias, std::nullopt, std::nullopt, eps, norm_type,
+                                 weight_offset, std::nullopt, false);
+    const tf_norm_fwd_params p = f.p;
+    at::parallel_for(0, p.rows, 16, [&](int64_t begin, int64_t end) { tf_norm_fwd_cpu(&p, begin, end); });
+    return f.infer_result();
+}
+
 NormBwdResult norm_bwd_cpu(const std::optional<at::Tensor> &dy, const std::optional<at::Tensor> &dy2,
                            const std::optional<at::Tensor> &ds, const at::Tensor &s, const at::Tensor &mean,
                            const at::Tensor &rstd, const std::optional<at::Tensor> &weight,
@@ -293,6 +315,7 @@ NormBwdResult norm_bwd_cpu(const std::optional<at::Tensor> &dy, const std::optio
 
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("norm_fwd", &norm_fwd_cpu);
+    m.impl("add_norm", &add_norm_cpu);
     m.impl("norm_bwd", &norm_bwd_cpu);
 }
 

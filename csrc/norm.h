@@ -19,8 +19,9 @@ using NormBwdResult =
 struct NormFwd {
     tf_norm_fwd_params p;
     at::Tensor x, res, res2;  // possibly contiguous copies
-    at::Tensor y, y2, s, mean, rstd;
-    NormFwdResult result() const { return {y, y2, s, mean, rstd}; }
+    at::Tensor y, y2, s, mean, rstd;  // y2, s, mean, rstd undefined when not asked for
+    NormFwdResult result() const;                          // norm_fwd's outputs
+    std::tuple<at::Tensor, at::Tensor> infer_result() const;  // add_norm's: (y, s)
 };
 
 NormFwd prepare_norm_fwd(const at::Tensor &x, const std::optional<at::Tensor> &residual,

@@ -26,6 +26,17 @@ NormFwdResult norm_fwd_cuda(const at::Tensor &x, const std::optional<at::Tensor>
     return f.result();
 }
 
+std::tuple<at::Tensor, at::Tensor> add_norm_cuda(const at::Tensor &x, const std::optional<at::Tensor> &residual,
+                                                 const std::optional<at::Tensor> &weight,
+                                                 const std::optional<at::Tensor> &bias, double eps,
+                                                 int64_t norm_type, double weight_offset) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    NormFwd f = prepare_norm_fwd(x, residual, std::nullopt, weight, bias, std::nullopt, std::nullopt, eps, norm_type,
+                                 weight_offset, std::nullopt, false);
+    check_launch(tf_norm_fwd_cuda(&f.p, c10::cuda::getCurrentCUDAStream().stream()), "norm forward kernel");
+    return f.infer_result();
+}
+
 NormBwdResult norm_bwd_cuda(const std::optional<at::Tensor> &dy, const std::optional<at::Tensor> &dy2,
                             const std::optional<at::Tensor> &ds, const at::Tensor &s, const at::Tensor &mean,
                             const at::Tensor &rstd, const std::optional<at::Tensor> &weight,
@@ -41,7 +52,7 @@ NormBwdResult norm_bwd_cuda(const std::optional<at::Tensor> &dy, const std::opti
         for (at::Tensor *t : {&g.dw, &g.db, &g.dw2, &g.db2}) t->zero_();
         return g.result();
     }
-    const int64_t n_partials = tf_norm_bwd_cuda_partials(g.p.rows, g.p.cols, g.p.w2 != nullptr);
+    const int64_t n_partials = tf_norm_bwd_cuda_partials(&g.p);
     at::Tensor partials;
     if (any_wgrad) partials = alloc_norm_partials(g, n_partials, /*zero=*/false);
     else g.p.n_partials = n_partials;
@@ -62,6 +73,7 @@ NormBwdResult norm_bwd_cuda(const std::optional<at::Tensor> &dy, const std::opti
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("norm_fwd", &norm_fwd_cuda);
+    m.impl("add_norm", &add_norm_cuda);
     m.impl("norm_bwd", &norm_bwd_cuda);
 }
 

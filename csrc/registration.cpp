@@ -10,6 +10,12 @@ TORCH_LIBRARY(torchfuse, m) {
         "norm_fwd(Tensor x, Tensor? residual, Tensor? residual2, Tensor? weight, Tensor? bias, "
         "Tensor? weight2, Tensor? bias2, float eps, int norm_type, float weight_offset, "
         "ScalarType? residual_dtype, bool save_stats) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+    // Inference-only norm_fwd for the common case (no residual2, no second norm, s in residual's
+    // dtype): fewer arguments and outputs, so a decode-sized call costs little more than its launch.
+    // Returns (y, s), s empty without a residual. Refuses inputs that require grad.
+    m.def(
+        "add_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, int norm_type, "
+        "float weight_offset) -> (Tensor, Tensor)");
     // Gradients of norm_fwd: (dx, dresidual, dresidual2, dweight, dbias, dweight2, dbias2). dresidual
     // (dresidual2) is empty unless residual_dtype (residual2_dtype) asks for a separate copy; weight
     // gradients are empty unless weight_grad and the parameter exists.

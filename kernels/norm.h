@@ -76,8 +76,8 @@ void tf_column_sum_cpu(const float *part, int64_t n_partials, int64_t cols, void
 
 /* ---- CUDA (kernels/norm_cuda.cu); return a cudaError_t as int ---- */
 int tf_norm_fwd_cuda(const tf_norm_fwd_params *p, void *stream);
-/* The number of partial rows the backward will use for this shape on this device. */
-int64_t tf_norm_bwd_cuda_partials(int64_t rows, int64_t cols, int two_norms);
+/* The number of partial rows the backward will use for these params on this device. */
+int64_t tf_norm_bwd_cuda_partials(const tf_norm_bwd_params *p);
 /* p->n_partials must equal tf_norm_bwd_cuda_partials(...); partial buffers need no zeroing. */
 int tf_norm_bwd_cuda(const tf_norm_bwd_params *p, void *stream);
 int tf_column_sum_cuda(const float *part, int64_t n_partials, int64_t cols, void *out, int out_dtype,

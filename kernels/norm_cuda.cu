@@ -17,6 +17,10 @@
  */
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include "norm.h"
 #include "tf_vec.cuh"
 
@@ -331,6 +335,247 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_bwd_kernel(const tf_norm_
     }
 }
 
+/* ---- fast paths ----
+ * For the common dtype combinations the element sizes are compile-time (x: XB, residuals: RB with
+ * 0 for none; backward: gradients GB, s SB). Then all of a row's loads are issued into raw
+ * registers before the first is converted, instead of one load round trip per chunk as in the
+ * generic kernels above, and the grid is persistent with the weights held in registers across the
+ * rows a group visits. At most kMaxFastK chunks per thread (rows up to 8192 elements). */
+constexpr int kMaxFastK = 2;
+
+__device__ __forceinline__ void load_param(const void *w, int dt, int64_t col, int n, float fill,
+                                           float (&v)[TF_VEC]) {
+    if (w && n > 0) tf_load_chunk(w, dt, col, n, v);
+    else {
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) v[i] = fill;
+    }
+}
+
+template <int K, int XB, int RB>
+__global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_norm_fwd_params p) {
+    constexpr int RS = RB ? RB : 2; /* storage size when there is no residual (unused) */
+    __shared__ float red[32];
+    const int tpr = blockDim.x, tid = threadIdx.x;
+    const int64_t cols = p.cols, n_slots = (int64_t)gridDim.x * blockDim.y;
+    const bool layer = p.norm_type == TF_LAYER_NORM;
+    float w[K][TF_VEC], b[K][TF_VEC];
+    int len[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+        len[k] = chunk_len(true, col, cols);
+        load_param(p.w, p.w_dtype, col, len[k], 1.f, w[k]);
+        load_param(layer ? p.b : nullptr, p.w_dtype, col, len[k], 0.f, b[k]);
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) w[k][i] += p.weight_offset;
+    }
+
+    /* The trip count is uniform across the block, so every lane reaches every group reduction. */
+    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += n_slots) {
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < p.rows;
+        TfRaw<XB> xr[K];
+        TfRaw<RS> rr[K], r2r[K];
+        const void *xrow = tf_row(p.x, p.x_dtype, row, p.x_stride);
+        const void *rrow = RB ? tf_row(p.res, p.res_dtype, row, p.res_stride) : nullptr;
+        const void *r2row = RB && p.res2 ? tf_row(p.res2, p.res2_dtype, row, p.res2_stride) : nullptr;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (!active || len[k] == 0) continue;
+            const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+            tf_raw_load(xr[k], xrow, col, len[k]);
+            if constexpr (RB > 0) {
+                tf_raw_load(rr[k], rrow, col, len[k]);
+                if (r2row) tf_raw_load(r2r[k], r2row, col, len[k]);
+            }
+        }
+        float v[K][TF_VEC], sum = 0.f, sumsq = 0.f;
+        void *srow = p.s ? tf_row(p.s, p.s_dtype, row, cols) : nullptr;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (!active || len[k] == 0) {
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) v[k][i] = 0.f;
+                continue;
+            }
+            tf_raw_to_float(xr[k], p.x_dtype, v[k]);
+            if constexpr (RB > 0) {
+                float r[TF_VEC];
+                tf_raw_to_float(rr[k], p.res_dtype, r);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add1_dtype);
+                if (r2row) {
+                    tf_raw_to_float(r2r[k], p.res2_dtype, r);
+#pragma unroll
+                    for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add2_dtype);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) {
+                v[k][i] = tf_round(v[k][i], p.s_dtype);
+                sum += v[k][i];
+                sumsq += v[k][i] * v[k][i];
+            }
+            if (srow) tf_store_chunk(srow, p.s_dtype, (int64_t)(k * tpr + tid) * TF_VEC, len[k], v[k]);
+        }
+        float mean = 0.f, rstd;
+        if (layer) {
+            mean = tf_group_sum(sum, red) / (float)cols;
+            float m2 = 0.f;
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) {
+                    const float d = v[k][i] - mean;
+                    m2 += i < len[k] && active ? d * d : 0.f;
+                }
+            rstd = rsqrtf(tf_group_sum(m2, red) / (float)cols + p.eps);
+        } else {
+            rstd = rsqrtf(tf_group_sum(sumsq, red) / (float)cols + p.eps);
+        }
+        if (!active) continue;
+        void *yrow = tf_row(p.y, p.y_dtype, row, cols);
+        void *y2row = p.y2 ? tf_row(p.y2, p.y_dtype, row, cols) : nullptr;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (len[k] == 0) continue;
+            const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+            float y[TF_VEC];
+            if (layer) {
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) y[i] = (v[k][i] - mean) * rstd * w[k][i] + b[k][i];
+            } else if (p.norm_type == TF_RMS_NORM_LLAMA) {
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) y[i] = tf_round(tf_round(v[k][i] * rstd, p.s_dtype) * w[k][i], p.mul_dtype);
+            } else {
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) y[i] = v[k][i] * rstd * w[k][i];
+            }
+            tf_store_chunk(yrow, p.y_dtype, col, len[k], y);
+            if (y2row) fwd_out_chunk(p, p.w2, p.b2, y2row, col, len[k], mean, rstd, v[k]);
+        }
+        if (tid == 0) {
+            if (p.mean) p.mean[row] = mean;
+            if (p.rstd) p.rstd[row] = rstd;
+        }
+    }
+}
+
+template <int K, bool TWO, int GB, int SB>
+__global__ void __launch_bounds__(kMaxRegThreads) norm_bwd_fast_kernel(const tf_norm_bwd_params p) {
+    constexpr int K2 = TWO ? K : 1;
+    __shared__ float red[32];
+    const int tpr = blockDim.x, tid = threadIdx.x;
+    const int64_t slot = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    const int64_t cols = p.cols, n_slots = (int64_t)gridDim.x * blockDim.y;
+    const bool layer = p.norm_type == TF_LAYER_NORM, llama = p.norm_type == TF_RMS_NORM_LLAMA;
+    const float inv_cols = 1.f / (float)cols;
+    float w[K][TF_VEC], w2[K2][TF_VEC];
+    WGrad acc[K];
+    int len[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+        len[k] = chunk_len(true, col, cols);
+        load_param(p.w, p.w_dtype, col, len[k], 1.f, w[k]);
+        if constexpr (TWO) load_param(p.w2, p.w_dtype, col, len[k], 1.f, w2[k]);
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) {
+            w[k][i] += p.weight_offset;
+            if constexpr (TWO) w2[k][i] += p.weight_offset;
+        }
+        acc[k].zero();
+    }
+
+    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += n_slots) {
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < p.rows;
+        const float mean = active && layer ? p.mean[row] : 0.f;
+        const float rstd = active ? p.rstd[row] : 0.f;
+        TfRaw<SB> sr[K], dsr[K];
+        TfRaw<GB> dyr[K], dy2r[K2];
+        const void *srow = tf_row(p.s, p.s_dtype, row, p.s_stride);
+        const void *dyrow = p.dy ? tf_row(p.dy, p.dy_dtype, row, p.dy_stride) : nullptr;
+        const void *dy2row = TWO && p.dy2 ? tf_row(p.dy2, p.dy_dtype, row, p.dy2_stride) : nullptr;
+        const void *dsrow = p.ds_in ? tf_row(p.ds_in, p.ds_in_dtype, row, p.ds_in_stride) : nullptr;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (!active || len[k] == 0) continue;
+            const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+            tf_raw_load(sr[k], srow, col, len[k]);
+            if (dyrow) tf_raw_load(dyr[k], dyrow, col, len[k]);
+            if constexpr (TWO) if (dy2row) tf_raw_load(dy2r[k], dy2row, col, len[k]);
+            if (dsrow) tf_raw_load(dsr[k], dsrow, col, len[k]);
+        }
+        /* xhat and g = dL/dxhat of chunk k; padding lanes have dy = 0, hence g = 0. */
+        auto chunk = [&](int k, float (&xhat)[TF_VEC], float (&g)[TF_VEC], float (&dy)[TF_VEC], float (&dy2)[TF_VEC]) {
+            tf_raw_to_float(sr[k], p.s_dtype, xhat);
+            if (dyrow) tf_raw_to_float(dyr[k], p.dy_dtype, dy);
+            else {
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) dy[i] = 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) {
+                xhat[i] = (xhat[i] - mean) * rstd;
+                g[i] = dy[i] * w[k][i];
+            }
+            if constexpr (TWO) {
+                if (dy2row) tf_raw_to_float(dy2r[k], p.dy_dtype, dy2);
+                else {
+#pragma unroll
+                    for (int i = 0; i < TF_VEC; ++i) dy2[i] = 0.f;
+                }
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) g[i] += dy2[i] * w2[k][i];
+            }
+        };
+        float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (!active || len[k] == 0) continue;
+            float xhat[TF_VEC], g[TF_VEC], dy[TF_VEC], dy2[TF_VEC];
+            chunk(k, xhat, g, dy, dy2);
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) {
+                const float xw = llama ? tf_round(xhat[i], p.s_dtype) : xhat[i];
+                acc[k].dw[i] += dy[i] * xw;
+                acc[k].db[i] += dy[i];
+                if constexpr (TWO) {
+                    acc[k].dw2[i] += dy2[i] * xw;
+                    acc[k].db2[i] += dy2[i];
+                }
+                sum_g += g[i];
+                sum_gx += g[i] * xhat[i];
+            }
+        }
+        const float mean_g = layer ? tf_group_sum(sum_g, red) * inv_cols : 0.f;
+        const float mean_gx = tf_group_sum(sum_gx, red) * inv_cols;
+        if (!active) continue;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (len[k] == 0) continue;
+            const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+            float xhat[TF_VEC], g[TF_VEC], dy[TF_VEC], dy2[TF_VEC], ds[TF_VEC];
+            chunk(k, xhat, g, dy, dy2);
+            if (dsrow) tf_raw_to_float(dsr[k], p.ds_in_dtype, ds);
+            else {
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) ds[i] = 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) ds[i] += rstd * (g[i] - mean_g - xhat[i] * mean_gx);
+            if (p.dx) tf_store_chunk(tf_row(p.dx, p.dx_dtype, row, cols), p.dx_dtype, col, len[k], ds);
+            if (p.dres) tf_store_chunk(tf_row(p.dres, p.dres_dtype, row, cols), p.dres_dtype, col, len[k], ds);
+            if (p.dres2) tf_store_chunk(tf_row(p.dres2, p.dres2_dtype, row, cols), p.dres2_dtype, col, len[k], ds);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+        if (len[k] > 0) flush_partials<TWO>(p, slot, (int64_t)(k * tpr + tid) * TF_VEC, len[k], acc[k], true);
+}
+
 /* out[c] = sum_k part[k][c] in a fixed order. Block (32, 8): x picks the column, y strides over the
  * partial rows; the 8 sums are then added in y order. */
 __global__ void column_sum_kernel(const float *part, int64_t n_partials, int64_t cols, void *out, int out_dtype) {
@@ -358,86 +603,135 @@ int next_pow2(int64_t v) {
 
 struct Launch {
     dim3 block;
-    int k; /* chunks per thread in registers; 0: looping variant */
+    int k;          /* chunks per thread in registers; 0: looping variant */
+    const void *fn; /* the kernel */
+    bool persistent;
 };
 
 /* Groups of up to a warp for short rows; otherwise the fewest threads that keep at most kmax
  * chunks each in registers, or the looping variant (loop_threads) when even kMaxRegThreads cannot. */
-Launch config(int64_t cols, int kmax, int loop_threads) {
+Launch shape(int64_t cols, int kmax, int loop_threads) {
     const int64_t chunks = (cols + TF_VEC - 1) / TF_VEC;
     if (chunks <= 32) {
         const int tpr = next_pow2(chunks);
-        return {dim3(tpr, kSmallBlock / tpr), 1};
+        return {dim3(tpr, kSmallBlock / tpr), 1, nullptr, false};
     }
     int tpr = next_pow2((chunks + kmax - 1) / kmax);
     if (tpr < 32) tpr = 32;
-    if (tpr > kMaxRegThreads) return {dim3(loop_threads, 1), 0};
-    return {dim3(tpr, tpr == 32 ? kSmallBlock / 32 : 1), (int)((chunks + tpr - 1) / tpr)};
+    if (tpr > kMaxRegThreads) return {dim3(loop_threads, 1), 0, nullptr, false};
+    return {dim3(tpr, tpr == 32 ? kSmallBlock / 32 : 1), (int)((chunks + tpr - 1) / tpr), nullptr, false};
 }
 
-Launch fwd_config(int64_t cols) { return config(cols, kMaxFwdK, kMaxThreads); }
+int elem_size(int dt) { return dt == TF_F32 ? 4 : 2; }
+
+template <int K>
+const void *fwd_fast(int xb, int rb) {
+    if (xb == 2) {
+        if (rb == 0) return (const void *)norm_fwd_fast_kernel<K, 2, 0>;
+        if (rb == 2) return (const void *)norm_fwd_fast_kernel<K, 2, 2>;
+        return (const void *)norm_fwd_fast_kernel<K, 2, 4>;
+    }
+    if (rb == 0) return (const void *)norm_fwd_fast_kernel<K, 4, 0>;
+    if (rb == 4) return (const void *)norm_fwd_fast_kernel<K, 4, 4>;
+    return nullptr; /* fp32 x with a 16-bit residual: generic kernel */
+}
+
+Launch fwd_launch(const tf_norm_fwd_params *p) {
+    Launch l = shape(p->cols, kMaxFastK, kMaxThreads);
+    const int rb = p->res ? elem_size(p->res_dtype) : 0;
+    const bool res2_ok = !p->res2 || elem_size(p->res2_dtype) == rb;
+    if (l.k > 0 && res2_ok) {
+        const int xb = elem_size(p->x_dtype);
+        l.fn = l.k == 1 ? fwd_fast<1>(xb, rb) : fwd_fast<2>(xb, rb);
+        l.persistent = l.fn != nullptr;
+    }
+    if (!l.fn) { /* generic kernels: up to 4 chunks per thread, then the looping variant */
+        l = shape(p->cols, kMaxFwdK, kMaxThreads);
+        const void *fns[] = {(const void *)norm_fwd_kernel<0>, (const void *)norm_fwd_kernel<1>,
+                             (const void *)norm_fwd_kernel<2>, (const void *)norm_fwd_kernel<3>,
+                             (const void *)norm_fwd_kernel<4>};
+        l.fn = fns[l.k];
+    }
+    return l;
+}
+
+template <int K, bool TWO>
+const void *bwd_fast(int gb, int sb) {
+    if (gb == 2) return sb == 2 ? (const void *)norm_bwd_fast_kernel<K, TWO, 2, 2> : (const void *)norm_bwd_fast_kernel<K, TWO, 2, 4>;
+    return sb == 2 ? (const void *)norm_bwd_fast_kernel<K, TWO, 4, 2> : (const void *)norm_bwd_fast_kernel<K, TWO, 4, 4>;
+}
+
 /* Two norms double the weight-gradient accumulators: one chunk per thread keeps them unspilled. */
-Launch bwd_config(int64_t cols, bool two) { return config(cols, two ? 1 : kMaxBwdK, kMaxRegThreads); }
-
-typedef void (*BwdKernel)(tf_norm_bwd_params);
-
-BwdKernel bwd_kernel(int k, bool two) {
-    switch (k) {
-    case 1: return two ? norm_bwd_kernel<1, true> : norm_bwd_kernel<1, false>;
-    case 2: return norm_bwd_kernel<2, false>; /* bwd_config never pairs k = 2 with two norms */
-    default: return two ? norm_bwd_kernel<0, true> : norm_bwd_kernel<0, false>;
+Launch bwd_launch(const tf_norm_bwd_params *p) {
+    const bool two = p->w2 != nullptr;
+    Launch l = shape(p->cols, two ? 1 : kMaxBwdK, kMaxRegThreads);
+    l.persistent = true;
+    const int gb = elem_size(p->dy_dtype), sb = elem_size(p->s_dtype);
+    const bool ds_ok = !p->ds_in || elem_size(p->ds_in_dtype) == sb;
+    if (l.k > 0 && ds_ok) {
+        if (two) l.fn = bwd_fast<1, true>(gb, sb);
+        else l.fn = l.k == 1 ? bwd_fast<1, false>(gb, sb) : bwd_fast<2, false>(gb, sb);
+    } else {
+        const void *fns[3][2] = {{(const void *)norm_bwd_kernel<0, false>, (const void *)norm_bwd_kernel<0, true>},
+                                 {(const void *)norm_bwd_kernel<1, false>, (const void *)norm_bwd_kernel<1, true>},
+                                 {(const void *)norm_bwd_kernel<2, false>, nullptr}};
+        l.fn = fns[l.k][two];
     }
+    return l;
 }
 
-/* Persistent grid: as many groups as can be resident, at most one per row. */
-int64_t bwd_grid(int64_t rows, int64_t cols, bool two) {
-    const Launch l = bwd_config(cols, two);
-    const int threads = l.block.x * l.block.y;
-    int dev = 0, lg = 0;
+/* Blocks of this kernel that fit on the device at once, looked up once per kernel and device. */
+int64_t resident_blocks(const void *fn, int threads) {
+    static std::mutex mu;
+    static std::map<std::tuple<int, const void *, int>, int64_t> cache;
+    int dev = 0;
     cudaGetDevice(&dev);
-    while ((1 << lg) < threads) ++lg;
-    static int64_t cache[64][3][2][11]; /* device, k, two, log2(threads): resident blocks */
-    int64_t &res = cache[dev & 63][l.k][two][lg];
-    if (res == 0) {
-        int sms = 0, per_sm = 0;
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, bwd_kernel(l.k, two), threads, 0);
-        res = (int64_t)sms * (per_sm < 1 ? 1 : per_sm);
-    }
+    std::lock_guard<std::mutex> lock(mu);
+    auto key = std::make_tuple(dev, fn, threads);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+    int sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, 0);
+    const int64_t n = (int64_t)sms * (per_sm < 1 ? 1 : per_sm);
+    cache[key] = n;
+    return n;
+}
+
+unsigned grid_for(const Launch &l, int64_t rows) {
     const int64_t needed = (rows + l.block.y - 1) / l.block.y;
-    return res < needed ? res : needed;
+    if (!l.persistent) return (unsigned)needed;
+    const int64_t res = resident_blocks(l.fn, l.block.x * l.block.y);
+    return (unsigned)(res < needed ? res : needed);
+}
+
+cudaError_t launch(const Launch &l, unsigned grid, void *params, cudaStream_t st) {
+    void *args[] = {params};
+    return cudaLaunchKernel(l.fn, dim3(grid), l.block, args, 0, st);
 }
 
 } // namespace
 
 extern "C" int tf_norm_fwd_cuda(const tf_norm_fwd_params *p, void *stream) {
     if (p->rows == 0) return 0;
-    const Launch l = fwd_config(p->cols);
-    const dim3 grid((unsigned)((p->rows + l.block.y - 1) / l.block.y));
-    cudaStream_t st = (cudaStream_t)stream;
-    switch (l.k) {
-    case 1: norm_fwd_kernel<1><<<grid, l.block, 0, st>>>(*p); break;
-    case 2: norm_fwd_kernel<2><<<grid, l.block, 0, st>>>(*p); break;
-    case 3: norm_fwd_kernel<3><<<grid, l.block, 0, st>>>(*p); break;
-    case 4: norm_fwd_kernel<4><<<grid, l.block, 0, st>>>(*p); break;
-    default: norm_fwd_kernel<0><<<grid, l.block, 0, st>>>(*p); break;
-    }
-    return (int)cudaGetLastError();
+    const Launch l = fwd_launch(p);
+    tf_norm_fwd_params params = *p;
+    return (int)launch(l, grid_for(l, p->rows), &params, (cudaStream_t)stream);
 }
 
-extern "C" int64_t tf_norm_bwd_cuda_partials(int64_t rows, int64_t cols, int two_norms) {
-    if (rows == 0) return 1;
-    return bwd_grid(rows, cols, two_norms != 0) * bwd_config(cols, two_norms != 0).block.y;
+extern "C" int64_t tf_norm_bwd_cuda_partials(const tf_norm_bwd_params *p) {
+    if (p->rows == 0) return 1;
+    const Launch l = bwd_launch(p);
+    return (int64_t)grid_for(l, p->rows) * l.block.y;
 }
 
 extern "C" int tf_norm_bwd_cuda(const tf_norm_bwd_params *p, void *stream) {
     if (p->rows == 0) return 0;
-    const bool two = p->w2 != nullptr;
-    const Launch l = bwd_config(p->cols, two);
-    const dim3 grid((unsigned)bwd_grid(p->rows, p->cols, two));
-    if ((int64_t)grid.x * l.block.y != p->n_partials) return (int)cudaErrorInvalidValue;
-    bwd_kernel(l.k, two)<<<grid, l.block, 0, (cudaStream_t)stream>>>(*p);
-    return (int)cudaGetLastError();
+    const Launch l = bwd_launch(p);
+    const unsigned grid = grid_for(l, p->rows);
+    if ((int64_t)grid * l.block.y != p->n_partials) return (int)cudaErrorInvalidValue;
+    tf_norm_bwd_params params = *p;
+    return (int)launch(l, grid, &params, (cudaStream_t)stream);
 }
 
 extern "C" int tf_column_sum_cuda(const float *part, int64_t n_partials, int64_t cols, void *out, int out_dtype,

@@ -83,6 +83,47 @@ __device__ __forceinline__ void tf_store_chunk(void *row, int dt, int64_t col, i
     }
 }
 
+/* A chunk as raw bytes, for kernels that know the element size B (2 or 4) at compile time: a row's
+ * loads can all be issued into these before the first one is converted, so the loads of different
+ * chunks and tensors are in flight together. */
+template <int B>
+struct TfRaw {
+    uint4 q[B / 2];
+};
+
+template <int B>
+__device__ __forceinline__ void tf_raw_load(TfRaw<B> &r, const void *row, int64_t col, int n) {
+    const char *p = (const char *)row + col * B;
+    if (n == TF_VEC && tf_aligned16(p)) {
+#pragma unroll
+        for (int i = 0; i < B / 2; ++i) r.q[i] = ((const uint4 *)p)[i];
+    } else if constexpr (B == 2) {
+        uint16_t h[TF_VEC];
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) h[i] = i < n ? ((const uint16_t *)p)[i] : (uint16_t)0;
+        memcpy(r.q, h, sizeof(h));
+    } else {
+        uint32_t h[TF_VEC];
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) h[i] = i < n ? ((const uint32_t *)p)[i] : 0u;
+        memcpy(r.q, h, sizeof(h));
+    }
+}
+
+/* The raw chunk as floats; dt says which 16-bit format when B == 2. */
+template <int B>
+__device__ __forceinline__ void tf_raw_to_float(const TfRaw<B> &r, int dt, float (&v)[TF_VEC]) {
+    if constexpr (B == 4) {
+        memcpy(v, r.q, sizeof(v));
+    } else {
+        uint16_t h[TF_VEC];
+        memcpy(h, r.q, sizeof(h));
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i)
+            v[i] = dt == TF_BF16 ? __bfloat162float(__ushort_as_bfloat16(h[i])) : __half2float(__ushort_as_half(h[i]));
+    }
+}
+
 /* Row base pointer of an untyped row-major matrix. */
 __device__ __forceinline__ const void *tf_row(const void *base, int dt, int64_t row, int64_t stride) {
     return (const char *)base + row * stride * (dt == TF_F32 ? 4 : 2);

@@ -29,7 +29,7 @@ def fresh_seed(request):
 
 
 def pytest_runtest_makereport(item, call):
-    if call.excinfo is not None:
+    if call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception):
         for k, v in item.user_properties:
             if k == "seed":
                 print(f"\n[torchfuse] replay with TORCHFUSE_TEST_SEED={v}")

@@ -270,6 +270,17 @@ def test_no_stats_without_grad(device):
     assert mean.numel() == 0 and rstd.numel() == 0
 
 
+def test_inference_op_refuses_grad(device):
+    x = make((4, 32), torch.float32, device, True)
+    w = torch.ones(32, device=device)
+    with pytest.raises(RuntimeError, match="add_norm is inference-only"):
+        torch.ops.torchfuse.add_norm(x, None, w, None, 1e-5, 0, 0.0)
+    with torch.no_grad():  # the wrappers take the inference op here, and agree with norm_fwd
+        y, s = torchfuse.layer_norm(x, w, None, residual=x)
+        y2, _, s2, _, _ = torch.ops.torchfuse.norm_fwd(x, x, None, w, None, None, None, 1e-5, 0, 0.0, None, False)
+    assert torch.equal(y, y2) and torch.equal(s, s2)
+
+
 def test_meta_tensors():
     x = torch.empty(3, 5, 64, device="meta", dtype=torch.bfloat16)
     r = torch.empty(3, 5, 64, device="meta", dtype=torch.float32)
@@ -295,6 +306,9 @@ def test_opcheck(device):
     """Schema, fake kernel, autograd registration and dispatch agree (torch.library.opcheck)."""
     for args in _opcheck_args(device):
         torch.library.opcheck(torch.ops.torchfuse.norm_fwd.default, args)
+    x, r, w = make((6, 40), torch.bfloat16, device), make((6, 40), torch.bfloat16, device), make((40,), torch.bfloat16, device)
+    for args in [(x, r, w, w, 1e-5, 0, 0.0), (x, None, w, None, 1e-6, 1, 0.0), (x, r, w, None, 1e-6, 2, 1.0)]:
+        torch.library.opcheck(torch.ops.torchfuse.add_norm.default, args)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -14,6 +14,7 @@ LAYER_NORM, RMS_NORM_LLAMA, RMS_NORM_GEMMA = 0, 1, 2
 _RMS_CASTS = {"llama": RMS_NORM_LLAMA, "gemma": RMS_NORM_GEMMA}
 
 _fwd = torch.ops.torchfuse.norm_fwd.default
+_infer = torch.ops.torchfuse.add_norm.default
 _bwd = torch.ops.torchfuse.norm_bwd.default
 
 NormOutput = Union[Tensor, Tuple[Tensor, Tensor], Tuple[Tensor, Tensor, Tensor]]
@@ -87,6 +88,7 @@ def rms_norm(
 
 
 def _norm(x, residual, residual2, weight, bias, weight2, bias2, eps, norm_type, weight_offset, residual_dtype):
+    count("norm_fwd")
     # Statistics are saved only when a backward can follow: inference allocates y (and s) alone.
     save_stats = torch.is_grad_enabled() and (
         x.requires_grad
@@ -97,7 +99,10 @@ def _norm(x, residual, residual2, weight, bias, weight2, bias2, eps, norm_type, 
         or (weight2 is not None and weight2.requires_grad)
         or (bias2 is not None and bias2.requires_grad)
     )
-    count("norm_fwd")
+    if not save_stats and residual2 is None and weight2 is None and residual_dtype is None:
+        # the inference op: same kernel, no Python autograd layer, fewer arguments (decode latency)
+        y, s = _infer(x, residual, weight, bias, eps, norm_type, weight_offset)
+        return y if residual is None else (y, s)
     y, y2, s, _, _ = _fwd(
         x, residual, residual2, weight, bias, weight2, bias2, eps, norm_type, weight_offset, residual_dtype, save_stats
     )
@@ -122,6 +127,13 @@ def _norm_fwd_fake(x, residual, residual2, weight, bias, weight2, bias2, eps, no
     mean = x.new_empty(rows, dtype=torch.float32) if save_stats and norm_type == LAYER_NORM else none.clone()
     rstd = x.new_empty(rows, dtype=torch.float32) if save_stats else none.clone()
     return y, y2, s, mean, rstd
+
+
+@torch.library.register_fake("torchfuse::add_norm")
+def _add_norm_fake(x, residual, weight, bias, eps, norm_type, weight_offset):
+    y, _, s, _, _ = _norm_fwd_fake(x, residual, None, weight, bias, None, None, eps, norm_type, weight_offset, None,
+                                   False)
+    return y, s
 
 
 @torch.library.register_fake("torchfuse::norm_bwd")

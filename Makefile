@@ -1,0 +1,25 @@
+# Two commands set up a fresh machine:
+#   make run   - install what is missing (torch included), build, run `python -m torchfuse`
+#   make test  - install the test dependencies, build, run the test suite
+PYTHON ?= python3
+PIP = $(PYTHON) -m pip
+TORCH_VERSION ?= 2.14.1
+export MAX_JOBS ?= 2
+
+.PHONY: run test deps test-deps build
+
+deps:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
+	@$(PYTHON) -c "import setuptools, wheel, ninja" 2>/dev/null || $(PIP) install setuptools wheel ninja
+
+test-deps: deps
+	@$(PYTHON) -c "import pytest, numpy" 2>/dev/null || $(PIP) install pytest numpy
+
+build: deps
+	$(PIP) install --no-build-isolation --no-deps -e .
+
+run: build
+	$(PYTHON) -m torchfuse
+
+test: test-deps build
+	$(PYTHON) -m pytest tests -q
