@@ -371,18 +371,17 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
         for (int i = 0; i < TF_VEC; ++i) w[k][i] += p.weight_offset;
     }
 
-    /* The trip count is uniform across the block, so every lane reaches every group reduction. */
-    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += n_slots) {
-        const int64_t row = base + threadIdx.y;
-        const bool active = row < p.rows;
-        TfRaw<XB> xr[K];
-        TfRaw<RS> rr[K], r2r[K];
+    /* Issue the raw loads of one row's chunks (no conversion, so nothing waits for them). */
+    TfRaw<XB> xr[K];
+    TfRaw<RS> rr[K], r2r[K];
+    auto issue_loads = [&](int64_t row) {
+        if (row >= p.rows) return;
         const void *xrow = tf_row(p.x, p.x_dtype, row, p.x_stride);
         const void *rrow = RB ? tf_row(p.res, p.res_dtype, row, p.res_stride) : nullptr;
         const void *r2row = RB && p.res2 ? tf_row(p.res2, p.res2_dtype, row, p.res2_stride) : nullptr;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            if (!active || len[k] == 0) continue;
+            if (len[k] == 0) continue;
             const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
             tf_raw_load(xr[k], xrow, col, len[k]);
             if constexpr (RB > 0) {
@@ -390,6 +389,16 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
                 if (r2row) tf_raw_load(r2r[k], r2row, col, len[k]);
             }
         }
+    };
+
+    /* Software pipeline: once a row's raw chunks are converted to floats, the next row's loads are
+     * issued into the same registers, so they are in flight during this row's reductions and
+     * stores. The trip count is uniform across the block, so every lane reaches every reduction. */
+    issue_loads((int64_t)blockIdx.x * blockDim.y + threadIdx.y);
+    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += n_slots) {
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < p.rows;
+        const bool has_res2 = RB > 0 && p.res2 != nullptr;
         float v[K][TF_VEC], sum = 0.f, sumsq = 0.f;
         void *srow = p.s ? tf_row(p.s, p.s_dtype, row, cols) : nullptr;
 #pragma unroll
@@ -405,7 +414,7 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
                 tf_raw_to_float(rr[k], p.res_dtype, r);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add1_dtype);
-                if (r2row) {
+                if (has_res2) {
                     tf_raw_to_float(r2r[k], p.res2_dtype, r);
 #pragma unroll
                     for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add2_dtype);
@@ -419,6 +428,7 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
             }
             if (srow) tf_store_chunk(srow, p.s_dtype, (int64_t)(k * tpr + tid) * TF_VEC, len[k], v[k]);
         }
+        issue_loads(row + n_slots);
         float mean = 0.f, rstd;
         if (layer) {
             mean = tf_group_sum(sum, red) / (float)cols;

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 import torchfuse
 
-ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-3, torch.float16: 5e-4}
+# one machine epsilon of the dtype (scaled by the reference's magnitude): the rounding of a single
+# output can cost that much even where PyTorch's own result happens to round the other way
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 KINDS = ["layer", "llama", "gemma"]
 
 
