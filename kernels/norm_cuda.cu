@@ -481,105 +481,116 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_bwd_fast_kernel(const tf_
     const int64_t cols = p.cols, n_slots = (int64_t)gridDim.x * blockDim.y;
     const bool layer = p.norm_type == TF_LAYER_NORM, llama = p.norm_type == TF_RMS_NORM_LLAMA;
     const float inv_cols = 1.f / (float)cols;
-    float w[K][TF_VEC], w2[K2][TF_VEC];
     WGrad acc[K];
     int len[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
-        len[k] = chunk_len(true, col, cols);
-        load_param(p.w, p.w_dtype, col, len[k], 1.f, w[k]);
-        if constexpr (TWO) load_param(p.w2, p.w_dtype, col, len[k], 1.f, w2[k]);
-#pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) {
-            w[k][i] += p.weight_offset;
-            if constexpr (TWO) w2[k][i] += p.weight_offset;
-        }
+        len[k] = chunk_len(true, (int64_t)(k * tpr + tid) * TF_VEC, cols);
         acc[k].zero();
     }
 
-    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += n_slots) {
-        const int64_t row = base + threadIdx.y;
-        const bool active = row < p.rows;
-        const float mean = active && layer ? p.mean[row] : 0.f;
-        const float rstd = active ? p.rstd[row] : 0.f;
-        TfRaw<SB> sr[K], dsr[K];
-        TfRaw<GB> dyr[K], dy2r[K2];
+    /* Raw loads of a row's chunks, issued a row ahead (see the forward): s, dy, dy2 as soon as the
+     * current row's are converted, ds_in (needed until the row's last step) after its stores. */
+    TfRaw<SB> sr[K], dsr[K];
+    TfRaw<GB> dyr[K], dy2r[K2];
+    float mean_next = 0.f, rstd_next = 0.f;
+    auto issue_grads = [&](int64_t row) {
+        if (row >= p.rows) return;
+        mean_next = layer ? p.mean[row] : 0.f;
+        rstd_next = p.rstd[row];
         const void *srow = tf_row(p.s, p.s_dtype, row, p.s_stride);
-        const void *dyrow = p.dy ? tf_row(p.dy, p.dy_dtype, row, p.dy_stride) : nullptr;
-        const void *dy2row = TWO && p.dy2 ? tf_row(p.dy2, p.dy_dtype, row, p.dy2_stride) : nullptr;
-        const void *dsrow = p.ds_in ? tf_row(p.ds_in, p.ds_in_dtype, row, p.ds_in_stride) : nullptr;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            if (!active || len[k] == 0) continue;
-            const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
-            tf_raw_load(sr[k], srow, col, len[k]);
-            if (dyrow) tf_raw_load(dyr[k], dyrow, col, len[k]);
-            if constexpr (TWO) if (dy2row) tf_raw_load(dy2r[k], dy2row, col, len[k]);
-            if (dsrow) tf_raw_load(dsr[k], dsrow, col, len[k]);
-        }
-        /* xhat and g = dL/dxhat of chunk k; padding lanes have dy = 0, hence g = 0. */
-        auto chunk = [&](int k, float (&xhat)[TF_VEC], float (&g)[TF_VEC], float (&dy)[TF_VEC], float (&dy2)[TF_VEC]) {
-            tf_raw_to_float(sr[k], p.s_dtype, xhat);
-            if (dyrow) tf_raw_to_float(dyr[k], p.dy_dtype, dy);
-            else {
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) dy[i] = 0.f;
-            }
-#pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) {
-                xhat[i] = (xhat[i] - mean) * rstd;
-                g[i] = dy[i] * w[k][i];
-            }
-            if constexpr (TWO) {
-                if (dy2row) tf_raw_to_float(dy2r[k], p.dy_dtype, dy2);
-                else {
-#pragma unroll
-                    for (int i = 0; i < TF_VEC; ++i) dy2[i] = 0.f;
-                }
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) g[i] += dy2[i] * w2[k][i];
-            }
-        };
-        float sum_g = 0.f, sum_gx = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            if (!active || len[k] == 0) continue;
-            float xhat[TF_VEC], g[TF_VEC], dy[TF_VEC], dy2[TF_VEC];
-            chunk(k, xhat, g, dy, dy2);
-#pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) {
-                const float xw = llama ? tf_round(xhat[i], p.s_dtype) : xhat[i];
-                acc[k].dw[i] += dy[i] * xw;
-                acc[k].db[i] += dy[i];
-                if constexpr (TWO) {
-                    acc[k].dw2[i] += dy2[i] * xw;
-                    acc[k].db2[i] += dy2[i];
-                }
-                sum_g += g[i];
-                sum_gx += g[i] * xhat[i];
-            }
-        }
-        const float mean_g = layer ? tf_group_sum(sum_g, red) * inv_cols : 0.f;
-        const float mean_gx = tf_group_sum(sum_gx, red) * inv_cols;
-        if (!active) continue;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             if (len[k] == 0) continue;
             const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
-            float xhat[TF_VEC], g[TF_VEC], dy[TF_VEC], dy2[TF_VEC], ds[TF_VEC];
-            chunk(k, xhat, g, dy, dy2);
-            if (dsrow) tf_raw_to_float(dsr[k], p.ds_in_dtype, ds);
+            tf_raw_load(sr[k], srow, col, len[k]);
+            if (p.dy) tf_raw_load(dyr[k], tf_row(p.dy, p.dy_dtype, row, p.dy_stride), col, len[k]);
+            if constexpr (TWO)
+                if (p.dy2) tf_raw_load(dy2r[k], tf_row(p.dy2, p.dy_dtype, row, p.dy2_stride), col, len[k]);
+        }
+    };
+    auto issue_ds = [&](int64_t row) {
+        if (row >= p.rows || !p.ds_in) return;
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+            if (len[k] > 0)
+                tf_raw_load(dsr[k], tf_row(p.ds_in, p.ds_in_dtype, row, p.ds_in_stride),
+                            (int64_t)(k * tpr + tid) * TF_VEC, len[k]);
+    };
+
+    const int64_t first = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    issue_grads(first);
+    issue_ds(first);
+    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += n_slots) {
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < p.rows;
+        const float mean = mean_next, rstd = rstd_next;
+        float xhat[K][TF_VEC], g[K][TF_VEC], sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (!active || len[k] == 0) continue;
+            const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+            float dy[TF_VEC], w[TF_VEC];
+            tf_raw_to_float(sr[k], p.s_dtype, xhat[k]);
+            if (p.dy) tf_raw_to_float(dyr[k], p.dy_dtype, dy);
             else {
 #pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) ds[i] = 0.f;
+                for (int i = 0; i < TF_VEC; ++i) dy[i] = 0.f;
             }
+            load_param(p.w, p.w_dtype, col, len[k], 1.f, w);
 #pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) ds[i] += rstd * (g[i] - mean_g - xhat[i] * mean_gx);
-            if (p.dx) tf_store_chunk(tf_row(p.dx, p.dx_dtype, row, cols), p.dx_dtype, col, len[k], ds);
-            if (p.dres) tf_store_chunk(tf_row(p.dres, p.dres_dtype, row, cols), p.dres_dtype, col, len[k], ds);
-            if (p.dres2) tf_store_chunk(tf_row(p.dres2, p.dres2_dtype, row, cols), p.dres2_dtype, col, len[k], ds);
+            for (int i = 0; i < TF_VEC; ++i) {
+                xhat[k][i] = (xhat[k][i] - mean) * rstd;
+                g[k][i] = dy[i] * (w[i] + p.weight_offset);
+                const float xw = llama ? tf_round(xhat[k][i], p.s_dtype) : xhat[k][i];
+                acc[k].dw[i] += dy[i] * xw;
+                acc[k].db[i] += dy[i];
+            }
+            if constexpr (TWO) {
+                if (p.dy2) tf_raw_to_float(dy2r[k], p.dy_dtype, dy);
+                else {
+#pragma unroll
+                    for (int i = 0; i < TF_VEC; ++i) dy[i] = 0.f;
+                }
+                load_param(p.w2, p.w_dtype, col, len[k], 1.f, w);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) {
+                    g[k][i] += dy[i] * (w[i] + p.weight_offset);
+                    const float xw = llama ? tf_round(xhat[k][i], p.s_dtype) : xhat[k][i];
+                    acc[k].dw2[i] += dy[i] * xw;
+                    acc[k].db2[i] += dy[i];
+                }
+            }
+            /* padding lanes have dy = 0, hence g = 0: they add nothing */
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) {
+                sum_g += g[k][i];
+                sum_gx += g[k][i] * xhat[k][i];
+            }
         }
+        issue_grads(row + n_slots);
+        const float mean_g = layer ? tf_group_sum(sum_g, red) * inv_cols : 0.f;
+        const float mean_gx = tf_group_sum(sum_gx, red) * inv_cols;
+        if (active) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (len[k] == 0) continue;
+                const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+                float ds[TF_VEC];
+                if (p.ds_in) tf_raw_to_float(dsr[k], p.ds_in_dtype, ds);
+                else {
+#pragma unroll
+                    for (int i = 0; i < TF_VEC; ++i) ds[i] = 0.f;
+                }
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) ds[i] += rstd * (g[k][i] - mean_g - xhat[k][i] * mean_gx);
+                if (p.dx) tf_store_chunk(tf_row(p.dx, p.dx_dtype, row, cols), p.dx_dtype, col, len[k], ds);
+                if (p.dres) tf_store_chunk(tf_row(p.dres, p.dres_dtype, row, cols), p.dres_dtype, col, len[k], ds);
+                if (p.dres2)
+                    tf_store_chunk(tf_row(p.dres2, p.dres2_dtype, row, cols), p.dres2_dtype, col, len[k], ds);
+            }
+        }
+        issue_ds(row + n_slots);
     }
 #pragma unroll
     for (int k = 0; k < K; ++k)
@@ -665,28 +676,32 @@ Launch fwd_launch(const tf_norm_fwd_params *p) {
     return l;
 }
 
-template <int K, bool TWO>
-const void *bwd_fast(int gb, int sb) {
-    if (gb == 2) return sb == 2 ? (const void *)norm_bwd_fast_kernel<K, TWO, 2, 2> : (const void *)norm_bwd_fast_kernel<K, TWO, 2, 4>;
-    return sb == 2 ? (const void *)norm_bwd_fast_kernel<K, TWO, 4, 2> : (const void *)norm_bwd_fast_kernel<K, TWO, 4, 4>;
+template <bool TWO>
+const void *bwd_fast(int gb, int sb) { /* one chunk per thread */
+    if (gb == 2) return sb == 2 ? (const void *)norm_bwd_fast_kernel<1, TWO, 2, 2> : (const void *)norm_bwd_fast_kernel<1, TWO, 2, 4>;
+    return sb == 2 ? (const void *)norm_bwd_fast_kernel<1, TWO, 4, 2> : (const void *)norm_bwd_fast_kernel<1, TWO, 4, 4>;
 }
 
-/* Two norms double the weight-gradient accumulators: one chunk per thread keeps them unspilled. */
+/* Two norms, or fp32 s / gradients, enlarge the per-chunk state: one chunk per thread keeps those
+ * variants unspilled; two chunks per thread only for 16-bit s and gradients with one norm. */
 Launch bwd_launch(const tf_norm_bwd_params *p) {
     const bool two = p->w2 != nullptr;
-    Launch l = shape(p->cols, two ? 1 : kMaxBwdK, kMaxRegThreads);
-    l.persistent = true;
     const int gb = elem_size(p->dy_dtype), sb = elem_size(p->s_dtype);
+    const bool wide = two || gb == 4 || sb == 4;
+    Launch l = shape(p->cols, wide ? 1 : kMaxBwdK, kMaxRegThreads);
+    l.persistent = true;
     const bool ds_ok = !p->ds_in || elem_size(p->ds_in_dtype) == sb;
     if (l.k > 0 && ds_ok) {
-        if (two) l.fn = bwd_fast<1, true>(gb, sb);
-        else l.fn = l.k == 1 ? bwd_fast<1, false>(gb, sb) : bwd_fast<2, false>(gb, sb);
-    } else {
-        const void *fns[3][2] = {{(const void *)norm_bwd_kernel<0, false>, (const void *)norm_bwd_kernel<0, true>},
-                                 {(const void *)norm_bwd_kernel<1, false>, (const void *)norm_bwd_kernel<1, true>},
-                                 {(const void *)norm_bwd_kernel<2, false>, nullptr}};
-        l.fn = fns[l.k][two];
+        if (two) l.fn = bwd_fast<true>(gb, sb);
+        else l.fn = l.k == 1 ? bwd_fast<false>(gb, sb) : (const void *)norm_bwd_fast_kernel<2, false, 2, 2>;
+        return l;
     }
+    l = shape(p->cols, two ? 1 : kMaxBwdK, kMaxRegThreads);
+    l.persistent = true;
+    const void *fns[3][2] = {{(const void *)norm_bwd_kernel<0, false>, (const void *)norm_bwd_kernel<0, true>},
+                             {(const void *)norm_bwd_kernel<1, false>, (const void *)norm_bwd_kernel<1, true>},
+                             {(const void *)norm_bwd_kernel<2, false>, nullptr}};
+    l.fn = fns[l.k][two];
     return l;
 }
 
