@@ -354,40 +354,29 @@ __device__ __forceinline__ void load_param(const void *w, int dt, int64_t col, i
 
 template <int K, int XB, int RB>
 __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_norm_fwd_params p) {
+    /* Registers decide how many groups an SM holds, and so how many loads are in flight: the x and
+     * residual chunks are prefetched a row ahead, while the weights (L1-resident) and the rarer
+     * second residual are read when needed. */
     constexpr int RS = RB ? RB : 2; /* storage size when there is no residual (unused) */
     __shared__ float red[32];
     const int tpr = blockDim.x, tid = threadIdx.x;
     const int64_t cols = p.cols, n_slots = (int64_t)gridDim.x * blockDim.y;
     const bool layer = p.norm_type == TF_LAYER_NORM;
-    float w[K][TF_VEC], b[K][TF_VEC];
     int len[K];
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-        const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
-        len[k] = chunk_len(true, col, cols);
-        load_param(p.w, p.w_dtype, col, len[k], 1.f, w[k]);
-        load_param(layer ? p.b : nullptr, p.w_dtype, col, len[k], 0.f, b[k]);
-#pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) w[k][i] += p.weight_offset;
-    }
+    for (int k = 0; k < K; ++k) len[k] = chunk_len(true, (int64_t)(k * tpr + tid) * TF_VEC, cols);
 
-    /* Issue the raw loads of one row's chunks (no conversion, so nothing waits for them). */
     TfRaw<XB> xr[K];
-    TfRaw<RS> rr[K], r2r[K];
+    TfRaw<RS> rr[K];
     auto issue_loads = [&](int64_t row) {
         if (row >= p.rows) return;
         const void *xrow = tf_row(p.x, p.x_dtype, row, p.x_stride);
-        const void *rrow = RB ? tf_row(p.res, p.res_dtype, row, p.res_stride) : nullptr;
-        const void *r2row = RB && p.res2 ? tf_row(p.res2, p.res2_dtype, row, p.res2_stride) : nullptr;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             if (len[k] == 0) continue;
             const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
             tf_raw_load(xr[k], xrow, col, len[k]);
-            if constexpr (RB > 0) {
-                tf_raw_load(rr[k], rrow, col, len[k]);
-                if (r2row) tf_raw_load(r2r[k], r2row, col, len[k]);
-            }
+            if constexpr (RB > 0) tf_raw_load(rr[k], tf_row(p.res, p.res_dtype, row, p.res_stride), col, len[k]);
         }
     };
 
@@ -398,7 +387,6 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
     for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += n_slots) {
         const int64_t row = base + threadIdx.y;
         const bool active = row < p.rows;
-        const bool has_res2 = RB > 0 && p.res2 != nullptr;
         float v[K][TF_VEC], sum = 0.f, sumsq = 0.f;
         void *srow = p.s ? tf_row(p.s, p.s_dtype, row, cols) : nullptr;
 #pragma unroll
@@ -408,14 +396,15 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
                 for (int i = 0; i < TF_VEC; ++i) v[k][i] = 0.f;
                 continue;
             }
+            const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
             tf_raw_to_float(xr[k], p.x_dtype, v[k]);
             if constexpr (RB > 0) {
                 float r[TF_VEC];
                 tf_raw_to_float(rr[k], p.res_dtype, r);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add1_dtype);
-                if (has_res2) {
-                    tf_raw_to_float(r2r[k], p.res2_dtype, r);
+                if (p.res2) {
+                    tf_load_chunk(tf_row(p.res2, p.res2_dtype, row, p.res2_stride), p.res2_dtype, col, len[k], r);
 #pragma unroll
                     for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add2_dtype);
                 }
@@ -426,7 +415,7 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
                 sum += v[k][i];
                 sumsq += v[k][i] * v[k][i];
             }
-            if (srow) tf_store_chunk(srow, p.s_dtype, (int64_t)(k * tpr + tid) * TF_VEC, len[k], v[k]);
+            if (srow) tf_store_chunk(srow, p.s_dtype, col, len[k], v[k]);
         }
         issue_loads(row + n_slots);
         float mean = 0.f, rstd;
@@ -446,24 +435,12 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
         }
         if (!active) continue;
         void *yrow = tf_row(p.y, p.y_dtype, row, cols);
-        void *y2row = p.y2 ? tf_row(p.y2, p.y_dtype, row, cols) : nullptr;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             if (len[k] == 0) continue;
             const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
-            float y[TF_VEC];
-            if (layer) {
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) y[i] = (v[k][i] - mean) * rstd * w[k][i] + b[k][i];
-            } else if (p.norm_type == TF_RMS_NORM_LLAMA) {
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) y[i] = tf_round(tf_round(v[k][i] * rstd, p.s_dtype) * w[k][i], p.mul_dtype);
-            } else {
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) y[i] = v[k][i] * rstd * w[k][i];
-            }
-            tf_store_chunk(yrow, p.y_dtype, col, len[k], y);
-            if (y2row) fwd_out_chunk(p, p.w2, p.b2, y2row, col, len[k], mean, rstd, v[k]);
+            fwd_out_chunk(p, p.w, p.b, yrow, col, len[k], mean, rstd, v[k]);
+            if (p.y2) fwd_out_chunk(p, p.w2, p.b2, tf_row(p.y2, p.y_dtype, row, cols), col, len[k], mean, rstd, v[k]);
         }
         if (tid == 0) {
             if (p.mean) p.mean[row] = mean;
