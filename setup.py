@@ -9,6 +9,8 @@ import glob
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 from setuptools import setup
 
@@ -65,6 +67,38 @@ cpu_sources = [s for s in _sources("csrc/*.cpp") if not s.endswith("_cuda.cpp")]
 cuda_sources = _sources("csrc/*_cuda.cpp") + _sources("kernels/*.cu")
 extra_compile_args = {"cxx": ["-O3"]}
 
+
+def _shared_libstdcxx_link_args():
+    """Make the extension use the process's shared libstdc++ (the one torch loaded), never a copy of its own.
+
+    A compiler that finds only libstdc++.a (e.g. the GPU image's CXX=/opt/gcc/bin/g++ wrapper: its
+    `-print-file-name=libstdc++.so` finds nothing) links a private static libstdc++ into _C; with
+    -Bsymbolic-functions (Debian/Ubuntu LDSHARED) our code then uses that copy's iostreams, whose
+    locale facets are not the process's, and the first TORCH_CHECK message that formats a number
+    segfaults in std::ostream::_M_insert<long>. Then link the loaded libstdc++.so.6 by path, ahead of
+    the driver's implicit -lstdc++, so nothing is taken from the archive."""
+    if not sys.platform.startswith("linux"):
+        return []
+    cxx = os.environ.get("CXX", "c++").split()
+    try:
+        found = subprocess.run(cxx + ["-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return []
+    if os.path.isabs(found) and os.path.exists(found):
+        return []  # the compiler links the shared runtime itself
+    try:
+        with open("/proc/self/maps") as f:  # torch is imported: its libstdc++.so.6 is mapped
+            loaded = {line.split()[-1] for line in f if "/libstdc++.so" in line}
+    except OSError:
+        loaded = set()
+    if not loaded:
+        raise RuntimeError(f"{' '.join(cxx)} would link libstdc++ statically into torchfuse._C, and the shared "
+                           "libstdc++ torch uses was not found; set CXX to a compiler that links it (e.g. /usr/bin/g++)")
+    return [sorted(loaded)[0]]
+
+
+extra_link_args = _shared_libstdcxx_link_args()
+
 if with_cuda:
     _default_arch_list()
     extra_compile_args["nvcc"] = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
@@ -72,11 +106,18 @@ if with_cuda:
         "torchfuse._C",
         cpu_sources + cuda_sources,
         extra_compile_args=extra_compile_args,
+        extra_link_args=extra_link_args,
         define_macros=[("TORCHFUSE_WITH_CUDA", "1")],
         py_limited_api=True,
     )
 else:
-    ext = CppExtension("torchfuse._C", cpu_sources, extra_compile_args=extra_compile_args, py_limited_api=True)
+    ext = CppExtension(
+        "torchfuse._C",
+        cpu_sources,
+        extra_compile_args=extra_compile_args,
+        extra_link_args=extra_link_args,
+        py_limited_api=True,
+    )
 
 setup(
     version=_version(),
