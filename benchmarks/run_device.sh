@@ -12,10 +12,10 @@ tail -3 "$OUT/build.log"
 python3 -m pytest tests -q -x -p no:cacheprovider > "$OUT/pytest.log" 2>&1; echo "pytest exit $?"; tail -15 "$OUT/pytest.log"
 if [ "${SANITIZE:-1}" = 1 ]; then
   compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_norm.py -q -x -p no:cacheprovider \
-    -k "cuda and (n100 or n4099 or n65536 or zero_and_one or strides or many_rows or second_norm)" > "$OUT/memcheck.log" 2>&1
+    -k "cuda and (n100 or n768 or n4099 or n65536 or zero_and_one or strides or many_rows or second_norm or mixed)" > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
   compute-sanitizer --tool racecheck --print-limit 5 python3 -m pytest tests/test_norm.py -q -x -p no:cacheprovider \
-    -k "cuda and (n2560 or n65536) and bfloat16" > "$OUT/racecheck.log" 2>&1
+    -k "cuda and (n768 or n2560 or n65536) and bfloat16" > "$OUT/racecheck.log" 2>&1
   echo "racecheck exit $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -3
 fi
 python3 benchmarks/decode_overhead.py 2>&1 | tee "$OUT/decode_overhead.txt"

@@ -449,6 +449,130 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
     }
 }
 
+/* Staged variant of the fast forward for aligned rows whose length is a multiple of 8 (every chunk
+ * whole and 16-byte aligned): each thread copies its chunks of x and the residual for the next row
+ * into shared memory with cp.async while it works on this row. The bytes in flight are then bounded
+ * by shared memory rather than registers (profiling the register-prefetch kernel showed occupancy,
+ * limited by registers, capping DRAM throughput near 70%). A thread reads back only what it copied
+ * itself, so no barrier guards the staging buffers. Layout: planes of 16 bytes x threads, indexed
+ * (stage, chunk, tensor part), so a warp's accesses are conflict-free. */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+template <int K, int XB, int RB>
+__host__ __device__ constexpr int staged_planes() { return K * (XB / 2 + RB / 2); } /* per stage */
+
+template <int K, int XB, int RB>
+__global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_staged_kernel(const tf_norm_fwd_params p) {
+    extern __shared__ uint4 stage_buf[];
+    constexpr int PLANES = staged_planes<K, XB, RB>();
+    __shared__ float red[32];
+    const int tpr = blockDim.x, tid = threadIdx.x;
+    const int nthreads = blockDim.x * blockDim.y, flat = threadIdx.y * blockDim.x + tid;
+    const int64_t cols = p.cols, n_slots = (int64_t)gridDim.x * blockDim.y;
+    const bool layer = p.norm_type == TF_LAYER_NORM;
+    bool have[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) have[k] = (int64_t)(k * tpr + tid) * TF_VEC < cols;
+    auto plane = [&](int stage, int idx) -> uint4 * { return stage_buf + (size_t)(stage * PLANES + idx) * nthreads + flat; };
+
+    auto issue = [&](int64_t row, int stage) {
+        if (row < p.rows) {
+            const char *xrow = (const char *)tf_row(p.x, p.x_dtype, row, p.x_stride);
+            const char *rrow = RB ? (const char *)tf_row(p.res, p.res_dtype, row, p.res_stride) : nullptr;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (!have[k]) continue;
+                const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+#pragma unroll
+                for (int q = 0; q < XB / 2; ++q) cp_async16(plane(stage, k * (XB / 2 + RB / 2) + q), xrow + col * XB + 16 * q);
+#pragma unroll
+                for (int q = 0; q < RB / 2; ++q)
+                    cp_async16(plane(stage, k * (XB / 2 + RB / 2) + XB / 2 + q), rrow + col * RB + 16 * q);
+            }
+        }
+        cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
+    };
+
+    int stage = 0;
+    issue((int64_t)blockIdx.x * blockDim.y + threadIdx.y, 0);
+    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += n_slots, stage ^= 1) {
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < p.rows;
+        issue(row + n_slots, stage ^ 1);
+        cp_async_wait_prev(); /* this row's group has landed */
+        float v[K][TF_VEC], sum = 0.f, sumsq = 0.f;
+        void *srow = p.s ? tf_row(p.s, p.s_dtype, row, cols) : nullptr;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (!active || !have[k]) {
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) v[k][i] = 0.f;
+                continue;
+            }
+            const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+            TfRaw<XB> xr;
+#pragma unroll
+            for (int q = 0; q < XB / 2; ++q) xr.q[q] = *plane(stage, k * (XB / 2 + RB / 2) + q);
+            tf_raw_to_float(xr, p.x_dtype, v[k]);
+            if constexpr (RB > 0) {
+                TfRaw<RB> rr;
+#pragma unroll
+                for (int q = 0; q < RB / 2; ++q) rr.q[q] = *plane(stage, k * (XB / 2 + RB / 2) + XB / 2 + q);
+                float r[TF_VEC];
+                tf_raw_to_float(rr, p.res_dtype, r);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add1_dtype);
+                if (p.res2) {
+                    tf_load_chunk(tf_row(p.res2, p.res2_dtype, row, p.res2_stride), p.res2_dtype, col, TF_VEC, r);
+#pragma unroll
+                    for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add2_dtype);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) {
+                v[k][i] = tf_round(v[k][i], p.s_dtype);
+                sum += v[k][i];
+                sumsq += v[k][i] * v[k][i];
+            }
+            if (srow) tf_store_chunk(srow, p.s_dtype, col, TF_VEC, v[k]);
+        }
+        float mean = 0.f, rstd;
+        if (layer) {
+            mean = tf_group_sum(sum, red) / (float)cols;
+            float m2 = 0.f;
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) {
+                    const float d = v[k][i] - mean;
+                    m2 += have[k] && active ? d * d : 0.f;
+                }
+            rstd = rsqrtf(tf_group_sum(m2, red) / (float)cols + p.eps);
+        } else {
+            rstd = rsqrtf(tf_group_sum(sumsq, red) / (float)cols + p.eps);
+        }
+        if (!active) continue;
+        void *yrow = tf_row(p.y, p.y_dtype, row, cols);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (!have[k]) continue;
+            const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+            fwd_out_chunk(p, p.w, p.b, yrow, col, TF_VEC, mean, rstd, v[k]);
+            if (p.y2) fwd_out_chunk(p, p.w2, p.b2, tf_row(p.y2, p.y_dtype, row, cols), col, TF_VEC, mean, rstd, v[k]);
+        }
+        if (tid == 0) {
+            if (p.mean) p.mean[row] = mean;
+            if (p.rstd) p.rstd[row] = rstd;
+        }
+    }
+    asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
+}
+
 template <int K, bool TWO, int GB, int SB>
 __global__ void __launch_bounds__(kMaxRegThreads) norm_bwd_fast_kernel(const tf_norm_bwd_params p) {
     constexpr int K2 = TWO ? K : 1;
@@ -604,6 +728,7 @@ struct Launch {
     int k;          /* chunks per thread in registers; 0: looping variant */
     const void *fn; /* the kernel */
     bool persistent;
+    size_t smem = 0; /* dynamic shared memory */
 };
 
 /* Groups of up to a warp for short rows; otherwise the fewest threads that keep at most kmax
@@ -634,13 +759,36 @@ const void *fwd_fast(int xb, int rb) {
     return nullptr; /* fp32 x with a 16-bit residual: generic kernel */
 }
 
+template <int K>
+const void *fwd_staged(int xb, int rb) {
+    if (xb == 2) {
+        if (rb == 0) return (const void *)norm_fwd_staged_kernel<K, 2, 0>;
+        if (rb == 2) return (const void *)norm_fwd_staged_kernel<K, 2, 2>;
+        return (const void *)norm_fwd_staged_kernel<K, 2, 4>;
+    }
+    if (rb == 0) return (const void *)norm_fwd_staged_kernel<K, 4, 0>;
+    if (rb == 4) return (const void *)norm_fwd_staged_kernel<K, 4, 4>;
+    return nullptr;
+}
+
+bool aligned_rows(const void *base, int64_t stride, int dt) {
+    return ((uintptr_t)base & 15u) == 0 && (stride * elem_size(dt)) % 16 == 0;
+}
+
 Launch fwd_launch(const tf_norm_fwd_params *p) {
     Launch l = shape(p->cols, kMaxFastK, kMaxThreads);
     const int rb = p->res ? elem_size(p->res_dtype) : 0;
     const bool res2_ok = !p->res2 || elem_size(p->res2_dtype) == rb;
     if (l.k > 0 && res2_ok) {
         const int xb = elem_size(p->x_dtype);
-        l.fn = l.k == 1 ? fwd_fast<1>(xb, rb) : fwd_fast<2>(xb, rb);
+        const bool staged = p->cols % TF_VEC == 0 && aligned_rows(p->x, p->x_stride, p->x_dtype) &&
+                            (!p->res || aligned_rows(p->res, p->res_stride, p->res_dtype));
+        if (staged) {
+            l.fn = l.k == 1 ? fwd_staged<1>(xb, rb) : fwd_staged<2>(xb, rb);
+            l.smem = (size_t)2 * l.k * (xb / 2 + rb / 2) * l.block.x * l.block.y * 16;
+        } else {
+            l.fn = l.k == 1 ? fwd_fast<1>(xb, rb) : fwd_fast<2>(xb, rb);
+        }
         l.persistent = l.fn != nullptr;
     }
     if (!l.fn) { /* generic kernels: up to 4 chunks per thread, then the looping variant */
@@ -682,19 +830,21 @@ Launch bwd_launch(const tf_norm_bwd_params *p) {
     return l;
 }
 
-/* Blocks of this kernel that fit on the device at once, looked up once per kernel and device. */
-int64_t resident_blocks(const void *fn, int threads) {
+/* Blocks of this kernel that fit on the device at once, looked up once per kernel, block shape,
+ * shared memory and device (which also raises the kernel's dynamic shared memory limit). */
+int64_t resident_blocks(const void *fn, int threads, size_t smem) {
     static std::mutex mu;
-    static std::map<std::tuple<int, const void *, int>, int64_t> cache;
+    static std::map<std::tuple<int, const void *, int, size_t>, int64_t> cache;
     int dev = 0;
     cudaGetDevice(&dev);
     std::lock_guard<std::mutex> lock(mu);
-    auto key = std::make_tuple(dev, fn, threads);
+    auto key = std::make_tuple(dev, fn, threads, smem);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
+    if (smem > 48 * 1024) cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, smem);
     const int64_t n = (int64_t)sms * (per_sm < 1 ? 1 : per_sm);
     cache[key] = n;
     return n;
@@ -703,13 +853,13 @@ int64_t resident_blocks(const void *fn, int threads) {
 unsigned grid_for(const Launch &l, int64_t rows) {
     const int64_t needed = (rows + l.block.y - 1) / l.block.y;
     if (!l.persistent) return (unsigned)needed;
-    const int64_t res = resident_blocks(l.fn, l.block.x * l.block.y);
+    const int64_t res = resident_blocks(l.fn, l.block.x * l.block.y, l.smem);
     return (unsigned)(res < needed ? res : needed);
 }
 
 cudaError_t launch(const Launch &l, unsigned grid, void *params, cudaStream_t st) {
     void *args[] = {params};
-    return cudaLaunchKernel(l.fn, dim3(grid), l.block, args, 0, st);
+    return cudaLaunchKernel(l.fn, dim3(grid), l.block, args, l.smem, st);
 }
 
 } // namespace
