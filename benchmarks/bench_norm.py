@@ -13,7 +13,7 @@ import torch
 
 import torchfuse
 from torchfuse import reference
-from torchfuse._timing import device_time_us, wall_time_us
+from torchfuse._timing import device_time_us, wall_times_us
 
 LARGE = [(32768, 4096), (65536, 1024), (16384, 8192)]
 DECODE = [((1, 2560), torch.float16), ((8, 4096), torch.bfloat16)]
@@ -78,7 +78,7 @@ def bench_decode(kind, shape, dtype, rows_out):
     with torch.no_grad():
         for _ in range(3):
             compiled(*args)
-        t = [wall_time_us(f, "cuda") for f in (ours, eager, lambda: compiled(*args), lambda: x + r)]
+        t = wall_times_us([ours, eager, lambda: compiled(*args), lambda: x + r], "cuda")
     rows_out.append((f"add+{kind}_norm decode", shape, t, None, None))
 
 

@@ -28,18 +28,21 @@ def device_time_us(fn, device, warmup=10, rep=50):
     return statistics.median(times)
 
 
-def wall_time_us(fn, device, calls=2000, repeats=5):
-    """Wall time per call of back-to-back calls (what decode loops pay: host dispatch + launch),
-    the best of several repeats."""
+def wall_times_us(fns, device, calls=500, rounds=20):
+    """Wall time per call of back-to-back calls (what decode loops pay: host dispatch + launch), for
+    several functions measured in interleaved rounds (A, B, C, A, B, C, ...), the best round of each: host-side timings drift on a shared machine, and interleaving exposes
+    every candidate to the same drift."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(50):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    for f in fns:
+        for _ in range(50):
+            f()
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, f in enumerate(fns):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f()
+            sync()
+            best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
     return best
