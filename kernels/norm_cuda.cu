@@ -19,6 +19,7 @@
 
 #include <map>
 #include <mutex>
+#include <set>
 #include <tuple>
 
 #include "norm.h"
@@ -698,147 +699,6 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_bwd_fast_kernel(const tf_
         if (len[k] > 0) flush_partials<TWO>(p, slot, (int64_t)(k * tpr + tid) * TF_VEC, len[k], acc[k], true);
 }
 
-/* Staged backward for aligned rows whose length is a multiple of 8, one norm: s, dy and ds_in of
- * the next row are copied into shared memory with cp.async while this row is reduced and written
- * (as in the staged forward). Nothing row-sized stays in registers: the second pass re-reads the
- * staged chunks and recomputes xhat and g, which leaves registers for the weight-gradient sums and
- * for more resident groups. */
-template <int K, int GB, int SB>
-__global__ void __launch_bounds__(kMaxRegThreads) norm_bwd_staged_kernel(const tf_norm_bwd_params p) {
-    extern __shared__ uint4 stage_buf[];
-    constexpr int PER_CHUNK = SB / 2 + GB / 2 + SB / 2; /* s, dy, ds_in */
-    constexpr int PLANES = K * PER_CHUNK;
-    __shared__ float red[32];
-    const int tpr = blockDim.x, tid = threadIdx.x;
-    const int nthreads = blockDim.x * blockDim.y, flat = threadIdx.y * blockDim.x + tid;
-    const int64_t slot = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-    const int64_t cols = p.cols, n_slots = (int64_t)gridDim.x * blockDim.y;
-    const bool layer = p.norm_type == TF_LAYER_NORM, llama = p.norm_type == TF_RMS_NORM_LLAMA;
-    const float inv_cols = 1.f / (float)cols;
-    bool have[K];
-    float dw[K][TF_VEC], db[K][TF_VEC];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        have[k] = (int64_t)(k * tpr + tid) * TF_VEC < cols;
-#pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) dw[k][i] = db[k][i] = 0.f;
-    }
-    auto plane = [&](int stage, int idx) -> uint4 * { return stage_buf + (size_t)(stage * PLANES + idx) * nthreads + flat; };
-
-    float mean_next = 0.f, rstd_next = 0.f;
-    auto issue = [&](int64_t row, int stage) {
-        if (row < p.rows) {
-            mean_next = layer ? p.mean[row] : 0.f;
-            rstd_next = p.rstd[row];
-            const char *srow = (const char *)tf_row(p.s, p.s_dtype, row, p.s_stride);
-            const char *dyrow = p.dy ? (const char *)tf_row(p.dy, p.dy_dtype, row, p.dy_stride) : nullptr;
-            const char *dsrow = p.ds_in ? (const char *)tf_row(p.ds_in, p.ds_in_dtype, row, p.ds_in_stride) : nullptr;
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                if (!have[k]) continue;
-                const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
-                const int b = k * PER_CHUNK;
-#pragma unroll
-                for (int q = 0; q < SB / 2; ++q) cp_async16(plane(stage, b + q), srow + col * SB + 16 * q);
-                if (dyrow) {
-#pragma unroll
-                    for (int q = 0; q < GB / 2; ++q) cp_async16(plane(stage, b + SB / 2 + q), dyrow + col * GB + 16 * q);
-                }
-                if (dsrow) {
-#pragma unroll
-                    for (int q = 0; q < SB / 2; ++q)
-                        cp_async16(plane(stage, b + SB / 2 + GB / 2 + q), dsrow + col * SB + 16 * q);
-                }
-            }
-        }
-        cp_async_commit();
-    };
-    /* xhat and g = dL/dxhat of chunk k from the staged s and dy; dy is returned too. */
-    auto chunk = [&](int stage, int k, float mean, float rstd, float (&xhat)[TF_VEC], float (&g)[TF_VEC],
-                     float (&dy)[TF_VEC]) {
-        const int b = k * PER_CHUNK;
-        TfRaw<SB> sr;
-#pragma unroll
-        for (int q = 0; q < SB / 2; ++q) sr.q[q] = *plane(stage, b + q);
-        tf_raw_to_float(sr, p.s_dtype, xhat);
-        if (p.dy) {
-            TfRaw<GB> gr;
-#pragma unroll
-            for (int q = 0; q < GB / 2; ++q) gr.q[q] = *plane(stage, b + SB / 2 + q);
-            tf_raw_to_float(gr, p.dy_dtype, dy);
-        } else {
-#pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) dy[i] = 0.f;
-        }
-        float w[TF_VEC];
-        load_param(p.w, p.w_dtype, (int64_t)(k * tpr + tid) * TF_VEC, TF_VEC, 1.f, w);
-#pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) {
-            xhat[i] = (xhat[i] - mean) * rstd;
-            g[i] = dy[i] * (w[i] + p.weight_offset);
-        }
-    };
-
-    int stage = 0;
-    issue((int64_t)blockIdx.x * blockDim.y + threadIdx.y, 0);
-    for (int64_t base = (int64_t)blockIdx.x * blockDim.y; base < p.rows; base += n_slots, stage ^= 1) {
-        const int64_t row = base + threadIdx.y;
-        const bool active = row < p.rows;
-        const float mean = mean_next, rstd = rstd_next;
-        issue(row + n_slots, stage ^ 1);
-        cp_async_wait_prev();
-        float sum_g = 0.f, sum_gx = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            if (!active || !have[k]) continue;
-            float xhat[TF_VEC], g[TF_VEC], dy[TF_VEC];
-            chunk(stage, k, mean, rstd, xhat, g, dy);
-#pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) {
-                dw[k][i] += dy[i] * (llama ? tf_round(xhat[i], p.s_dtype) : xhat[i]);
-                db[k][i] += dy[i];
-                sum_g += g[i];
-                sum_gx += g[i] * xhat[i];
-            }
-        }
-        const float mean_g = layer ? tf_group_sum(sum_g, red) * inv_cols : 0.f;
-        const float mean_gx = tf_group_sum(sum_gx, red) * inv_cols;
-        if (!active) continue;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            if (!have[k]) continue;
-            const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
-            float xhat[TF_VEC], g[TF_VEC], dy[TF_VEC], ds[TF_VEC];
-            chunk(stage, k, mean, rstd, xhat, g, dy);
-            if (p.ds_in) {
-                TfRaw<SB> dr;
-#pragma unroll
-                for (int q = 0; q < SB / 2; ++q) dr.q[q] = *plane(stage, k * PER_CHUNK + SB / 2 + GB / 2 + q);
-                tf_raw_to_float(dr, p.ds_in_dtype, ds);
-            } else {
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) ds[i] = 0.f;
-            }
-#pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) ds[i] += rstd * (g[i] - mean_g - xhat[i] * mean_gx);
-            if (p.dx) tf_store_chunk(tf_row(p.dx, p.dx_dtype, row, cols), p.dx_dtype, col, TF_VEC, ds);
-            if (p.dres) tf_store_chunk(tf_row(p.dres, p.dres_dtype, row, cols), p.dres_dtype, col, TF_VEC, ds);
-            if (p.dres2) tf_store_chunk(tf_row(p.dres2, p.dres2_dtype, row, cols), p.dres2_dtype, col, TF_VEC, ds);
-        }
-    }
-    asm volatile("cp.async.wait_all;\n" ::);
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        if (!have[k]) continue;
-        const int64_t off = slot * cols + (int64_t)(k * tpr + tid) * TF_VEC;
-#pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) {
-            if (p.dw_part) p.dw_part[off + i] = dw[k][i];
-            if (p.db_part) p.db_part[off + i] = db[k][i];
-        }
-    }
-}
-
 /* out[c] = sum_k part[k][c] in a fixed order. Block (32, 8): x picks the column, y strides over the
  * partial rows; the 8 sums are then added in y order. */
 __global__ void column_sum_kernel(const float *part, int64_t n_partials, int64_t cols, void *out, int out_dtype) {
@@ -950,31 +810,14 @@ const void *bwd_fast(int gb, int sb) { /* one chunk per thread */
 
 /* Two norms, or fp32 s / gradients, enlarge the per-chunk state: one chunk per thread keeps those
  * variants unspilled; two chunks per thread only for 16-bit s and gradients with one norm. */
-template <int K>
-const void *bwd_staged(int gb, int sb) {
-    if (gb == 2) return sb == 2 ? (const void *)norm_bwd_staged_kernel<K, 2, 2> : (const void *)norm_bwd_staged_kernel<K, 2, 4>;
-    return sb == 2 ? (const void *)norm_bwd_staged_kernel<K, 4, 2> : (const void *)norm_bwd_staged_kernel<K, 4, 4>;
-}
-
 Launch bwd_launch(const tf_norm_bwd_params *p) {
     const bool two = p->w2 != nullptr;
     const int gb = elem_size(p->dy_dtype), sb = elem_size(p->s_dtype);
     const bool ds_ok = !p->ds_in || elem_size(p->ds_in_dtype) == sb;
-    /* staged: one norm, every chunk whole and aligned */
-    const bool staged = !two && ds_ok && p->cols % TF_VEC == 0 && aligned_rows(p->s, p->s_stride, p->s_dtype) &&
-                        (!p->dy || aligned_rows(p->dy, p->dy_stride, p->dy_dtype)) &&
-                        (!p->ds_in || aligned_rows(p->ds_in, p->ds_in_stride, p->ds_in_dtype));
-    if (staged) {
-        Launch l = shape(p->cols, kMaxBwdK, kMaxRegThreads);
-        if (l.k > 0) {
-            l.persistent = true;
-            l.fn = l.k == 1 ? bwd_staged<1>(gb, sb) : bwd_staged<2>(gb, sb);
-            l.smem = (size_t)2 * l.k * (sb + gb / 2) * l.block.x * l.block.y * 16;
-            return l;
-        }
-    }
     /* Two norms, or fp32 s / gradients, enlarge the per-chunk state: one chunk per thread keeps
-     * those variants unspilled; two chunks per thread only for 16-bit s and gradients, one norm. */
+     * those variants unspilled; two chunks per thread only for 16-bit s and gradients, one norm.
+     * (A cp.async-staged backward like the forward's measured no faster: its occupancy stays
+     * register-bound by the weight-gradient sums.) */
     const bool wide = two || gb == 4 || sb == 4;
     Launch l = shape(p->cols, wide ? 1 : kMaxBwdK, kMaxRegThreads);
     l.persistent = true;
@@ -1003,8 +846,19 @@ int64_t resident_blocks(const void *fn, int threads, size_t smem) {
     auto key = std::make_tuple(dev, fn, threads, smem);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
-    /* static + dynamic shared memory over 48 KB needs the opt-in; set it whenever there is any */
-    if (smem > 0) cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (smem > 0) {
+        /* Opt in once to all the dynamic shared memory the device allows this kernel (static +
+         * dynamic over 48 KB needs it). Setting just this launch's size could lower the limit
+         * below what an earlier, larger launch of the same kernel relies on. */
+        static std::set<std::pair<int, const void *>> opted;
+        if (opted.insert({dev, fn}).second) {
+            int optin = 0;
+            cudaFuncAttributes attr{};
+            cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+            cudaFuncGetAttributes(&attr, fn);
+            cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - (int)attr.sharedSizeBytes);
+        }
+    }
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, smem);

@@ -357,6 +357,14 @@ def test_cuda_graph_capture(device):
     assert torch.equal(yg, y) and torch.equal(sg, s)
 
 
+def test_kernel_shapes_in_any_order(device):
+    # one kernel launched with different block and shared-memory sizes, large before small and back:
+    # each launch must keep working whatever was launched before it
+    for hidden in (8192, 2560, 8192, 264, 4096, 1024):
+        run_case("layer", device, torch.bfloat16, 9, hidden, grad=False)
+        run_case("llama", device, torch.float32, 5, hidden, grad=False)
+
+
 def test_other_device_is_refused(device):
     _cuda_only(device)
     x = make((4, 32), torch.float32, "cuda")
