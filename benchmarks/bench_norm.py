@@ -37,13 +37,18 @@ def fns(kind, x, r, w, b):
             reference.add_rms_norm, (x, r, w))
 
 
-def bench_large(kind, shape, dtype, copy_gbs, rows_out):
+def setup(kind, shape, dtype):
+    """Random inputs, the three functions to time, and the compiled baseline's arguments."""
     x = torch.randn(shape, device="cuda", dtype=dtype)
     r = torch.randn(shape, device="cuda", dtype=dtype)
     w = torch.randn(shape[-1], device="cuda", dtype=dtype)
     b = torch.randn(shape[-1], device="cuda", dtype=dtype) if kind == "layer" else None
     ours, eager, plain, args = fns(kind, x, r, w, b)
-    compiled = torch.compile(plain)
+    return x, r, w, b, ours, eager, torch.compile(plain), args
+
+
+def bench_large(kind, shape, dtype, copy_gbs, rows_out):
+    x, r, w, b, ours, eager, compiled, args = setup(kind, shape, dtype)
     elem = x.numel() * x.element_size()
     with torch.no_grad():
         for _ in range(3):
@@ -69,12 +74,7 @@ def bench_large(kind, shape, dtype, copy_gbs, rows_out):
 
 
 def bench_decode(kind, shape, dtype, rows_out):
-    x = torch.randn(shape, device="cuda", dtype=dtype)
-    r = torch.randn(shape, device="cuda", dtype=dtype)
-    w = torch.randn(shape[-1], device="cuda", dtype=dtype)
-    b = torch.randn(shape[-1], device="cuda", dtype=dtype) if kind == "layer" else None
-    ours, eager, plain, args = fns(kind, x, r, w, b)
-    compiled = torch.compile(plain)
+    x, r, w, b, ours, eager, compiled, args = setup(kind, shape, dtype)
     with torch.no_grad():
         for _ in range(3):
             compiled(*args)
