@@ -1,63 +1,137 @@
 /* Fused residual add + LayerNorm / RMSNorm on the CPU: the reference path, plain C.
- * Semantics are those of norm.h; one row at a time, fp32 accumulation, two passes for the
- * variance (sum of squared deviations from the mean, not E[x^2] - E[x]^2). */
+ * Semantics are those of norm.h. A row at a time: each input row is converted to fp32 once into a
+ * buffer by a loop specialised for its dtype (so the compiler can vectorise it), then the adds,
+ * roundings and the two-pass statistics (sum of squared deviations from the mean, not
+ * E[x^2] - E[x]^2) run over plain float arrays; sums use a fixed order of 8 interleaved lanes. */
 #include <math.h>
 #include <stdlib.h>
 
 #include "norm.h"
 
-static inline float load_opt(const void *base, int dt, int64_t i, float fallback) {
-    return base ? tf_load_f32(base, dt, i) : fallback;
-}
-
-/* s for one element: the adds rounded in Python's order. */
-static inline float fwd_sum(const tf_norm_fwd_params *p, int64_t r, int64_t c) {
-    float t = tf_load_f32(p->x, p->x_dtype, r * p->x_stride + c);
-    if (p->res) t = tf_round_f32(t + tf_load_f32(p->res, p->res_dtype, r * p->res_stride + c), p->add1_dtype);
-    if (p->res2) t = tf_round_f32(t + tf_load_f32(p->res2, p->res2_dtype, r * p->res2_stride + c), p->add2_dtype);
-    return tf_round_f32(t, p->s_dtype);
-}
-
-static inline float norm_out(const tf_norm_fwd_params *p, float s, float mean, float rstd, const void *w,
-                             const void *b, int64_t c) {
-    float wv = load_opt(w, p->w_dtype, c, 1.0f);
-    float y;
-    if (p->norm_type == TF_LAYER_NORM) {
-        y = (s - mean) * rstd * wv + load_opt(b, p->w_dtype, c, 0.0f);
-    } else if (p->norm_type == TF_RMS_NORM_LLAMA) {
-        y = tf_round_f32(tf_round_f32(s * rstd, p->s_dtype) * (wv + p->weight_offset), p->mul_dtype);
+static void row_to_f32(const void *base, int dt, int64_t off, int64_t n, float *out) {
+    if (dt == TF_F32) {
+        memcpy(out, (const float *)base + off, (size_t)n * sizeof(float));
+    } else if (dt == TF_BF16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int64_t c = 0; c < n; ++c) out[c] = tf_bf16_to_f32(p[c]);
     } else {
-        y = s * rstd * (wv + p->weight_offset);
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int64_t c = 0; c < n; ++c) out[c] = tf_f16_to_f32(p[c]);
     }
-    return y;
+}
+
+static void row_from_f32(void *base, int dt, int64_t off, int64_t n, const float *v) {
+    if (dt == TF_F32) {
+        memcpy((float *)base + off, v, (size_t)n * sizeof(float));
+    } else if (dt == TF_BF16) {
+        uint16_t *p = (uint16_t *)base + off;
+        for (int64_t c = 0; c < n; ++c) p[c] = tf_f32_to_bf16(v[c]);
+    } else {
+        uint16_t *p = (uint16_t *)base + off;
+        for (int64_t c = 0; c < n; ++c) p[c] = tf_f32_to_f16(v[c]);
+    }
+}
+
+/* v rounded to dt in place (what storing into a tensor of that dtype keeps). */
+static void round_row(float *v, int64_t n, int dt) {
+    if (dt == TF_F32) return;
+    for (int64_t c = 0; c < n; ++c) v[c] = tf_round_f32(v[c], dt);
+}
+
+/* A parameter vector in fp32 (fill where it is NULL), plus `offset`. */
+static void param_f32(const void *w, int dt, int64_t n, float fill, float offset, float *out) {
+    if (w) row_to_f32(w, dt, 0, n, out);
+    else
+        for (int64_t c = 0; c < n; ++c) out[c] = fill;
+    if (offset != 0.f)
+        for (int64_t c = 0; c < n; ++c) out[c] += offset;
+}
+
+/* Sums over a row in 8 interleaved partial sums (then added in a fixed order): a single running
+ * sum is a chain of dependent adds the compiler may not reorder, 8 lanes vectorise. */
+#define TF_LANES 8
+static float lanes_total(const float *acc) {
+    float t = 0.f;
+    for (int l = 0; l < TF_LANES; ++l) t += acc[l];
+    return t;
+}
+
+static float row_sum(const float *v, int64_t n) {
+    float acc[TF_LANES] = {0};
+    int64_t c = 0;
+    for (; c + TF_LANES <= n; c += TF_LANES)
+        for (int l = 0; l < TF_LANES; ++l) acc[l] += v[c + l];
+    for (; c < n; ++c) acc[c % TF_LANES] += v[c];
+    return lanes_total(acc);
+}
+
+/* sum of (a - shift) * b over the row */
+static float row_dot(const float *a, float shift, const float *b, int64_t n) {
+    float acc[TF_LANES] = {0};
+    int64_t c = 0;
+    for (; c + TF_LANES <= n; c += TF_LANES)
+        for (int l = 0; l < TF_LANES; ++l) acc[l] += (a[c + l] - shift) * b[c + l];
+    for (; c < n; ++c) acc[c % TF_LANES] += (a[c] - shift) * b[c];
+    return lanes_total(acc);
+}
+
+static float *alloc_rows(int64_t n, int count) {
+    float *p = (float *)malloc((size_t)(n > 0 ? n : 1) * (size_t)count * sizeof(float));
+    if (!p) abort();
+    return p;
+}
+
+/* y (one norm) of a row from s and its statistics, into out (fp32), then stored. */
+static void norm_out_row(const tf_norm_fwd_params *p, const float *s, float mean, float rstd, const float *w,
+                         const float *b, float *out, void *y, int64_t off) {
+    const int64_t n = p->cols;
+    if (p->norm_type == TF_LAYER_NORM) {
+        for (int64_t c = 0; c < n; ++c) out[c] = (s[c] - mean) * rstd * w[c] + b[c];
+    } else if (p->norm_type == TF_RMS_NORM_LLAMA) {
+        for (int64_t c = 0; c < n; ++c) out[c] = s[c] * rstd;
+        round_row(out, n, p->s_dtype);
+        for (int64_t c = 0; c < n; ++c) out[c] *= w[c];
+        round_row(out, n, p->mul_dtype);
+    } else {
+        for (int64_t c = 0; c < n; ++c) out[c] = s[c] * rstd * w[c];
+    }
+    row_from_f32(y, p->y_dtype, off, n, out);
 }
 
 void tf_norm_fwd_cpu(const tf_norm_fwd_params *p, int64_t row_begin, int64_t row_end) {
     const int64_t n = p->cols;
-    float *buf = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
-    if (!buf) abort();
+    const int layer = p->norm_type == TF_LAYER_NORM;
+    float *buf = alloc_rows(n, 7);
+    float *tmp = buf + n, *w = tmp + n, *b = w + n, *w2 = b + n, *b2 = w2 + n, *out = b2 + n;
+    param_f32(p->w, p->w_dtype, n, 1.f, layer ? 0.f : p->weight_offset, w);
+    param_f32(layer ? p->b : NULL, p->w_dtype, n, 0.f, 0.f, b);
+    if (p->y2) {
+        param_f32(p->w2, p->w_dtype, n, 1.f, layer ? 0.f : p->weight_offset, w2);
+        param_f32(layer ? p->b2 : NULL, p->w_dtype, n, 0.f, 0.f, b2);
+    }
     for (int64_t r = row_begin; r < row_end; ++r) {
-        float sum = 0.f;
-        for (int64_t c = 0; c < n; ++c) {
-            float s = fwd_sum(p, r, c);
-            buf[c] = s;
-            sum += s;
-            if (p->s) tf_store_f32(p->s, p->s_dtype, r * n + c, s);
+        row_to_f32(p->x, p->x_dtype, r * p->x_stride, n, buf);
+        if (p->res) {
+            row_to_f32(p->res, p->res_dtype, r * p->res_stride, n, tmp);
+            for (int64_t c = 0; c < n; ++c) buf[c] += tmp[c];
+            round_row(buf, n, p->add1_dtype);
+            if (p->res2) {
+                row_to_f32(p->res2, p->res2_dtype, r * p->res2_stride, n, tmp);
+                for (int64_t c = 0; c < n; ++c) buf[c] += tmp[c];
+                round_row(buf, n, p->add2_dtype);
+            }
         }
-        float mean = 0.f, m2 = 0.f;
-        if (p->norm_type == TF_LAYER_NORM) {
-            mean = sum / (float)n;
-            for (int64_t c = 0; c < n; ++c) m2 += (buf[c] - mean) * (buf[c] - mean);
-        } else {
-            for (int64_t c = 0; c < n; ++c) m2 += buf[c] * buf[c];
-        }
-        float rstd = 1.0f / sqrtf(m2 / (float)n + p->eps);
+        round_row(buf, n, p->s_dtype);
+        if (p->s) row_from_f32(p->s, p->s_dtype, r * n, n, buf);
+        float mean = 0.f;
+        if (layer) mean = row_sum(buf, n) / (float)n;
+        for (int64_t c = 0; c < n; ++c) tmp[c] = buf[c] - mean;
+        const float m2 = row_dot(tmp, 0.f, tmp, n);
+        const float rstd = 1.0f / sqrtf(m2 / (float)n + p->eps);
         if (p->mean) p->mean[r] = mean;
         if (p->rstd) p->rstd[r] = rstd;
-        for (int64_t c = 0; c < n; ++c) {
-            tf_store_f32(p->y, p->y_dtype, r * n + c, norm_out(p, buf[c], mean, rstd, p->w, p->b, c));
-            if (p->y2) tf_store_f32(p->y2, p->y_dtype, r * n + c, norm_out(p, buf[c], mean, rstd, p->w2, p->b2, c));
-        }
+        norm_out_row(p, buf, mean, rstd, w, b, out, p->y, r * n);
+        if (p->y2) norm_out_row(p, buf, mean, rstd, w2, b2, out, p->y2, r * n);
     }
     free(buf);
 }
@@ -65,44 +139,45 @@ void tf_norm_fwd_cpu(const tf_norm_fwd_params *p, int64_t row_begin, int64_t row
 void tf_norm_bwd_cpu(const tf_norm_bwd_params *p, int64_t row_begin, int64_t row_end, int64_t part) {
     const int64_t n = p->cols;
     const int layer = p->norm_type == TF_LAYER_NORM;
-    float *xhat = (float *)malloc((size_t)(n > 0 ? n : 1) * 2 * sizeof(float));
-    if (!xhat) abort();
-    float *g = xhat + (n > 0 ? n : 1);
+    float *xhat = alloc_rows(n, 7);
+    float *xw = xhat + n, *g = xw + n, *dy = g + n, *w = dy + n, *w2 = w + n, *ds = w2 + n;
     float *dw = p->dw_part ? p->dw_part + part * n : NULL;
     float *db = p->db_part ? p->db_part + part * n : NULL;
     float *dw2 = p->dw2_part ? p->dw2_part + part * n : NULL;
     float *db2 = p->db2_part ? p->db2_part + part * n : NULL;
+    param_f32(p->w, p->w_dtype, n, 1.f, p->weight_offset, w);
+    if (p->w2) param_f32(p->w2, p->w_dtype, n, 1.f, p->weight_offset, w2);
     for (int64_t r = row_begin; r < row_end; ++r) {
         const float mean = layer ? p->mean[r] : 0.f, rstd = p->rstd[r];
-        float sum_g = 0.f, sum_gx = 0.f;
-        for (int64_t c = 0; c < n; ++c) {
-            float s = tf_load_f32(p->s, p->s_dtype, r * p->s_stride + c);
-            float xh = (s - mean) * rstd;
-            /* HF Llama multiplies the weight by the normalized value rounded to s's dtype. */
-            float xh_w = p->norm_type == TF_RMS_NORM_LLAMA ? tf_round_f32(xh, p->s_dtype) : xh;
-            float dy = p->dy ? tf_load_f32(p->dy, p->dy_dtype, r * p->dy_stride + c) : 0.f;
-            float gc = dy * (load_opt(p->w, p->w_dtype, c, 1.0f) + p->weight_offset);
-            if (dw) dw[c] += dy * xh_w;
-            if (db) db[c] += dy;
-            if (p->w2) {
-                float dy2 = p->dy2 ? tf_load_f32(p->dy2, p->dy_dtype, r * p->dy2_stride + c) : 0.f;
-                gc += dy2 * (tf_load_f32(p->w2, p->w_dtype, c) + p->weight_offset);
-                if (dw2) dw2[c] += dy2 * xh_w;
-                if (db2) db2[c] += dy2;
-            }
-            xhat[c] = xh;
-            g[c] = gc;
-            sum_g += gc;
-            sum_gx += gc * xh;
+        row_to_f32(p->s, p->s_dtype, r * p->s_stride, n, xhat);
+        for (int64_t c = 0; c < n; ++c) xhat[c] = (xhat[c] - mean) * rstd;
+        /* HF Llama multiplies the weight by the normalized value rounded to s's dtype. */
+        memcpy(xw, xhat, (size_t)n * sizeof(float));
+        if (p->norm_type == TF_RMS_NORM_LLAMA) round_row(xw, n, p->s_dtype);
+        if (p->dy) row_to_f32(p->dy, p->dy_dtype, r * p->dy_stride, n, dy);
+        else memset(dy, 0, (size_t)n * sizeof(float));
+        for (int64_t c = 0; c < n; ++c) g[c] = dy[c] * w[c];
+        if (dw)
+            for (int64_t c = 0; c < n; ++c) dw[c] += dy[c] * xw[c];
+        if (db)
+            for (int64_t c = 0; c < n; ++c) db[c] += dy[c];
+        if (p->w2) {
+            if (p->dy2) row_to_f32(p->dy2, p->dy_dtype, r * p->dy2_stride, n, dy);
+            else memset(dy, 0, (size_t)n * sizeof(float));
+            for (int64_t c = 0; c < n; ++c) g[c] += dy[c] * w2[c];
+            if (dw2)
+                for (int64_t c = 0; c < n; ++c) dw2[c] += dy[c] * xw[c];
+            if (db2)
+                for (int64_t c = 0; c < n; ++c) db2[c] += dy[c];
         }
+        const float sum_g = row_sum(g, n), sum_gx = row_dot(g, 0.f, xhat, n);
         const float mean_g = layer ? sum_g / (float)n : 0.f, mean_gx = sum_gx / (float)n;
-        for (int64_t c = 0; c < n; ++c) {
-            float ds = rstd * (g[c] - mean_g - xhat[c] * mean_gx);
-            if (p->ds_in) ds += tf_load_f32(p->ds_in, p->ds_in_dtype, r * p->ds_in_stride + c);
-            if (p->dx) tf_store_f32(p->dx, p->dx_dtype, r * n + c, ds);
-            if (p->dres) tf_store_f32(p->dres, p->dres_dtype, r * n + c, ds);
-            if (p->dres2) tf_store_f32(p->dres2, p->dres2_dtype, r * n + c, ds);
-        }
+        if (p->ds_in) row_to_f32(p->ds_in, p->ds_in_dtype, r * p->ds_in_stride, n, ds);
+        else memset(ds, 0, (size_t)n * sizeof(float));
+        for (int64_t c = 0; c < n; ++c) ds[c] += rstd * (g[c] - mean_g - xhat[c] * mean_gx);
+        if (p->dx) row_from_f32(p->dx, p->dx_dtype, r * n, n, ds);
+        if (p->dres) row_from_f32(p->dres, p->dres_dtype, r * n, n, ds);
+        if (p->dres2) row_from_f32(p->dres2, p->dres2_dtype, r * n, n, ds);
     }
     free(xhat);
 }
