@@ -258,6 +258,10 @@ namespace {
 
 constexpr int64_t kCpuRowsPerPartial = 64;
 
+void run_fwd_cpu(const tf_norm_fwd_params &p) {
+    at::parallel_for(0, p.rows, 16, [&](int64_t begin, int64_t end) { tf_norm_fwd_cpu(&p, begin, end); });
+}
+
 NormFwdResult norm_fwd_cpu(const at::Tensor &x, const std::optional<at::Tensor> &residual,
                            const std::optional<at::Tensor> &residual2, const std::optional<at::Tensor> &weight,
                            const std::optional<at::Tensor> &bias, const std::optional<at::Tensor> &weight2,
@@ -265,8 +269,7 @@ NormFwdResult norm_fwd_cpu(const at::Tensor &x, const std::optional<at::Tensor> 
                            double weight_offset, std::optional<at::ScalarType> residual_dtype, bool save_stats) {
     NormFwd f = prepare_norm_fwd(x, residual, residual2, weight, bias, weight2, bias2, eps, norm_type, weight_offset,
                                  residual_dtype, save_stats);
-    const tf_norm_fwd_params p = f.p;
-    at::parallel_for(0, p.rows, 16, [&](int64_t begin, int64_t end) { tf_norm_fwd_cpu(&p, begin, end); });
+    run_fwd_cpu(f.p);
     return f.result();
 }
 
@@ -276,8 +279,7 @@ std::tuple<at::Tensor, at::Tensor> add_norm_cpu(const at::Tensor &x, const std::
                                                 int64_t norm_type, double weight_offset) {
     NormFwd f = prepare_norm_fwd(x, residual, std::nullopt, weight, bias, std::nullopt, std::nullopt, eps, norm_type,
                                  weight_offset, std::nullopt, false);
-    const tf_norm_fwd_params p = f.p;
-    at::parallel_for(0, p.rows, 16, [&](int64_t begin, int64_t end) { tf_norm_fwd_cpu(&p, begin, end); });
+    run_fwd_cpu(f.p);
     return f.infer_result();
 }
 
