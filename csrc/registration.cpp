@@ -1,5 +1,6 @@
-// Every torchfuse op schema, in one place. Implementations register per device next to their code
-// (norm.cpp: CPU, norm_cuda.cpp: CUDA); fake (meta) kernels and autograd are registered in Python.
+// Every torchfuse op schema, in one place, a section per op family. Implementations register per
+// device next to their code (e.g. norm.cpp: CPU, norm_cuda.cpp: CUDA); fake (meta) kernels and autograd
+// are registered in Python (python/torchfuse/<family>.py).
 #include <torch/library.h>
 
 TORCH_LIBRARY(torchfuse, m) {
@@ -24,4 +25,11 @@ TORCH_LIBRARY(torchfuse, m) {
         "Tensor? weight2, int norm_type, float weight_offset, bool has_bias, bool has_bias2, "
         "ScalarType x_dtype, ScalarType? residual_dtype, ScalarType? residual2_dtype, bool weight_grad) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+
+    // ---- jagged tensor ops (python/torchfuse/jagged.py) ----
+
+    // ---- HSTU attention (python/torchfuse/hstu.py) ----
+
+    // ---- dynamic embeddings (python/torchfuse/dynamic_embedding.py) ----
+
 }

@@ -11,4 +11,18 @@ from ._version import __version__
 from .norm import layer_norm, rms_norm
 from . import nn  # noqa: E402
 
-__all__ = ["__version__", "layer_norm", "rms_norm", "nn", "stats"]
+__all__ = ["__version__", "layer_norm", "rms_norm", "nn", "stats", "compat"]
+
+# ---- jagged tensor ops ----
+
+
+# ---- HSTU attention ----
+
+
+# ---- dynamic embeddings ----
+
+
+# ---- HuggingFace patching ----
+
+
+from . import compat  # noqa: E402,F401

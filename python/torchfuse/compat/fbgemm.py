@@ -1,0 +1,3 @@
+"""Functions with the signatures and semantics of ``torch.ops.fbgemm``'s ops, backed by torchfuse."""
+
+# ---- jagged tensor ops ----
