@@ -1,0 +1,338 @@
+"""torchfuse.torchrec: dynamic embedding collections against TorchRec's static ones (or, without
+torchrec, against a plain nn.EmbeddingBag reference of the same semantics)."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchfuse
+from torchfuse import torchrec as tftr
+
+try:
+    import torchrec  # noqa: F401
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    HAVE_TORCHREC = True
+except Exception:  # not installed here: the stand-ins below cover the interface
+    HAVE_TORCHREC = False
+
+
+class StandInKJT:
+    """The KJT interface the collections read, and nothing else."""
+
+    def __init__(self, keys, values, lengths, weights=None):
+        self._keys, self._values, self._lengths, self._weights = list(keys), values, lengths, weights
+
+    def keys(self):
+        return self._keys
+
+    def values(self):
+        return self._values
+
+    def lengths(self):
+        return self._lengths
+
+    def offsets(self):
+        return torch.cat([self._lengths.new_zeros(1), torch.cumsum(self._lengths, 0)])
+
+    def weights_or_none(self):
+        return self._weights
+
+    def stride(self):
+        return self._lengths.numel() // max(len(self._keys), 1)
+
+
+def make_kjt(keys, values, lengths, weights=None, real=False):
+    if real:
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
+    return StandInKJT(keys, values, lengths, weights)
+
+
+KJT_KINDS = ["standin"] + (["torchrec"] if HAVE_TORCHREC else [])
+
+# Two tables with several features each; SUM and MEAN; non-round dims.
+TABLES = [
+    dict(name="t_user", embedding_dim=12, num_embeddings=37, feature_names=["user", "friend"], pooling="sum"),
+    dict(name="t_item", embedding_dim=20, num_embeddings=53, feature_names=["item", "click", "cart"], pooling="mean"),
+]
+
+
+def configs(bag=True):
+    if HAVE_TORCHREC:
+        if bag:
+            return [EmbeddingBagConfig(name=t["name"], embedding_dim=t["embedding_dim"],
+                                       num_embeddings=t["num_embeddings"], feature_names=list(t["feature_names"]),
+                                       pooling=PoolingType.SUM if t["pooling"] == "sum" else PoolingType.MEAN)
+                    for t in TABLES]
+        return [EmbeddingConfig(name=t["name"], embedding_dim=t["embedding_dim"], num_embeddings=t["num_embeddings"],
+                                feature_names=list(t["feature_names"])) for t in TABLES]
+    return [SimpleNamespace(**copy.deepcopy(t)) for t in TABLES]
+
+
+def features_of():
+    return [f for t in TABLES for f in t["feature_names"]]
+
+
+def random_batch(B, device, key_order=None, max_len=5, id_range=None, weighted=False, real=False):
+    """A KJT over every feature; ids below each table's num_embeddings unless id_range is given."""
+    keys = key_order or features_of()
+    n_emb = {f: t["num_embeddings"] for t in TABLES for f in t["feature_names"]}
+    lengths = torch.randint(0, max_len + 1, (len(keys) * B,))
+    if B:
+        lengths[0] = 0  # an empty bag
+    vals = []
+    for i, k in enumerate(keys):
+        n = int(lengths[i * B:(i + 1) * B].sum())
+        hi = id_range if id_range is not None else n_emb[k]
+        vals.append(torch.randint(0, hi, (n,)))
+    values = torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
+    weights = torch.rand(values.numel()) if weighted else None
+    return make_kjt(keys, values.to(device), lengths.to(device),
+                    None if weights is None else weights.to(device), real=real)
+
+
+def reference_pooled(weights_by_table, kjt, is_weighted):
+    """(B, sum dims) float32 with plain F.embedding_bag per feature, in TorchRec's layout."""
+    keys = kjt.keys()
+    B = kjt.stride()
+    offsets = kjt.offsets()
+    w = kjt.weights_or_none() if is_weighted else None
+    outs = []
+    for t in TABLES:
+        for f in t["feature_names"]:
+            i = keys.index(f)
+            o = offsets[i * B:(i + 1) * B + 1]
+            lo, hi = int(o[0]), int(o[-1])
+            ids = kjt.values()[lo:hi]
+            psw = w[lo:hi] if w is not None else None
+            outs.append(F.embedding_bag(ids, weights_by_table[t["name"]], o - lo, mode=t["pooling"],
+                                        per_sample_weights=psw, include_last_offset=True).float())
+    return torch.cat(outs, 1)
+
+
+def build_dynamic_from(weights_by_table, device, **kw):
+    ebc = tftr.DynamicEmbeddingBagCollection(configs(), device=device, **kw)
+    for name, w in weights_by_table.items():
+        ebc.tables[name].insert(torch.arange(w.shape[0], device=device), w)
+    return ebc
+
+
+@pytest.mark.parametrize("kind", KJT_KINDS)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_bag_collection_matches_reference(device, kind, weighted):
+    weights = {t["name"]: torch.randn(t["num_embeddings"], t["embedding_dim"], device=device) for t in TABLES}
+    ebc = build_dynamic_from(weights, device)
+    ebc.eval()
+    B = 7
+    # keys in an order other than the tables' (features of one table not adjacent)
+    order = ["item", "user", "cart", "friend", "click"]
+    kjt = random_batch(B, device, key_order=order, weighted=weighted, real=(kind == "torchrec"))
+    if weighted:
+        with pytest.raises(ValueError, match="MEAN"):
+            ebc(kjt)
+        return
+    with torch.no_grad():
+        out = ebc(kjt)
+    ref = reference_pooled(weights, kjt, weighted)
+    assert out.keys() == features_of()
+    assert out.length_per_key() == [12, 12, 20, 20, 20]
+    assert out.values().shape == (B, 84) and out.values().dtype == torch.float32
+    torch.testing.assert_close(out.values(), ref, rtol=1e-6, atol=1e-6)
+    # to_dict splits by key as TorchRec does
+    d = out.to_dict()
+    torch.testing.assert_close(d["click"], ref[:, 44:64])
+
+
+@pytest.mark.parametrize("kind", KJT_KINDS)
+def test_weighted_sum(device, kind):
+    tables = [SimpleNamespace(name="t", embedding_dim=9, num_embeddings=31, feature_names=["a", "b"], pooling="sum")]
+    if HAVE_TORCHREC:
+        tables = [EmbeddingBagConfig(name="t", embedding_dim=9, num_embeddings=31, feature_names=["a", "b"])]
+    w = torch.randn(31, 9, device=device)
+    ebc = tftr.DynamicEmbeddingBagCollection(tables, device=device)
+    ebc.tables["t"].insert(torch.arange(31, device=device), w)
+    ebc.eval()
+    B = 5
+    lengths = torch.randint(0, 4, (2 * B,), device=device)
+    n = int(lengths.sum())
+    kjt = make_kjt(["a", "b"], torch.randint(0, 31, (n,), device=device), lengths,
+                   torch.rand(n, device=device), real=(kind == "torchrec"))
+    with torch.no_grad():
+        out = ebc(kjt).values()
+    off = kjt.offsets()
+    ref = F.embedding_bag(kjt.values(), w, off, mode="sum", per_sample_weights=kjt.weights_or_none(),
+                          include_last_offset=True).view(2, B, 9).transpose(0, 1).reshape(B, 18)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, ebc, width):
+        super().__init__()
+        self.sparse = ebc
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 17), torch.nn.ReLU(), torch.nn.Linear(17, 1))
+
+    def forward(self, kjt):
+        return self.mlp(self.sparse(kjt).values())
+
+
+def _static_model(device):
+    """A TorchRec model (EmbeddingBagCollection + MLP), or its stand-in without torchrec."""
+    if HAVE_TORCHREC:
+        ebc = EmbeddingBagCollection(tables=configs(), device=torch.device(device))
+    else:
+        ebc = _StandInEBC(configs(), device)
+    for t in ebc.embedding_bags.values():
+        torch.nn.init.normal_(t.weight)
+    return _Model(ebc, 84).to(device)
+
+
+class _StandInEBC(torch.nn.Module):
+    """TorchRec's EmbeddingBagCollection semantics with plain nn.EmbeddingBag (named as TorchRec's, so
+    swap_embedding_modules recognises it without torchrec installed)."""
+
+    def __init__(self, tables, device):
+        super().__init__()
+        self._tables = tables
+        self.embedding_bags = torch.nn.ModuleDict({
+            t.name: torch.nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling,
+                                          include_last_offset=True, device=device) for t in tables})
+
+    def embedding_bag_configs(self):
+        return self._tables
+
+    def is_weighted(self):
+        return False
+
+    def forward(self, kjt):
+        w = {n: m.weight for n, m in self.embedding_bags.items()}
+        return tftr.KeyedTensor(features_of(), [12, 12, 20, 20, 20], reference_pooled(w, kjt, False))
+
+
+_StandInEBC.__name__ = "EmbeddingBagCollection"
+
+
+def test_swap_same_outputs_then_grow_and_train(device):
+    lr = 0.05
+    static = _static_model(device)
+    dynamic = copy.deepcopy(static)
+    replaced = tftr.swap_embedding_modules(dynamic, optimizer=torchfuse.optim.SGD(lr=lr), capacity=512)
+    assert list(replaced) == ["sparse"]
+    assert isinstance(dynamic.sparse, tftr.DynamicEmbeddingBagCollection)
+    real = HAVE_TORCHREC
+    # same outputs on ids inside the static ranges
+    kjt = random_batch(6, device, real=real)
+    with torch.no_grad():
+        torch.testing.assert_close(dynamic(kjt), static(kjt), rtol=1e-5, atol=1e-5)
+    # training steps: fused SGD in the tables + torch SGD on the MLP == torch SGD on everything
+    opt_s = torch.optim.SGD(static.parameters(), lr=lr)
+    opt_d = torch.optim.SGD(dynamic.mlp.parameters(), lr=lr)
+    for step in range(4):
+        kjt = random_batch(9, device, real=real)
+        target = torch.randn(9, 1, device=device)
+        loss_s = F.mse_loss(static(kjt), target)
+        opt_s.zero_grad()
+        loss_s.backward()
+        opt_s.step()
+        loss_d = F.mse_loss(dynamic(kjt), target)
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_d.step()
+        torch.testing.assert_close(loss_d, loss_s, rtol=1e-5, atol=1e-6)
+    for t in TABLES:
+        ids = torch.arange(t["num_embeddings"], device=device)
+        rows, found = dynamic.sparse.tables[t["name"]].find(ids)
+        assert bool(found.all())
+        torch.testing.assert_close(rows, static.sparse.embedding_bags[t["name"]].weight.detach(), rtol=1e-5, atol=1e-6)
+    # ids outside the static ranges are inserted and trained
+    table = dynamic.sparse.tables["t_user"]
+    before = len(table)
+    kjt = random_batch(4, device, id_range=10**12, real=real)
+    loss = dynamic(kjt).square().sum()
+    loss.backward()
+    assert len(table) > before
+
+
+def test_empty_features_and_empty_batch(device):
+    weights = {t["name"]: torch.randn(t["num_embeddings"], t["embedding_dim"], device=device) for t in TABLES}
+    ebc = build_dynamic_from(weights, device)
+    # every bag empty
+    keys = features_of()
+    kjt = make_kjt(keys, torch.empty(0, dtype=torch.int64, device=device),
+                   torch.zeros(len(keys) * 3, dtype=torch.int64, device=device))
+    out = ebc(kjt)
+    assert out.values().shape == (3, 84)
+    assert bool((out.values() == 0).all())
+    # B = 0
+    kjt = make_kjt(keys, torch.empty(0, dtype=torch.int64, device=device),
+                   torch.zeros(0, dtype=torch.int64, device=device))
+    out = ebc(kjt)
+    assert out.values().shape == (0, 84)
+
+
+def test_embedding_collection(device):
+    if HAVE_TORCHREC:
+        cfgs = configs(bag=False)
+    else:
+        cfgs = [SimpleNamespace(name=t["name"], embedding_dim=t["embedding_dim"], num_embeddings=t["num_embeddings"],
+                                feature_names=list(t["feature_names"])) for t in TABLES]
+    ec = tftr.DynamicEmbeddingCollection(cfgs, device=device)
+    weights = {t["name"]: torch.randn(t["num_embeddings"], t["embedding_dim"], device=device) for t in TABLES}
+    for n, w in weights.items():
+        ec.tables[n].insert(torch.arange(w.shape[0], device=device), w)
+    ec.eval()
+    kjt = random_batch(5, device, key_order=["cart", "user", "item", "friend", "click"], real=HAVE_TORCHREC)
+    with torch.no_grad():
+        out = ec(kjt)
+    B = 5
+    offsets = kjt.offsets()
+    for t in TABLES:
+        for f in t["feature_names"]:
+            i = kjt.keys().index(f)
+            o = offsets[i * B:(i + 1) * B + 1]
+            ids = kjt.values()[int(o[0]):int(o[-1])]
+            torch.testing.assert_close(out[f].values(), weights[t["name"]][ids])
+            torch.testing.assert_close(out[f].lengths(), o[1:] - o[:-1])
+
+
+def test_state_dict_round_trip(device):
+    weights = {t["name"]: torch.randn(t["num_embeddings"], t["embedding_dim"], device=device) for t in TABLES}
+    a = build_dynamic_from(weights, device, optimizer=torchfuse.optim.Adam(lr=0.01))
+    kjt = random_batch(8, device, id_range=1000)
+    a(kjt).values().sum().backward()
+    sd = a.state_dict()
+    b = tftr.DynamicEmbeddingBagCollection(configs(), device=device, optimizer=torchfuse.optim.Adam(lr=0.01))
+    b.load_state_dict(sd)
+    for name in weights:
+        ka = sorted(torch.cat([k for k, *_ in a.tables[name].export()]).tolist())
+        kb = sorted(torch.cat([k for k, *_ in b.tables[name].export()]).tolist())
+        assert ka == kb
+        ids = torch.tensor(ka, device=device)
+        ra, fa = a.tables[name].find(ids)
+        rb, fb = b.tables[name].find(ids)
+        assert bool(fa.all()) and bool(fb.all())
+        assert torch.equal(ra, rb)
+    a.eval()
+    b.eval()
+    kjt = random_batch(8, device, id_range=1000)
+    with torch.no_grad():
+        assert torch.equal(a(kjt).values(), b(kjt).values())
+
+
+def test_bad_inputs(device):
+    weights = {t["name"]: torch.randn(t["num_embeddings"], t["embedding_dim"], device=device) for t in TABLES}
+    ebc = build_dynamic_from(weights, device)
+    keys = features_of()
+    good = random_batch(3, device)
+    with pytest.raises(KeyError, match="no table reads"):
+        ebc(make_kjt(keys + ["unknown"], good.values(), torch.cat([good.lengths(), good.lengths()[:3] * 0])))
+    with pytest.raises(KeyError, match="lacks"):
+        ebc(make_kjt(keys[:-1], good.values()[:0], torch.zeros(3 * (len(keys) - 1), dtype=torch.int64,
+                                                                 device=device)))
+    # lengths that do not add up to the values
+    bad = make_kjt(keys, good.values()[:-1] if good.values().numel() else torch.zeros(1, dtype=torch.int64,
+                                                                                       device=device), good.lengths())
+    with pytest.raises(ValueError, match="do not match"):
+        ebc(bad)
