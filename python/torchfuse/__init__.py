@@ -20,6 +20,10 @@ __all__ = ["__version__", "layer_norm", "rms_norm", "nn", "stats", "compat"]
 
 
 # ---- dynamic embeddings ----
+from . import optim  # noqa: E402
+from .dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag  # noqa: E402
+
+__all__ += ["DynamicEmbedding", "DynamicEmbeddingBag", "optim"]
 
 
 # ---- HuggingFace patching ----
