@@ -27,6 +27,27 @@ TORCH_LIBRARY(torchfuse, m) {
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 
     // ---- jagged tensor ops (python/torchfuse/jagged.py) ----
+    // Offsets are int32 or int64 (B+1 entries); sizes passed in (SymInt) spare the op a device sync.
+    m.def("complete_cumsum(Tensor lengths) -> Tensor");
+    m.def("jagged_to_padded_dense(Tensor values, Tensor offsets, SymInt max_length, float padding_value=0.0) -> Tensor");
+    m.def("dense_to_jagged(Tensor dense, Tensor offsets, SymInt? total_length=None) -> Tensor");
+    m.def("jagged_dense_add(Tensor values, Tensor offsets, Tensor dense) -> Tensor");
+    m.def("jagged_dense_mul(Tensor values, Tensor offsets, Tensor dense) -> Tensor");
+    // Returns (values, offsets); offsets = offsets_left + offsets_right (a dense side counts max_len each).
+    m.def(
+        "concat_2d_jagged(Tensor values_left, Tensor? offsets_left, Tensor values_right, Tensor? offsets_right, "
+        "SymInt? max_len_left=None, SymInt? max_len_right=None, int n_prefix_from_right=0) -> (Tensor, Tensor)");
+    m.def(
+        "split_2d_jagged(Tensor values, Tensor? offsets_left, Tensor? offsets_right, SymInt? max_len_left=None, "
+        "SymInt? max_len_right=None, int n_prefix_to_right=0, SymInt? total_len_left=None, "
+        "SymInt? total_len_right=None) -> (Tensor, Tensor)");
+    m.def("jagged_concat(Tensor[] values_list, Tensor[] offsets_list) -> (Tensor, Tensor)");
+    // The inverse of jagged_concat: totals[i] rows for part i.
+    m.def("jagged_split(Tensor values, Tensor[] offsets_list, SymInt[] totals) -> Tensor[]");
+    // Returns (values, lengths) of the selected samples.
+    m.def(
+        "jagged_index_select(Tensor values, Tensor lengths, Tensor indices, SymInt? total_length=None) "
+        "-> (Tensor, Tensor)");
 
     // ---- HSTU attention (python/torchfuse/hstu.py) ----
 
