@@ -136,8 +136,8 @@ at::Tensor to_padded_dense(const JaggedBackend &be, const at::Tensor &values_in,
     p.offsets = off.data_ptr<int64_t>();
     p.max_len = max_length;
     p.src = part_of(values, nullptr, 0);
-    p.dst = part_of(out.view({B * max_length, -1}), nullptr, 0);
-    p.dst.rows = B * max_length;
+    p.dst = part_of(out, nullptr, 0);
+    p.dst.rows = B * max_length;  // (B, L) rows
     p.fill = fill_bits(padding_value, values.scalar_type());
     run_copy(be, p);
     return out;
