@@ -15,7 +15,7 @@ timeout ${TEST_TIMEOUT:-150} python3 -m pytest tests/test_jagged.py -q -p no:cac
 echo "pytest exit $?"; tail -8 "$OUT/pytest_jagged.log"
 if [ "${SANITIZE:-1}" = 1 ]; then
   timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_jagged.py -q -x -p no:cacheprovider \
-    -k "cuda and not 64bit and not compile and (stay_in_bounds or (concat_split_2d and bfloat16) or (to_padded and odt1 and (float32 or int64)) or index_select or empty or (dense_add and bfloat16) or jagged_concat_split or non_contiguous or compat)" \
+    -k "cuda and not 64bit and not compile and (stay_in_bounds or (concat_split_2d and (bfloat16 or int64)) or (to_padded and int64 and (float32 or bfloat16)) or index_select or empty or (dense_add and (bfloat16 or float64)) or jagged_concat_split or non_contiguous or compat)" \
     > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
 fi

@@ -15,9 +15,10 @@ static void fill_row(char *dst, int64_t row_bytes, uint64_t fill, int elem_size)
 }
 
 void tfj_copy_cpu(const tfj_copy_params *p, int64_t begin, int64_t end) {
+    int64_t hint = -1;
     for (int64_t r = begin; r < end; ++r) {
         const char *src;
-        char *dst = tfj_resolve(p, r, &src);
+        char *dst = tfj_resolve(p, r, &src, &hint);
         if (!dst) continue;
         if (src) memcpy(dst, src, (size_t)p->row_bytes);
         else fill_row(dst, p->row_bytes, p->fill, p->elem_size);
@@ -27,8 +28,9 @@ void tfj_copy_cpu(const tfj_copy_params *p, int64_t begin, int64_t end) {
 void tfj_arith_cpu(const tfj_arith_params *p, int64_t begin, int64_t end) {
     const int64_t D = p->cols;
     const int es = p->dtype == TFJ_F64 ? 8 : tf_dtype_size(p->dtype);
+    int64_t hint = -1;
     for (int64_t r = begin; r < end; ++r) {
-        const char *d = tfj_arith_dense_row(p, r, D * es);
+        const char *d = tfj_arith_dense_row(p, r, D * es, &hint);
         const char *v = (const char *)p->values + r * D * es;
         char *o = (char *)p->out + r * D * es;
         if (!d) {  /* past the dense length: add keeps values, mul gives 0 */

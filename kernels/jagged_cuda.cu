@@ -1,12 +1,13 @@
 /* Jagged ops, CUDA kernels.
  *
- * jagged_copy_kernel<U>: a grid over the op's task rows (jagged.h). A group of G threads (a power of
- * two up to 32, so small rows share a warp) owns a row: tfj_resolve (jagged_map.h) finds the row's
- * sample by binary search over the offsets (cached in L1) and returns the source and destination row
- * addresses; the G threads then move the row as U-byte units (16-byte vectors whenever the row length
- * and every base pointer allow, else the widest unit that does). Each group handles ROWS rows per
- * iteration, resolving all of them before the first load, so several rows' loads are in flight. Rows
- * are raw bytes: one instantiation per unit width (5 in all) serves every dtype and op. Row and byte
+ * jagged_copy_kernel<U>: a persistent grid over the op's task rows (jagged.h). A group of G threads
+ * (a power of two up to 32, so small rows share a warp) owns TFJ_ROWS consecutive rows per iteration:
+ * tfj_resolve (jagged_map.h) finds each row's sample (a binary search over the offsets for the first,
+ * a step or two forward from it for the rest, since consecutive rows mostly share a sample) and
+ * returns the source and destination row addresses; all rows are resolved before the first load, so
+ * their loads are in flight together. The G threads move a row as U-byte units (16-byte vectors
+ * whenever the row length and every base pointer allow, else the widest unit that does). Rows are
+ * raw bytes: one instantiation per unit width (5 in all) serves every dtype and op. Row and byte
  * indices are 64-bit.
  *
  * jagged_arith_kernel: jagged_dense_add / mul, the same row mapping, element by element in fp32
@@ -39,14 +40,15 @@ __global__ void __launch_bounds__(TFJ_THREADS)
     const int lane = threadIdx.x & (G - 1);
     const int64_t n_groups = ((int64_t)gridDim.x * blockDim.x) >> group_log2;
     const int64_t group = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> group_log2;
-    for (int64_t r0 = group; r0 < p.tasks; r0 += TFJ_ROWS * n_groups) {
+    int64_t hint = -1;
+    for (int64_t r0 = group * TFJ_ROWS; r0 < p.tasks; r0 += TFJ_ROWS * n_groups) {
         const char *src[TFJ_ROWS];
         char *dst[TFJ_ROWS];
 #pragma unroll
         for (int k = 0; k < TFJ_ROWS; ++k) {
-            const int64_t r = r0 + k * n_groups;
+            const int64_t r = r0 + k;
             src[k] = 0;
-            dst[k] = r < p.tasks ? tfj_resolve(&p, r, &src[k]) : 0;
+            dst[k] = r < p.tasks ? tfj_resolve(&p, r, &src[k], &hint) : 0;
         }
         for (int64_t u = lane; u < units; u += G) {
             T v[TFJ_ROWS];
@@ -67,13 +69,21 @@ static int group_log2_for(int64_t units) {
     return g;
 }
 
-static int64_t grid_for(int64_t tasks, int group_log2) {
+/* Enough blocks for the tasks, at most one resident wave (blocks_per_sm from the occupancy API). */
+static int64_t grid_for(int64_t tasks, int group_log2, int blocks_per_sm) {
     int dev = 0, sms = 132;
     if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     const int64_t rows_per_block = (int64_t)(TFJ_THREADS >> group_log2) * TFJ_ROWS;
     int64_t blocks = (tasks + rows_per_block - 1) / rows_per_block;
-    const int64_t cap = (int64_t)sms * (2048 / TFJ_THREADS);
+    const int64_t cap = (int64_t)sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
     return blocks < cap ? blocks : cap;
+}
+
+template <class K>
+static int blocks_per_sm(K kernel) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, TFJ_THREADS, 0) != cudaSuccess) n = 4;
+    return n;
 }
 
 template <int U>
@@ -85,7 +95,8 @@ static int launch_copy(const tfj_copy_params *p, cudaStream_t stream) {
     memcpy(&fill, bytes, U);
     const int64_t units = p->row_bytes / U;
     const int g = group_log2_for(units);
-    jagged_copy_kernel<U><<<(unsigned)grid_for(p->tasks, g), TFJ_THREADS, 0, stream>>>(*p, g, units, fill);
+    static const int per_sm = blocks_per_sm(jagged_copy_kernel<U>);
+    jagged_copy_kernel<U><<<(unsigned)grid_for(p->tasks, g, per_sm), TFJ_THREADS, 0, stream>>>(*p, g, units, fill);
     return (int)cudaGetLastError();
 }
 
@@ -128,8 +139,9 @@ __global__ void __launch_bounds__(TFJ_THREADS)
     const int64_t n_groups = ((int64_t)gridDim.x * blockDim.x) >> group_log2;
     const int es = p.dtype == TFJ_F64 ? 8 : (p.dtype == TF_F32 ? 4 : 2);
     const int64_t rb = p.cols * es;
+    int64_t hint = -1;
     for (int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> group_log2; r < p.rows; r += n_groups) {
-        const char *d = tfj_arith_dense_row(&p, r, rb);
+        const char *d = tfj_arith_dense_row(&p, r, rb, &hint);
         const char *v = (const char *)p.values + r * rb;
         char *o = (char *)p.out + r * rb;
         for (int64_t c = lane; c < p.cols; c += G) {
@@ -150,6 +162,7 @@ __global__ void __launch_bounds__(TFJ_THREADS)
 extern "C" int tfj_arith_cuda(const tfj_arith_params *p, void *stream) {
     if (p->rows <= 0 || p->cols <= 0) return 0;
     const int g = group_log2_for(p->cols);
-    jagged_arith_kernel<<<(unsigned)grid_for(p->rows, g), TFJ_THREADS, 0, (cudaStream_t)stream>>>(*p, g);
+    static const int per_sm = blocks_per_sm(jagged_arith_kernel);
+    jagged_arith_kernel<<<(unsigned)grid_for(p->rows, g, per_sm), TFJ_THREADS, 0, (cudaStream_t)stream>>>(*p, g);
     return (int)cudaGetLastError();
 }

@@ -40,6 +40,29 @@ TFJ_FN int64_t tfj_find(const int64_t *off, int64_t n, int64_t r) {
     return lo;
 }
 
+/* tfj_find with a hint: *hint is the sample of a nearby earlier row (or -1). Consecutive rows mostly
+ * share a sample, so a few forward steps usually replace the binary search. Same result as tfj_find
+ * for monotone offsets; for any offsets some b in [0, n). Updates *hint. */
+TFJ_FN int64_t tfj_find_from(const int64_t *off, int64_t n, int64_t r, int64_t *hint) {
+    int64_t lo = 0, b = *hint;
+    if (b >= 0 && b < n && off[b] <= r) {
+        for (int s = 0; s < 4 && b + 1 < n && off[b + 1] <= r; ++s) ++b;
+        if (b + 1 >= n || off[b + 1] > r) {
+            *hint = b;
+            return b;
+        }
+        lo = b;
+    }
+    int64_t hi = n - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) >> 1;
+        if (off[mid] <= r) lo = mid;
+        else hi = mid - 1;
+    }
+    *hint = lo;
+    return lo;
+}
+
 /* Row `pos` of sample b of the concatenation of the parts, as an address in the part that holds it, or
  * NULL when the sample is shorter. With two parts and a prefix P the order is
  * [part1[:P], part0, part1[P:]]. The loops unroll so that parts[] is indexed by constants only. */
@@ -67,8 +90,8 @@ TFJ_FN char *tfj_piece(const tfj_copy_params *p, int64_t b, int64_t pos) {
 }
 
 /* Task r: returns the destination row's address (NULL: nothing to write) and sets *src to the source
- * row's address (NULL: write the fill pattern). */
-TFJ_FN char *tfj_resolve(const tfj_copy_params *p, int64_t r, const char **src) {
+ * row's address (NULL: write the fill pattern). *hint: as for tfj_find_from (-1 when unknown). */
+TFJ_FN char *tfj_resolve(const tfj_copy_params *p, int64_t r, const char **src, int64_t *hint) {
     const int64_t rb = p->row_bytes, n = p->n_samples;
     *src = 0;
     switch (p->mode) {
@@ -81,7 +104,7 @@ TFJ_FN char *tfj_resolve(const tfj_copy_params *p, int64_t r, const char **src) 
     }
     case TFJ_TO_JAGGED: {
         if (n > 0) {
-            const int64_t b = tfj_find(p->offsets, n, r), pos = r - p->offsets[b];
+            const int64_t b = tfj_find_from(p->offsets, n, r, hint), pos = r - p->offsets[b];
             if (pos >= 0 && pos < p->offsets[b + 1] - p->offsets[b] && pos < p->max_len)
                 *src = tfj_row(&p->src, b * p->max_len + pos, rb);
         }
@@ -91,7 +114,7 @@ TFJ_FN char *tfj_resolve(const tfj_copy_params *p, int64_t r, const char **src) 
     case TFJ_SPLIT: {
         char *piece = 0;
         if (n > 0) {
-            const int64_t b = tfj_find(p->offsets, n, r), pos = r - p->offsets[b];
+            const int64_t b = tfj_find_from(p->offsets, n, r, hint), pos = r - p->offsets[b];
             if (pos >= 0 && pos < p->offsets[b + 1] - p->offsets[b]) piece = tfj_piece(p, b, pos);
         }
         if (p->mode == TFJ_CONCAT) {
@@ -103,7 +126,7 @@ TFJ_FN char *tfj_resolve(const tfj_copy_params *p, int64_t r, const char **src) 
     }
     case TFJ_INDEX: {
         if (n > 0) {
-            const int64_t k = tfj_find(p->offsets, n, r), pos = r - p->offsets[k];
+            const int64_t k = tfj_find_from(p->offsets, n, r, hint), pos = r - p->offsets[k];
             const int64_t j = p->indices[k];
             if (pos >= 0 && pos < p->offsets[k + 1] - p->offsets[k] && j >= 0 && j < p->n_in &&
                 pos < p->in_offsets[j + 1] - p->in_offsets[j])
@@ -117,9 +140,9 @@ TFJ_FN char *tfj_resolve(const tfj_copy_params *p, int64_t r, const char **src) 
 
 /* jagged_dense_add/mul, row r: the dense row to combine with (NULL: past the dense length or outside
  * every sample). */
-TFJ_FN const char *tfj_arith_dense_row(const tfj_arith_params *p, int64_t r, int64_t row_bytes) {
+TFJ_FN const char *tfj_arith_dense_row(const tfj_arith_params *p, int64_t r, int64_t row_bytes, int64_t *hint) {
     if (p->n_samples <= 0 || p->max_len <= 0) return 0;
-    const int64_t b = tfj_find(p->offsets, p->n_samples, r), pos = r - p->offsets[b];
+    const int64_t b = tfj_find_from(p->offsets, p->n_samples, r, hint), pos = r - p->offsets[b];
     if (pos < 0 || pos >= p->offsets[b + 1] - p->offsets[b] || pos >= p->max_len) return 0;
     return (const char *)p->dense + (b * p->max_len + pos) * row_bytes;
 }

@@ -15,6 +15,10 @@ FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 ROW_SHAPES = [(), (1,), (7,), (128,), (2, 3)]  # the *D of values (T, *D)
 
 
+def _name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
 def _cuda_only(device):
     if device != "cuda":
         pytest.skip("CUDA only")
@@ -107,7 +111,7 @@ def assert_same(ours, ref):
 # ---------------------------------------------------------------- forward against references
 
 
-@pytest.mark.parametrize("odt", [torch.int32, torch.int64])
+@pytest.mark.parametrize("odt", [torch.int32, torch.int64], ids=_name)
 def test_complete_cumsum(device, odt):
     lengths = rand_lengths(37, 9, device).to(odt)
     out = torchfuse.complete_cumsum(lengths)
@@ -115,9 +119,9 @@ def test_complete_cumsum(device, odt):
     assert_same(torchfuse.complete_cumsum(lengths[:0]), torch.zeros(1, dtype=odt))
 
 
-@pytest.mark.parametrize("dtype", COPY_DTYPES)
+@pytest.mark.parametrize("dtype", COPY_DTYPES, ids=_name)
 @pytest.mark.parametrize("row", ROW_SHAPES)
-@pytest.mark.parametrize("odt", [torch.int32, torch.int64])
+@pytest.mark.parametrize("odt", [torch.int32, torch.int64], ids=_name)
 def test_to_padded_and_back(device, dtype, row, odt):
     B, max_len = 29, 13
     lengths = rand_lengths(B, max_len)
@@ -144,7 +148,7 @@ def test_to_jagged_longer_total_is_zero_filled(device):
     assert (out[3:] == 0).all()
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=_name)
 @pytest.mark.parametrize("row", [(1,), (33,), (2, 3)])
 @pytest.mark.parametrize("mul", [False, True])
 def test_jagged_dense_add_mul(device, dtype, row, mul):
@@ -158,7 +162,7 @@ def test_jagged_dense_add_mul(device, dtype, row, mul):
         assert_same(op(values, offsets, dense), ref_arith(values, offsets, dense, mul))
 
 
-@pytest.mark.parametrize("dtype", COPY_DTYPES)
+@pytest.mark.parametrize("dtype", COPY_DTYPES, ids=_name)
 @pytest.mark.parametrize("row", [(1,), (128,), (5,)])
 @pytest.mark.parametrize("dense_side", [None, "left", "right"])
 @pytest.mark.parametrize("prefix", [0, 2, 100])
@@ -186,7 +190,7 @@ def test_concat_split_2d(device, dtype, row, dense_side, prefix):
         assert_same(b, vr)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64], ids=_name)
 @pytest.mark.parametrize("n", [1, 3, 11])  # 11 > TFJ_MAX_PARTS: concatenated in groups
 def test_jagged_concat_split(device, dtype, n):
     B = 19
@@ -201,8 +205,8 @@ def test_jagged_concat_split(device, dtype, n):
         assert_same(p, v)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
-@pytest.mark.parametrize("ldt", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32], ids=_name)
+@pytest.mark.parametrize("ldt", [torch.int32, torch.int64], ids=_name)
 def test_jagged_index_select(device, dtype, ldt):
     B = 21
     lengths = rand_lengths(B, 8).to(ldt).to(device)
