@@ -104,6 +104,19 @@ def make_case(D, dtype, B=1024, lo=100, hi=3052, cand=16):
     return dict(vl=rand(tl), vr=rand(tr), ol=ol, orr=orr, tl=tl, tr=tr, ml=hi, mr=cand, B=B, D=D, dtype=dtype)
 
 
+def graph_time_us(fn, rep):
+    """The forward replayed from a CUDA graph: kernel time without host dispatch (small shapes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), torch.no_grad():
+        fn()
+    return device_time_us(g.replay, DEV, warmup=3, rep=rep)
+
+
 def fwd_bwd(fn, inputs, grad_out):
     """(forward callable, backward callable) for fn(*inputs) -> tensor or tuple of tensors."""
     def fwd():
@@ -177,7 +190,7 @@ def min_bytes(c, op, direction):
     return (Tl + dense_rows) * rb if padded_side else 2 * Tl * rb
 
 
-COLS = ["torchfuse", "torch index", "torch.compile", "torch.nested", "GR Triton"]
+COLS = ["torchfuse", "torchfuse graph", "torch index", "torch.compile", "torch.nested", "GR Triton"]
 
 
 def main():
@@ -192,7 +205,8 @@ def main():
     rep = 10 if args.quick else 30
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {copy_gbs:.0f} GB/s",
              "B=1024, history lengths uniform in [100, 3052], 16 candidates; times in us (median), GB/s over the "
-             "minimum bytes; % = of copy bandwidth; x = best other / torchfuse",
+             "minimum bytes; % = of copy bandwidth; x = best other / torchfuse; 'torchfuse graph' = the same "
+             "forward replayed from a CUDA graph (no host dispatch)",
              "",
              "| op | D dtype | " + " | ".join(f"{n} us" for n in COLS) + " | torchfuse GB/s | % copy | x best other | x GR |",
              "|---|---|" + "---|" * (len(COLS) + 4)]
@@ -207,6 +221,8 @@ def main():
                 try:
                     f, b = fwd_bwd(fn, inputs, lambda outs: [torch.randn_like(o) for o in outs])
                     timings["fwd"][name] = device_time_us(f, DEV, warmup=3, rep=rep)
+                    if name == "torchfuse":
+                        timings["fwd"]["torchfuse graph"] = graph_time_us(lambda: fn(*inputs), rep)
                     if b is not None:
                         timings["bwd"][name] = device_time_us(b, DEV, warmup=3, rep=rep)
                 except Exception as e:  # noqa: BLE001  (a baseline that cannot run this case is shown as n/a)
@@ -217,7 +233,7 @@ def main():
                 if "torchfuse" not in t:
                     continue
                 gbs = min_bytes(c, op, direction) / (t["torchfuse"] * 1e-6) / 1e9
-                others = [v for k, v in t.items() if k != "torchfuse"]
+                others = [v for k, v in t.items() if not k.startswith("torchfuse")]
                 best = f"{min(others) / t['torchfuse']:.2f}" if others else "n/a"
                 vs_gr = f"{t['GR Triton'] / t['torchfuse']:.2f}" if "GR Triton" in t else "n/a"
                 cells = [f"{t[n]:.1f}" if n in t else "n/a" for n in COLS]
