@@ -75,12 +75,15 @@ def test_random_ops_against_dict(device, eviction, host_tier):
     dim = 5
     grow = eviction == "none"
     budget = 7 * (dim * 4) if host_tier else None
-    table = DynamicEmbedding(dim, 16, max_capacity=256 if grow else 32, device=device, eviction=eviction,
-                             bucket_size=8, hbm_budget_bytes=budget, initializer=("uniform", -1.0, 1.0), seed=3)
+    # batches hold at most 12 distinct keys, fewer than a bucket's 16 slots: with eviction, a batch
+    # always finds room (a bucket full of the batch's own keys raises; test_eviction_lru_one_bucket)
+    table = DynamicEmbedding(dim, 16 if grow else 64, max_capacity=256 if grow else 64, device=device,
+                             eviction=eviction, bucket_size=16, hbm_budget_bytes=budget,
+                             initializer=("uniform", -1.0, 1.0), seed=3)
     if host_tier:
         assert table.hbm_rows == 7 and table._values_host.shape[0] == table.capacity - 7
     model = {}
-    pool = _keys(40 if grow else 90)
+    pool = _keys(40 if grow else 180)
     for step in range(60):
         op = random.choice(["insert", "insert", "forward", "erase", "find", "dups"])
         if op == "insert" or op == "dups":
@@ -492,3 +495,14 @@ def test_initializer_is_per_key(device):
     c.train()
     with torch.no_grad():
         assert torch.equal(c(_t(ks, device)), torch.full((10, 6), 0.25, device=device))
+
+
+def test_find_or_insert_and_unique_insert(device):
+    table = DynamicEmbedding(4, 64, device=device, bucket_size=16, initializer=("uniform", 0.0, 1.0))
+    ks = _keys(20)
+    rows = table.find_or_insert(_t(ks + ks[:5], device))
+    assert len(table) == 20 and torch.equal(rows[20:], rows[:5])
+    assert torch.equal(table.find_or_insert(_t(ks, device), unique=True), rows[:20])
+    vs = torch.randn(20, 4, device=device)
+    table.insert(_t(ks, device), vs, unique=True)
+    assert torch.equal(table.find(_t(ks, device))[0], vs)

@@ -373,11 +373,26 @@ class DynamicEmbedding(torch.nn.Module):
         flat = self._check_keys(keys, "keys")
         return (self._lookup(flat) >= 0).reshape(keys.shape)
 
-    def insert(self, keys: Tensor, values: Tensor, scores: Optional[Tensor] = None, return_evicted: bool = False):
+    def find_or_insert(self, keys: Tensor, unique: bool = False) -> Tensor:
+        """Rows of `keys`, inserting the absent ones with the initializer (as a training forward
+        does, without autograd). ``unique=True`` promises the keys are distinct (skips a sort)."""
+        count("dynemb_find_or_insert")
+        flat = self._check_keys(keys, "keys")
+        if unique:
+            slots = self._find_or_insert(flat)[0]
+            rows = self._gather(slots, self._values, self._values_host)
+        else:
+            uniq, inv = torch.unique(flat, return_inverse=True)
+            rows = self._gather(self._find_or_insert(uniq)[0], self._values, self._values_host)[inv]
+        return rows.reshape(*keys.shape, self.embedding_dim)
+
+    def insert(self, keys: Tensor, values: Tensor, scores: Optional[Tensor] = None, return_evicted: bool = False,
+               unique: bool = False):
         """Insert or assign rows: ``keys`` (n,) and ``values`` (n, dim). New keys get zeroed optimizer
-        state; existing keys keep theirs. Where a key repeats, its last occurrence wins. ``scores``
-        (n,) int64 sets the keys' scores (default: the policy's access update). With
-        ``return_evicted`` returns (keys, values, optimizer_state, scores) of what was evicted."""
+        state; existing keys keep theirs. Where a key repeats, its last occurrence wins
+        (``unique=True`` promises distinct keys and skips that sort). ``scores`` (n,) int64 sets the
+        keys' scores (default: the policy's access update). With ``return_evicted`` returns
+        (keys, values, optimizer_state, scores) of what was evicted."""
         count("dynemb_insert")
         name = type(self).__name__
         flat = self._check_keys(keys, "keys")
@@ -392,8 +407,10 @@ class DynamicEmbedding(torch.nn.Module):
             if scores.numel() != n:
                 raise ValueError(f"torchfuse.{name}.insert: scores must have {n} entries, got {scores.numel()}")
         values = values.to(self.dtype)
-        uniq, inv = torch.unique(flat, return_inverse=True)
-        if uniq.numel() != n:  # keep each key's last occurrence
+        uniq, inv = (flat, None) if unique else torch.unique(flat, return_inverse=True)
+        if inv is None:
+            pass
+        elif uniq.numel() != n:  # keep each key's last occurrence
             last = torch.full((uniq.numel(),), -1, dtype=torch.int64, device=self.device)
             last.scatter_reduce_(0, inv, torch.arange(n, device=self.device), "amax")
             values = values[last]
