@@ -62,9 +62,7 @@ tf_dynemb_rows dynemb_rows(const at::Tensor &rows, const at::Tensor &rows_host, 
                     rows_host.scalar_type() == rows.scalar_type(),
                 op, ": the host part of ", arg, " must be contiguous with rows of ", rows.size(1), " ",
                 rows.scalar_type(), ", got ", rows_host.scalar_type(), " ", rows_host.sizes());
-    if (rows_host.numel() > 0 && rows.is_cuda())
-        TORCH_CHECK(rows_host.is_cuda() || rows_host.is_pinned(), op, ": the host part of ", arg,
-                    " must be in pinned host memory (or on the GPU)");
+    // a CUDA table's host part must be mapped pinned memory: dynemb_cuda.cpp's map_host checks it
     tf_dynemb_rows r{};
     r.hbm = static_cast<char *>(rows.data_ptr());
     r.host = rows_host.numel() > 0 ? static_cast<char *>(rows_host.data_ptr()) : nullptr;
