@@ -36,6 +36,9 @@ TORCH_LIBRARY(torchfuse, m) {
     // Slot of each query key (-1: absent); epoch > 0 also marks the found slots.
     m.def("dynemb_lookup(Tensor query, Tensor keys, Tensor digests, Tensor(a!) marks, int bucket_size, "
           "int epoch) -> Tensor");
+    // dynemb_lookup + dynemb_gather in one pass: (rows of the query keys, zeros where absent; slots).
+    m.def("dynemb_find(Tensor query, Tensor keys, Tensor digests, Tensor marks, Tensor rows, Tensor rows_host, "
+          "int bucket_size) -> (Tensor, Tensor)");
     // Places the keys whose slot is -1 (repeats end in one slot); returns (is_new uint8, evicted_keys,
     // evicted_slots, evicted_scores, counts = [inserted, evicted, failed]); evicted_* hold counts[1] entries.
     m.def("dynemb_insert(Tensor query, Tensor(a!) slots, Tensor(b!) keys, Tensor(c!) digests, Tensor(d!) scores, "
@@ -53,6 +56,10 @@ TORCH_LIBRARY(torchfuse, m) {
     // One optimizer step per (unique) slot with its gradient row (opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam).
     m.def("dynemb_update(Tensor slots, Tensor grad, Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, "
           "Tensor(d!) state_host, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");
+    // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb.h).
+    m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean) -> Tensor");
+    // Per unique id, the sum of its occurrences' gradient rows in perm order (fp32, deterministic).
+    m.def("dynemb_segment_sum(Tensor grad, Tensor perm, Tensor seg, Tensor? bag_of, Tensor? scale) -> Tensor");
     // (rows, cols) of `dtype` in pinned host memory mapped into `like`'s GPU (cudaHostAlloc, mapped):
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");

@@ -506,3 +506,41 @@ def test_find_or_insert_and_unique_insert(device):
     vs = torch.randn(20, 4, device=device)
     table.insert(_t(ks, device), vs, unique=True)
     assert torch.equal(table.find(_t(ks, device))[0], vs)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_bag_eval_and_weight_gradients(device, mode):
+    dim, P = 5, 12
+    pool = _keys(P)
+    bag = DynamicEmbeddingBag(dim, 32, device=device, bucket_size=32, mode=mode, optimizer=tfo.SGD(0.1))
+    vs = torch.randn(P, dim, device=device)
+    bag.insert(_t(pool, device), vs)
+    ref = torch.nn.EmbeddingBag(P, dim, mode=mode).to(device)
+    with torch.no_grad():
+        ref.weight.copy_(vs)
+    idx = torch.randint(0, P, (17,), device=device)
+    offsets = _t([0, 3, 3, 10], device)
+    bag.eval()  # eval: unseen ids read as zeros, nothing inserted
+    ids = _t(pool, device)[idx]
+    ids[0] = 12345 if 12345 not in pool else 54321
+    with torch.no_grad():
+        got = bag(ids, offsets)
+        mask = torch.ones(17, device=device)
+        mask[0] = 0
+        want = F.embedding_bag(idx, vs, offsets, mode="sum", per_sample_weights=mask)
+        if mode == "mean":  # the unseen id counts as a zero row
+            want = want / torch.tensor([3.0, 1.0, 7.0, 7.0], device=device)[:, None]
+            want[1] = 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(bag) == P
+    if mode == "sum":  # per_sample_weights that need a gradient take PyTorch's embedding_bag
+        bag.train()
+        w = torch.rand(17, device=device, requires_grad=True)
+        w_ref = w.detach().clone().requires_grad_(True)
+        g = torch.randn(4, dim, device=device)
+        (bag(_t(pool, device)[idx], offsets, w) * g).sum().backward()
+        (ref(idx, offsets, per_sample_weights=w_ref) * g).sum().backward()
+        torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            ref.weight -= 0.1 * ref.weight.grad
+        torch.testing.assert_close(bag.find(_t(pool, device))[0], ref.weight.detach(), rtol=1e-5, atol=1e-6)
