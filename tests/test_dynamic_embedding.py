@@ -544,3 +544,18 @@ def test_bag_eval_and_weight_gradients(device, mode):
         with torch.no_grad():
             ref.weight -= 0.1 * ref.weight.grad
         torch.testing.assert_close(bag.find(_t(pool, device))[0], ref.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dim", [3, 128])
+def test_find_op_matches_lookup_gather(device, dim):
+    """dynemb_find (probe and copy in one kernel, used for rows >= 512 bytes) against lookup + gather."""
+    table = DynamicEmbedding(dim, 64, device=device, bucket_size=16, hbm_budget_bytes=20 * dim * 4)
+    ks = _keys(40)
+    table.insert(_t(ks, device), torch.randn(40, dim, device=device))
+    q = _t(ks[::3] + [random.randint(I64_MIN, I64_MAX) for _ in range(7)], device)
+    ops = torch.ops.torchfuse
+    rows, slots = ops.dynemb_find(q, table._keys, table._digests, table._marks, table._values, table._values_host, 16)
+    ref_slots = table._lookup(q)
+    assert torch.equal(slots, ref_slots)
+    assert torch.equal(rows, table._gather(ref_slots, table._values, table._values_host))
+    assert (slots >= 0).sum() == len(ks[::3])

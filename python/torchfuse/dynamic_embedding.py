@@ -21,6 +21,7 @@ _EVICTIONS = ("lru", "lfu", "none")
 _INIT_KINDS = {"normal": 1, "uniform": 2, "constant": 3}
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_EPOCH = 2**31 - 2
+_FUSED_FIND_MIN_ROW_BYTES = 512
 
 
 def _pow2_at_least(n: int) -> int:
@@ -257,9 +258,15 @@ class DynamicEmbedding(torch.nn.Module):
         return _ops.dynemb_lookup(keys, self._keys, self._digests, self._marks, self.bucket_size, epoch)
 
     def _find(self, keys: Tensor) -> Tuple[Tensor, Tensor]:
-        """(rows, slots) of keys, zeros / -1 where absent, in one kernel."""
-        return _ops.dynemb_find(keys, self._keys, self._digests, self._marks, self._values, self._values_host,
-                                self.bucket_size)
+        """(rows, slots) of keys, zeros / -1 where absent. Rows of 512 bytes or more: one kernel (probe
+        and copy by the same warp); smaller rows: lookup then a gather with several rows per warp,
+        which keeps more row reads in flight (measured on the H100: 1.84 against 1.73 Gi keys/s at
+        dim 128 fp32, 2.17 against 2.32 at dim 64, 2.52 against 3.52 at dim 8)."""
+        if self._values.shape[1] * self._values.element_size() >= _FUSED_FIND_MIN_ROW_BYTES:
+            return _ops.dynemb_find(keys, self._keys, self._digests, self._marks, self._values, self._values_host,
+                                    self.bucket_size)
+        slots = self._lookup(keys)
+        return self._gather(slots, self._values, self._values_host), slots
 
     def _gather(self, slots: Tensor, rows: Tensor, rows_host: Tensor) -> Tensor:
         return _ops.dynemb_gather(slots, rows, rows_host)
@@ -697,3 +704,23 @@ def _insert_fake(query, slots, keys, digests, scores, marks, locks, bucket_size,
     n = query.shape[0]
     return (query.new_empty((n,), dtype=torch.uint8), query.new_empty((n,)), query.new_empty((n,)),
             query.new_empty((n,)), query.new_empty((3,)))
+
+
+@torch.library.register_fake("torchfuse::dynemb_touch")
+def _touch_fake(scores, slots, policy, clock):
+    return None
+
+
+@torch.library.register_fake("torchfuse::dynemb_scatter")
+def _scatter_fake(slots, src, rows, rows_host):
+    return None
+
+
+@torch.library.register_fake("torchfuse::dynemb_init")
+def _init_fake(slots, keys, mask, values, values_host, state, state_host, init_kind, a, b, seed):
+    return None
+
+
+@torch.library.register_fake("torchfuse::dynemb_update")
+def _update_fake(slots, grad, values, values_host, state, state_host, opt, lr, eps, beta1, beta2, step_size):
+    return None
