@@ -52,5 +52,37 @@ TORCH_LIBRARY(torchfuse, m) {
     // ---- HSTU attention (python/torchfuse/hstu.py) ----
 
     // ---- dynamic embeddings (python/torchfuse/dynamic_embedding.py) ----
+    // Internal ops on the table's state tensors (layout and semantics: kernels/dynemb.h). Slots
+    // passed back in must come from dynemb_lookup / dynemb_insert on the same table.
+    // Slot of each query key (-1: absent); epoch > 0 also marks the found slots.
+    m.def("dynemb_lookup(Tensor query, Tensor keys, Tensor digests, Tensor(a!) marks, int bucket_size, "
+          "int epoch) -> Tensor");
+    // dynemb_lookup + dynemb_gather in one pass: (rows of the query keys, zeros where absent; slots).
+    m.def("dynemb_find(Tensor query, Tensor keys, Tensor digests, Tensor marks, Tensor rows, Tensor rows_host, "
+          "int bucket_size) -> (Tensor, Tensor)");
+    // Places the keys whose slot is -1 (repeats end in one slot); returns (is_new uint8, evicted_keys,
+    // evicted_slots, evicted_scores, counts = [inserted, evicted, failed]); evicted_* hold counts[1] entries.
+    m.def("dynemb_insert(Tensor query, Tensor(a!) slots, Tensor(b!) keys, Tensor(c!) digests, Tensor(d!) scores, "
+          "Tensor(e!) marks, Tensor(f!) locks, int bucket_size, int epoch, bool allow_evict) "
+          "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+    // policy 0 (LRU): scores[slot] = clock; 1 (LFU): scores[slot] += 1 per occurrence.
+    m.def("dynemb_touch(Tensor(a!) scores, Tensor slots, int policy, int clock) -> ()");
+    // Rows by slot from two-tier storage (rows: the first rows.size(0) slots, rows_host: the rest); zeros for -1.
+    m.def("dynemb_gather(Tensor slots, Tensor rows, Tensor rows_host) -> Tensor");
+    m.def("dynemb_scatter(Tensor slots, Tensor src, Tensor(a!) rows, Tensor(b!) rows_host) -> ()");
+    // New rows: values from the per-key initializer (init_kind: 0 none, 1 normal(a, b), 2 uniform(a, b),
+    // 3 constant a), optimizer state zeroed; only where mask != 0 when given.
+    m.def("dynemb_init(Tensor slots, Tensor keys, Tensor? mask, Tensor(a!) values, Tensor(b!) values_host, "
+          "Tensor(c!) state, Tensor(d!) state_host, int init_kind, float a, float b, int seed) -> ()");
+    // One optimizer step per (unique) slot with its gradient row (opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam).
+    m.def("dynemb_update(Tensor slots, Tensor grad, Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, "
+          "Tensor(d!) state_host, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");
+    // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb.h).
+    m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean) -> Tensor");
+    // Per unique id, the sum of its occurrences' gradient rows in perm order (fp32, deterministic).
+    m.def("dynemb_segment_sum(Tensor grad, Tensor perm, Tensor seg, Tensor? bag_of, Tensor? scale) -> Tensor");
+    // (rows, cols) of `dtype` in pinned host memory mapped into `like`'s GPU (cudaHostAlloc, mapped):
+    // the host tier of a CUDA table. CUDA only.
+    m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");
 
 }

@@ -28,6 +28,10 @@ __all__ += ["complete_cumsum", "concat_2d_jagged", "dense_to_jagged", "jagged_co
 
 
 # ---- dynamic embeddings ----
+from . import optim  # noqa: E402
+from .dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag  # noqa: E402
+
+__all__ += ["DynamicEmbedding", "DynamicEmbeddingBag", "optim"]
 
 
 # ---- HuggingFace patching ----

@@ -1,0 +1,333 @@
+// Dynamic embedding table ops: argument checks, parameter setup, and the CPU implementation.
+#include "dynemb.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "tf_check.h"
+
+namespace torchfuse {
+
+void check_index(const at::Tensor &t, const at::Tensor &ref, const char *op, const char *arg) {
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, op, ": ", arg, " must be int64, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), op, ": ", arg, " must be 1-D and contiguous, got shape ",
+                t.sizes());
+    check_same_device(t, ref, op, arg, "the table");
+}
+
+tf_dynemb_table dynemb_table(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests,
+                             const at::Tensor *scores, const at::Tensor &marks, const at::Tensor *locks,
+                             int64_t bucket_size, const char *op) {
+    check_index(keys, keys, op, "keys");
+    check_index(query, keys, op, "query");
+    const int64_t cap = keys.numel();
+    TORCH_CHECK(bucket_size >= 4 && bucket_size <= 128 && (bucket_size & (bucket_size - 1)) == 0, op,
+                ": bucket_size must be a power of two in [4, 128], got ", bucket_size);
+    const int64_t nb = cap / bucket_size;
+    TORCH_CHECK(cap % bucket_size == 0 && nb >= 1 && (nb & (nb - 1)) == 0, op,
+                ": the table's capacity (", cap, ") must be bucket_size times a power of two");
+    auto check_arr = [&](const at::Tensor &t, at::ScalarType st, int64_t n, const char *arg) {
+        TORCH_CHECK(t.scalar_type() == st && t.dim() == 1 && t.numel() == n && t.is_contiguous(), op, ": ", arg,
+                    " must be a contiguous 1-D ", st, " tensor of ", n, " elements, got ", t.scalar_type(), " ",
+                    t.sizes());
+        check_same_device(t, keys, op, arg, "keys");
+    };
+    check_arr(digests, at::kByte, cap, "digests");
+    check_arr(marks, at::kInt, cap, "marks");
+    if (scores) check_arr(*scores, at::kLong, cap, "scores");
+    if (locks) check_arr(*locks, at::kInt, nb, "locks");
+    tf_dynemb_table t{};
+    t.keys = keys.data_ptr<int64_t>();
+    t.digests = digests.data_ptr<uint8_t>();
+    t.scores = scores ? scores->data_ptr<int64_t>() : nullptr;
+    t.marks = marks.data_ptr<int32_t>();
+    t.locks = locks ? locks->data_ptr<int32_t>() : nullptr;
+    t.num_buckets = nb;
+    t.bucket_size = (int)bucket_size;
+    return t;
+}
+
+std::vector<int64_t> row_shape(const at::Tensor &rows, int64_t n) {
+    std::vector<int64_t> s(rows.sizes().begin(), rows.sizes().end());
+    s[0] = n;
+    return s;
+}
+
+tf_dynemb_rows dynemb_rows(const at::Tensor &rows, const at::Tensor &rows_host, const at::Tensor &ref,
+                           const char *op, const char *arg) {
+    TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous(), op, ": ", arg, " must be a contiguous 2-D tensor, got ",
+                rows.sizes());
+    check_same_device(rows, ref, op, arg, "the table");
+    TORCH_CHECK(rows_host.dim() == 2 && rows_host.is_contiguous() && rows_host.size(1) == rows.size(1) &&
+                    rows_host.scalar_type() == rows.scalar_type(),
+                op, ": the host part of ", arg, " must be contiguous with rows of ", rows.size(1), " ",
+                rows.scalar_type(), ", got ", rows_host.scalar_type(), " ", rows_host.sizes());
+    // a CUDA table's host part must be mapped pinned memory: dynemb_cuda.cpp's map_host checks it
+    tf_dynemb_rows r{};
+    r.hbm = static_cast<char *>(rows.data_ptr());
+    r.host = rows_host.numel() > 0 ? static_cast<char *>(rows_host.data_ptr()) : nullptr;
+    r.n_hbm = rows.size(0);
+    r.row_bytes = rows.size(1) * rows.element_size();
+    return r;
+}
+
+tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tensor &keys,
+                                         const std::optional<at::Tensor> &mask, const at::Tensor &values,
+                                         const at::Tensor &values_host, const at::Tensor &state,
+                                         const at::Tensor &state_host, int64_t init_kind, double a, double b,
+                                         int64_t seed) {
+    const char *op = "torchfuse.dynemb_init";
+    check_index(slots, values, op, "slots");
+    check_index(keys, values, op, "keys");
+    TORCH_CHECK(keys.numel() == slots.numel(), op, ": keys and slots must have the same length");
+    TORCH_CHECK(init_kind >= TF_INIT_NONE && init_kind <= TF_INIT_CONSTANT, op, ": bad init_kind ", init_kind);
+    tf_dynemb_init_params p{};
+    p.n = slots.numel();
+    p.slots = slots.data_ptr<int64_t>();
+    p.keys = keys.data_ptr<int64_t>();
+    if (mask.has_value()) {
+        TORCH_CHECK(mask->scalar_type() == at::kByte && mask->numel() == p.n && mask->is_contiguous(), op,
+                    ": mask must be a contiguous uint8 tensor of ", p.n, " elements");
+        check_same_device(*mask, values, op, "mask", "values");
+        p.mask = mask->data_ptr<uint8_t>();
+    }
+    p.values = dynemb_rows(values, values_host, values, op, "values");
+    p.dtype = kernel_dtype(values.scalar_type(), op, "values");
+    p.dim = values.size(1);
+    TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, op, ": state must be float32");
+    p.state = dynemb_rows(state, state_host, values, op, "state");
+    TORCH_CHECK(state.size(0) == values.size(0), op, ": state and values must split hbm/host rows alike");
+    p.init_kind = (int)init_kind;
+    p.a = a;
+    p.b = b;
+    p.seed = (uint64_t)seed;
+    return p;
+}
+
+tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::Tensor &grad, const at::Tensor &values,
+                                             const at::Tensor &values_host, const at::Tensor &state,
+                                             const at::Tensor &state_host, int64_t opt, double lr, double eps,
+                                             double beta1, double beta2, double step_size) {
+    const char *op = "torchfuse.dynemb_update";
+    check_index(slots, values, op, "slots");
+    tf_dynemb_update_params p{};
+    p.values = dynemb_rows(values, values_host, values, op, "values");
+    p.dtype = kernel_dtype(values.scalar_type(), op, "values");
+    p.dim = values.size(1);
+    check_same_device(grad, values, op, "grad", "values");
+    TORCH_CHECK(grad.dim() == 2 && grad.size(0) == slots.numel() && grad.size(1) == p.dim && grad.stride(1) == 1, op,
+                ": grad must be (", slots.numel(), ", ", p.dim, ") with unit column stride, got ", grad.sizes());
+    p.grad_dtype = kernel_dtype(grad.scalar_type(), op, "grad");
+    p.grad = grad.data_ptr();
+    p.grad_stride = grad.stride(0);
+    TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, op, ": state must be float32");
+    p.state = dynemb_rows(state, state_host, values, op, "state");
+    TORCH_CHECK(state.size(0) == values.size(0), op, ": state and values must split hbm/host rows alike");
+    const int64_t need = opt == TF_OPT_SGD ? 0 : opt == TF_OPT_ADAGRAD ? p.dim : opt == TF_OPT_ROWWISE_ADAGRAD ? 1
+                                                 : opt == TF_OPT_ADAM         ? 2 * p.dim
+                                                                              : -1;
+    TORCH_CHECK(need >= 0, op, ": unknown optimizer code ", opt);
+    TORCH_CHECK(state.size(1) == need, op, ": the optimizer needs ", need, " state floats per row, got ",
+                state.size(1));
+    p.n = slots.numel();
+    p.slots = slots.data_ptr<int64_t>();
+    p.opt = (int)opt;
+    p.lr = (float)lr;
+    p.eps = (float)eps;
+    p.beta1 = (float)beta1;
+    p.beta2 = (float)beta2;
+    p.step_size = (float)step_size;
+    return p;
+}
+
+tf_dynemb_pool_params dynemb_pool_params(const at::Tensor &slots, const at::Tensor &offsets,
+                                         const std::optional<at::Tensor> &weights, const at::Tensor &rows,
+                                         const at::Tensor &rows_host, bool mean, at::Tensor &out) {
+    const char *op = "torchfuse.dynemb_pool";
+    check_index(slots, rows, op, "slots");
+    check_index(offsets, rows, op, "offsets");
+    TORCH_CHECK(offsets.numel() >= 1, op, ": offsets must hold n_bags + 1 entries");
+    tf_dynemb_pool_params p{};
+    p.n_bags = offsets.numel() - 1;
+    p.slots = slots.data_ptr<int64_t>();
+    p.offsets = offsets.data_ptr<int64_t>();
+    if (weights.has_value()) {
+        TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == slots.numel() &&
+                        weights->is_contiguous(),
+                    op, ": weights must be contiguous float32 with one entry per id");
+        check_same_device(*weights, rows, op, "weights", "the table");
+        p.weights = weights->data_ptr<float>();
+    }
+    p.mean = mean;
+    p.values = dynemb_rows(rows, rows_host, rows, op, "rows");
+    p.dtype = kernel_dtype(rows.scalar_type(), op, "rows");
+    p.dim = rows.size(1);
+    out = at::empty({p.n_bags, p.dim}, rows.options());
+    p.out = out.data_ptr();
+    return p;
+}
+
+tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
+                                             const std::optional<at::Tensor> &bag_of,
+                                             const std::optional<at::Tensor> &scale, at::Tensor &out) {
+    const char *op = "torchfuse.dynemb_segment_sum";
+    TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), op, ": grad must be a contiguous 2-D tensor");
+    check_index(perm, grad, op, "perm");
+    check_index(seg, grad, op, "seg");
+    TORCH_CHECK(seg.numel() >= 1, op, ": seg must hold n_unique + 1 entries");
+    tf_dynemb_segsum_params p{};
+    p.n_unique = seg.numel() - 1;
+    p.dim = grad.size(1);
+    p.perm = perm.data_ptr<int64_t>();
+    p.seg = seg.data_ptr<int64_t>();
+    if (bag_of.has_value()) {
+        check_index(*bag_of, grad, op, "bag_of");
+        TORCH_CHECK(bag_of->numel() == perm.numel(), op, ": bag_of must have one entry per id");
+        p.bag_of = bag_of->data_ptr<int64_t>();
+    } else {
+        TORCH_CHECK(grad.size(0) == perm.numel(), op, ": grad must have one row per id without bag_of");
+    }
+    if (scale.has_value()) {
+        TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == perm.numel() && scale->is_contiguous(), op,
+                    ": scale must be contiguous float32 with one entry per id");
+        check_same_device(*scale, grad, op, "scale", "grad");
+        p.scale = scale->data_ptr<float>();
+    }
+    p.grad = grad.data_ptr();
+    p.grad_dtype = kernel_dtype(grad.scalar_type(), op, "grad");
+    out = at::empty({p.n_unique, p.dim}, grad.options().dtype(at::kFloat));
+    p.out = out.data_ptr<float>();
+    return p;
+}
+
+namespace {
+
+at::Tensor lookup_cpu(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests, at::Tensor &marks,
+                      int64_t bucket_size, int64_t epoch) {
+    tf_dynemb_table t = dynemb_table(query, keys, digests, nullptr, marks, nullptr, bucket_size, "torchfuse.dynemb_lookup");
+    at::Tensor slots = at::empty({query.numel()}, query.options());
+    tf_dynemb_probe p{};
+    p.n = query.numel();
+    p.query = query.data_ptr<int64_t>();
+    p.slots = slots.data_ptr<int64_t>();
+    p.epoch = (int32_t)epoch;
+    at::parallel_for(0, p.n, 2048, [&](int64_t b, int64_t e) { tf_dynemb_lookup_cpu(&t, &p, b, e); });
+    return slots;
+}
+
+DynembInsertResult insert_cpu(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
+                              at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, int64_t bucket_size,
+                              int64_t epoch, bool allow_evict) {
+    const char *op = "torchfuse.dynemb_insert";
+    tf_dynemb_table t = dynemb_table(query, keys, digests, &scores, marks, nullptr, bucket_size, op);
+    check_index(slots, keys, op, "slots");
+    TORCH_CHECK(slots.numel() == query.numel(), op, ": slots must have one entry per query key");
+    const int64_t n = query.numel();
+    at::Tensor is_new = at::zeros({n}, query.options().dtype(at::kByte));
+    at::Tensor ev = at::empty({3, n}, query.options());
+    at::Tensor counts = at::zeros({3}, query.options());
+    tf_dynemb_probe p{};
+    p.n = n;
+    p.query = query.data_ptr<int64_t>();
+    p.slots = slots.data_ptr<int64_t>();
+    p.epoch = (int32_t)epoch;
+    p.allow_evict = allow_evict;
+    p.is_new = is_new.data_ptr<uint8_t>();
+    p.evicted_keys = ev[0].data_ptr<int64_t>();
+    p.evicted_slots = ev[1].data_ptr<int64_t>();
+    p.evicted_scores = ev[2].data_ptr<int64_t>();
+    p.counts = counts.data_ptr<int64_t>();
+    tf_dynemb_insert_cpu(&t, &p);
+    return {is_new, ev[0], ev[1], ev[2], counts};
+}
+
+void touch_cpu(at::Tensor &scores, const at::Tensor &slots, int64_t policy, int64_t clock) {
+    check_index(scores, scores, "torchfuse.dynemb_touch", "scores");
+    check_index(slots, scores, "torchfuse.dynemb_touch", "slots");
+    tf_dynemb_touch_cpu(scores.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), slots.numel(), (int)policy, clock);
+}
+
+at::Tensor gather_cpu(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host) {
+    check_index(slots, rows, "torchfuse.dynemb_gather", "slots");
+    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, "torchfuse.dynemb_gather", "rows");
+    at::Tensor out = at::empty(row_shape(rows, slots.numel()), rows.options());
+    if (r.row_bytes == 0) return out;
+    const int64_t *s = slots.data_ptr<int64_t>();
+    at::parallel_for(0, slots.numel(), 1024, [&](int64_t b, int64_t e) { tf_dynemb_gather_cpu(&r, s, out.data_ptr(), b, e); });
+    return out;
+}
+
+void scatter_cpu(const at::Tensor &slots, const at::Tensor &src, at::Tensor &rows, at::Tensor &rows_host) {
+    const char *op = "torchfuse.dynemb_scatter";
+    check_index(slots, rows, op, "slots");
+    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
+    check_same_device(src, rows, op, "src", "rows");
+    TORCH_CHECK(src.dim() == 2 && src.size(0) == slots.numel() && src.size(1) == rows.size(1) &&
+                    src.scalar_type() == rows.scalar_type(),
+                op, ": src must be (", slots.numel(), ", ", rows.size(1), ") ", rows.scalar_type(), ", got ",
+                src.scalar_type(), " ", src.sizes());
+    if (r.row_bytes == 0) return;
+    at::Tensor s = src.contiguous();
+    const int64_t *sl = slots.data_ptr<int64_t>();
+    // rows are unique per call (the caller dedups), so ranges never write the same row
+    at::parallel_for(0, slots.numel(), 1024, [&](int64_t b, int64_t e) { tf_dynemb_scatter_cpu(&r, sl, s.data_ptr(), b, e); });
+}
+
+void init_cpu(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask, at::Tensor &values,
+              at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host, int64_t init_kind, double a, double b,
+              int64_t seed) {
+    tf_dynemb_init_params p =
+        dynemb_init_params(slots, keys, mask, values, values_host, state, state_host, init_kind, a, b, seed);
+    at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_cpu(&p, b0, e0); });
+}
+
+void update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::Tensor &values, at::Tensor &values_host,
+                at::Tensor &state, at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1,
+                double beta2, double step_size) {
+    tf_dynemb_update_params p = dynemb_update_params(slots, grad, values, values_host, state, state_host, opt, lr, eps,
+                                                     beta1, beta2, step_size);
+    at::parallel_for(0, p.n, 64, [&](int64_t b, int64_t e) { tf_dynemb_update_cpu(&p, b, e); });
+}
+
+std::tuple<at::Tensor, at::Tensor> find_cpu(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests,
+                                            const at::Tensor &marks, const at::Tensor &rows, const at::Tensor &rows_host,
+                                            int64_t bucket_size) {
+    TORCH_CHECK(rows.dim() == 2 && rows_host.dim() == 2 && rows.size(0) + rows_host.size(0) == keys.numel(),
+                "torchfuse.dynemb_find: rows must hold one row per slot (", keys.numel(), ")");
+    at::Tensor m = marks;  // epoch 0: not written
+    at::Tensor slots = lookup_cpu(query, keys, digests, m, bucket_size, 0);
+    return {gather_cpu(slots, rows, rows_host), slots};
+}
+
+at::Tensor pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
+                    const at::Tensor &rows, const at::Tensor &rows_host, bool mean) {
+    at::Tensor out;
+    tf_dynemb_pool_params p = dynemb_pool_params(slots, offsets, weights, rows, rows_host, mean, out);
+    at::parallel_for(0, p.n_bags, 16, [&](int64_t b, int64_t e) { tf_dynemb_pool_cpu(&p, b, e); });
+    return out;
+}
+
+at::Tensor segsum_cpu(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
+                      const std::optional<at::Tensor> &bag_of, const std::optional<at::Tensor> &scale) {
+    at::Tensor out;
+    tf_dynemb_segsum_params p = dynemb_segsum_params(grad, perm, seg, bag_of, scale, out);
+    at::parallel_for(0, p.n_unique, 16, [&](int64_t b, int64_t e) { tf_dynemb_segsum_cpu(&p, b, e); });
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
+    m.impl("dynemb_pool", &pool_cpu);
+    m.impl("dynemb_segment_sum", &segsum_cpu);
+    m.impl("dynemb_lookup", &lookup_cpu);
+    m.impl("dynemb_insert", &insert_cpu);
+    m.impl("dynemb_find", &find_cpu);
+    m.impl("dynemb_touch", &touch_cpu);
+    m.impl("dynemb_gather", &gather_cpu);
+    m.impl("dynemb_scatter", &scatter_cpu);
+    m.impl("dynemb_init", &init_cpu);
+    m.impl("dynemb_update", &update_cpu);
+}
+
+}  // namespace torchfuse

@@ -1,0 +1,46 @@
+// Dynamic embedding table ops: argument checks and kernel-parameter setup shared by the CPU
+// (dynemb.cpp) and CUDA (dynemb_cuda.cpp) implementations (schemas: registration.cpp). The table's
+// state is a set of tensors owned by the Python module (python/torchfuse/dynamic_embedding.py).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+#include "../kernels/dynemb.h"
+
+namespace torchfuse {
+
+using DynembInsertResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// keys/digests/scores/marks/locks checked against each other and against the queried keys.
+tf_dynemb_table dynemb_table(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests,
+                             const at::Tensor *scores, const at::Tensor &marks, const at::Tensor *locks,
+                             int64_t bucket_size, const char *op);
+// A 1-D int64 contiguous tensor of keys or slots on `ref`'s device.
+void check_index(const at::Tensor &t, const at::Tensor &ref, const char *op, const char *arg);
+// Two-tier rows: `rows` (n_hbm, width...) on the table's device, `rows_host` the rest with the same
+// row shape and dtype (pinned host memory for a CUDA table). host pointer filled by the caller.
+tf_dynemb_rows dynemb_rows(const at::Tensor &rows, const at::Tensor &rows_host, const at::Tensor &ref,
+                           const char *op, const char *arg);
+// Trailing row shape of `rows` (everything after dim 0).
+std::vector<int64_t> row_shape(const at::Tensor &rows, int64_t n);
+
+tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tensor &keys,
+                                         const std::optional<at::Tensor> &mask, const at::Tensor &values,
+                                         const at::Tensor &values_host, const at::Tensor &state,
+                                         const at::Tensor &state_host, int64_t init_kind, double a, double b,
+                                         int64_t seed);
+tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::Tensor &grad, const at::Tensor &values,
+                                             const at::Tensor &values_host, const at::Tensor &state,
+                                             const at::Tensor &state_host, int64_t opt, double lr, double eps,
+                                             double beta1, double beta2, double step_size);
+
+tf_dynemb_pool_params dynemb_pool_params(const at::Tensor &slots, const at::Tensor &offsets,
+                                         const std::optional<at::Tensor> &weights, const at::Tensor &rows,
+                                         const at::Tensor &rows_host, bool mean, at::Tensor &out);
+tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
+                                             const std::optional<at::Tensor> &bag_of,
+                                             const std::optional<at::Tensor> &scale, at::Tensor &out);
+
+}  // namespace torchfuse

@@ -1,0 +1,188 @@
+/* Dynamic embedding hash table: the C ABI of the kernel family (CPU: dynemb_cpu.c, CUDA: dynemb_cuda.cu).
+ *
+ * Layout (HierarchicalKV-style): the table has num_buckets (a power of two) buckets of bucket_size
+ * slots (a power of two, 4..128). Per slot, in separate arrays indexed by slot:
+ *   digests  uint8:  0 = empty, else a 1..255 digest of the key's hash (every int64 is a usable key:
+ *                    emptiness is the digest, never a reserved key value)
+ *   keys     int64:  the key (meaningless when the digest is 0)
+ *   scores   int64:  LRU: the table clock at the last access; LFU: the access count
+ *   marks    int32:  the epoch of the last operation that touched the slot; eviction never takes a
+ *                    slot marked with the current epoch, so keys found or inserted by the running
+ *                    batch stay where the batch saw them
+ * and per bucket an int32 lock (CUDA inserts only). A key lives in exactly one bucket,
+ * tf_dynemb_bucket(hash): a probe reads that bucket's digests (one 128-byte line at 128 slots) and
+ * compares keys only where the digest matches.
+ *
+ * Rows (values, and the optimizer state beside them) are addressed by slot through a two-tier
+ * tf_dynemb_rows: slots below n_hbm in `hbm`, the rest in `host` (pinned, mapped host memory that
+ * CUDA kernels read over PCIe; NULL when every row is in hbm).
+ *
+ * An operation on a batch is: lookup (read-only probe, marks found slots), insert of the keys still
+ * missing (per-bucket lock on CUDA, re-probe under the lock so repeated keys end in one slot; an
+ * empty slot, else with allow_evict the unmarked slot of least (score, slot)), then row work by
+ * slot (init of new rows, gather, scatter, optimizer update). Victims are order-independent: a
+ * bucket receiving k new keys loses its k least (score, slot) unmarked keys whatever the order. */
+#ifndef TF_DYNEMB_H
+#define TF_DYNEMB_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "tf_dtype.h"
+
+#ifdef __CUDACC__
+#define TF_HD __host__ __device__ __forceinline__
+#else
+#define TF_HD static inline
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { TF_DYNEMB_LRU = 0, TF_DYNEMB_LFU = 1 };
+enum { TF_INIT_NONE = 0, TF_INIT_NORMAL = 1, TF_INIT_UNIFORM = 2, TF_INIT_CONSTANT = 3 };
+enum { TF_OPT_SGD = 0, TF_OPT_ADAGRAD = 1, TF_OPT_ROWWISE_ADAGRAD = 2, TF_OPT_ADAM = 3 };
+
+/* splitmix64's finalizer: a bijection on 64 bits, so distinct keys never share a full hash. */
+TF_HD uint64_t tf_mix64(uint64_t x) {
+    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27; x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+TF_HD uint64_t tf_dynemb_hash(int64_t key) { return tf_mix64((uint64_t)key); }
+/* Bucket from the low bits, digest from the top byte (independent of the bucket bits). */
+TF_HD int64_t tf_dynemb_bucket(uint64_t h, int64_t num_buckets) { return (int64_t)(h & (uint64_t)(num_buckets - 1)); }
+TF_HD uint8_t tf_dynemb_digest(uint64_t h) { uint8_t d = (uint8_t)(h >> 56); return d ? d : (uint8_t)1; }
+
+typedef struct {
+    int64_t *keys;
+    uint8_t *digests;
+    int64_t *scores;
+    int32_t *marks;
+    int32_t *locks;       /* num_buckets, zero when idle; CUDA only (may be NULL on CPU) */
+    int64_t num_buckets;
+    int bucket_size;
+} tf_dynemb_table;
+
+typedef struct {
+    char *hbm;            /* rows [0, n_hbm) */
+    char *host;           /* rows [n_hbm, ...), NULL when none */
+    int64_t n_hbm;
+    int64_t row_bytes;
+} tf_dynemb_rows;
+
+TF_HD char *tf_dynemb_row(const tf_dynemb_rows *r, int64_t slot) {
+    return slot < r->n_hbm ? r->hbm + slot * r->row_bytes : r->host + (slot - r->n_hbm) * r->row_bytes;
+}
+
+typedef struct {
+    int64_t n;                 /* number of queried keys */
+    const int64_t *query;      /* n keys */
+    int64_t *slots;            /* n: lookup writes slot or -1; insert fills the -1 entries it places */
+    int32_t epoch;             /* > 0: mark found / inserted slots with it; 0: lookup leaves marks alone */
+    /* insert only */
+    int allow_evict;
+    uint8_t *is_new;           /* n: 1 where this key was inserted by this call (one of repeated keys) */
+    int64_t *evicted_keys;     /* capacity n each: what eviction removed, in no particular order */
+    int64_t *evicted_slots;
+    int64_t *evicted_scores;
+    int64_t *counts;           /* 3: inserted, evicted, failed (no slot: bucket full, no eviction allowed) */
+} tf_dynemb_probe;
+
+typedef struct {
+    int64_t n;
+    const int64_t *slots;      /* n; entries < 0 are skipped */
+    const int64_t *keys;       /* n: the keys, for init's per-key random numbers */
+    const uint8_t *mask;       /* n or NULL: only rows with mask[i] != 0 */
+    tf_dynemb_rows values; int dtype; int64_t dim;
+    tf_dynemb_rows state;      /* fp32 optimizer state, sdim per row (row_bytes 0: none) */
+    int init_kind;             /* TF_INIT_*: values; the state is zeroed */
+    double a, b;               /* normal (mean, std), uniform (lo, hi), constant (a) */
+    uint64_t seed;
+} tf_dynemb_init_params;
+
+/* Per row i (unique slots): optimizer step on values[slots[i]] with gradient row grad[i]. */
+typedef struct {
+    int64_t n;
+    const int64_t *slots;      /* n unique slots; entries < 0 are skipped */
+    const void *grad; int grad_dtype; int64_t grad_stride;
+    tf_dynemb_rows values; int dtype; int64_t dim;
+    tf_dynemb_rows state;      /* Adagrad: dim sums; RowWiseAdagrad: 1; Adam: dim exp_avg, dim exp_avg_sq */
+    int opt;
+    float lr, eps, beta1, beta2;
+    float step_size;           /* Adam: lr * sqrt(1 - beta2^t) / (1 - beta1^t) */
+} tf_dynemb_update_params;
+
+/* Bag pooling straight from the table: out[b] = sum over i in [offsets[b], offsets[b+1]) of
+ * w_i * row(slots[i]) (w_i = weights[i], or 1), divided by the bag's length when mean; fp32
+ * accumulation in id order, rounded once to the row dtype; rows of slot -1 count as zeros. */
+typedef struct {
+    int64_t n_bags;
+    const int64_t *slots, *offsets;  /* offsets: n_bags + 1 */
+    const float *weights;            /* NULL: ones */
+    int mean;
+    tf_dynemb_rows values; int dtype; int64_t dim;
+    void *out;                       /* n_bags x dim, dtype */
+} tf_dynemb_pool_params;
+
+/* Deterministic gradient per unique id: out[u] = sum over j in [seg[u], seg[u+1]) of
+ * scale[perm[j]] * grad[src(perm[j])] in j order (src(i) = bag_of[i], or i when bag_of is NULL),
+ * fp32. perm lists the ids grouped by unique id (a stable sort). */
+typedef struct {
+    int64_t n_unique, dim;
+    const int64_t *perm, *seg, *bag_of;   /* bag_of may be NULL */
+    const float *scale;                   /* NULL: ones */
+    const void *grad; int grad_dtype;     /* rows of dim, contiguous */
+    float *out;                           /* n_unique x dim */
+} tf_dynemb_segsum_params;
+
+/* The i-th per-key random number in [0, 1) of init for `key`; identical on CPU and CUDA. */
+TF_HD double tf_dynemb_uniform(int64_t key, uint64_t seed, uint64_t i) {
+    uint64_t h = tf_mix64(tf_mix64((uint64_t)key ^ tf_mix64(seed + 0x9e3779b97f4a7c15ULL)) + i);
+    return ((double)(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+/* Value j of a new row for `key` (before rounding to the row dtype). */
+TF_HD double tf_dynemb_init_value(int kind, double a, double b, int64_t key, uint64_t seed, int64_t j) {
+    if (kind == TF_INIT_CONSTANT) return a;
+    if (kind == TF_INIT_UNIFORM) return a + (b - a) * tf_dynemb_uniform(key, seed, (uint64_t)j);
+    /* normal: Box-Muller on two per-key uniforms in (0, 1) */
+    const double u1 = tf_dynemb_uniform(key, seed, 2 * (uint64_t)j), u2 = tf_dynemb_uniform(key, seed, 2 * (uint64_t)j + 1);
+    return a + b * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+/* ---- CPU (kernels/dynemb_cpu.c); ranges [begin, end) of the batch ---- */
+void tf_dynemb_lookup_cpu(const tf_dynemb_table *t, const tf_dynemb_probe *p, int64_t begin, int64_t end);
+/* Sequential over the whole batch (insertion order decides nothing observable but slot positions). */
+void tf_dynemb_insert_cpu(const tf_dynemb_table *t, const tf_dynemb_probe *p);
+/* LRU: scores[slot] = clock; LFU: scores[slot] += 1 per occurrence. Sequential. */
+void tf_dynemb_touch_cpu(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock);
+/* out[i] = row slots[i] (zeros where slots[i] < 0); rows are row_bytes wide. */
+void tf_dynemb_gather_cpu(const tf_dynemb_rows *r, const int64_t *slots, void *out, int64_t begin, int64_t end);
+/* row slots[i] = src[i] (skipped where slots[i] < 0). */
+void tf_dynemb_scatter_cpu(const tf_dynemb_rows *r, const int64_t *slots, const void *src, int64_t begin, int64_t end);
+void tf_dynemb_init_cpu(const tf_dynemb_init_params *p, int64_t begin, int64_t end);
+void tf_dynemb_update_cpu(const tf_dynemb_update_params *p, int64_t begin, int64_t end);
+void tf_dynemb_pool_cpu(const tf_dynemb_pool_params *p, int64_t begin, int64_t end);
+void tf_dynemb_segsum_cpu(const tf_dynemb_segsum_params *p, int64_t begin, int64_t end);
+
+/* ---- CUDA (kernels/dynemb_cuda.cu); return a cudaError_t as int ---- */
+int tf_dynemb_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream);
+/* lookup + gather in one kernel: slots[i] and row i of out (zeros where absent). */
+int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t n, int64_t *slots,
+                        const tf_dynemb_rows *r, void *out, void *stream);
+int tf_dynemb_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream);
+int tf_dynemb_touch_cuda(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock, void *stream);
+int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, void *out, void *stream);
+int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, const void *src, void *stream);
+int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream);
+int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream);
+int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream);
+int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TF_DYNEMB_H */

@@ -1,0 +1,434 @@
+// Dynamic embedding hash table, CUDA path (semantics: dynemb.h; the CPU path dynemb_cpu.c is the
+// reference).
+//
+// Thread mapping:
+//   lookup / insert: one warp per queried key. Lane l reads digest word l of the key's bucket (4
+//     digests; 32 lanes cover a 128-slot bucket in one 128-byte line) and compares the key only
+//     where a digest matches; ballots and shuffles combine the lanes. Insert holds the bucket's lock
+//     (lane 0 spins on atomicCAS) and reads the bucket through L2 (__ldcg): other warps may have
+//     changed it since this kernel started.
+//   gather / scatter: a group of up to 32 threads per row copies it in 16, 8, 4 or 2-byte units.
+//   init / update: one warp per row, lanes striding over the row's elements (RowWiseAdagrad sums
+//     the squared gradient across the warp).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "dynemb.h"
+
+namespace {
+
+constexpr int kBlock = 256;
+constexpr int kWarpsPerBlock = kBlock / 32;
+
+__device__ __forceinline__ float load_f32(const void *base, int dt, int64_t i) {
+    if (dt == TF_F32) return static_cast<const float *>(base)[i];
+    if (dt == TF_BF16) return __bfloat162float(static_cast<const __nv_bfloat16 *>(base)[i]);
+    return __half2float(static_cast<const __half *>(base)[i]);
+}
+
+__device__ __forceinline__ void store_f32(void *base, int dt, int64_t i, float v) {
+    if (dt == TF_F32) static_cast<float *>(base)[i] = v;
+    else if (dt == TF_BF16) static_cast<__nv_bfloat16 *>(base)[i] = __float2bfloat16_rn(v);
+    else static_cast<__half *>(base)[i] = __float2half_rn(v);
+}
+
+__device__ __forceinline__ int64_t warp_index() {
+    return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+}
+
+unsigned grid_for_warps(int64_t warps) { return static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock); }
+
+// ---- probing ----
+
+__global__ void lookup_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
+    const int64_t i = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (i >= p.n) return;  // uniform per warp
+    const int64_t key = p.query[i];
+    const uint64_t h = tf_dynemb_hash(key);
+    const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * t.bucket_size;
+    const uint32_t d = tf_dynemb_digest(h);
+    int64_t found = -1;
+    if (lane < (t.bucket_size >> 2)) {
+        const uint32_t w = __ldg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int64_t j = base + 4 * lane + b;
+            if (((w >> (8 * b)) & 0xffu) == d && t.keys[j] == key) found = j;
+        }
+    }
+    const unsigned m = __ballot_sync(0xffffffffu, found >= 0);
+    if (lane == __ffs(m) - 1) {  // keys are unique in the table: at most one lane found it
+        p.slots[i] = found;
+        if (p.epoch > 0) t.marks[found] = p.epoch;
+    }
+    if (m == 0 && lane == 0) p.slots[i] = -1;
+}
+
+// find: lookup_kernel's probe, then the same warp copies the row (zeros when absent) in 16-byte
+// units when aligned (4-byte otherwise), so the slot never goes through memory between two kernels.
+template <typename T>
+__global__ void find_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, int64_t *slots,
+                            tf_dynemb_rows r, char *out) {
+    const int64_t i = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (i >= n) return;  // uniform per warp
+    const int64_t key = query[i];
+    const uint64_t h = tf_dynemb_hash(key);
+    const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * t.bucket_size;
+    const uint32_t d = tf_dynemb_digest(h);
+    int64_t found = -1;
+    if (lane < (t.bucket_size >> 2)) {
+        const uint32_t w = __ldg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int64_t j = base + 4 * lane + b;
+            if (((w >> (8 * b)) & 0xffu) == d && t.keys[j] == key) found = j;
+        }
+    }
+    const unsigned m = __ballot_sync(0xffffffffu, found >= 0);
+    const int64_t slot = m ? __shfl_sync(0xffffffffu, found, __ffs(m) - 1) : -1;
+    if (lane == 0) slots[i] = slot;
+    const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));
+    T *dst = reinterpret_cast<T *>(out + i * r.row_bytes);
+    if (slot < 0) {
+        T zero;
+        memset(&zero, 0, sizeof(T));
+        for (int64_t u = lane; u < units; u += 32) dst[u] = zero;
+        return;
+    }
+    const T *src = reinterpret_cast<const T *>(tf_dynemb_row(&r, slot));
+    for (int64_t u = lane; u < units; u += 32) dst[u] = src[u];
+}
+
+// (valid, score, slot) ordered by score then slot; invalid loses.
+__device__ __forceinline__ void min_victim(int64_t &s, int64_t &j, int64_t s2, int64_t j2) {
+    if (j2 >= 0 && (j < 0 || s2 < s || (s2 == s && j2 < j))) { s = s2; j = j2; }
+}
+
+__global__ void insert_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
+    const int64_t i = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (i >= p.n || p.slots[i] >= 0) return;  // uniform per warp
+    const int64_t key = p.query[i];
+    const uint64_t h = tf_dynemb_hash(key);
+    const int64_t bucket = tf_dynemb_bucket(h, t.num_buckets);
+    const int64_t base = bucket * t.bucket_size;
+    const uint32_t d = tf_dynemb_digest(h);
+
+    if (lane == 0)
+        while (atomicCAS(&t.locks[bucket], 0, 1) != 0) __nanosleep(32);
+    __syncwarp();
+    __threadfence();
+
+    int64_t found = -1, empty = INT64_MAX, vs = 0, vj = -1;
+    const bool active = lane < (t.bucket_size >> 2);
+    const uint32_t w = active ? __ldcg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane) : 0u;
+    if (active) {
+        for (int b = 0; b < 4; ++b) {
+            const int64_t j = base + 4 * lane + b;
+            const uint32_t dj = (w >> (8 * b)) & 0xffu;
+            if (dj == 0) { if (empty == INT64_MAX) empty = j; }
+            else if (dj == d && __ldcg(&t.keys[j]) == key) found = j;
+        }
+    }
+    const unsigned fm = __ballot_sync(0xffffffffu, found >= 0);
+    if (fm) found = __shfl_sync(0xffffffffu, found, __ffs(fm) - 1);
+    for (int o = 16; o > 0; o >>= 1) empty = min(empty, __shfl_xor_sync(0xffffffffu, empty, o));
+    if (!fm && empty == INT64_MAX && p.allow_evict) {  // bucket full: the victim, reading marks and scores
+        if (active) {
+            for (int b = 0; b < 4; ++b) {
+                const int64_t j = base + 4 * lane + b;
+                if (__ldcg(&t.marks[j]) != p.epoch) min_victim(vs, vj, __ldcg(&t.scores[j]), j);
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const int64_t s2 = __shfl_xor_sync(0xffffffffu, vs, o), j2 = __shfl_xor_sync(0xffffffffu, vj, o);
+            min_victim(vs, vj, s2, j2);
+        }
+    }
+    if (lane == 0) {
+        if (found >= 0) {
+            p.slots[i] = found;  // a repeat of this key was placed first
+        } else if (empty != INT64_MAX || (p.allow_evict && vj >= 0)) {
+            int64_t slot = empty;
+            if (empty == INT64_MAX) {
+                slot = vj;
+                const unsigned long long e = atomicAdd(reinterpret_cast<unsigned long long *>(&p.counts[1]), 1ull);
+                p.evicted_keys[e] = __ldcg(&t.keys[slot]);
+                p.evicted_slots[e] = slot;
+                p.evicted_scores[e] = vs;
+            }
+            t.keys[slot] = key;
+            t.scores[slot] = 0;
+            t.marks[slot] = p.epoch;
+            t.digests[slot] = static_cast<uint8_t>(d);
+            p.slots[i] = slot;
+            p.is_new[i] = 1;
+            atomicAdd(reinterpret_cast<unsigned long long *>(&p.counts[0]), 1ull);
+        } else {
+            atomicAdd(reinterpret_cast<unsigned long long *>(&p.counts[2]), 1ull);
+        }
+        __threadfence();
+        atomicExch(&t.locks[bucket], 0);
+    }
+}
+
+__global__ void touch_kernel(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n || slots[i] < 0) return;
+    if (policy == TF_DYNEMB_LFU) atomicAdd(reinterpret_cast<unsigned long long *>(&scores[slots[i]]), 1ull);
+    else scores[slots[i]] = clock;
+}
+
+// ---- row copies ----
+
+// tpr threads per row (a power of two <= 32), each copying units of T strided by tpr.
+template <typename T>
+__global__ void gather_kernel(tf_dynemb_rows r, const int64_t *slots, int64_t n, char *out, int tpr) {
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t i = t / tpr;
+    if (i >= n) return;
+    const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));
+    T *dst = reinterpret_cast<T *>(out + i * r.row_bytes);
+    const int64_t slot = slots[i];
+    if (slot < 0) {
+        T zero;
+        memset(&zero, 0, sizeof(T));
+        for (int64_t u = t % tpr; u < units; u += tpr) dst[u] = zero;
+        return;
+    }
+    const T *src = reinterpret_cast<const T *>(tf_dynemb_row(&r, slot));
+    for (int64_t u = t % tpr; u < units; u += tpr) dst[u] = src[u];
+}
+
+template <typename T>
+__global__ void scatter_kernel(tf_dynemb_rows r, const int64_t *slots, int64_t n, const char *src, int tpr) {
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t i = t / tpr;
+    if (i >= n || slots[i] < 0) return;
+    const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));
+    const T *s = reinterpret_cast<const T *>(src + i * r.row_bytes);
+    T *dst = reinterpret_cast<T *>(tf_dynemb_row(&r, slots[i]));
+    for (int64_t u = t % tpr; u < units; u += tpr) dst[u] = s[u];
+}
+
+int copy_unit(const tf_dynemb_rows *r, const void *other) {
+    uintptr_t bits = static_cast<uintptr_t>(r->row_bytes) | reinterpret_cast<uintptr_t>(r->hbm) |
+                     reinterpret_cast<uintptr_t>(other) | reinterpret_cast<uintptr_t>(r->host);
+    for (int u = 16; u > 1; u >>= 1)
+        if ((bits & (u - 1)) == 0) return u;
+    return 1;
+}
+
+int launch_rows(bool gather, const tf_dynemb_rows *r, const int64_t *slots, int64_t n, void *buf, cudaStream_t s) {
+    if (n == 0 || r->row_bytes == 0) return 0;
+    const int unit = copy_unit(r, buf);
+    const int64_t units = r->row_bytes / unit;
+    int tpr = 1;
+    while (tpr < 32 && tpr < units) tpr <<= 1;
+    const unsigned grid = static_cast<unsigned>((n * tpr + kBlock - 1) / kBlock);
+    char *b = static_cast<char *>(buf);
+#define TF_ROWS(T)                                                                    \
+    if (gather) gather_kernel<T><<<grid, kBlock, 0, s>>>(*r, slots, n, b, tpr);      \
+    else scatter_kernel<T><<<grid, kBlock, 0, s>>>(*r, slots, n, b, tpr);
+    switch (unit) {
+    case 16: TF_ROWS(uint4) break;
+    case 8: TF_ROWS(uint2) break;
+    case 4: TF_ROWS(uint32_t) break;
+    case 2: TF_ROWS(uint16_t) break;
+    default: TF_ROWS(uint8_t) break;
+    }
+#undef TF_ROWS
+    return static_cast<int>(cudaGetLastError());
+}
+
+// ---- row math ----
+
+__global__ void init_kernel(tf_dynemb_init_params p) {
+    const int64_t i = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (i >= p.n) return;
+    const int64_t slot = p.slots[i];
+    if (slot < 0 || (p.mask && !p.mask[i])) return;
+    if (p.init_kind != TF_INIT_NONE) {
+        char *row = tf_dynemb_row(&p.values, slot);
+        for (int64_t j = lane; j < p.dim; j += 32)
+            store_f32(row, p.dtype, j, static_cast<float>(tf_dynemb_init_value(p.init_kind, p.a, p.b, p.keys[i], p.seed, j)));
+    }
+    if (p.state.row_bytes) {
+        float *st = reinterpret_cast<float *>(tf_dynemb_row(&p.state, slot));
+        for (int64_t j = lane; j < p.state.row_bytes / 4; j += 32) st[j] = 0.f;
+    }
+}
+
+__global__ void update_kernel(tf_dynemb_update_params p) {
+    const int64_t i = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (i >= p.n) return;
+    const int64_t slot = p.slots[i];
+    if (slot < 0) return;
+    const int64_t dim = p.dim;
+    char *row = tf_dynemb_row(&p.values, slot);
+    float *st = p.state.row_bytes ? reinterpret_cast<float *>(tf_dynemb_row(&p.state, slot)) : nullptr;
+    const int64_t g0 = i * p.grad_stride;
+    float rw_mult = 0.f;
+    if (p.opt == TF_OPT_ROWWISE_ADAGRAD) {
+        float sq = 0.f;
+        for (int64_t j = lane; j < dim; j += 32) {
+            const float g = load_f32(p.grad, p.grad_dtype, g0 + j);
+            sq += g * g;
+        }
+        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        const float m = st[0] + sq / static_cast<float>(dim);
+        rw_mult = p.lr / (sqrtf(m) + p.eps);
+        __syncwarp();
+        if (lane == 0) st[0] = m;
+    }
+    for (int64_t j = lane; j < dim; j += 32) {
+        const float g = load_f32(p.grad, p.grad_dtype, g0 + j);
+        float w = load_f32(row, p.dtype, j);
+        switch (p.opt) {
+        case TF_OPT_SGD: w -= p.lr * g; break;
+        case TF_OPT_ADAGRAD: {
+            const float s = st[j] + g * g;
+            st[j] = s;
+            w -= p.lr * g / (sqrtf(s) + p.eps);
+            break;
+        }
+        case TF_OPT_ROWWISE_ADAGRAD: w -= rw_mult * g; break;
+        default: {  // Adam, in torch.optim.SparseAdam's form
+            const float m0 = st[j], v0 = st[dim + j];
+            const float m = m0 + (g - m0) * (1.f - p.beta1), v = v0 + (g * g - v0) * (1.f - p.beta2);
+            st[j] = m;
+            st[dim + j] = v;
+            w += -p.step_size * (m / (sqrtf(v) + p.eps));
+        }
+        }
+        store_f32(row, p.dtype, j, w);
+    }
+}
+
+// One warp per bag, lanes over columns; ids of the bag in order (fp32 accumulation).
+__global__ void pool_kernel(tf_dynemb_pool_params p) {
+    const int64_t b = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (b >= p.n_bags) return;
+    const int64_t i0 = p.offsets[b], i1 = p.offsets[b + 1];
+    for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * 8) {
+        float acc[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t slot = p.slots[i];
+            if (slot < 0) continue;
+            const float w = p.weights ? p.weights[i] : 1.f;
+            const char *row = tf_dynemb_row(&p.values, slot);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int64_t j = c0 + lane + 32 * k;
+                if (j < p.dim) acc[k] += p.weights ? w * load_f32(row, p.dtype, j) : load_f32(row, p.dtype, j);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int64_t j = c0 + lane + 32 * k;
+            if (j < p.dim) store_f32(p.out, p.dtype, b * p.dim + j, (p.mean && i1 > i0) ? acc[k] / static_cast<float>(i1 - i0) : acc[k]);
+        }
+    }
+}
+
+// One warp per unique id, lanes over columns; the id's occurrences in perm order (deterministic).
+__global__ void segsum_kernel(tf_dynemb_segsum_params p) {
+    const int64_t u = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (u >= p.n_unique) return;
+    const int64_t k0 = p.seg[u], k1 = p.seg[u + 1];
+    for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * 8) {
+        float acc[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+        for (int64_t q = k0; q < k1; ++q) {
+            const int64_t i = p.perm[q];
+            const int64_t src = p.bag_of ? p.bag_of[i] : i;
+            const float s = p.scale ? p.scale[i] : 1.f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int64_t j = c0 + lane + 32 * k;
+                if (j < p.dim) acc[k] += s * load_f32(p.grad, p.grad_dtype, src * p.dim + j);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int64_t j = c0 + lane + 32 * k;
+            if (j < p.dim) p.out[u * p.dim + j] = acc[k];
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream) {
+    if (p->n_bags == 0) return 0;
+    pool_kernel<<<grid_for_warps(p->n_bags), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream) {
+    if (p->n_unique == 0) return 0;
+    segsum_kernel<<<grid_for_warps(p->n_unique), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int tf_dynemb_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream) {
+    if (p->n == 0) return 0;
+    lookup_kernel<<<grid_for_warps(p->n), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*t, *p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t n, int64_t *slots,
+                        const tf_dynemb_rows *r, void *out, void *stream) {
+    if (n == 0) return 0;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (copy_unit(r, out) >= 16) find_kernel<uint4><<<grid_for_warps(n), kBlock, 0, s>>>(*t, query, n, slots, *r, static_cast<char *>(out));
+    else find_kernel<uint16_t><<<grid_for_warps(n), kBlock, 0, s>>>(*t, query, n, slots, *r, static_cast<char *>(out));
+    return static_cast<int>(cudaGetLastError());
+}
+
+int tf_dynemb_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream) {
+    if (p->n == 0) return 0;
+    insert_kernel<<<grid_for_warps(p->n), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*t, *p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int tf_dynemb_touch_cuda(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock, void *stream) {
+    if (n == 0) return 0;
+    touch_kernel<<<static_cast<unsigned>((n + kBlock - 1) / kBlock), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(
+        scores, slots, n, policy, clock);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, void *out, void *stream) {
+    return launch_rows(true, r, slots, n, out, static_cast<cudaStream_t>(stream));
+}
+
+int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, const void *src, void *stream) {
+    return launch_rows(false, r, slots, n, const_cast<void *>(src), static_cast<cudaStream_t>(stream));
+}
+
+int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream) {
+    if (p->n == 0) return 0;
+    init_kernel<<<grid_for_warps(p->n), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream) {
+    if (p->n == 0) return 0;
+    update_kernel<<<grid_for_warps(p->n), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+}  // extern "C"
