@@ -62,9 +62,7 @@ tf_dynemb_rows dynemb_rows(const at::Tensor &rows, const at::Tensor &rows_host, 
                     rows_host.scalar_type() == rows.scalar_type(),
                 op, ": the host part of ", arg, " must be contiguous with rows of ", rows.size(1), " ",
                 rows.scalar_type(), ", got ", rows_host.scalar_type(), " ", rows_host.sizes());
-    if (rows_host.numel() > 0 && rows.is_cuda())
-        TORCH_CHECK(rows_host.is_cuda() || rows_host.is_pinned(), op, ": the host part of ", arg,
-                    " must be in pinned host memory (or on the GPU)");
+    // a CUDA table's host part must be mapped pinned memory: dynemb_cuda.cpp's map_host checks it
     tf_dynemb_rows r{};
     r.hbm = static_cast<char *>(rows.data_ptr());
     r.host = rows_host.numel() > 0 ? static_cast<char *>(rows_host.data_ptr()) : nullptr;
@@ -139,6 +137,66 @@ tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::
     p.beta1 = (float)beta1;
     p.beta2 = (float)beta2;
     p.step_size = (float)step_size;
+    return p;
+}
+
+tf_dynemb_pool_params dynemb_pool_params(const at::Tensor &slots, const at::Tensor &offsets,
+                                         const std::optional<at::Tensor> &weights, const at::Tensor &rows,
+                                         const at::Tensor &rows_host, bool mean, at::Tensor &out) {
+    const char *op = "torchfuse.dynemb_pool";
+    check_index(slots, rows, op, "slots");
+    check_index(offsets, rows, op, "offsets");
+    TORCH_CHECK(offsets.numel() >= 1, op, ": offsets must hold n_bags + 1 entries");
+    tf_dynemb_pool_params p{};
+    p.n_bags = offsets.numel() - 1;
+    p.slots = slots.data_ptr<int64_t>();
+    p.offsets = offsets.data_ptr<int64_t>();
+    if (weights.has_value()) {
+        TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == slots.numel() &&
+                        weights->is_contiguous(),
+                    op, ": weights must be contiguous float32 with one entry per id");
+        check_same_device(*weights, rows, op, "weights", "the table");
+        p.weights = weights->data_ptr<float>();
+    }
+    p.mean = mean;
+    p.values = dynemb_rows(rows, rows_host, rows, op, "rows");
+    p.dtype = kernel_dtype(rows.scalar_type(), op, "rows");
+    p.dim = rows.size(1);
+    out = at::empty({p.n_bags, p.dim}, rows.options());
+    p.out = out.data_ptr();
+    return p;
+}
+
+tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
+                                             const std::optional<at::Tensor> &bag_of,
+                                             const std::optional<at::Tensor> &scale, at::Tensor &out) {
+    const char *op = "torchfuse.dynemb_segment_sum";
+    TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), op, ": grad must be a contiguous 2-D tensor");
+    check_index(perm, grad, op, "perm");
+    check_index(seg, grad, op, "seg");
+    TORCH_CHECK(seg.numel() >= 1, op, ": seg must hold n_unique + 1 entries");
+    tf_dynemb_segsum_params p{};
+    p.n_unique = seg.numel() - 1;
+    p.dim = grad.size(1);
+    p.perm = perm.data_ptr<int64_t>();
+    p.seg = seg.data_ptr<int64_t>();
+    if (bag_of.has_value()) {
+        check_index(*bag_of, grad, op, "bag_of");
+        TORCH_CHECK(bag_of->numel() == perm.numel(), op, ": bag_of must have one entry per id");
+        p.bag_of = bag_of->data_ptr<int64_t>();
+    } else {
+        TORCH_CHECK(grad.size(0) == perm.numel(), op, ": grad must have one row per id without bag_of");
+    }
+    if (scale.has_value()) {
+        TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == perm.numel() && scale->is_contiguous(), op,
+                    ": scale must be contiguous float32 with one entry per id");
+        check_same_device(*scale, grad, op, "scale", "grad");
+        p.scale = scale->data_ptr<float>();
+    }
+    p.grad = grad.data_ptr();
+    p.grad_dtype = kernel_dtype(grad.scalar_type(), op, "grad");
+    out = at::empty({p.n_unique, p.dim}, grad.options().dtype(at::kFloat));
+    p.out = out.data_ptr<float>();
     return p;
 }
 
@@ -231,11 +289,40 @@ void update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::Tensor &val
     at::parallel_for(0, p.n, 64, [&](int64_t b, int64_t e) { tf_dynemb_update_cpu(&p, b, e); });
 }
 
+std::tuple<at::Tensor, at::Tensor> find_cpu(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests,
+                                            const at::Tensor &marks, const at::Tensor &rows, const at::Tensor &rows_host,
+                                            int64_t bucket_size) {
+    TORCH_CHECK(rows.dim() == 2 && rows_host.dim() == 2 && rows.size(0) + rows_host.size(0) == keys.numel(),
+                "torchfuse.dynemb_find: rows must hold one row per slot (", keys.numel(), ")");
+    at::Tensor m = marks;  // epoch 0: not written
+    at::Tensor slots = lookup_cpu(query, keys, digests, m, bucket_size, 0);
+    return {gather_cpu(slots, rows, rows_host), slots};
+}
+
+at::Tensor pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
+                    const at::Tensor &rows, const at::Tensor &rows_host, bool mean) {
+    at::Tensor out;
+    tf_dynemb_pool_params p = dynemb_pool_params(slots, offsets, weights, rows, rows_host, mean, out);
+    at::parallel_for(0, p.n_bags, 16, [&](int64_t b, int64_t e) { tf_dynemb_pool_cpu(&p, b, e); });
+    return out;
+}
+
+at::Tensor segsum_cpu(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
+                      const std::optional<at::Tensor> &bag_of, const std::optional<at::Tensor> &scale) {
+    at::Tensor out;
+    tf_dynemb_segsum_params p = dynemb_segsum_params(grad, perm, seg, bag_of, scale, out);
+    at::parallel_for(0, p.n_unique, 16, [&](int64_t b, int64_t e) { tf_dynemb_segsum_cpu(&p, b, e); });
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
+    m.impl("dynemb_pool", &pool_cpu);
+    m.impl("dynemb_segment_sum", &segsum_cpu);
     m.impl("dynemb_lookup", &lookup_cpu);
     m.impl("dynemb_insert", &insert_cpu);
+    m.impl("dynemb_find", &find_cpu);
     m.impl("dynemb_touch", &touch_cpu);
     m.impl("dynemb_gather", &gather_cpu);
     m.impl("dynemb_scatter", &scatter_cpu);

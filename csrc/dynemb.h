@@ -36,4 +36,11 @@ tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::
                                              const at::Tensor &state_host, int64_t opt, double lr, double eps,
                                              double beta1, double beta2, double step_size);
 
+tf_dynemb_pool_params dynemb_pool_params(const at::Tensor &slots, const at::Tensor &offsets,
+                                         const std::optional<at::Tensor> &weights, const at::Tensor &rows,
+                                         const at::Tensor &rows_host, bool mean, at::Tensor &out);
+tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
+                                             const std::optional<at::Tensor> &bag_of,
+                                             const std::optional<at::Tensor> &scale, at::Tensor &out);
+
 }  // namespace torchfuse

@@ -39,6 +39,24 @@ at::Tensor lookup_cuda(const at::Tensor &query, const at::Tensor &keys, const at
     return slots;
 }
 
+std::tuple<at::Tensor, at::Tensor> find_cuda(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests,
+                                             const at::Tensor &marks, const at::Tensor &rows, const at::Tensor &rows_host,
+                                             int64_t bucket_size) {
+    const char *op = "torchfuse.dynemb_find";
+    const c10::cuda::CUDAGuard guard(keys.device());
+    tf_dynemb_table t = dynemb_table(query, keys, digests, nullptr, marks, nullptr, bucket_size, op);
+    tf_dynemb_rows r = dynemb_rows(rows, rows_host, keys, op, "rows");
+    TORCH_CHECK(rows.size(0) + rows_host.size(0) == keys.numel(), op, ": rows must hold one row per slot (",
+                keys.numel(), ")");
+    map_host(r, rows_host);
+    at::Tensor slots = at::empty({query.numel()}, query.options());
+    at::Tensor out = at::empty(row_shape(rows, query.numel()), rows.options());
+    check_launch(tf_dynemb_find_cuda(&t, query.data_ptr<int64_t>(), query.numel(), slots.data_ptr<int64_t>(), &r,
+                                     out.data_ptr(), stream()),
+                 "dynemb find kernel");
+    return {out, slots};
+}
+
 DynembInsertResult insert_cuda(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
                                at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, int64_t bucket_size,
                                int64_t epoch, bool allow_evict) {
@@ -136,11 +154,33 @@ at::Tensor host_rows_cuda(const at::Tensor &like, int64_t rows, int64_t cols, at
     return at::from_blob(p, {rows, cols}, [](void *q) { cudaFreeHost(q); }, o);
 }
 
+at::Tensor pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
+                     const at::Tensor &rows, const at::Tensor &rows_host, bool mean) {
+    const c10::cuda::CUDAGuard guard(rows.device());
+    at::Tensor out;
+    tf_dynemb_pool_params p = dynemb_pool_params(slots, offsets, weights, rows, rows_host, mean, out);
+    map_host(p.values, rows_host);
+    check_launch(tf_dynemb_pool_cuda(&p, stream()), "dynemb pool kernel");
+    return out;
+}
+
+at::Tensor segsum_cuda(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
+                       const std::optional<at::Tensor> &bag_of, const std::optional<at::Tensor> &scale) {
+    const c10::cuda::CUDAGuard guard(grad.device());
+    at::Tensor out;
+    tf_dynemb_segsum_params p = dynemb_segsum_params(grad, perm, seg, bag_of, scale, out);
+    check_launch(tf_dynemb_segsum_cuda(&p, stream()), "dynemb segment-sum kernel");
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
+    m.impl("dynemb_pool", &pool_cuda);
+    m.impl("dynemb_segment_sum", &segsum_cuda);
     m.impl("dynemb_lookup", &lookup_cuda);
     m.impl("dynemb_insert", &insert_cuda);
+    m.impl("dynemb_find", &find_cuda);
     m.impl("dynemb_touch", &touch_cuda);
     m.impl("dynemb_gather", &gather_cuda);
     m.impl("dynemb_scatter", &scatter_cuda);

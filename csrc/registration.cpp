@@ -27,6 +27,27 @@ TORCH_LIBRARY(torchfuse, m) {
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 
     // ---- jagged tensor ops (python/torchfuse/jagged.py) ----
+    // Offsets are int32 or int64 (B+1 entries); sizes passed in (SymInt) spare the op a device sync.
+    m.def("complete_cumsum(Tensor lengths) -> Tensor");
+    m.def("jagged_to_padded_dense(Tensor values, Tensor offsets, SymInt max_length, float padding_value=0.0) -> Tensor");
+    m.def("dense_to_jagged(Tensor dense, Tensor offsets, SymInt? total_length=None) -> Tensor");
+    m.def("jagged_dense_add(Tensor values, Tensor offsets, Tensor dense) -> Tensor");
+    m.def("jagged_dense_mul(Tensor values, Tensor offsets, Tensor dense) -> Tensor");
+    // Returns (values, offsets); offsets = offsets_left + offsets_right (a dense side counts max_len each).
+    m.def(
+        "concat_2d_jagged(Tensor values_left, Tensor? offsets_left, Tensor values_right, Tensor? offsets_right, "
+        "SymInt? max_len_left=None, SymInt? max_len_right=None, int n_prefix_from_right=0) -> (Tensor, Tensor)");
+    m.def(
+        "split_2d_jagged(Tensor values, Tensor? offsets_left, Tensor? offsets_right, SymInt? max_len_left=None, "
+        "SymInt? max_len_right=None, int n_prefix_to_right=0, SymInt? total_len_left=None, "
+        "SymInt? total_len_right=None) -> (Tensor, Tensor)");
+    m.def("jagged_concat(Tensor[] values_list, Tensor[] offsets_list) -> (Tensor, Tensor)");
+    // The inverse of jagged_concat: totals[i] rows for part i.
+    m.def("jagged_split(Tensor values, Tensor[] offsets_list, SymInt[] totals) -> Tensor[]");
+    // Returns (values, lengths) of the selected samples.
+    m.def(
+        "jagged_index_select(Tensor values, Tensor lengths, Tensor indices, SymInt? total_length=None) "
+        "-> (Tensor, Tensor)");
 
     // ---- HSTU attention (python/torchfuse/hstu.py) ----
 
@@ -36,6 +57,9 @@ TORCH_LIBRARY(torchfuse, m) {
     // Slot of each query key (-1: absent); epoch > 0 also marks the found slots.
     m.def("dynemb_lookup(Tensor query, Tensor keys, Tensor digests, Tensor(a!) marks, int bucket_size, "
           "int epoch) -> Tensor");
+    // dynemb_lookup + dynemb_gather in one pass: (rows of the query keys, zeros where absent; slots).
+    m.def("dynemb_find(Tensor query, Tensor keys, Tensor digests, Tensor marks, Tensor rows, Tensor rows_host, "
+          "int bucket_size) -> (Tensor, Tensor)");
     // Places the keys whose slot is -1 (repeats end in one slot); returns (is_new uint8, evicted_keys,
     // evicted_slots, evicted_scores, counts = [inserted, evicted, failed]); evicted_* hold counts[1] entries.
     m.def("dynemb_insert(Tensor query, Tensor(a!) slots, Tensor(b!) keys, Tensor(c!) digests, Tensor(d!) scores, "
@@ -53,6 +77,10 @@ TORCH_LIBRARY(torchfuse, m) {
     // One optimizer step per (unique) slot with its gradient row (opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam).
     m.def("dynemb_update(Tensor slots, Tensor grad, Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, "
           "Tensor(d!) state_host, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");
+    // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb.h).
+    m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean) -> Tensor");
+    // Per unique id, the sum of its occurrences' gradient rows in perm order (fp32, deterministic).
+    m.def("dynemb_segment_sum(Tensor grad, Tensor perm, Tensor seg, Tensor? bag_of, Tensor? scale) -> Tensor");
     // (rows, cols) of `dtype` in pinned host memory mapped into `like`'s GPU (cudaHostAlloc, mapped):
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");

@@ -115,6 +115,29 @@ typedef struct {
     float step_size;           /* Adam: lr * sqrt(1 - beta2^t) / (1 - beta1^t) */
 } tf_dynemb_update_params;
 
+/* Bag pooling straight from the table: out[b] = sum over i in [offsets[b], offsets[b+1]) of
+ * w_i * row(slots[i]) (w_i = weights[i], or 1), divided by the bag's length when mean; fp32
+ * accumulation in id order, rounded once to the row dtype; rows of slot -1 count as zeros. */
+typedef struct {
+    int64_t n_bags;
+    const int64_t *slots, *offsets;  /* offsets: n_bags + 1 */
+    const float *weights;            /* NULL: ones */
+    int mean;
+    tf_dynemb_rows values; int dtype; int64_t dim;
+    void *out;                       /* n_bags x dim, dtype */
+} tf_dynemb_pool_params;
+
+/* Deterministic gradient per unique id: out[u] = sum over j in [seg[u], seg[u+1]) of
+ * scale[perm[j]] * grad[src(perm[j])] in j order (src(i) = bag_of[i], or i when bag_of is NULL),
+ * fp32. perm lists the ids grouped by unique id (a stable sort). */
+typedef struct {
+    int64_t n_unique, dim;
+    const int64_t *perm, *seg, *bag_of;   /* bag_of may be NULL */
+    const float *scale;                   /* NULL: ones */
+    const void *grad; int grad_dtype;     /* rows of dim, contiguous */
+    float *out;                           /* n_unique x dim */
+} tf_dynemb_segsum_params;
+
 /* The i-th per-key random number in [0, 1) of init for `key`; identical on CPU and CUDA. */
 TF_HD double tf_dynemb_uniform(int64_t key, uint64_t seed, uint64_t i) {
     uint64_t h = tf_mix64(tf_mix64((uint64_t)key ^ tf_mix64(seed + 0x9e3779b97f4a7c15ULL)) + i);
@@ -142,15 +165,22 @@ void tf_dynemb_gather_cpu(const tf_dynemb_rows *r, const int64_t *slots, void *o
 void tf_dynemb_scatter_cpu(const tf_dynemb_rows *r, const int64_t *slots, const void *src, int64_t begin, int64_t end);
 void tf_dynemb_init_cpu(const tf_dynemb_init_params *p, int64_t begin, int64_t end);
 void tf_dynemb_update_cpu(const tf_dynemb_update_params *p, int64_t begin, int64_t end);
+void tf_dynemb_pool_cpu(const tf_dynemb_pool_params *p, int64_t begin, int64_t end);
+void tf_dynemb_segsum_cpu(const tf_dynemb_segsum_params *p, int64_t begin, int64_t end);
 
 /* ---- CUDA (kernels/dynemb_cuda.cu); return a cudaError_t as int ---- */
 int tf_dynemb_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream);
+/* lookup + gather in one kernel: slots[i] and row i of out (zeros where absent). */
+int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t n, int64_t *slots,
+                        const tf_dynemb_rows *r, void *out, void *stream);
 int tf_dynemb_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream);
 int tf_dynemb_touch_cuda(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock, void *stream);
 int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, void *out, void *stream);
 int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, const void *src, void *stream);
 int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream);
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream);
+int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream);
+int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream);
 
 #ifdef __cplusplus
 }

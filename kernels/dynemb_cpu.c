@@ -137,3 +137,32 @@ void tf_dynemb_update_cpu(const tf_dynemb_update_params *p, int64_t begin, int64
         }
     }
 }
+
+void tf_dynemb_pool_cpu(const tf_dynemb_pool_params *p, int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+        const int64_t i0 = p->offsets[b], i1 = p->offsets[b + 1];
+        for (int64_t j = 0; j < p->dim; ++j) {
+            float acc = 0.f;
+            for (int64_t i = i0; i < i1; ++i) {
+                if (p->slots[i] < 0) continue;
+                const float v = tf_load_f32(tf_dynemb_row(&p->values, p->slots[i]), p->dtype, j);
+                acc += p->weights ? p->weights[i] * v : v;
+            }
+            if (p->mean && i1 > i0) acc /= (float)(i1 - i0);
+            tf_store_f32(p->out, p->dtype, b * p->dim + j, acc);
+        }
+    }
+}
+
+void tf_dynemb_segsum_cpu(const tf_dynemb_segsum_params *p, int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+        float *o = p->out + u * p->dim;
+        for (int64_t j = 0; j < p->dim; ++j) o[j] = 0.f;
+        for (int64_t k = p->seg[u]; k < p->seg[u + 1]; ++k) {
+            const int64_t i = p->perm[k];
+            const int64_t src = p->bag_of ? p->bag_of[i] : i;
+            const float s = p->scale ? p->scale[i] : 1.f;
+            for (int64_t j = 0; j < p->dim; ++j) o[j] += s * tf_load_f32(p->grad, p->grad_dtype, src * p->dim + j);
+        }
+    }
+}

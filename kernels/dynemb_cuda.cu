@@ -66,6 +66,42 @@ __global__ void lookup_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
     if (m == 0 && lane == 0) p.slots[i] = -1;
 }
 
+// find: lookup_kernel's probe, then the same warp copies the row (zeros when absent) in 16-byte
+// units when aligned (4-byte otherwise), so the slot never goes through memory between two kernels.
+template <typename T>
+__global__ void find_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, int64_t *slots,
+                            tf_dynemb_rows r, char *out) {
+    const int64_t i = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (i >= n) return;  // uniform per warp
+    const int64_t key = query[i];
+    const uint64_t h = tf_dynemb_hash(key);
+    const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * t.bucket_size;
+    const uint32_t d = tf_dynemb_digest(h);
+    int64_t found = -1;
+    if (lane < (t.bucket_size >> 2)) {
+        const uint32_t w = __ldg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int64_t j = base + 4 * lane + b;
+            if (((w >> (8 * b)) & 0xffu) == d && t.keys[j] == key) found = j;
+        }
+    }
+    const unsigned m = __ballot_sync(0xffffffffu, found >= 0);
+    const int64_t slot = m ? __shfl_sync(0xffffffffu, found, __ffs(m) - 1) : -1;
+    if (lane == 0) slots[i] = slot;
+    const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));
+    T *dst = reinterpret_cast<T *>(out + i * r.row_bytes);
+    if (slot < 0) {
+        T zero;
+        memset(&zero, 0, sizeof(T));
+        for (int64_t u = lane; u < units; u += 32) dst[u] = zero;
+        return;
+    }
+    const T *src = reinterpret_cast<const T *>(tf_dynemb_row(&r, slot));
+    for (int64_t u = lane; u < units; u += 32) dst[u] = src[u];
+}
+
 // (valid, score, slot) ordered by score then slot; invalid loses.
 __device__ __forceinline__ void min_victim(int64_t &s, int64_t &j, int64_t s2, int64_t j2) {
     if (j2 >= 0 && (j < 0 || s2 < s || (s2 == s && j2 < j))) { s = s2; j = j2; }
@@ -87,22 +123,30 @@ __global__ void insert_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
     __threadfence();
 
     int64_t found = -1, empty = INT64_MAX, vs = 0, vj = -1;
-    if (lane < (t.bucket_size >> 2)) {
-        const uint32_t w = __ldcg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane);
+    const bool active = lane < (t.bucket_size >> 2);
+    const uint32_t w = active ? __ldcg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane) : 0u;
+    if (active) {
         for (int b = 0; b < 4; ++b) {
             const int64_t j = base + 4 * lane + b;
             const uint32_t dj = (w >> (8 * b)) & 0xffu;
             if (dj == 0) { if (empty == INT64_MAX) empty = j; }
             else if (dj == d && __ldcg(&t.keys[j]) == key) found = j;
-            else if (__ldcg(&t.marks[j]) != p.epoch) min_victim(vs, vj, __ldcg(&t.scores[j]), j);
         }
     }
     const unsigned fm = __ballot_sync(0xffffffffu, found >= 0);
     if (fm) found = __shfl_sync(0xffffffffu, found, __ffs(fm) - 1);
-    for (int o = 16; o > 0; o >>= 1) {
-        empty = min(empty, __shfl_xor_sync(0xffffffffu, empty, o));
-        const int64_t s2 = __shfl_xor_sync(0xffffffffu, vs, o), j2 = __shfl_xor_sync(0xffffffffu, vj, o);
-        min_victim(vs, vj, s2, j2);
+    for (int o = 16; o > 0; o >>= 1) empty = min(empty, __shfl_xor_sync(0xffffffffu, empty, o));
+    if (!fm && empty == INT64_MAX && p.allow_evict) {  // bucket full: the victim, reading marks and scores
+        if (active) {
+            for (int b = 0; b < 4; ++b) {
+                const int64_t j = base + 4 * lane + b;
+                if (__ldcg(&t.marks[j]) != p.epoch) min_victim(vs, vj, __ldcg(&t.scores[j]), j);
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const int64_t s2 = __shfl_xor_sync(0xffffffffu, vs, o), j2 = __shfl_xor_sync(0xffffffffu, vj, o);
+            min_victim(vs, vj, s2, j2);
+        }
     }
     if (lane == 0) {
         if (found >= 0) {
@@ -266,13 +310,91 @@ __global__ void update_kernel(tf_dynemb_update_params p) {
     }
 }
 
+// One warp per bag, lanes over columns; ids of the bag in order (fp32 accumulation).
+__global__ void pool_kernel(tf_dynemb_pool_params p) {
+    const int64_t b = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (b >= p.n_bags) return;
+    const int64_t i0 = p.offsets[b], i1 = p.offsets[b + 1];
+    for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * 8) {
+        float acc[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t slot = p.slots[i];
+            if (slot < 0) continue;
+            const float w = p.weights ? p.weights[i] : 1.f;
+            const char *row = tf_dynemb_row(&p.values, slot);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int64_t j = c0 + lane + 32 * k;
+                if (j < p.dim) acc[k] += p.weights ? w * load_f32(row, p.dtype, j) : load_f32(row, p.dtype, j);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int64_t j = c0 + lane + 32 * k;
+            if (j < p.dim) store_f32(p.out, p.dtype, b * p.dim + j, (p.mean && i1 > i0) ? acc[k] / static_cast<float>(i1 - i0) : acc[k]);
+        }
+    }
+}
+
+// One warp per unique id, lanes over columns; the id's occurrences in perm order (deterministic).
+__global__ void segsum_kernel(tf_dynemb_segsum_params p) {
+    const int64_t u = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (u >= p.n_unique) return;
+    const int64_t k0 = p.seg[u], k1 = p.seg[u + 1];
+    for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * 8) {
+        float acc[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+        for (int64_t q = k0; q < k1; ++q) {
+            const int64_t i = p.perm[q];
+            const int64_t src = p.bag_of ? p.bag_of[i] : i;
+            const float s = p.scale ? p.scale[i] : 1.f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int64_t j = c0 + lane + 32 * k;
+                if (j < p.dim) acc[k] += s * load_f32(p.grad, p.grad_dtype, src * p.dim + j);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int64_t j = c0 + lane + 32 * k;
+            if (j < p.dim) p.out[u * p.dim + j] = acc[k];
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
+int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream) {
+    if (p->n_bags == 0) return 0;
+    pool_kernel<<<grid_for_warps(p->n_bags), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream) {
+    if (p->n_unique == 0) return 0;
+    segsum_kernel<<<grid_for_warps(p->n_unique), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
 int tf_dynemb_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream) {
     if (p->n == 0) return 0;
     lookup_kernel<<<grid_for_warps(p->n), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*t, *p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t n, int64_t *slots,
+                        const tf_dynemb_rows *r, void *out, void *stream) {
+    if (n == 0) return 0;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (copy_unit(r, out) >= 16) find_kernel<uint4><<<grid_for_warps(n), kBlock, 0, s>>>(*t, query, n, slots, *r, static_cast<char *>(out));
+    else find_kernel<uint16_t><<<grid_for_warps(n), kBlock, 0, s>>>(*t, query, n, slots, *r, static_cast<char *>(out));
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -14,6 +14,14 @@ from . import nn  # noqa: E402
 __all__ = ["__version__", "layer_norm", "rms_norm", "nn", "stats", "compat"]
 
 # ---- jagged tensor ops ----
+from .jagged import (  # noqa: E402
+    complete_cumsum, concat_2d_jagged, dense_to_jagged, jagged_concat, jagged_dense_add, jagged_dense_mul,
+    jagged_index_select, jagged_split, jagged_to_padded_dense, split_2d_jagged, validate_jagged,
+)
+
+__all__ += ["complete_cumsum", "concat_2d_jagged", "dense_to_jagged", "jagged_concat", "jagged_dense_add",
+            "jagged_dense_mul", "jagged_index_select", "jagged_split", "jagged_to_padded_dense", "split_2d_jagged",
+            "validate_jagged"]
 
 
 # ---- HSTU attention ----

@@ -1,0 +1,180 @@
+"""Dynamic embedding throughput on the GPU: table operations in 1M-key batches against a static
+F.embedding gather (the upper bound: no hashing), and a training step against nn.EmbeddingBag
+(sparse=True) + torch.optim.SGD / SparseAdam. HierarchicalKV runs as its own binary in the same
+device job (benchmarks/run_device_dynemb.sh); its figures are merged into the table there.
+
+Protocol (HierarchicalKV's benchmark): a table of `capacity` slots, max_capacity = capacity, LRU;
+filled with distinct random keys to the load factor; each timed call gets 1M keys of which 60% are
+in the table and 40% are new (find: 40% misses); best of 3 calls, CUDA-event timed (host syncs
+inside a call count). find returns rows + found flags; find_or_insert returns rows (inserting the
+new keys); insert_or_assign writes given rows.
+
+Roofline: a find moves at least key (8 B) + the bucket's digests (128 B) + one key sector (32 B)
++ the row read and written (2 * 4 * dim B) per key; GB/s below counts only the rows and the key.
+
+    python benchmarks/bench_dynamic_embedding.py [--quick] [--out results.md]
+"""
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import torchfuse
+from torchfuse import optim as tfo
+
+M = 1 << 20
+
+
+def timed(fn, reps=3):
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return best
+
+
+def rand_keys(n, dev):
+    return torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, device=dev)
+
+
+def fill(table, lf, dev):
+    target = int(lf * table.capacity)
+    inserted = []
+    total = 0
+    while len(table) < min(target, int(0.995 * table.capacity)) and total < 3 * table.capacity:
+        n = min(M, max(target - len(table), M // 16))
+        k = rand_keys(n, dev)
+        table.insert(k, torch.zeros(n, table.embedding_dim, device=dev), unique=True)
+        inserted.append(k)
+        total += n
+    return torch.cat(inserted)
+
+
+def batch_60(existing, dev):
+    hit = existing[torch.randint(0, existing.numel(), (int(0.6 * M),), device=dev)]
+    return torch.cat([hit, rand_keys(M - hit.numel(), dev)])[torch.randperm(M, device=dev)]
+
+
+def table_ops(cap, dims, lfs, tiers, rows_out):
+    dev = "cuda"
+    for tier in tiers:
+        for dim in dims:
+            for lf in lfs:
+                budget = None if tier == "hbm" else cap // 2 * dim * 4
+                t = torchfuse.DynamicEmbedding(dim, cap, device=dev, eviction="lru", hbm_budget_bytes=budget,
+                                               initializer=("constant", 0.0))
+                existing = fill(t, lf, dev)
+                real_lf = t.load_factor
+                # distinct keys per call, as HierarchicalKV's benchmark (no dedup sort on our side)
+                # fresh keys for every call: an inserting call would otherwise make the next one all hits
+                qs = [torch.unique(batch_60(existing, dev)) for _ in range(9)]
+                vals = torch.ones(M, dim, device=dev)
+                it = iter(range(9))
+                res = {}
+                res["find"] = timed(lambda: t.find(qs[next(it)]))
+                n_find = qs[0].numel()
+                res["find_or_insert"] = timed(lambda: t.find_or_insert(qs[next(it)], unique=True))
+                res["insert_or_assign"] = timed(
+                    lambda: t.insert((q := qs[next(it)]), vals[: q.numel()], unique=True))
+                row = {"tier": tier, "dim": dim, "lf": lf, "real_lf": real_lf}
+                for k, s in res.items():
+                    row[k] = n_find / s / 2**30
+                rows_out.append(row)
+                print(f"{tier:9s} dim {dim:3d} lf {lf:.2f} (real {real_lf:.3f}): " +
+                      ", ".join(f"{k} {row[k]:.3f} Gi keys/s" for k in res), flush=True)
+                del t, existing, qs, vals
+                torch.cuda.empty_cache()
+
+
+def static_gather(cap, dims, rows_out):
+    for dim in dims:
+        w = torch.randn(cap, dim, device="cuda")
+        idx = torch.randint(0, cap, (M,), device="cuda")
+        s = timed(lambda: F.embedding(idx, w), reps=5)
+        rows_out.append({"dim": dim, "gather": M / s / 2**30, "gbs": M * (2 * 4 * dim + 8) / s / 1e9})
+        print(f"static F.embedding gather dim {dim}: {M / s / 2**30:.3f} Gi keys/s ({M * (2 * 4 * dim + 8) / s / 1e9:.0f} GB/s)",
+              flush=True)
+        del w
+        torch.cuda.empty_cache()
+
+
+def training(n_ids, universe, dim, rows_out):
+    dev = "cuda"
+    B = n_ids // 64
+    keys = rand_keys(universe, dev)
+    offsets = torch.arange(0, n_ids, 64, device=dev)
+    g = torch.randn(B, dim, device=dev)
+    for opt in ("sgd", "adam"):
+        tf_opt = tfo.SGD(0.01) if opt == "sgd" else tfo.Adam(0.001)
+        bag = torchfuse.DynamicEmbeddingBag(dim, 2 * universe, device=dev, optimizer=tf_opt, mode="sum",
+                                            initializer=("normal", 0.0, 0.01))
+        bag.train()
+        with torch.no_grad():
+            for i in range(0, universe, M):
+                torchfuse.DynamicEmbedding.forward(bag, keys[i:i + M])
+        ref = torch.nn.EmbeddingBag(universe, dim, mode="sum", sparse=True).to(dev)
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.01) if opt == "sgd" else torch.optim.SparseAdam(ref.parameters())
+        idx = torch.randint(0, universe, (n_ids,), device=dev)
+        ids = keys[idx]
+
+        def ours():
+            (bag(ids, offsets) * g).sum().backward()
+
+        def theirs():
+            (ref(idx, offsets) * g).sum().backward()
+            ropt.step()
+            ropt.zero_grad()
+
+        for fn in (ours, theirs, ours, theirs):
+            fn()
+        t_ours, t_ref = timed(ours, 5), timed(theirs, 5)
+        rows_out.append({"opt": opt, "ours_ms": t_ours * 1e3, "ref_ms": t_ref * 1e3})
+        print(f"training step {opt}: {n_ids} ids, dim {dim}: torchfuse {t_ours * 1e3:.2f} ms, "
+              f"PyTorch sparse {t_ref * 1e3:.2f} ms, speedup {t_ref / t_ours:.2f}x", flush=True)
+        del bag, ref, ropt
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--capacity", type=int, default=16 * M)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    dims = [8, 64, 128]
+    lfs = [0.5, 0.75, 1.0]
+    ops, gathers, train = [], [], []
+    t0 = time.time()
+    training(M, 4 * M, 128, train)
+    static_gather(args.capacity, [128] if args.quick else dims, gathers)
+    table_ops(args.capacity, dims, lfs, ["hbm"], ops)
+    table_ops(args.capacity, [64, 128] if args.quick else dims, [0.5] if args.quick else lfs, ["half_host"], ops)
+    print(f"benchmark wall {time.time() - t0:.0f} s", flush=True)
+    lines = ["| tier | dim | load factor | find Gi keys/s | find_or_insert | insert_or_assign |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in ops:
+        lines.append(f"| {r['tier']} | {r['dim']} | {r['lf']:.2f} ({r['real_lf']:.3f}) | {r['find']:.3f} | "
+                     f"{r['find_or_insert']:.3f} | {r['insert_or_assign']:.3f} |")
+    lines += ["", "| static F.embedding gather dim | Gi keys/s | GB/s (rows in+out) |", "| ---: | ---: | ---: |"]
+    lines += [f"| {r['dim']} | {r['gather']:.3f} | {r['gbs']:.0f} |" for r in gathers]
+    lines += ["", "| training step (1M ids, dim 128, bags of 64) | torchfuse ms | PyTorch sparse ms | speedup |",
+              "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {r['opt']} | {r['ours_ms']:.2f} | {r['ref_ms']:.2f} | {r['ref_ms'] / r['ours_ms']:.2f}x |" for r in train]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+/* Jagged ops, CUDA kernels.
+ *
+ * jagged_copy_kernel<U>: a persistent grid over the op's task rows (jagged.h). A group of G threads
+ * (a power of two up to 32, so small rows share a warp) owns TFJ_ROWS consecutive rows per iteration:
+ * tfj_resolve (jagged_map.h) finds each row's sample (a binary search over the offsets for the first,
+ * a step or two forward from it for the rest, since consecutive rows mostly share a sample) and
+ * returns the source and destination row addresses; all rows are resolved before the first load, so
+ * their loads are in flight together. The G threads move a row as U-byte units (16-byte vectors
+ * whenever the row length and every base pointer allow, else the widest unit that does). Rows are
+ * raw bytes: one instantiation per unit width (5 in all) serves every dtype and op. Row and byte
+ * indices are 64-bit.
+ *
+ * jagged_arith_kernel: jagged_dense_add / mul, the same row mapping, element by element in fp32
+ * (fp64 for double), rounded once to the dtype, as PyTorch's own add / mul. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "jagged.h"
+#include "jagged_map.h"
+#include "tf_dtype.h"
+
+#define TFJ_THREADS 256
+#define TFJ_ROWS 4
+
+template <int U> struct TfjUnit;
+template <> struct TfjUnit<1> { typedef uint8_t T; };
+template <> struct TfjUnit<2> { typedef uint16_t T; };
+template <> struct TfjUnit<4> { typedef uint32_t T; };
+template <> struct TfjUnit<8> { typedef uint2 T; };
+template <> struct TfjUnit<16> { typedef uint4 T; };
+
+template <int U>
+__global__ void __launch_bounds__(TFJ_THREADS)
+    jagged_copy_kernel(const __grid_constant__ tfj_copy_params p, int group_log2, int64_t units,
+                       typename TfjUnit<U>::T fill) {
+    typedef typename TfjUnit<U>::T T;
+    const int G = 1 << group_log2;
+    const int lane = threadIdx.x & (G - 1);
+    const int64_t n_groups = ((int64_t)gridDim.x * blockDim.x) >> group_log2;
+    const int64_t group = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> group_log2;
+    int64_t hint = -1;
+    for (int64_t r0 = group * TFJ_ROWS; r0 < p.tasks; r0 += TFJ_ROWS * n_groups) {
+        const char *src[TFJ_ROWS];
+        char *dst[TFJ_ROWS];
+#pragma unroll
+        for (int k = 0; k < TFJ_ROWS; ++k) {
+            const int64_t r = r0 + k;
+            src[k] = 0;
+            dst[k] = r < p.tasks ? tfj_resolve(&p, r, &src[k], &hint) : 0;
+        }
+        for (int64_t u = lane; u < units; u += G) {
+            T v[TFJ_ROWS];
+#pragma unroll
+            for (int k = 0; k < TFJ_ROWS; ++k)
+                if (dst[k]) v[k] = src[k] ? __ldg((const T *)src[k] + u) : fill;
+#pragma unroll
+            for (int k = 0; k < TFJ_ROWS; ++k)
+                if (dst[k]) ((T *)dst[k])[u] = v[k];
+        }
+    }
+}
+
+/* Threads per row: the power of two nearest above the row's unit count, at most a warp. */
+static int group_log2_for(int64_t units) {
+    int g = 0;
+    while (g < 5 && ((int64_t)1 << g) < units) ++g;
+    return g;
+}
+
+/* Enough blocks for the tasks, at most one resident wave (blocks_per_sm from the occupancy API). */
+static int64_t grid_for(int64_t tasks, int group_log2, int blocks_per_sm) {
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    const int64_t rows_per_block = (int64_t)(TFJ_THREADS >> group_log2) * TFJ_ROWS;
+    int64_t blocks = (tasks + rows_per_block - 1) / rows_per_block;
+    const int64_t cap = (int64_t)sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+    return blocks < cap ? blocks : cap;
+}
+
+template <class K>
+static int blocks_per_sm(K kernel) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, TFJ_THREADS, 0) != cudaSuccess) n = 4;
+    return n;
+}
+
+template <int U>
+static int launch_copy(const tfj_copy_params *p, cudaStream_t stream) {
+    typedef typename TfjUnit<U>::T T;
+    unsigned char bytes[U];
+    for (int i = 0; i < U; ++i) bytes[i] = (unsigned char)(p->fill >> (8 * (i % p->elem_size)));
+    T fill;
+    memcpy(&fill, bytes, U);
+    const int64_t units = p->row_bytes / U;
+    const int g = group_log2_for(units);
+    static const int per_sm = blocks_per_sm(jagged_copy_kernel<U>);
+    jagged_copy_kernel<U><<<(unsigned)grid_for(p->tasks, g, per_sm), TFJ_THREADS, 0, stream>>>(*p, g, units, fill);
+    return (int)cudaGetLastError();
+}
+
+static uintptr_t addr_bits(const void *ptr) { return (uintptr_t)ptr; }
+
+extern "C" int tfj_copy_cuda(const tfj_copy_params *p, void *stream_) {
+    cudaStream_t stream = (cudaStream_t)stream_;
+    if (p->tasks <= 0 || p->row_bytes <= 0) return 0;
+    /* The widest unit that divides the row length and the alignment of every base pointer. */
+    uintptr_t bits = (uintptr_t)p->row_bytes | addr_bits(p->src.data) | addr_bits(p->dst.data);
+    for (int i = 0; i < p->n_parts && i < TFJ_MAX_PARTS; ++i) bits |= addr_bits(p->parts[i].data);
+    int u = 16;
+    while (u > 1 && (bits & (uintptr_t)(u - 1))) u >>= 1;
+    if (u < p->elem_size) return (int)cudaErrorMisalignedAddress;
+    switch (u) {
+    case 16: return launch_copy<16>(p, stream);
+    case 8: return launch_copy<8>(p, stream);
+    case 4: return launch_copy<4>(p, stream);
+    case 2: return launch_copy<2>(p, stream);
+    default: return launch_copy<1>(p, stream);
+    }
+}
+
+__device__ __forceinline__ float tfj_load(const void *base, int dt, int64_t i) {
+    if (dt == TF_F32) return ((const float *)base)[i];
+    if (dt == TF_BF16) return __bfloat162float(((const __nv_bfloat16 *)base)[i]);
+    return __half2float(((const __half *)base)[i]);
+}
+
+__device__ __forceinline__ void tfj_store(void *base, int dt, int64_t i, float v) {
+    if (dt == TF_F32) ((float *)base)[i] = v;
+    else if (dt == TF_BF16) ((__nv_bfloat16 *)base)[i] = __float2bfloat16_rn(v);
+    else ((__half *)base)[i] = __float2half_rn(v);
+}
+
+__global__ void __launch_bounds__(TFJ_THREADS)
+    jagged_arith_kernel(const __grid_constant__ tfj_arith_params p, int group_log2) {
+    const int G = 1 << group_log2;
+    const int lane = threadIdx.x & (G - 1);
+    const int64_t n_groups = ((int64_t)gridDim.x * blockDim.x) >> group_log2;
+    const int es = p.dtype == TFJ_F64 ? 8 : (p.dtype == TF_F32 ? 4 : 2);
+    const int64_t rb = p.cols * es;
+    int64_t hint = -1;
+    for (int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> group_log2; r < p.rows; r += n_groups) {
+        const char *d = tfj_arith_dense_row(&p, r, rb, &hint);
+        const char *v = (const char *)p.values + r * rb;
+        char *o = (char *)p.out + r * rb;
+        for (int64_t c = lane; c < p.cols; c += G) {
+            if (p.dtype == TFJ_F64) {
+                const double a = ((const double *)v)[c];
+                ((double *)o)[c] = d ? (p.mul ? a * ((const double *)d)[c] : a + ((const double *)d)[c])
+                                     : (p.mul ? 0.0 : a);
+            } else {
+                const float a = tfj_load(v, p.dtype, c);
+                const float r_ = d ? (p.mul ? a * tfj_load(d, p.dtype, c) : a + tfj_load(d, p.dtype, c))
+                                   : (p.mul ? 0.f : a);
+                tfj_store(o, p.dtype, c, r_);
+            }
+        }
+    }
+}
+
+extern "C" int tfj_arith_cuda(const tfj_arith_params *p, void *stream) {
+    if (p->rows <= 0 || p->cols <= 0) return 0;
+    const int g = group_log2_for(p->cols);
+    static const int per_sm = blocks_per_sm(jagged_arith_kernel);
+    jagged_arith_kernel<<<(unsigned)grid_for(p->rows, g, per_sm), TFJ_THREADS, 0, (cudaStream_t)stream>>>(*p, g);
+    return (int)cudaGetLastError();
+}

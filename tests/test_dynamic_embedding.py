@@ -1,0 +1,561 @@
+"""DynamicEmbedding / DynamicEmbeddingBag against a Python dict model of the table, nn.Embedding /
+nn.EmbeddingBag plus torch.optim on pre-mapped ids, and each other (state_dict, tiers, devices)."""
+import io
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchfuse
+from torchfuse import DynamicEmbedding, DynamicEmbeddingBag
+from torchfuse import optim as tfo
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+SPECIAL = [0, -1, 1, I64_MIN, I64_MAX, I64_MIN + 1, I64_MAX - 1]
+M64 = 2**64 - 1
+
+
+def _mix64(x):
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+def _uniform(key, seed, i):
+    h = _mix64((_mix64((key & M64) ^ _mix64((seed + 0x9E3779B97F4A7C15) & M64)) + i) & M64)
+    return ((h >> 11) + 0.5) * 2.0**-53
+
+
+def _init_ref(key, seed, dim, init):
+    kind = init[0]
+    if kind == "constant":
+        return [init[1]] * dim
+    if kind == "uniform":
+        return [init[1] + (init[2] - init[1]) * _uniform(key, seed, j) for j in range(dim)]
+    return [init[1] + init[2] * math.sqrt(-2.0 * math.log(_uniform(key, seed, 2 * j)))
+            * math.cos(6.283185307179586 * _uniform(key, seed, 2 * j + 1)) for j in range(dim)]
+
+
+def _bucket(key, num_buckets):
+    return _mix64(key & M64) & (num_buckets - 1)
+
+
+def _keys(n, pool=None):
+    """n random int64 keys (specials included), or n draws from pool (with repeats)."""
+    if pool is not None:
+        return [random.choice(pool) for _ in range(n)]
+    ks = random.sample(SPECIAL, min(n, len(SPECIAL)))
+    ks += [random.randint(I64_MIN, I64_MAX) for _ in range(n - len(ks))]
+    return ks
+
+
+def _t(keys, device):
+    return torch.tensor(keys, dtype=torch.int64, device=device)
+
+
+def _check_model(table, model, device, dim, extra_absent=()):
+    assert len(table) == len(model)
+    assert int((table._digests != 0).sum()) == len(model)  # the size the module tracks is the real one
+    ks = list(model) + [k for k in extra_absent if k not in model]
+    if not ks:
+        return
+    vals, found = table.find(_t(ks, device))
+    assert found.tolist() == [k in model for k in ks]
+    want = torch.stack([model[k] if k in model else torch.zeros(dim, dtype=table.dtype) for k in ks]).to(device)
+    assert torch.equal(vals, want)
+
+
+@pytest.mark.parametrize("host_tier", [False, True])
+@pytest.mark.parametrize("eviction", ["none", "lru"])
+def test_random_ops_against_dict(device, eviction, host_tier):
+    dim = 5
+    grow = eviction == "none"
+    budget = 7 * (dim * 4) if host_tier else None
+    # batches hold at most 12 distinct keys, fewer than a bucket's 16 slots: with eviction, a batch
+    # always finds room (a bucket full of the batch's own keys raises; test_eviction_lru_one_bucket)
+    table = DynamicEmbedding(dim, 16 if grow else 64, max_capacity=256 if grow else 64, device=device,
+                             eviction=eviction, bucket_size=16, hbm_budget_bytes=budget,
+                             initializer=("uniform", -1.0, 1.0), seed=3)
+    if host_tier:
+        assert table.hbm_rows == 7 and table._values_host.shape[0] == table.capacity - 7
+    model = {}
+    pool = _keys(40 if grow else 180)
+    for step in range(60):
+        op = random.choice(["insert", "insert", "forward", "erase", "find", "dups"])
+        if op == "insert" or op == "dups":
+            n = random.randint(0, 12)
+            ks = _keys(n, pool)
+            vs = torch.randn(n, dim)
+            ev = table.insert(_t(ks, device), vs.to(device), return_evicted=True)
+            evk, evv, evs, evsc = ev
+            for k, v in zip(evk.tolist(), evv.cpu()):
+                assert k in model and torch.equal(model.pop(k), v)
+            for i, k in enumerate(ks):  # last occurrence wins
+                model[k] = vs[i]
+            if not grow:
+                assert set(evk.tolist()).isdisjoint(ks)
+        elif op == "forward":
+            table.train()
+            ks = _keys(random.randint(0, 10), pool)
+            with torch.no_grad():
+                out = table(_t(ks, device)).cpu()
+            evk, evv, _, _ = table.drain_evicted()
+            for k, v in zip(evk.tolist(), evv.cpu()):
+                assert k in model and torch.equal(model.pop(k), v)
+            for i, k in enumerate(ks):
+                if k in model:
+                    assert torch.equal(out[i], model[k])
+                else:
+                    model[k] = out[i]
+                    want = torch.tensor(_init_ref(k, 3, dim, ("uniform", -1.0, 1.0)), dtype=torch.float32)
+                    torch.testing.assert_close(out[i], want, rtol=1e-6, atol=1e-7)
+        elif op == "erase":
+            ks = _keys(random.randint(0, 6), pool) + [random.randint(I64_MIN, I64_MAX)]
+            removed = table.erase(_t(ks, device))
+            assert removed == len({k for k in ks if k in model})
+            for k in ks:
+                model.pop(k, None)
+        else:
+            ks = _keys(random.randint(0, 10), pool)
+            assert table.contains(_t(ks, device)).tolist() == [k in model for k in ks]
+        table.drain_evicted()
+        _check_model(table, model, device, dim, extra_absent=pool[:5])
+        assert table.load_factor <= 1.0
+    if grow:
+        assert table.capacity > 16  # it grew, and kept every key
+    exported = {}
+    for k, v, s, sc in table.export(batch_size=7):
+        assert k.numel() <= 7 and s.shape == (k.numel(), 0)
+        exported.update(zip(k.tolist(), v.cpu()))
+    assert exported.keys() == model.keys()
+    assert all(torch.equal(exported[k], model[k]) for k in model)
+
+
+def test_special_keys(device):
+    table = DynamicEmbedding(3, 8, device=device, bucket_size=4, max_capacity=64)
+    ks = _t(SPECIAL, device)
+    vs = torch.arange(len(SPECIAL) * 3, dtype=torch.float32, device=device).reshape(-1, 3)
+    table.insert(ks, vs)
+    v, f = table.find(ks)
+    assert f.all() and torch.equal(v, vs)
+    assert len(table) == len(SPECIAL)
+    assert table.erase(_t([I64_MIN, 0], device)) == 2
+    assert table.contains(ks).tolist() == [k not in (I64_MIN, 0) for k in SPECIAL]
+    v, f = table.find(_t([0, I64_MIN], device))
+    assert not f.any() and not v.any()
+
+
+def test_growth_doubles(device):
+    table = DynamicEmbedding(2, 16, max_capacity=1024, device=device, bucket_size=16, eviction="none")
+    ks = _keys(300)
+    caps = []
+    for i in range(0, 300, 25):
+        table.insert(_t(ks[i:i + 25], device), torch.ones(25, 2, device=device))
+        caps.append(table.capacity)
+    assert len(table) == 300 and table.contains(_t(ks, device)).all()
+    assert all(c & (c - 1) == 0 for c in caps) and caps == sorted(caps) and caps[-1] >= 300 / 0.75
+    with pytest.raises(RuntimeError, match="full"):
+        small = DynamicEmbedding(2, 8, device=device, bucket_size=4, eviction="none")
+        small.insert(_t(_keys(40), device), torch.ones(40, 2, device=device))
+
+
+def _fill_one_bucket(table, device, n):
+    """Keys 0..n-1 inserted one per operation (LRU clock 1..n)."""
+    for k in range(n):
+        table.insert(_t([k], device), torch.full((1, table.embedding_dim), float(k), device=device))
+
+
+def test_eviction_lru_one_bucket(device):
+    table = DynamicEmbedding(2, 8, device=device, bucket_size=8, eviction="lru")  # one bucket of 8
+    _fill_one_bucket(table, device, 8)
+    table.train()
+    with torch.no_grad():
+        table(_t([1, 0, 2], device))  # 3 is now the least recently used
+    ek, ev, _, esc = table.insert(_t([100], device), torch.zeros(1, 2, device=device), return_evicted=True)
+    assert ek.tolist() == [3] and torch.equal(ev.cpu(), torch.full((1, 2), 3.0)) and esc.tolist() == [4]
+    # two new keys: the two least recent (4, 5) go, never a key of the same batch
+    ek, _, _, _ = table.insert(_t([101, 102], device), torch.zeros(2, 2, device=device), return_evicted=True)
+    assert sorted(ek.tolist()) == [4, 5]
+    # a batch holding more new keys than the bucket can take without evicting its own keys fails loudly
+    with pytest.raises(RuntimeError, match="same batch"):
+        table.insert(_t(list(range(200, 209)), device), torch.zeros(9, 2, device=device))
+    # the drained record has every eviction, in order
+    dk, dv, _, _ = table.drain_evicted()
+    assert dk.tolist()[:3] == [3, 4, 5] or sorted(dk.tolist()[:3]) == [3, 4, 5]
+
+
+def test_eviction_lfu_one_bucket(device):
+    table = DynamicEmbedding(2, 8, device=device, bucket_size=8, eviction="lfu")
+    _fill_one_bucket(table, device, 8)  # each key accessed once
+    table.train()
+    freq = {k: 1 for k in range(8)}
+    with torch.no_grad():
+        # the score counts the operations that used a key (repeats inside one batch count once)
+        for ks in ([0, 0, 1, 2, 3, 4, 5, 6], [7, 7, 6, 5, 4, 3, 2, 1, 1], [0, 1, 2, 3, 4, 5, 7], [0, 7, 7]):
+            table(_t(ks, device))
+            for k in set(ks):
+                freq[k] += 1
+    victim = min(freq, key=lambda k: freq[k])
+    assert sorted(freq.values()).count(freq[victim]) == 1
+    ek, _, _, esc = table.insert(_t([55], device), torch.zeros(1, 2, device=device), return_evicted=True)
+    assert ek.tolist() == [victim] and esc.tolist() == [freq[victim]]
+
+
+def test_eviction_none_raises(device):
+    table = DynamicEmbedding(2, 8, device=device, bucket_size=8, eviction="none")
+    _fill_one_bucket(table, device, 8)
+    with pytest.raises(RuntimeError, match="eviction='none'"):
+        table.insert(_t([9], device), torch.zeros(1, 2, device=device))
+    assert len(table) == 8 and not table.contains(_t([9], device)).any()
+
+
+def test_eviction_lru_many_buckets(device):
+    """With several buckets, each evicted key is the least recently used key of its own bucket."""
+    nb, bs = 4, 4
+    table = DynamicEmbedding(1, nb * bs, device=device, bucket_size=bs, eviction="lru")
+    last = {}
+    clock = 0
+    for _ in range(120):
+        k = random.randint(I64_MIN, I64_MAX) if random.random() < 0.6 or not last else random.choice(list(last))
+        clock += 1
+        ek, _, _, _ = table.insert(_t([k], device), torch.zeros(1, 1, device=device), return_evicted=True)
+        ek = ek.tolist()
+        same = [q for q in last if _bucket(q, nb) == _bucket(k, nb)]
+        if k not in last and len(same) == bs:
+            assert ek == [min(same, key=lambda q: last[q])]
+            del last[ek[0]]
+        else:
+            assert ek == []
+        last[k] = clock
+    assert len(table) == len(last)
+
+
+def _ref_optimizer(name, params, lr):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, eps=1e-10)
+    if name == "adam":
+        return torch.optim.SparseAdam(params, lr=lr, betas=(0.8, 0.95), eps=1e-8)
+    return None  # rowwise: manual below
+
+
+def _tf_optimizer(name, lr):
+    return {"sgd": lambda: tfo.SGD(lr), "adagrad": lambda: tfo.Adagrad(lr, eps=1e-10),
+            "rowwise": lambda: tfo.RowWiseAdagrad(lr, eps=1e-8),
+            "adam": lambda: tfo.Adam(lr, betas=(0.8, 0.95), eps=1e-8)}[name]()
+
+
+def _rowwise_step(weight, acc, lr, eps=1e-8):
+    with torch.no_grad():
+        g = weight.grad
+        rows = (g != 0).any(1)  # rows the batch touched (random data: a zero gradient row is not drawn)
+        acc[rows] += (g[rows] ** 2).mean(1)
+        weight[rows] -= (lr / (acc[rows].sqrt() + eps))[:, None] * g[rows]
+        weight.grad = None
+
+
+@pytest.mark.parametrize("host_tier", [False, True])
+@pytest.mark.parametrize("kind", ["embedding", "bag_sum", "bag_mean", "bag_weighted"])
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise", "adam"])
+def test_training_matches_pytorch(device, opt, kind, host_tier):
+    dim, P, lr = 7, 37, 0.05
+    pool = _keys(P)
+    budget = 10 * (dim * 4 + 4 * tfo.Adam().state_dim(dim)) if host_tier else None
+    bag = kind != "embedding"
+    cls = DynamicEmbeddingBag if bag else DynamicEmbedding
+    kw = {"mode": "mean" if kind == "bag_mean" else "sum"} if bag else {}
+    table = cls(dim, 128, device=device, optimizer=_tf_optimizer(opt, lr), hbm_budget_bytes=budget,
+                initializer=("normal", 0.0, 0.5), bucket_size=16, **kw)
+    table.train()
+    with torch.no_grad():  # insert the pool (no optimizer step without a gradient)
+        DynamicEmbedding.forward(table, _t(pool, device))
+    w0 = table.find(_t(pool, device))[0].clone()
+    sparse = opt == "adam"
+    if bag:
+        ref = torch.nn.EmbeddingBag(P, dim, mode=kw["mode"], sparse=sparse).to(device)
+    else:
+        ref = torch.nn.Embedding(P, dim, sparse=sparse).to(device)
+    with torch.no_grad():
+        ref.weight.copy_(w0)
+    ropt = _ref_optimizer(opt, ref.parameters(), lr)
+    acc = torch.zeros(P, device=device)
+    index = {k: i for i, k in enumerate(pool)}
+    for step in range(4):
+        n = random.choice([0, 1, 23, 50]) if step else 31
+        ks = _keys(n, pool)
+        ids, idx = _t(ks, device), _t([index[k] for k in ks], device)
+        if bag:
+            B = 6
+            cuts = sorted(random.randint(0, n) for _ in range(B - 1))
+            offsets = _t([0] + cuts, device)
+            psw = torch.rand(n, device=device) if kind == "bag_weighted" else None
+            out = table(ids, offsets, psw)
+            want = ref(idx, offsets, per_sample_weights=psw)
+        else:
+            out = table(ids.reshape(-1, 1) if step == 2 else ids)
+            want = ref(idx.reshape(-1, 1) if step == 2 else idx)
+        target = torch.randn_like(want)
+        loss, loss_ref = ((out - target) ** 2).sum(), ((want - target) ** 2).sum()
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+        loss.backward()
+        loss_ref.backward()
+        if ropt is None:
+            _rowwise_step(ref.weight, acc, lr)
+        else:
+            if ref.weight.grad is not None:
+                ropt.step()
+            ropt.zero_grad()
+        torch.testing.assert_close(table.find(_t(pool, device))[0], ref.weight.detach(), rtol=1e-5, atol=1e-6)
+    assert len(table) == P
+
+
+def test_duplicates_share_one_row(device):
+    table = DynamicEmbedding(4, 16, device=device, optimizer=tfo.SGD(1.0), bucket_size=16)
+    table.train()
+    ids = _t([5, 5, -7, 5], device)
+    out = table(ids)
+    assert len(table) == 2 and torch.equal(out[0], out[1]) and torch.equal(out[0], out[3])
+    before = table.find(_t([5], device))[0].clone()
+    g = torch.randn(4, 4, device=device)
+    (out * g).sum().backward()
+    after = table.find(_t([5], device))[0]
+    torch.testing.assert_close(after, before - (g[0] + g[1] + g[3]), rtol=1e-6, atol=1e-6)
+
+
+def test_empty_batches(device):
+    table = DynamicEmbedding(3, 8, device=device, bucket_size=8)
+    table.train()
+    out = table(torch.empty(0, 4, dtype=torch.int64, device=device))
+    assert out.shape == (0, 4, 3)
+    out.sum().backward()
+    bag = DynamicEmbeddingBag(3, 8, device=device, bucket_size=8, mode="mean")
+    bag.train()
+    o = bag(torch.empty(0, dtype=torch.int64, device=device), torch.zeros(3, dtype=torch.int64, device=device))
+    assert o.shape == (3, 3) and not o.any()
+    o.sum().backward()
+    o = bag(_t([4, 9], device), _t([0, 0, 2], device))  # empty bags around a full one
+    assert o.shape == (3, 3) and not o[0].any() and not o[2].any()
+    assert len(table) == 0 and len(bag) == 2
+    assert table.find(torch.empty(0, dtype=torch.int64, device=device))[0].shape == (0, 3)
+    table.insert(torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, 3, device=device))
+    assert table.erase(torch.empty(0, dtype=torch.int64, device=device)) == 0
+
+
+def test_eval_does_not_insert_and_frozen(device):
+    table = DynamicEmbedding(3, 8, device=device, bucket_size=8, optimizer=tfo.SGD(1.0))
+    table.eval()
+    out = table(_t([1, 2], device))
+    assert not out.any() and len(table) == 0
+    table.train()
+    table(_t([1], device))
+    table.eval()
+    out = table(_t([1, 2], device))
+    assert out[0].any() and not out[1].any() and len(table) == 1
+    table.train()
+    table.requires_grad_(False)
+    before = table.find(_t([1], device))[0].clone()
+    out = table(_t([1, 3], device))
+    assert not out.requires_grad and len(table) == 2
+    assert torch.equal(table.find(_t([1], device))[0], before)
+
+
+def test_state_dict_round_trip(device):
+    kw = dict(device=device, max_capacity=128, eviction="lfu", bucket_size=8, initializer=("uniform", -0.1, 0.1),
+              seed=11, optimizer=tfo.Adam(0.01))
+    a = DynamicEmbeddingBag(6, 16, mode="sum", **kw)
+    a.train()
+    for _ in range(3):
+        ids = _t(_keys(40, _keys(60)), device)
+        a(ids, _t([0, 10, 25], device)).square().sum().backward()
+    sd = a.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    b = DynamicEmbeddingBag(6, 8, mode="sum", device=device, optimizer=tfo.SGD(1.0))
+    b.load_state_dict(torch.load(buf, weights_only=False))
+    assert b.capacity == a.capacity and b.max_capacity == 128 and b.eviction == "lfu" and len(b) == len(a)
+    assert b.optimizer.config() == a.optimizer.config() and b._config() == a._config()
+
+    def table(m):
+        rows = [torch.cat([k[:, None].double(), v.double(), s.double(), sc[:, None].double()], 1)
+                for k, v, s, sc in m.export()]
+        keys = torch.cat([e[0] for e in m.export()])
+        return keys, torch.cat(rows)[torch.argsort(keys)]
+    ka, ta = table(a)
+    kb, tb = table(b)
+    assert torch.equal(ta, tb) and torch.equal(torch.sort(ka)[0], torch.sort(kb)[0])
+    # both continue identically
+    ids = _t(_keys(30, ka.tolist()[:20] + _keys(5)), device)
+    for m in (a, b):
+        m(ids, _t([0, 30], device)).square().sum().backward()
+    assert torch.equal(table(a)[1], table(b)[1])
+    # another dimension is refused clearly
+    c = DynamicEmbedding(5, 16, device=device)
+    with pytest.raises(RuntimeError, match="embedding_dim"):
+        c.load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_rows(device, dtype):
+    dim, P = 8, 20
+    pool = _keys(P)
+    table = DynamicEmbedding(dim, 32, device=device, dtype=dtype, optimizer=tfo.SGD(0.1), bucket_size=32)
+    vs = torch.randn(P, dim, device=device).to(dtype)
+    table.insert(_t(pool, device), vs)
+    assert torch.equal(table.find(_t(pool, device))[0], vs)
+    ref = torch.nn.Embedding(P, dim, dtype=dtype, device=device)
+    with torch.no_grad():
+        ref.weight.copy_(vs)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    table.train()
+    idx = torch.randint(0, P, (30,), device=device)
+    ids = _t(pool, device)[idx]
+    g = torch.randn(30, dim, device=device).to(dtype)
+    (table(ids).float() * g.float()).sum().backward()
+    (ref(idx).float() * g.float()).sum().backward()
+    ropt.step()
+    # the table sums repeated ids' gradients in fp32 before rounding once; PyTorch's embedding
+    # backward rounds the sum to the row dtype: allow one rounding of the update
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(table.find(_t(pool, device))[0].float(), ref.weight.detach().float(), rtol=tol, atol=tol)
+
+
+def test_bad_inputs(device):
+    table = DynamicEmbedding(3, 8, device=device, bucket_size=8)
+    bag = DynamicEmbeddingBag(3, 8, device=device, bucket_size=8)
+    with pytest.raises(TypeError, match="integer"):
+        table(torch.ones(3, device=device))
+    with pytest.raises(TypeError, match="integer"):
+        table.find(torch.ones(3, dtype=torch.float64, device=device))
+    other = "meta" if device == "cpu" else "cpu"
+    with pytest.raises(ValueError, match="device"):
+        table(torch.ones(3, dtype=torch.int64, device=other))
+    with pytest.raises(ValueError, match="offsets"):
+        bag(_t([1, 2, 3], device), _t([0, 2, 1], device))
+    with pytest.raises(ValueError, match="offsets"):
+        bag(_t([1, 2, 3], device), _t([1, 2], device))
+    with pytest.raises(ValueError, match="offsets"):
+        bag(_t([1, 2, 3], device), _t([0, 4], device))
+    with pytest.raises(TypeError, match="offsets"):
+        bag(_t([1, 2, 3], device), torch.tensor([0.0], device=device))
+    with pytest.raises(ValueError, match="per_sample_weights"):
+        DynamicEmbeddingBag(3, 8, device=device, mode="mean")(_t([1], device), _t([0], device),
+                                                              torch.ones(1, device=device))
+    with pytest.raises(ValueError, match="values"):
+        table.insert(_t([1, 2], device), torch.ones(2, 4, device=device))
+    with pytest.raises(ValueError, match="eviction"):
+        DynamicEmbedding(3, 8, device=device, eviction="fifo")
+    with pytest.raises(ValueError, match="initializer"):
+        DynamicEmbedding(3, 8, device=device, initializer=("xavier",))
+    with pytest.raises(ValueError, match="max_capacity"):
+        DynamicEmbedding(3, 8, device=device, max_capacity=4)
+    with pytest.raises(TypeError, match="optimizer"):
+        DynamicEmbedding(3, 8, device=device, optimizer=torch.optim.SGD)
+    with pytest.raises(TypeError, match="dtype"):
+        DynamicEmbedding(3, 8, device=device, dtype=torch.float64)
+    with pytest.raises(TypeError, match="int64"):  # the raw ops check their arguments too
+        torch.ops.torchfuse.dynemb_lookup(torch.ones(2, dtype=torch.int32, device=device), table._keys,
+                                          table._digests, table._marks, 8, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_device_move_and_host_tier_cuda():
+    dim = 4
+    a = DynamicEmbedding(dim, 64, device="cpu", bucket_size=16, optimizer=tfo.Adagrad(0.1),
+                         hbm_budget_bytes=20 * (dim * 4 + dim * 4))
+    ks = _t(_keys(40), "cpu")
+    vs = torch.randn(40, dim)
+    a.insert(ks, vs)
+    a.cuda()
+    assert a.device.type == "cuda" and a.hbm_rows == 20 and a._values_host.is_pinned()
+    v, f = a.find(ks.cuda())
+    assert f.all() and torch.equal(v.cpu(), vs)
+    a.cpu()
+    assert torch.equal(a.find(ks)[0], vs)
+
+
+def test_initializer_is_per_key(device):
+    a = DynamicEmbedding(6, 32, device=device, initializer=("normal", 0.5, 2.0), seed=7, bucket_size=32)
+    b = DynamicEmbedding(6, 32, device=device, initializer=("normal", 0.5, 2.0), seed=7, bucket_size=32)
+    a.train(), b.train()
+    ks = _keys(10)
+    with torch.no_grad():
+        ra = a(_t(ks, device))
+        rb = b(_t(ks[::-1], device)).flip(0)
+    assert torch.equal(ra, rb)
+    want = torch.tensor([_init_ref(k, 7, 6, ("normal", 0.5, 2.0)) for k in ks], dtype=torch.float32)
+    torch.testing.assert_close(ra.cpu(), want, rtol=1e-6, atol=1e-6)
+    c = DynamicEmbedding(6, 32, device=device, initializer=("constant", 0.25), bucket_size=32)
+    c.train()
+    with torch.no_grad():
+        assert torch.equal(c(_t(ks, device)), torch.full((10, 6), 0.25, device=device))
+
+
+def test_find_or_insert_and_unique_insert(device):
+    table = DynamicEmbedding(4, 64, device=device, bucket_size=16, initializer=("uniform", 0.0, 1.0))
+    ks = _keys(20)
+    rows = table.find_or_insert(_t(ks + ks[:5], device))
+    assert len(table) == 20 and torch.equal(rows[20:], rows[:5])
+    assert torch.equal(table.find_or_insert(_t(ks, device), unique=True), rows[:20])
+    vs = torch.randn(20, 4, device=device)
+    table.insert(_t(ks, device), vs, unique=True)
+    assert torch.equal(table.find(_t(ks, device))[0], vs)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_bag_eval_and_weight_gradients(device, mode):
+    dim, P = 5, 12
+    pool = _keys(P)
+    bag = DynamicEmbeddingBag(dim, 32, device=device, bucket_size=32, mode=mode, optimizer=tfo.SGD(0.1))
+    vs = torch.randn(P, dim, device=device)
+    bag.insert(_t(pool, device), vs)
+    ref = torch.nn.EmbeddingBag(P, dim, mode=mode).to(device)
+    with torch.no_grad():
+        ref.weight.copy_(vs)
+    idx = torch.randint(0, P, (17,), device=device)
+    offsets = _t([0, 3, 3, 10], device)
+    bag.eval()  # eval: unseen ids read as zeros, nothing inserted
+    ids = _t(pool, device)[idx]
+    ids[0] = 12345 if 12345 not in pool else 54321
+    with torch.no_grad():
+        got = bag(ids, offsets)
+        mask = torch.ones(17, device=device)
+        mask[0] = 0
+        want = F.embedding_bag(idx, vs, offsets, mode="sum", per_sample_weights=mask)
+        if mode == "mean":  # the unseen id counts as a zero row
+            want = want / torch.tensor([3.0, 1.0, 7.0, 7.0], device=device)[:, None]
+            want[1] = 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(bag) == P
+    if mode == "sum":  # per_sample_weights that need a gradient take PyTorch's embedding_bag
+        bag.train()
+        w = torch.rand(17, device=device, requires_grad=True)
+        w_ref = w.detach().clone().requires_grad_(True)
+        g = torch.randn(4, dim, device=device)
+        (bag(_t(pool, device)[idx], offsets, w) * g).sum().backward()
+        (ref(idx, offsets, per_sample_weights=w_ref) * g).sum().backward()
+        torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            ref.weight -= 0.1 * ref.weight.grad
+        torch.testing.assert_close(bag.find(_t(pool, device))[0], ref.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dim", [3, 128])
+def test_find_op_matches_lookup_gather(device, dim):
+    """dynemb_find (probe and copy in one kernel, used for rows >= 512 bytes) against lookup + gather."""
+    table = DynamicEmbedding(dim, 64, device=device, bucket_size=16, hbm_budget_bytes=20 * dim * 4)
+    ks = _keys(40)
+    table.insert(_t(ks, device), torch.randn(40, dim, device=device))
+    q = _t(ks[::3] + [random.randint(I64_MIN, I64_MAX) for _ in range(7)], device)
+    ops = torch.ops.torchfuse
+    rows, slots = ops.dynemb_find(q, table._keys, table._digests, table._marks, table._values, table._values_host, 16)
+    ref_slots = table._lookup(q)
+    assert torch.equal(slots, ref_slots)
+    assert torch.equal(rows, table._gather(ref_slots, table._values, table._values_host))
+    assert (slots >= 0).sum() == len(ks[::3])
