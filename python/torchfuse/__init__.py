@@ -32,6 +32,9 @@ from . import optim  # noqa: E402
 from .dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag  # noqa: E402
 
 __all__ += ["DynamicEmbedding", "DynamicEmbeddingBag", "optim"]
+from . import torchrec  # noqa: E402  (TorchRec drop-ins; imports torchrec itself lazily)
+
+__all__ += ["torchrec"]
 
 
 # ---- HuggingFace patching ----
