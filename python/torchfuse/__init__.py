@@ -23,6 +23,10 @@ __all__ = ["__version__", "layer_norm", "rms_norm", "nn", "stats", "compat"]
 
 
 # ---- HuggingFace patching ----
+from . import hf  # noqa: E402  (imports transformers only when patching)
+from .hf import patch_hf, unpatch_hf  # noqa: E402
+
+__all__ += ["hf", "patch_hf", "unpatch_hf"]
 
 
 from . import compat  # noqa: E402,F401
