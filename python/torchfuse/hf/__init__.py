@@ -6,7 +6,7 @@ fused kernels (``torchfuse.layer_norm`` / ``rms_norm``); attention and MLP stay 
     torchfuse.unpatch_hf(model)                # back to HF's own forwards
     with torchfuse.stats() as calls:           # check that the kernels ran
         model(input_ids)
-    assert calls["norm_fwd"] == torchfuse.hf.expected_norm_calls(model)
+    assert calls == torchfuse.hf.expected_calls(model)
 
 Per model type (as linkedin/Liger-Kernel's monkey_patch does), the patch replaces each decoder layer's
 ``forward`` and the final norm's ``forward`` on the instances (``unpatch_hf`` deletes them again, so
@@ -209,12 +209,19 @@ def is_patched(model):
     return any(getattr(m, _PATCHED, None) is not None for m in model.modules())
 
 
-def expected_norm_calls(model, cross_attention=False):
-    """torchfuse op calls one forward of a patched ``model`` makes (both paths make the same number):
-    per layer 2 (Llama family, GPT-2, GPT-NeoX sequential) or 1 (GPT-NeoX parallel: one kernel does the
-    layer's 3-way add and both next norms), plus 1 (the first layer's input norm; the final norm comes
-    with the last layer's add); GPT-2 with cross-attention 1 more per layer."""
-    total = 0
+def expected_calls(model, cross_attention=False):
+    """What ``torchfuse.stats()`` counts in one forward of a patched ``model`` (both paths count the
+    same): ``hf_layer`` (patched layer forwards run), ``hf_final_norm`` (patched final norms run) and
+    ``norm_fwd`` (fused kernel calls): per layer 2 (Llama family, GPT-2, GPT-NeoX sequential) or 1
+    (GPT-NeoX parallel: one kernel does the layer's 3-way add and both of the next layer's norms), plus 1
+    per model (the first layer's input norm; the final norm comes with the last layer's add); GPT-2 with
+    cross-attention 1 more per layer.
+
+        with torchfuse.stats() as calls:
+            model(input_ids)
+        assert calls == torchfuse.hf.expected_calls(model)
+    """
+    calls = {"hf_layer": 0, "hf_final_norm": 0, "norm_fwd": 0}
     for m in model.modules():
         state = getattr(m, _PATCHED, None)
         if state is None:
@@ -225,5 +232,7 @@ def expected_norm_calls(model, cross_attention=False):
             per = 1
         if model_type == "gpt2" and cross_attention:
             per = 3
-        total += per * len(layers) + 1
-    return total
+        calls["norm_fwd"] += per * len(layers) + 1
+        calls["hf_layer"] += len(layers)
+        calls["hf_final_norm"] += 1
+    return calls

@@ -96,6 +96,7 @@ def final_norm_forward(norm):
     carry, p, eps, kind = norm.carry, norm.params, norm.eps, norm.kind
 
     def forward(hidden_states):
+        count("hf_final_norm")
         if not _grad_enabled():
             got = _take(carry, hidden_states)
             if got is not None:
@@ -115,6 +116,7 @@ def rms_layer_forward(layer, n_in, n_post, emit):
 
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
+        count("hf_layer")
         if _grad_enabled():
             x = n_in(hidden_states)
             x, _ = mods["self_attn"](hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
@@ -145,6 +147,7 @@ def neox_layer_forward(layer, n_in, n_post, emit):
 
     def forward(hidden_states, attention_mask=None, position_ids=None, use_cache=False, layer_past=None,
                 position_embeddings=None, **kwargs):
+        count("hf_layer")
         training = layer.training  # dropout is the identity in eval: skip the module calls
         if _grad_enabled():
             if parallel:
@@ -198,6 +201,7 @@ def gpt2_block_forward(layer, n_1, n_2, n_cross, emit):
 
     def forward(hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, use_cache=False, **kwargs):
+        count("hf_layer")
         if encoder_hidden_states is not None and n_cross is None:
             raise ValueError(
                 f"If `encoder_hidden_states` are passed, {layer} has to be instantiated with "
