@@ -262,6 +262,23 @@ def test_modified_hidden_state_is_not_served_from_carry(device):
     close_per_layer([got], [ref], torch.float32, "logits")
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox"])
+def test_deepcopy_of_patched_model(kind):
+    """A deep copy of a patched model refuses to run until patched itself (its forwards would run the
+    original's submodules), then matches the original."""
+    model = make_model(kind)
+    ids = ids_for("cpu")
+    torchfuse.patch_hf(model)
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with pytest.raises(RuntimeError, match="copy"):
+            copied(ids)
+        torchfuse.patch_hf(copied)
+        got = assert_kernels_ran(copied, lambda: copied(ids).logits)
+    assert torch.equal(got, ref)
+
+
 def test_gpt2_cross_attention(device):
     cfg = make_config("gpt2")
     cfg.add_cross_attention = True

@@ -17,6 +17,7 @@ forwards and the inference-time fusion across layer boundaries.
 """
 import functools
 import importlib
+import types
 
 import torch
 
@@ -115,12 +116,13 @@ def _patch_base(base, model_type, mod, layer_cls, norm_cls, spec):
     for i, (layer, consumer, others) in enumerate(plan):
         emit = _layers.make_emit(plan[i + 1][1] if i + 1 < len(plan) else [final])
         if family == "rms":
-            layer.forward = _layers.rms_layer_forward(layer, consumer[0], others[0], emit)
+            layer.forward = types.MethodType(_layers.rms_layer_forward(layer, consumer[0], others[0], emit), layer)
         elif family == "neox":
-            layer.forward = _layers.neox_layer_forward(layer, consumer[0], others[0], emit)
+            layer.forward = types.MethodType(_layers.neox_layer_forward(layer, consumer[0], others[0], emit), layer)
         else:
-            layer.forward = _layers.gpt2_block_forward(layer, consumer[0], others[0], others[1], emit)
-    final.module.forward = _layers.final_norm_forward(final)
+            layer.forward = types.MethodType(_layers.gpt2_block_forward(layer, consumer[0], others[0], others[1], emit),
+                                             layer)
+    final.module.forward = types.MethodType(_layers.final_norm_forward(final), final.module)
     object.__setattr__(base, _PATCHED, (model_type, [p[0] for p in plan], final.module))
 
 

@@ -18,7 +18,10 @@ Two paths, chosen per call by grad mode:
   crosses a layer boundary, so gradient checkpointing and recomputation see plain layers.
 
 Closures capture the modules' ``_parameters`` / ``_modules`` dicts, not the tensors, so parameters
-replaced later (loading weights, ``.to()``) and submodules swapped later (adapters) are honoured.
+replaced later (loading weights, ``.to()``) and submodules swapped later (adapters) are honoured. The
+forwards are methods bound to their module, so a ``copy.deepcopy`` of a patched model gets methods
+bound to the copies, which refuse to run (they would run the original's submodules) until the copy
+is patched itself.
 """
 import torch
 
@@ -48,6 +51,14 @@ class Norm:
         if self.kind == LAYER_NORM:
             return layer_norm(x, p["weight"], p.get("bias"), self.eps, residual=residual)
         return rms_norm(x, p["weight"], self.eps, residual=residual)
+
+
+def _copied(module):
+    return RuntimeError(
+        f"torchfuse.patch_hf: this {type(module).__name__} is a copy (copy.deepcopy) of a patched module, whose "
+        "patched forward would run the original's submodules; call torchfuse.patch_hf(copy) (or unpatch_hf) on "
+        "the copied model"
+    )
 
 
 def _take(carry, h):
@@ -95,7 +106,11 @@ def final_norm_forward(norm):
     """Forward of a model's final norm: the carried output when the last layer left it."""
     carry, p, eps, kind = norm.carry, norm.params, norm.eps, norm.kind
 
-    def forward(hidden_states):
+    owner = norm.module
+
+    def forward(self, hidden_states):
+        if self is not owner:
+            raise _copied(self)
         count("hf_final_norm")
         if not _grad_enabled():
             got = _take(carry, hidden_states)
@@ -114,8 +129,10 @@ def rms_layer_forward(layer, n_in, n_post, emit):
     p_post, eps_post = n_post.params, n_post.eps
     rms = RMS_NORM_LLAMA
 
-    def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
+        if self is not layer:
+            raise _copied(self)
         count("hf_layer")
         if _grad_enabled():
             x = n_in(hidden_states)
@@ -145,8 +162,10 @@ def neox_layer_forward(layer, n_in, n_post, emit):
     parallel = bool(layer.use_parallel_residual)
     carry, p_in, p_post, eps, ln = n_in.carry, n_in.params, n_post.params, n_in.eps, LAYER_NORM
 
-    def forward(hidden_states, attention_mask=None, position_ids=None, use_cache=False, layer_past=None,
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, use_cache=False, layer_past=None,
                 position_embeddings=None, **kwargs):
+        if self is not layer:
+            raise _copied(self)
         count("hf_layer")
         training = layer.training  # dropout is the identity in eval: skip the module calls
         if _grad_enabled():
@@ -199,8 +218,10 @@ def gpt2_block_forward(layer, n_1, n_2, n_cross, emit):
     mods = layer._modules
     carry, p_1, eps_1, p_2, eps_2, ln = n_1.carry, n_1.params, n_1.eps, n_2.params, n_2.eps, LAYER_NORM
 
-    def forward(hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
+    def forward(self, hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, use_cache=False, **kwargs):
+        if self is not layer:
+            raise _copied(self)
         count("hf_layer")
         if encoder_hidden_states is not None and n_cross is None:
             raise ValueError(
