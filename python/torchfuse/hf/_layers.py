@@ -36,14 +36,15 @@ _grad_enabled = torch.is_grad_enabled
 
 class Norm:
     """One HF norm module as the ops see it: kind, eps, parameters dict, and the carry slot in which
-    its producer leaves ``[s, y, y2, s._version]``."""
+    its producer leaves ``(s, y, y2, s._version)`` (one tuple, stored and taken whole, so threads
+    sharing a model can make a consumer miss the carry, never read another call's ``y``)."""
 
     __slots__ = ("module", "kind", "eps", "params", "carry")
 
     def __init__(self, module, kind, eps):
         self.module, self.kind, self.eps = module, kind, float(eps)
         self.params = module._parameters
-        self.carry = [None, None, None, -1]
+        self.carry = [None]
 
     def __call__(self, x, residual=None):
         """Training-path norm through the differentiable API (counts itself)."""
@@ -63,11 +64,11 @@ def _copied(module):
 
 def _take(carry, h):
     """The carried norm output(s) for ``h`` if its producer left them, else None; empties the slot."""
-    s = carry[0]
-    hit = s is h and s._version == carry[3]
-    y, y2 = carry[1], carry[2]
-    carry[0] = carry[1] = carry[2] = None
-    return (y, y2) if hit else None
+    c = carry[0]
+    carry[0] = None
+    if c is not None and c[0] is h and h._version == c[3]:
+        return c[1], c[2]
+    return None
 
 
 def make_emit(consumer):
@@ -87,7 +88,7 @@ def make_emit(consumer):
                 with _below_autograd():
                     y, _, s, _, _ = _fwd(x, r, r2, p1["weight"], p1.get("bias"), None, None, eps, kind, 0.0,
                                          None, False)
-            carry[0], carry[1], carry[3] = s, y, s._version
+            carry[0] = (s, y, None, s._version)
             return s
         return emit
     p2 = consumer[1].params
@@ -97,7 +98,7 @@ def make_emit(consumer):
         with _below_autograd():
             y, y2, s, _, _ = _fwd(x, r, r2, p1["weight"], p1.get("bias"), p2["weight"], p2.get("bias"), eps, kind,
                                   0.0, None, False)
-        carry[0], carry[1], carry[2], carry[3] = s, y, y2, s._version
+        carry[0] = (s, y, y2, s._version)
         return s
     return emit2
 
