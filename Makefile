@@ -4,6 +4,8 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.14.1
+# tests/test_hf.py runs against this release (torchfuse.patch_hf supports >=5.17,<5.24)
+TRANSFORMERS_VERSION ?= 5.17.0
 export MAX_JOBS ?= 2
 
 .PHONY: run test deps test-deps build
@@ -14,6 +16,8 @@ deps:
 
 test-deps: deps
 	@$(PYTHON) -c "import pytest, numpy" 2>/dev/null || $(PIP) install pytest numpy
+	@$(PYTHON) -c "import transformers as t; assert t.__version__ == '$(TRANSFORMERS_VERSION)'" 2>/dev/null || \
+		$(PIP) install "transformers==$(TRANSFORMERS_VERSION)"
 
 build: deps
 	$(PIP) install --no-build-isolation --no-deps -e .

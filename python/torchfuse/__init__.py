@@ -38,6 +38,10 @@ __all__ += ["torchrec"]
 
 
 # ---- HuggingFace patching ----
+from . import hf  # noqa: E402  (imports transformers only when patching)
+from .hf import patch_hf, unpatch_hf  # noqa: E402
+
+__all__ += ["hf", "patch_hf", "unpatch_hf"]
 
 
 from . import compat  # noqa: E402,F401
