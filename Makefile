@@ -6,6 +6,11 @@ PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.14.1
 # tests/test_hf.py runs against this release (torchfuse.patch_hf supports >=5.17,<5.24)
 TRANSFORMERS_VERSION ?= 5.17.0
+# tests/test_torchrec.py also runs against real TorchRec objects when torchrec imports. torchrec
+# depends on fbgemm-gpu, whose CUDA build does not load without a GPU: install torchrec without its
+# dependencies, then the CPU build of fbgemm and torchrec's other needs.
+TORCHREC_VERSION ?= 1.9.2
+FBGEMM_VERSION ?= 1.9.0
 export MAX_JOBS ?= 2
 
 .PHONY: run test deps test-deps build
@@ -18,6 +23,8 @@ test-deps: deps
 	@$(PYTHON) -c "import pytest, numpy" 2>/dev/null || $(PIP) install pytest numpy
 	@$(PYTHON) -c "import transformers as t; assert t.__version__ == '$(TRANSFORMERS_VERSION)'" 2>/dev/null || \
 		$(PIP) install "transformers==$(TRANSFORMERS_VERSION)"
+	@$(PYTHON) -c "import torchrec" 2>/dev/null || { $(PIP) install --no-deps "torchrec==$(TORCHREC_VERSION)" && \
+		$(PIP) install "fbgemm-gpu-cpu==$(FBGEMM_VERSION)" tensordict pyre-extensions torchmetrics tqdm; }
 
 build: deps
 	$(PIP) install --no-build-isolation --no-deps -e .
