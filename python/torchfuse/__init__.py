@@ -17,6 +17,9 @@ __all__ = ["__version__", "layer_norm", "rms_norm", "nn", "stats", "compat"]
 
 
 # ---- HSTU attention ----
+from .hstu import hstu_attention, hstu_attention_cached  # noqa: E402
+
+__all__ += ["hstu_attention", "hstu_attention_cached"]
 
 
 # ---- dynamic embeddings ----
