@@ -128,8 +128,9 @@ Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, cons
     }
 
     // Offsets, lengths and targets checked on the host (one small copy; a sync on a GPU).
-    g.covered = true;
-    if (p.B > 0) {
+    g.covered = false;  // unknown without validation: outputs start zeroed
+    if (!o.validate) {
+    } else if (p.B > 0) {
         const at::Tensor off = g.offsets.to(at::kLong);
         const at::Tensor lens = off.slice(0, 1) - off.slice(0, 0, p.B);
         std::vector<at::Tensor> parts = {lens.min().view(1), lens.max().view(1), off.slice(0, 0, 1),
@@ -193,19 +194,19 @@ void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda
 namespace {
 
 HstuOpts opts(int64_t max_seq_len, double alpha, std::optional<int64_t> scaling_seqlen, int64_t c, int64_t m,
-              int64_t f, int64_t g, int64_t delta) {
-    return HstuOpts{max_seq_len, alpha, scaling_seqlen, c, m, f, g, delta};
+              int64_t f, int64_t g, int64_t delta, bool validate) {
+    return HstuOpts{max_seq_len, alpha, scaling_seqlen, c, m, f, g, delta, validate};
 }
 
 at::Tensor hstu_fwd_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &seq_offsets,
                         const std::optional<at::Tensor> &num_targets, const std::optional<at::Tensor> &attn_bias,
                         int64_t max_seq_len, double alpha, std::optional<int64_t> scaling_seqlen,
                         int64_t contextual_seq_len, int64_t max_attn_len, int64_t min_full_attn_seq_len,
-                        int64_t target_group_size, int64_t delta) {
+                        int64_t target_group_size, int64_t delta, bool validate) {
     Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias,
                           opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
-                               min_full_attn_seq_len, target_group_size, delta),
-                          false);
+                               min_full_attn_seq_len, target_group_size, delta, /*validate=*/true),
+                          false);  // on the CPU checking costs nothing: always
     const tf_hstu_params p = g.p;
     at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) { tf_hstu_fwd_cpu(&p, b0, b1); });
     return g.o;
@@ -218,7 +219,7 @@ HstuBwdResult hstu_bwd_cpu(const at::Tensor &dout, const at::Tensor &q, const at
                            int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad) {
     Hstu g = prepare_hstu("torchfuse.hstu_bwd", q, k, v, seq_offsets, num_targets, attn_bias,
                           opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
-                               min_full_attn_seq_len, target_group_size, 0),
+                               min_full_attn_seq_len, target_group_size, 0, true),
                           false);
     prepare_hstu_bwd(g, dout, bias_grad, false);
     const tf_hstu_params p = g.p;

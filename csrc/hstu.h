@@ -27,6 +27,7 @@ struct HstuOpts {
     double alpha;
     std::optional<int64_t> scaling_seqlen;
     int64_t contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, delta;
+    bool validate;  // check offsets, lengths and targets on the host (a sync on a GPU)
 };
 
 Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,

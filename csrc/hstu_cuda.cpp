@@ -17,11 +17,11 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
                          const std::optional<at::Tensor> &num_targets, const std::optional<at::Tensor> &attn_bias,
                          int64_t max_seq_len, double alpha, std::optional<int64_t> scaling_seqlen,
                          int64_t contextual_seq_len, int64_t max_attn_len, int64_t min_full_attn_seq_len,
-                         int64_t target_group_size, int64_t delta) {
+                         int64_t target_group_size, int64_t delta, bool validate) {
     const c10::cuda::CUDAGuard guard(q.device());
     Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias,
                           HstuOpts{max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
-                                   min_full_attn_seq_len, target_group_size, delta},
+                                   min_full_attn_seq_len, target_group_size, delta, validate},
                           true);
     check_launch(tf_hstu_fwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU forward kernel");
     return g.o;
@@ -36,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
     const c10::cuda::CUDAGuard guard(q.device());
     Hstu g = prepare_hstu("torchfuse.hstu_bwd", q, k, v, seq_offsets, num_targets, attn_bias,
                           HstuOpts{max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
-                                   min_full_attn_seq_len, target_group_size, 0},
+                                   min_full_attn_seq_len, target_group_size, 0, false},
                           true);
     prepare_hstu_bwd(g, dout, bias_grad, true);
     check_launch(tf_hstu_bwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU backward kernel");

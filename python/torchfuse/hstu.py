@@ -29,6 +29,7 @@ def hstu_attention(
     target_group_size: int = 1,
     scaling_seqlen: Optional[int] = None,
     attn_bias: Optional[Tensor] = None,
+    validate: bool = True,
 ) -> Tensor:
     """HSTU attention ("Actions Speak Louder than Words", Zhai et al. 2024) over jagged sequences.
 
@@ -47,14 +48,17 @@ def hstu_attention(
         seq_offsets: (B + 1,) int32/int64, non-decreasing; sequence lengths at most ``max_seq_len``.
         num_targets: (B,) int32/int64 or None.
         attn_bias: (B, 1 or H, max_seq_len, max_seq_len) or None, indexed by position in the sequence.
+        validate: check offsets, lengths (<= max_seq_len) and num_targets, raising clear errors; on a GPU
+            that is one small device-to-host copy (a sync). Pass False in a training loop whose jagged
+            metadata is known good (GR's kernels never check): bad metadata is then undefined behaviour.
 
     Returns:
         (L, H, Dv) in q's dtype. Differentiable in q, k, v and attn_bias (its gradient is summed over
-        heads when it has one head). Checks the offsets on the host (one small device-to-host copy).
+        heads when it has one head).
     """
     count("hstu_fwd")
     return _fwd(q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
-                contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, 0)
+                contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, 0, validate)
 
 
 def hstu_attention_cached(
@@ -72,6 +76,7 @@ def hstu_attention_cached(
     target_group_size: int = 1,
     scaling_seqlen: Optional[int] = None,
     attn_bias: Optional[Tensor] = None,
+    validate: bool = True,
 ) -> Tensor:
     """Cached inference: the rows of :func:`hstu_attention` for the last D tokens of every sequence.
 
@@ -89,7 +94,7 @@ def hstu_attention_cached(
     if D == 0:
         return delta_q.new_empty((0, k.shape[1], v.shape[2]))
     return _fwd(delta_q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
-                contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, D)
+                contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, D, validate)
 
 
 # ---- fake (meta) kernels: shapes and dtypes only, for torch.compile and meta tensors ----
@@ -97,7 +102,7 @@ def hstu_attention_cached(
 
 @torch.library.register_fake("torchfuse::hstu_fwd")
 def _hstu_fwd_fake(q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
-                   contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, delta):
+                   contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, delta, validate=True):
     torch._check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
                  lambda: "torchfuse.hstu_attention: q, k, v must be 3-D")
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
@@ -114,7 +119,7 @@ def _hstu_bwd_fake(dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_l
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen, c, m, f, g, delta) = inputs
+    (q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen, c, m, f, g, delta) = inputs[:14]
     ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_bias)
     ctx.opts = (max_seq_len, alpha, scaling_seqlen, c, m, f, g)
     ctx.delta = delta
@@ -128,7 +133,7 @@ def _backward(ctx, dout):
     bias_grad = attn_bias is not None and need[5]
     dq, dk, dv, db = _bwd(dout, q, k, v, seq_offsets, num_targets, attn_bias, *ctx.opts, bias_grad)
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None,
-            db if bias_grad else None) + (None,) * 8
+            db if bias_grad else None) + (None,) * 9
 
 
 torch.library.register_autograd("torchfuse::hstu_fwd", _backward, setup_context=_setup_context)
