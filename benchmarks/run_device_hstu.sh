@@ -16,15 +16,15 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
   SEL="cuda and ((bfloat16 and (plain_h2_d64 or targets_groups_context or d256_dv32 or window_minfull or bias_1_head or test_cached)) or (float32 and (plain_h2_d64 or bias_1_head)))"
-  timeout 200 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_hstu.py -q -x -p no:cacheprovider \
+  timeout ${MEMCHECK_TIMEOUT:-120} compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_hstu.py -q -x -p no:cacheprovider \
     -k "$SEL" > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
-  timeout 150 compute-sanitizer --tool racecheck --print-limit 5 python3 -m pytest tests/test_hstu.py -q -x -p no:cacheprovider \
+  timeout ${RACECHECK_TIMEOUT:-90} compute-sanitizer --tool racecheck --print-limit 5 python3 -m pytest tests/test_hstu.py -q -x -p no:cacheprovider \
     -k "cuda and bfloat16 and (test_forward and targets_groups_context or test_backward and d256_dv32 or test_backward and plain_h2)" > "$OUT/racecheck.log" 2>&1
   echo "racecheck exit $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -3
 fi
 case "${BENCH:-quick}" in
   quick) timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_hstu.py --quick --out "$OUT/bench_hstu.md" 2>"$OUT/bench_hstu.err"; echo "bench exit $?" ;;
-  full) timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_hstu.py --out "$OUT/bench_hstu.md" 2>"$OUT/bench_hstu.err"; echo "bench exit $?" ;;
+  full) timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_hstu.py ${BENCH_ARGS:-} --out "$OUT/bench_hstu.md" 2>"$OUT/bench_hstu.err"; echo "bench exit $?" ;;
 esac
 [ -f "$OUT/bench_hstu.err" ] && tail -5 "$OUT/bench_hstu.err"

@@ -1,7 +1,7 @@
 /* HSTU attention backward on CUDA (semantics: hstu.h).
  *
- * Tensor-core kernel (bf16 / fp16), FlashAttention-2 backward structure: one block per (sequence, head,
- * tile of BN = 64 keys). K and V of the tile stay in shared memory; the block walks the query tiles
+ * Tensor-core kernel (bf16 / fp16), FlashAttention-2 backward structure: one block of 8 warps per
+ * (sequence, head, tile of BN keys: 128, or 64 at head dim 256). K and V of the tile stay in shared memory; the block walks the query tiles
  * (BM rows) that tf_hstu_row_range() says can see these keys (context rows first, then the causal
  * range), double-buffering Q and dO with cp.async. Each warp owns 16 keys (and, at head dim 256, half
  * of the head-dim columns: two warps share a key slab) and computes, transposed so that keys are
@@ -10,7 +10,7 @@
  *   P^T = SiLU(z) / S_norm, dZ^T = dP^T / S_norm * s (1 + z (1 - s)) * alpha, masked in boundary tiles
  *   dV += P^T dO, dK += dZ^T Q                  (registers, written once at the end)
  * dZ goes through shared memory (bf16/fp16) and every warp then computes a 16-row x 64-column piece
- * of dQ = dZ K, added with fp32 atomics into an fp32 buffer that the caller casts to q's dtype.
+ * of dQ = dZ K (up to 64 columns a pass), added with fp32 atomics into an fp32 buffer that the caller casts to q's dtype.
  * d(attn_bias) = dZ by fp32 atomics (summed over heads when the bias has one head).
  * Jagged scheduling: blocks ordered by key tile, lowest first (the most query tiles to visit), then
  * sequence and head; blocks past the end of their sequence exit at once.
@@ -24,13 +24,14 @@ namespace {
 
 template <int D>
 struct BwdCfg {
-    static constexpr int NW = D >= 256 ? 8 : 4;      // warps
+    static constexpr int NW = 8;                     // warps
     static constexpr int DSPLIT = D >= 256 ? 2 : 1;  // warps sharing one 16-key slab
     static constexpr int BM = D >= 256 ? 32 : 64;    // query rows per step
     static constexpr int BN = 16 * NW / DSPLIT;      // keys per block
     static constexpr int LDS = D + 8, LDSS = BN + 8;
     static constexpr int SMEM = (2 * BN * LDS + 4 * BM * LDS + BM * LDSS) * 2;
     static constexpr int SLABS = BM / 16, PARTS = NW / SLABS, PC = D / PARTS;  // dQ work split
+    static constexpr int CW = PC < 64 ? PC : 64;                               // dQ columns per pass
 };
 
 template <typename T>
@@ -128,22 +129,33 @@ __global__ void __launch_bounds__(32 * BwdCfg<D>::NW) hstu_bwd_mma(const tf_hstu
                 mma16816<T>(dpt[2 * np + 1], a, r[2], r[3]);
             }
         }
-        const bool full = tf_hstu_tile_full(&s.mask, q0, q0 + BM, k0, k0 + BN);
-        float *dbias = (float *)p.dbias;
+        // Tiles inside the mask with no bias take the short path; boundary tiles test each pair.
+        if (tf_hstu_tile_full(&s.mask, q0, q0 + BM, k0, k0 + BN) && !p.bias) {
 #pragma unroll
-        for (int nt = 0; nt < BM / 8; ++nt) {
+            for (int nt = 0; nt < BM / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + ks * 16 + g + (e >= 2 ? 8 : 0), pos = q0 + nt * 8 + 2 * t4 + (e & 1);
-                const bool in = full || (pos < s.n && key < s.n && tf_hstu_valid(&s.mask, pos, key));
-                const int64_t bidx = b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key;
-                float x = st[nt][e];
-                if (p.bias && in) x += tf_bias_load(p.bias, p.bias_dtype, bidx);
-                const float z = alpha * x, sg = __fdividef(1.f, 1.f + __expf(-z));
-                const float dz = dpt[nt][e] * inv_scale * sg * (1.f + z * (1.f - sg)) * alpha;
-                st[nt][e] = in ? z * sg * inv_scale : 0.f;
-                dpt[nt][e] = in ? dz : 0.f;
-                if (dbias && in && dpart == 0) atomicAdd(dbias + bidx, dz);
+                for (int e = 0; e < 4; ++e) {
+                    const float z = alpha * st[nt][e], sg = sigmoid_fast(z);
+                    st[nt][e] = z * sg * inv_scale;
+                    dpt[nt][e] *= inv_scale * alpha * sg * fmaf(z, 1.f - sg, 1.f);
+                }
+        } else {
+            float *dbias = (float *)p.dbias;
+#pragma unroll
+            for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + ks * 16 + g + (e >= 2 ? 8 : 0), pos = q0 + nt * 8 + 2 * t4 + (e & 1);
+                    const bool in = pos < s.n && key < s.n && tf_hstu_valid(&s.mask, pos, key);
+                    const int64_t bidx = b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key;
+                    float x = st[nt][e];
+                    if (p.bias && in) x += tf_bias_load(p.bias, p.bias_dtype, bidx);
+                    const float z = alpha * x, sg = sigmoid_fast(z);
+                    const float dz = dpt[nt][e] * inv_scale * alpha * sg * fmaf(z, 1.f - sg, 1.f);
+                    st[nt][e] = in ? z * sg * inv_scale : 0.f;
+                    dpt[nt][e] = in ? dz : 0.f;
+                    if (dbias && in && dpart == 0) atomicAdd(dbias + bidx, dz);
+                }
             }
         }
         // dV += P^T dO and dK += dZ^T Q, this warp's head-dim columns [dpart * DP, + DP)
@@ -185,17 +197,17 @@ __global__ void __launch_bounds__(32 * BwdCfg<D>::NW) hstu_bwd_mma(const tf_hstu
         {
             const int qs = warp % C::SLABS, part = warp / C::SLABS;
 #pragma unroll
-            for (int c0 = part * C::PC; c0 < part * C::PC + C::PC; c0 += 64) {
+            for (int c0 = part * C::PC; c0 < part * C::PC + C::PC; c0 += C::CW) {
                 if (c0 >= dqk) break;
-                float acc[8][4];
+                float acc[C::CW / 8][4];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+                for (int i = 0; i < C::CW / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 #pragma unroll
                 for (int kk = 0; kk < BN / 16; ++kk) {
                     uint32_t a[4];
                     ldsm_x4(a, Ss + (qs * 16 + lane % 16) * LDSS + kk * 16 + (lane / 16) * 8);
 #pragma unroll
-                    for (int np = 0; np < 4; ++np) {
+                    for (int np = 0; np < C::CW / 16; ++np) {
                         if (c0 + np * 16 >= dqk) break;
                         uint32_t r[4];
                         ldsm_x4_t(r, Ks + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LDS + c0 + np * 16 +
@@ -210,7 +222,7 @@ __global__ void __launch_bounds__(32 * BwdCfg<D>::NW) hstu_bwd_mma(const tf_hstu
                     if (pos >= s.n) continue;
                     float *dst = p.dq_acc + ((s.start + pos) * p.H + h) * (int64_t)dqk;
 #pragma unroll
-                    for (int nt = 0; nt < 8; ++nt) {
+                    for (int nt = 0; nt < C::CW / 8; ++nt) {
                         const int col = c0 + nt * 8 + 2 * t4;
                         if (col < dqk) {
                             atomicAdd(dst + col, acc[nt][2 * half]);

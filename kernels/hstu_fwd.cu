@@ -1,11 +1,12 @@
 /* HSTU attention forward on CUDA (semantics: hstu.h).
  *
  * Tensor-core kernel (bf16 / fp16), FlashAttention-2 structure without the softmax bookkeeping: one
- * block of 4 warps per (sequence, head, tile of BM = 64 query rows); each warp owns 16 query rows.
+ * block of 8 warps per (sequence, head, tile of BM = 128 query rows); each warp owns 16 query rows.
  * The block walks the K/V tiles (BN keys) that tf_hstu_col_range() says its rows can reach, double
  * buffered with cp.async; per tile each warp computes S = Q K^T (mma.sync m16n8k16, fp32 accumulate,
  * Q and K fragments by ldmatrix from padded shared memory), P = SiLU(alpha (S + bias)) / S_norm in
- * registers, the mask evaluated only in tiles tf_hstu_tile_full() does not clear, and O += P V with P
+ * registers (SiLU by one tanh.approx: the special-function unit, not the tensor cores, would otherwise
+ * bound the loop), the mask evaluated only in tiles tf_hstu_tile_full() does not clear, and O += P V with P
  * repacked from the accumulators as the A operand. O stays in registers and is written once.
  * Head dims are padded to the template D (64, 128, 256); k-steps and output columns beyond the real
  * Dqk / Dv are skipped at run time. Jagged scheduling: the linear block index runs over (query tile,
@@ -19,17 +20,18 @@
 
 namespace {
 
-constexpr int kFwdBM = 64, kFwdWarps = 4, kFwdThreads = 32 * kFwdWarps;
+constexpr int kFwdWarps = 8, kFwdBM = 16 * kFwdWarps, kFwdThreads = 32 * kFwdWarps;
 
 template <int D>
 struct FwdCfg {
     static constexpr int BN = D >= 256 ? 32 : 64;
     static constexpr int LDS = D + 8;  // padded row: ldmatrix rows fall in different banks
     static constexpr int SMEM = (kFwdBM + 4 * BN) * LDS * 2;
+    static constexpr int MIN_BLOCKS = D >= 256 ? 1 : 2;  // two blocks (16 warps) per SM up to D = 128
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kFwdThreads) hstu_fwd_mma(const tf_hstu_params p, int q_tiles) {
+__global__ void __launch_bounds__(kFwdThreads, FwdCfg<D>::MIN_BLOCKS) hstu_fwd_mma(const tf_hstu_params p, int q_tiles) {
     constexpr int BM = kFwdBM, BN = FwdCfg<D>::BN, LDS = FwdCfg<D>::LDS;
     extern __shared__ __align__(16) uint16_t smem[];
     uint16_t *Qs = smem, *Ks = smem + BM * LDS, *Vs = Ks + 2 * BN * LDS;
@@ -95,17 +97,25 @@ __global__ void __launch_bounds__(kFwdThreads) hstu_fwd_mma(const tf_hstu_params
                 }
             }
             const int k0 = kt * BN;
-            const bool full = tf_hstu_tile_full(&s.mask, pos0, pos0 + BM, k0, k0 + BN);
+            // Tiles inside the mask with no bias take the short path; boundary tiles test each pair.
+            if (tf_hstu_tile_full(&s.mask, pos0, pos0 + BM, k0, k0 + BN) && !p.bias) {
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) {
+                for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int pos = pos0 + qrow + g + (e >= 2 ? 8 : 0), key = k0 + nt * 8 + 2 * t4 + (e & 1);
-                    float x = sacc[nt][e];
-                    const bool in = full || (pos >= 0 && pos < s.n && key < s.n && tf_hstu_valid(&s.mask, pos, key));
-                    if (p.bias && in) x += tf_bias_load(p.bias, p.bias_dtype, b * p.bias_sb + h * p.bias_sh +
-                                                                              (int64_t)pos * p.bias_sr + key);
-                    sacc[nt][e] = in ? silu_of(alpha * x) * inv_scale : 0.f;
+                    for (int e = 0; e < 4; ++e) sacc[nt][e] = silu_scaled(alpha * sacc[nt][e], inv_scale);
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int pos = pos0 + qrow + g + (e >= 2 ? 8 : 0), key = k0 + nt * 8 + 2 * t4 + (e & 1);
+                        const bool in = pos >= 0 && pos < s.n && key < s.n && tf_hstu_valid(&s.mask, pos, key);
+                        float x = sacc[nt][e];
+                        if (p.bias && in)
+                            x += tf_bias_load(p.bias, p.bias_dtype,
+                                              b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key);
+                        sacc[nt][e] = in ? silu_scaled(alpha * x, inv_scale) : 0.f;
+                    }
                 }
             }
 #pragma unroll

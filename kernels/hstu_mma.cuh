@@ -116,6 +116,18 @@ __device__ __forceinline__ void load_tile(uint16_t *smem, const void *g, int64_t
     }
 }
 
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+/* sigmoid(z) = (1 + tanh(z / 2)) / 2: one special-function op (exp + reciprocal would be two). */
+__device__ __forceinline__ float sigmoid_fast(float z) { return fmaf(0.5f, tanh_approx(0.5f * z), 0.5f); }
+/* SiLU(z) * scale */
+__device__ __forceinline__ float silu_scaled(float z, float scale) {
+    const float hz = 0.5f * z * scale;
+    return fmaf(hz, tanh_approx(0.5f * z), hz);
+}
 __device__ __forceinline__ float silu_of(float z) { return __fdividef(z, 1.f + __expf(-z)); }
 
 #endif /* TF_HSTU_MMA_CUH */
