@@ -110,6 +110,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="torch.compile of the eager reference (full-length rows)")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--triton-full-autotune", action="store_true")
+    ap.add_argument("--cases", default="full,varied,special",
+                    help="comma list of: full (full-length rows), varied (lengths ~ U[N/2, N]), special (targets, window)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -125,13 +127,18 @@ def main():
         print(f"generative-recommenders not importable ({e}); Triton column skipped", file=sys.stderr)
         triton_mha, note = None, "not run"
 
+    want = set(args.cases.split(","))
+    if args.quick:
+        want.discard("varied")
     cases = []
     for (B, N, D) in SHAPES:
-        cases.append(((B, N, D), "full", dict(varied=False)))
-        if not args.quick:
+        if "full" in want:
+            cases.append(((B, N, D), "full", dict(varied=False)))
+        if "varied" in want:
             cases.append(((B, N, D), "len~U[N/2,N]", dict(varied=True)))
-    cases.append(((16, 4096, 128), "16 targets", dict(varied=True, targets=16)))
-    cases.append(((16, 4096, 128), "max_attn_len=256", dict(varied=True, window=256)))
+    if "special" in want:
+        cases.append(((16, 4096, 128), "U[N/2,N], 16 targets", dict(varied=True, targets=16)))
+        cases.append(((16, 4096, 128), "U[N/2,N], max_attn_len=256", dict(varied=True, window=256)))
 
     dev = torch.cuda.get_device_name()
     lines = [f"# HSTU attention, bf16, causal, H={H}, {dev}, torch {torch.__version__}", "",
@@ -197,11 +204,11 @@ def main():
                 f"{ratio(t_o[0], row['sdpa'][0]) if 'sdpa' in row else '-'} | {eg} | {cp} | {diff} |")
         print(line, flush=True)
         lines.append(line)
+        if args.out:  # row by row, so a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
         del c, q, k, v
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
