@@ -79,9 +79,10 @@ def eager_hstu(q, k, v, idx, mask, B, N, alpha):
     return out[idx]
 
 
-def restrict_triton_configs(mod):
+def restrict_triton_configs(mod, no_sp=False):
     fwd = [c for c in mod._hstu_attn_fwd.configs if c.kwargs.get("BLOCK_M", 0) >= 64 and c.num_warps >= 4]
-    bwd = [c for c in mod._hstu_attn_bwd.configs if c.kwargs.get("BLOCK_N", 0) >= 64 and c.num_warps >= 4]
+    bwd = [c for c in mod._hstu_attn_bwd.configs if c.kwargs.get("BLOCK_N", 0) >= 64 and c.num_warps >= 4
+           and not (no_sp and c.kwargs.get("SEQUENCE_PARALLEL", False))]
     if fwd:
         mod._hstu_attn_fwd.configs = fwd
     if bwd:
@@ -110,18 +111,23 @@ def main():
     ap.add_argument("--compile", action="store_true", help="torch.compile of the eager reference (full-length rows)")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--triton-full-autotune", action="store_true")
+    ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--triton-no-sp", action="store_true",
+                    help="leave Triton's SEQUENCE_PARALLEL backward configs out of its autotune subset")
     ap.add_argument("--cases", default="full,varied,special",
                     help="comma list of: full (full-length rows), varied (lengths ~ U[N/2, N]), special (targets, window)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     try:
+        if args.no_triton:
+            raise ImportError("--no-triton")
         import generative_recommenders.common as grc
         from generative_recommenders.ops.triton import triton_hstu_attention as gr_mod
 
         grc.set_use_runtime_max_seq_len(True)
         note = "full autotune" if args.triton_full_autotune else "autotune subset %d fwd / %d bwd configs" % (
-            restrict_triton_configs(gr_mod))
+            restrict_triton_configs(gr_mod, args.triton_no_sp))
         triton_mha = gr_mod.triton_hstu_mha
     except ImportError as e:  # noqa: F841
         print(f"generative-recommenders not importable ({e}); Triton column skipped", file=sys.stderr)
@@ -137,8 +143,9 @@ def main():
         if "varied" in want:
             cases.append(((B, N, D), "len~U[N/2,N]", dict(varied=True)))
     if "special" in want:
-        cases.append(((16, 4096, 128), "U[N/2,N], 16 targets", dict(varied=True, targets=16)))
-        cases.append(((16, 4096, 128), "U[N/2,N], max_attn_len=256", dict(varied=True, window=256)))
+        special = [((16, 4096, 128), "U[N/2,N], 16 targets", dict(varied=True, targets=16)),
+                   ((16, 4096, 128), "U[N/2,N], max_attn_len=256", dict(varied=True, window=256))]
+        cases = special + cases if args.cases.startswith("special") else cases + special
 
     dev = torch.cuda.get_device_name()
     lines = [f"# HSTU attention, bf16, causal, H={H}, {dev}, torch {torch.__version__}", "",
