@@ -25,6 +25,9 @@ __all__ += ["complete_cumsum", "concat_2d_jagged", "dense_to_jagged", "jagged_co
 
 
 # ---- HSTU attention ----
+from .hstu import hstu_attention, hstu_attention_cached  # noqa: E402
+
+__all__ += ["hstu_attention", "hstu_attention_cached"]
 
 
 # ---- dynamic embeddings ----

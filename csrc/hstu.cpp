@@ -1,0 +1,238 @@
+// HSTU attention: argument checks, parameter setup, and the CPU implementation.
+#include "hstu.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "tf_check.h"
+
+namespace torchfuse {
+namespace {
+
+int hstu_dtype(at::ScalarType t, const char *op, const char *arg, bool cuda) {
+    if (t == at::kDouble && !cuda) return TF_HSTU_F64;
+    TORCH_CHECK_TYPE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble, op, ": ", arg,
+                     " must be bfloat16, float16, float32 (or float64 on the CPU), got ", t);
+    TORCH_CHECK_TYPE(t != at::kDouble, op, ": ", arg, " is float64, which only the CPU path supports");
+    return kernel_dtype(t, op, arg);
+}
+
+bool head_dim_ok(int64_t d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
+
+// A (rows, H, D) tensor with unit last stride (and, for CUDA, 16-byte aligned rows and heads).
+at::Tensor rows_heads(const at::Tensor &t, bool cuda) {
+    const int64_t esz = t.element_size();
+    bool ok = t.stride(2) == 1 || t.size(2) == 1;
+    if (cuda)
+        ok = ok && (t.stride(0) * esz) % 16 == 0 && (t.stride(1) * esz) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    return ok ? t : t.contiguous();
+}
+
+int64_t lens_ok_index_dtype(const at::Tensor &t, const char *op, const char *arg) {
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, ": ", arg,
+                     " must be int32 or int64, got ", t.scalar_type());
+    return t.scalar_type() == at::kLong;
+}
+
+}  // namespace
+
+Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                  const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
+                  const std::optional<at::Tensor> &attn_bias, const HstuOpts &o, bool cuda) {
+    Hstu g{};
+    tf_hstu_params &p = g.p;
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
+                ": q, k and v must be 3-D (rows, heads, head_dim), got shapes ", q.sizes(), ", ", k.sizes(), ", ",
+                v.sizes());
+    check_same_device(k, q, op, "k", "q");
+    check_same_device(v, q, op, "v", "q");
+    check_same_device(seq_offsets, q, op, "seq_offsets", "q");
+    TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op,
+                ": q, k and v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+                v.scalar_type());
+    p.dtype = hstu_dtype(q.scalar_type(), op, "q", cuda);
+    p.H = q.size(1);
+    p.dqk = q.size(2);
+    p.dv = v.size(2);
+    p.L = k.size(0);
+    TORCH_CHECK(p.H >= 1 && k.size(1) == p.H && v.size(1) == p.H, op,
+                ": q, k and v must have the same number of heads (>= 1), got ", q.size(1), ", ", k.size(1), ", ",
+                v.size(1));
+    TORCH_CHECK(k.size(2) == p.dqk, op, ": k's head dim must equal q's (", p.dqk, "), got ", k.size(2));
+    TORCH_CHECK(head_dim_ok(p.dqk) && head_dim_ok(p.dv), op,
+                ": head dims must be one of 32, 64, 96, 128, 192, 256, got Dqk=", p.dqk, " Dv=", p.dv);
+    TORCH_CHECK(v.size(0) == p.L, op, ": k and v must have the same number of rows, got ", p.L, " and ", v.size(0));
+    TORCH_CHECK(seq_offsets.dim() == 1 && seq_offsets.size(0) >= 1, op,
+                ": seq_offsets must be 1-D with B + 1 entries, got shape ", seq_offsets.sizes());
+    p.offsets_i64 = (int)lens_ok_index_dtype(seq_offsets, op, "seq_offsets");
+    p.B = seq_offsets.size(0) - 1;
+    p.delta = o.delta;
+    TORCH_CHECK(o.delta >= 0, op, ": the number of cached query rows must be >= 0");
+    if (o.delta > 0) {
+        TORCH_CHECK(q.size(0) == p.B * o.delta, op, ": delta_q must have B * D = ", p.B, " * ", o.delta,
+                    " rows, got ", q.size(0));
+    } else {
+        TORCH_CHECK(q.size(0) == p.L, op, ": q, k and v must have the same number of rows, got ", q.size(0),
+                    " and ", p.L);
+    }
+    TORCH_CHECK(o.max_seq_len >= 0, op, ": max_seq_len must be >= 0, got ", o.max_seq_len);
+    TORCH_CHECK(std::isfinite(o.alpha), op, ": alpha must be finite, got ", o.alpha);
+    TORCH_CHECK(o.contextual_seq_len >= 0 && o.max_attn_len >= 0 && o.min_full_attn_seq_len >= 0, op,
+                ": contextual_seq_len, max_attn_len and min_full_attn_seq_len must be >= 0");
+    TORCH_CHECK(o.target_group_size >= 1, op, ": target_group_size must be >= 1, got ", o.target_group_size);
+    const int64_t S = o.scaling_seqlen.has_value() ? *o.scaling_seqlen : o.max_seq_len;
+    TORCH_CHECK(!o.scaling_seqlen.has_value() || S > 0, op, ": scaling_seqlen must be > 0, got ", S);
+    TORCH_CHECK(o.max_seq_len < (int64_t(1) << 30), op, ": max_seq_len too large");
+    p.max_seq_len = o.max_seq_len;
+    p.alpha = o.alpha;
+    p.inv_scale = S > 0 ? 1.0 / (double)S : 0.0;
+    p.contextual = (int)o.contextual_seq_len;
+    p.max_attn_len = (int)o.max_attn_len;
+    p.min_full = (int)o.min_full_attn_seq_len;
+    p.group = (int)o.target_group_size;
+
+    g.q = rows_heads(q, cuda);
+    g.k = rows_heads(k, cuda);
+    g.v = rows_heads(v, cuda);
+    p.q = g.q.data_ptr(); p.q_sr = g.q.stride(0); p.q_sh = g.q.stride(1);
+    p.k = g.k.data_ptr(); p.k_sr = g.k.stride(0); p.k_sh = g.k.stride(1);
+    p.v = g.v.data_ptr(); p.v_sr = g.v.stride(0); p.v_sh = g.v.stride(1);
+    g.offsets = seq_offsets.contiguous();
+    p.offsets = g.offsets.data_ptr();
+
+    if (num_targets.has_value()) {
+        const at::Tensor &t = *num_targets;
+        check_same_device(t, q, op, "num_targets", "q");
+        TORCH_CHECK(t.dim() == 1 && t.size(0) == p.B, op, ": num_targets must be 1-D with B = ", p.B,
+                    " entries, got shape ", t.sizes());
+        p.targets_i64 = (int)lens_ok_index_dtype(t, op, "num_targets");
+        g.targets = t.contiguous();
+        p.num_targets = g.targets.data_ptr();
+    }
+    if (attn_bias.has_value()) {
+        const at::Tensor &b = *attn_bias;
+        check_same_device(b, q, op, "attn_bias", "q");
+        TORCH_CHECK(b.dim() == 4 && b.size(0) == p.B && (b.size(1) == 1 || b.size(1) == p.H) &&
+                        b.size(2) == o.max_seq_len && b.size(3) == o.max_seq_len,
+                    op, ": attn_bias must have shape (B, 1 or H, max_seq_len, max_seq_len) = (", p.B, ", 1 or ", p.H,
+                    ", ", o.max_seq_len, ", ", o.max_seq_len, "), got ", b.sizes());
+        p.bias_dtype = hstu_dtype(b.scalar_type(), op, "attn_bias", cuda);
+        g.bias = b.contiguous();
+        p.bias = g.bias.data_ptr();
+        p.bias_sr = o.max_seq_len;
+        p.bias_sh = b.size(1) == 1 ? 0 : o.max_seq_len * o.max_seq_len;
+        p.bias_sb = b.size(1) * o.max_seq_len * o.max_seq_len;
+    }
+
+    // Offsets, lengths and targets checked on the host (one small copy; a sync on a GPU).
+    g.covered = false;  // unknown without validation: outputs start zeroed
+    if (!o.validate) {
+    } else if (p.B > 0) {
+        const at::Tensor off = g.offsets.to(at::kLong);
+        const at::Tensor lens = off.slice(0, 1) - off.slice(0, 0, p.B);
+        std::vector<at::Tensor> parts = {lens.min().view(1), lens.max().view(1), off.slice(0, 0, 1),
+                                         off.slice(0, p.B, p.B + 1)};
+        if (p.num_targets) {
+            const at::Tensor t = g.targets.to(at::kLong);
+            parts.push_back(t.min().view(1));
+            parts.push_back((lens - t).min().view(1));
+        }
+        const at::Tensor st = at::cat(parts).cpu();
+        const int64_t *s = st.data_ptr<int64_t>();
+        TORCH_CHECK(s[0] >= 0, op, ": seq_offsets must be non-decreasing");
+        TORCH_CHECK(s[2] >= 0 && s[3] <= p.L, op, ": seq_offsets must lie in [0, ", p.L, "] (the rows of k), got ",
+                    s[2], " .. ", s[3]);
+        TORCH_CHECK(s[1] <= o.max_seq_len, op, ": max_seq_len (", o.max_seq_len,
+                    ") is smaller than the longest sequence (", s[1], ")");
+        if (p.num_targets) {
+            TORCH_CHECK(s[4] >= 0 && s[5] >= 0, op, ": num_targets must lie in [0, sequence length]");
+        }
+        g.covered = s[2] == 0 && s[3] == p.L;
+    } else {
+        g.covered = p.L == 0;
+    }
+    const int64_t qrows = o.delta > 0 ? p.B * o.delta : p.L;
+    const at::TensorOptions opt = q.options().memory_format(at::MemoryFormat::Contiguous);
+    g.o = g.covered || o.delta > 0 ? at::empty({qrows, p.H, p.dv}, opt) : at::zeros({qrows, p.H, p.dv}, opt);
+    p.o = g.o.data_ptr();
+    return g;
+}
+
+void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda) {
+    tf_hstu_params &p = g.p;
+    const char *op = "torchfuse.hstu_bwd";
+    TORCH_CHECK(p.delta == 0, op, ": the cached-inference form has no backward");
+    TORCH_CHECK(dout.dim() == 3 && dout.size(0) == p.L && dout.size(1) == p.H && dout.size(2) == p.dv, op,
+                ": dout must have the output's shape (", p.L, ", ", p.H, ", ", p.dv, "), got ", dout.sizes());
+    check_same_device(dout, g.q, op, "dout", "q");
+    g.dout = rows_heads(dout.scalar_type() == g.q.scalar_type() ? dout : dout.to(g.q.scalar_type()), cuda);
+    p.dout = g.dout.data_ptr(); p.do_sr = g.dout.stride(0); p.do_sh = g.dout.stride(1);
+    const at::TensorOptions opt = g.q.options().memory_format(at::MemoryFormat::Contiguous);
+    auto out = [&](int64_t d) { return g.covered ? at::empty({p.L, p.H, d}, opt) : at::zeros({p.L, p.H, d}, opt); };
+    g.dk = out(p.dqk);
+    g.dv = out(p.dv);
+    p.dk = g.dk.data_ptr();
+    p.dvv = g.dv.data_ptr();
+    if (cuda) {
+        g.dq = at::zeros({p.L, p.H, p.dqk}, opt.dtype(at::kFloat));  // fp32 accumulator, cast after
+        p.dq_acc = g.dq.data_ptr<float>();
+        p.dq = nullptr;
+    } else {
+        g.dq = out(p.dqk);
+        p.dq = g.dq.data_ptr();
+    }
+    if (bias_grad) {
+        TORCH_CHECK(g.bias.defined(), op, ": bias_grad needs attn_bias");
+        g.dbias = at::zeros(g.bias.sizes(), g.bias.options().dtype(cuda ? at::kFloat : at::kDouble));
+        p.dbias = g.dbias.data_ptr();
+    }
+}
+
+namespace {
+
+HstuOpts opts(int64_t max_seq_len, double alpha, std::optional<int64_t> scaling_seqlen, int64_t c, int64_t m,
+              int64_t f, int64_t g, int64_t delta, bool validate) {
+    return HstuOpts{max_seq_len, alpha, scaling_seqlen, c, m, f, g, delta, validate};
+}
+
+at::Tensor hstu_fwd_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &seq_offsets,
+                        const std::optional<at::Tensor> &num_targets, const std::optional<at::Tensor> &attn_bias,
+                        int64_t max_seq_len, double alpha, std::optional<int64_t> scaling_seqlen,
+                        int64_t contextual_seq_len, int64_t max_attn_len, int64_t min_full_attn_seq_len,
+                        int64_t target_group_size, int64_t delta, bool validate) {
+    Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias,
+                          opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
+                               min_full_attn_seq_len, target_group_size, delta, /*validate=*/true),
+                          false);  // on the CPU checking costs nothing: always
+    const tf_hstu_params p = g.p;
+    at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) { tf_hstu_fwd_cpu(&p, b0, b1); });
+    return g.o;
+}
+
+HstuBwdResult hstu_bwd_cpu(const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                           const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
+                           const std::optional<at::Tensor> &attn_bias, int64_t max_seq_len, double alpha,
+                           std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
+                           int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad) {
+    Hstu g = prepare_hstu("torchfuse.hstu_bwd", q, k, v, seq_offsets, num_targets, attn_bias,
+                          opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
+                               min_full_attn_seq_len, target_group_size, 0, true),
+                          false);
+    prepare_hstu_bwd(g, dout, bias_grad, false);
+    const tf_hstu_params p = g.p;
+    at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) { tf_hstu_bwd_cpu(&p, b0, b1); });
+    at::Tensor db = g.dbias.defined() ? g.dbias.to(g.bias.scalar_type()) : no_output(g.o);
+    return {g.dq, g.dk, g.dv, db};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
+    m.impl("hstu_fwd", &hstu_fwd_cpu);
+    m.impl("hstu_bwd", &hstu_bwd_cpu);
+}
+
+}  // namespace torchfuse

@@ -1,0 +1,40 @@
+// HSTU attention: argument checking and kernel-parameter setup shared by the CPU and CUDA
+// implementations of torchfuse::hstu_fwd / torchfuse::hstu_bwd (schemas: registration.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "../kernels/hstu.h"
+
+namespace torchfuse {
+
+using HstuBwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Checked inputs (kept alive while the kernels read them), outputs and kernel params.
+struct Hstu {
+    tf_hstu_params p;
+    at::Tensor q, k, v, offsets, targets, bias, dout;  // possibly contiguous copies
+    at::Tensor o, dq, dk, dv, dbias;                   // outputs (dbias: the accumulation buffer)
+    bool covered;  // the sequences cover every row of k / v (else outputs start zeroed)
+};
+
+// The options shared by both ops. `cuda` tightens the layout rules (16-byte aligned rows).
+struct HstuOpts {
+    int64_t max_seq_len;
+    double alpha;
+    std::optional<int64_t> scaling_seqlen;
+    int64_t contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, delta;
+    bool validate;  // check offsets, lengths and targets on the host (a sync on a GPU)
+};
+
+Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                  const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
+                  const std::optional<at::Tensor> &attn_bias, const HstuOpts &o, bool cuda);
+
+// Backward extras on top of prepare_hstu: dout and the gradient outputs / accumulators.
+void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda);
+
+}  // namespace torchfuse

@@ -1,0 +1,134 @@
+/* HSTU attention (pointwise SiLU attention over jagged sequences): the C ABI of the kernel family.
+ *
+ * Per sequence b (rows offsets[b] .. offsets[b+1] of q, k, v; length n) and head h:
+ *   z = alpha * (Q K^T + bias[b, h or 0, :n, :n])          bias optional
+ *   O = (M . SiLU(z)) * inv_scale  @ V                     inv_scale = 1 / scaling_seqlen
+ * M is generative-recommenders' `_get_valid_attn_mask` (causal), plus FBGEMM's target groups; it is
+ * evaluated from positions by tf_hstu_valid() below, which every path (CPU, CUDA) shares, together with
+ * the conservative row / column ranges and the "tile needs no mask" test that let kernels skip work.
+ *
+ * Backward: with s = sigmoid(z), P = M . SiLU(z) * inv_scale:
+ *   dV = P^T dO;  dZ = (dO V^T) . M * inv_scale . s (1 + z (1 - s));
+ *   dQ = alpha dZ K;  dK = alpha dZ^T Q;  dbias = alpha dZ (summed over heads when bias has one head).
+ *
+ * Cached inference (delta > 0): q holds `delta` query rows per sequence (row b*delta + i is the query
+ * at position n - delta + i; rows at negative positions give zeros); k, v are the full sequences.
+ *
+ * Tensors are (rows, heads, dim) with a row stride and a head stride in elements and unit dim stride.
+ * Dtypes: TF_F32 / TF_F16 / TF_BF16 on every path, TF_HSTU_F64 on the CPU path; all arithmetic on the
+ * CPU is in double. */
+#ifndef TF_HSTU_H
+#define TF_HSTU_H
+
+#include <stdint.h>
+
+#include "tf_dtype.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { TF_HSTU_F64 = 3 }; /* float64, CPU path only */
+
+typedef struct {
+    int64_t B, H, dqk, dv;
+    int64_t L;                     /* rows of k and v */
+    int dtype;                     /* q, k, v, o, do share it */
+    const void *q; int64_t q_sr, q_sh;
+    const void *k; int64_t k_sr, k_sh;
+    const void *v; int64_t v_sr, v_sh;
+    void *o;                       /* contiguous (rows, H, dv) */
+    const void *offsets; int offsets_i64;       /* B + 1 entries */
+    const void *num_targets; int targets_i64;   /* NULL: none */
+    const void *bias; int bias_dtype;            /* NULL: none; (B, Hb, N, N), last dim unit stride */
+    int64_t bias_sb, bias_sh, bias_sr;           /* bias_sh = 0 when Hb == 1 */
+    int64_t max_seq_len, delta;                  /* delta > 0: cached inference */
+    double alpha, inv_scale;   /* the CUDA kernels use them as float */
+    int contextual, max_attn_len, min_full, group;
+    /* backward only */
+    const void *dout; int64_t do_sr, do_sh;      /* dout, dq, dk, dv shaped like o, q, k, v; */
+    void *dq, *dk, *dvv;                         /* dq/dk/dv contiguous */
+    float *dq_acc;                               /* CUDA: fp32 (rows, H, dqk) zeroed, or NULL */
+    void *dbias;   /* NULL: no bias gradient; else zeroed, bias's (contiguous) shape: double on the CPU, fp32 on CUDA */
+} tf_hstu_params;
+
+/* ---- the mask, shared by every path ---- */
+#if defined(__CUDACC__)
+#define TF_HSTU_HD static __host__ __device__ __forceinline__
+#else
+#define TF_HSTU_HD static inline
+#endif
+
+typedef struct {
+    int n, c, t, u, m, f, g, max_id;
+} tf_hstu_mask;
+
+TF_HSTU_HD tf_hstu_mask tf_hstu_mask_make(int n, int t, int c, int m, int f, int g) {
+    tf_hstu_mask k;
+    k.n = n; k.c = c; k.t = t; k.u = n - t; k.m = m; k.f = f; k.g = g;
+    k.max_id = (c > 0 ? n - c + 1 : n) - t;
+    return k;
+}
+
+/* generative-recommenders' position number: context tokens 0, history p - c + 1, clamped to max_id. */
+TF_HSTU_HD int tf_hstu_id(const tf_hstu_mask *k, int p) {
+    int id = k->c > 0 ? (p - k->c + 1 > 0 ? p - k->c + 1 : 0) : p;
+    return id < k->max_id ? id : k->max_id;
+}
+
+/* Row p (query) may attend column q (key); 0 <= p, q < n. */
+TF_HSTU_HD int tf_hstu_valid(const tf_hstu_mask *k, int p, int q) {
+    const int ip = tf_hstu_id(k, p), iq = tf_hstu_id(k, q);
+    int ok = p == q || ip - iq > 0;
+    if (k->m > 0) ok = ok && (ip - iq <= k->m || (k->f > 0 && ip >= k->max_id - k->f));
+    if (k->c > 0) ok = ok || (ip == 0 && iq < k->max_id);
+    if (k->g > 1 && k->t > 0)
+        ok = ok || (p >= k->u && q >= k->u && q < p && (p - k->u) / k->g == (q - k->u) / k->g);
+    return ok;
+}
+
+/* Columns that rows [p0, p1) can attend lie in [*lo, *hi] (conservative; 0 <= p0 < p1 <= n). */
+TF_HSTU_HD void tf_hstu_col_range(const tf_hstu_mask *k, int p0, int p1, int *lo, int *hi) {
+    *hi = p0 < k->c ? k->n - 1 : (p1 - 1 < k->n - 1 ? p1 - 1 : k->n - 1);
+    *lo = 0;
+    if (k->m > 0 && p0 >= k->c && !(k->f > 0 && tf_hstu_id(k, p1 - 1) >= k->max_id - k->f)) {
+        const int x = tf_hstu_id(k, p0) - k->m;
+        if (x > 0) *lo = k->c > 0 ? x + k->c - 1 : x;
+    }
+}
+
+/* Rows that can attend columns [q0, q1) lie in [0, *ctx_end) or [*lo, *hi] (conservative). */
+TF_HSTU_HD void tf_hstu_row_range(const tf_hstu_mask *k, int q0, int q1, int *ctx_end, int *lo, int *hi) {
+    *ctx_end = k->c > 0 ? (k->c < k->n ? k->c : k->n) : 0;
+    *lo = q0;
+    *hi = k->n - 1;
+    if (k->m > 0 && k->f == 0) {
+        const int x = tf_hstu_id(k, q1 - 1) + k->m;
+        if (x < k->max_id) {
+            const int p = k->c > 0 ? x + k->c - 1 : x;
+            if (p < *hi) *hi = p;
+        }
+    }
+}
+
+/* Every (p, q) with p in [p0, p1), q in [q0, q1) is valid (so a kernel may skip the mask there). */
+TF_HSTU_HD int tf_hstu_tile_full(const tf_hstu_mask *k, int p0, int p1, int q0, int q1) {
+    if (p1 > k->u || q1 - 1 > p0 || p0 < k->c || q0 < 0) return 0;
+    return k->m == 0 || tf_hstu_id(k, p1 - 1) - tf_hstu_id(k, q0) <= k->m;
+}
+
+/* ---- CPU (kernels/hstu_cpu.c) ---- */
+/* Forward of sequences [b0, b1), all heads. */
+void tf_hstu_fwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1);
+/* Backward of sequences [b0, b1), all heads (dbias rows of those sequences only: no races across b). */
+void tf_hstu_bwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1);
+
+/* ---- CUDA (kernels/hstu_*.cu); return a cudaError_t as int ---- */
+int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream);
+/* Needs p->dq_acc (fp32, zeroed) and, with a bias gradient, p->dbias (fp32, zeroed). */
+int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TF_HSTU_H */

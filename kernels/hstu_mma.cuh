@@ -1,0 +1,133 @@
+/* Device helpers of the HSTU kernels: tensor-core MMA (mma.sync m16n8k16, fp32 accumulate), ldmatrix,
+ * cp.async tile loads, and the per-sequence setup shared by the forward and backward kernels.
+ *
+ * Fragment layouts (PTX ISA, m16n8k16, 16-bit inputs), with g = lane / 4, t = lane % 4:
+ *   A (16x16, row-major) a0: (g, 2t..2t+1)  a1: (g+8, 2t..)  a2: (g, 2t+8..)  a3: (g+8, 2t+8..)
+ *   B (16x8, k x n)      b0: (k 2t..2t+1, n g)  b1: (k 2t+8.., n g)
+ *   C (16x8, fp32)       c0,c1: (g, 2t..2t+1)  c2,c3: (g+8, 2t..2t+1)
+ * so a C fragment pair of 16 columns packs straight into an A fragment (the P @ V trick of FA2). */
+#ifndef TF_HSTU_MMA_CUH
+#define TF_HSTU_MMA_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "hstu.h"
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+/* 16 bytes global -> shared, asynchronously; zero-filled when !pred (src is then not read). */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
+__device__ __forceinline__ float tf_bias_load(const void *b, int dt, int64_t i) {
+    if (dt == TF_F32) return ((const float *)b)[i];
+    if (dt == TF_BF16) return __bfloat162float(((const __nv_bfloat16 *)b)[i]);
+    return __half2float(((const __half *)b)[i]);
+}
+
+__device__ __forceinline__ int64_t tf_idx_load(const void *base, int i64, int64_t i) {
+    return i64 ? ((const int64_t *)base)[i] : (int64_t)((const int32_t *)base)[i];
+}
+
+/* One sequence as a kernel sees it: k/v rows [start, start + n), query rows [q_start, q_start + nq) at
+ * positions n - nq .. n - 1, and its mask. */
+struct HstuSeq {
+    int64_t start, q_start;
+    int n, nq;
+    tf_hstu_mask mask;
+};
+
+__device__ __forceinline__ HstuSeq hstu_seq(const tf_hstu_params &p, int64_t b) {
+    HstuSeq s;
+    s.start = tf_idx_load(p.offsets, p.offsets_i64, b);
+    s.n = (int)(tf_idx_load(p.offsets, p.offsets_i64, b + 1) - s.start);
+    s.q_start = p.delta > 0 ? b * p.delta : s.start;
+    s.nq = p.delta > 0 ? (int)p.delta : s.n;
+    const int t = p.num_targets ? (int)tf_idx_load(p.num_targets, p.targets_i64, b) : 0;
+    s.mask = tf_hstu_mask_make(s.n, t, p.contextual, p.max_attn_len, p.min_full, p.group);
+    return s;
+}
+
+/* Loads a tile of a (rows, H, d) tensor's head h into smem (ROWS x LDS elements): tile row r comes
+ * from global row base + r when r_lo <= r < nrows, columns below d; everything else is zero. */
+template <int ROWS, int D, int LDS, int NT>
+__device__ __forceinline__ void load_tile(uint16_t *smem, const void *g, int64_t sr, int64_t sh, int64_t base,
+                                          int r_lo, int nrows, int h, int d) {
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    for (int i = threadIdx.x; i < ROWS * CH; i += NT) {
+        const int r = i / CH, c = i % CH;
+        const bool ok = r >= r_lo && r < nrows && c * 8 < d;
+        const uint16_t *src = (const uint16_t *)g + (ok ? (base + r) * sr + (int64_t)h * sh + c * 8 : 0);
+        cp_async16(smem + r * LDS + c * 8, src, ok);
+    }
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+/* sigmoid(z) = (1 + tanh(z / 2)) / 2: one special-function op (exp + reciprocal would be two). */
+__device__ __forceinline__ float sigmoid_fast(float z) { return fmaf(0.5f, tanh_approx(0.5f * z), 0.5f); }
+/* SiLU(z) * scale */
+__device__ __forceinline__ float silu_scaled(float z, float scale) {
+    const float hz = 0.5f * z * scale;
+    return fmaf(hz, tanh_approx(0.5f * z), hz);
+}
+__device__ __forceinline__ float silu_of(float z) { return __fdividef(z, 1.f + __expf(-z)); }
+
+#endif /* TF_HSTU_MMA_CUH */

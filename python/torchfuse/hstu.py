@@ -1,0 +1,139 @@
+"""HSTU attention (pointwise SiLU attention over jagged sequences): entry points, fake kernels, autograd.
+
+The compute is ``torch.ops.torchfuse.hstu_fwd`` / ``hstu_bwd`` (csrc/hstu*.cpp, kernels/hstu*).
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
+from ._stats import count
+
+_fwd = torch.ops.torchfuse.hstu_fwd.default
+_bwd = torch.ops.torchfuse.hstu_bwd.default
+
+
+def hstu_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seq_offsets: Tensor,
+    max_seq_len: int,
+    alpha: float,
+    *,
+    num_targets: Optional[Tensor] = None,
+    contextual_seq_len: int = 0,
+    max_attn_len: int = 0,
+    min_full_attn_seq_len: int = 0,
+    target_group_size: int = 1,
+    scaling_seqlen: Optional[int] = None,
+    attn_bias: Optional[Tensor] = None,
+    validate: bool = True,
+) -> Tensor:
+    """HSTU attention ("Actions Speak Louder than Words", Zhai et al. 2024) over jagged sequences.
+
+    Per sequence b (rows ``seq_offsets[b]:seq_offsets[b+1]``) and head h, with
+    ``z = alpha * (Q K^T + attn_bias)``: ``O = (M * SiLU(z)) / S @ V``, ``S = scaling_seqlen`` if
+    given, else ``max_seq_len``. M is generative-recommenders' causal mask (``_get_valid_attn_mask``):
+    with ``c = contextual_seq_len`` context tokens first and ``t = num_targets[b]`` targets last
+    (``u = n - t``), context rows see every non-target key, history rows see keys ``q <= p``, target
+    rows see the history and themselves (and, with ``target_group_size = g > 1``, the earlier targets
+    of their group of g); ``max_attn_len = m > 0`` keeps only pairs whose renumbered positions are at
+    most m apart (context rows exempt; with ``min_full_attn_seq_len = f > 0`` also rows ``p >= u - f``).
+
+    Args:
+        q, k: (L, H, Dqk); v: (L, H, Dv); bf16/fp16 (tensor cores on CUDA), fp32, or fp64 (CPU).
+            Head dims 32, 64, 96, 128, 192, 256; Dqk may differ from Dv.
+        seq_offsets: (B + 1,) int32/int64, non-decreasing; sequence lengths at most ``max_seq_len``.
+        num_targets: (B,) int32/int64 or None.
+        attn_bias: (B, 1 or H, max_seq_len, max_seq_len) or None, indexed by position in the sequence.
+        validate: check offsets, lengths (<= max_seq_len) and num_targets, raising clear errors; on a GPU
+            that is one small device-to-host copy (a sync). Pass False in a training loop whose jagged
+            metadata is known good (GR's kernels never check): bad metadata is then undefined behaviour.
+
+    Returns:
+        (L, H, Dv) in q's dtype. Differentiable in q, k, v and attn_bias (its gradient is summed over
+        heads when it has one head).
+    """
+    count("hstu_fwd")
+    return _fwd(q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
+                contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, 0, validate)
+
+
+def hstu_attention_cached(
+    delta_q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seq_offsets: Tensor,
+    max_seq_len: int,
+    alpha: float,
+    *,
+    num_targets: Optional[Tensor] = None,
+    contextual_seq_len: int = 0,
+    max_attn_len: int = 0,
+    min_full_attn_seq_len: int = 0,
+    target_group_size: int = 1,
+    scaling_seqlen: Optional[int] = None,
+    attn_bias: Optional[Tensor] = None,
+    validate: bool = True,
+) -> Tensor:
+    """Cached inference: the rows of :func:`hstu_attention` for the last D tokens of every sequence.
+
+    ``delta_q`` is (B * D, H, Dqk): row ``b * D + i`` is the query at position ``n_b - D + i`` of
+    sequence b; k and v are the full jagged tensors. Returns (B * D, H, Dv), equal to those rows of the
+    full computation (same mask rows, same S); rows at negative positions (n_b < D) are zero.
+    Inference only (no backward).
+    """
+    count("hstu_fwd")
+    B = seq_offsets.shape[0] - 1
+    if B <= 0 or delta_q.shape[0] % B != 0:
+        raise ValueError(f"torchfuse.hstu_attention_cached: delta_q must have B * D rows (B = {B}), "
+                         f"got {delta_q.shape[0]}")
+    D = delta_q.shape[0] // B
+    if D == 0:
+        return delta_q.new_empty((0, k.shape[1], v.shape[2]))
+    return _fwd(delta_q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
+                contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, D, validate)
+
+
+# ---- fake (meta) kernels: shapes and dtypes only, for torch.compile and meta tensors ----
+
+
+@torch.library.register_fake("torchfuse::hstu_fwd")
+def _hstu_fwd_fake(q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
+                   contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, delta, validate=True):
+    torch._check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
+                 lambda: "torchfuse.hstu_attention: q, k, v must be 3-D")
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+
+
+@torch.library.register_fake("torchfuse::hstu_bwd")
+def _hstu_bwd_fake(dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
+                   contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, bias_grad):
+    db = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty(0, dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), db
+
+
+# ---- autograd ----
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen, c, m, f, g, delta) = inputs[:14]
+    ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_bias)
+    ctx.opts = (max_seq_len, alpha, scaling_seqlen, c, m, f, g)
+    ctx.delta = delta
+
+
+def _backward(ctx, dout):
+    if ctx.delta != 0:
+        raise RuntimeError("torchfuse.hstu_attention_cached is inference-only; use hstu_attention for training")
+    q, k, v, seq_offsets, num_targets, attn_bias = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    bias_grad = attn_bias is not None and need[5]
+    dq, dk, dv, db = _bwd(dout, q, k, v, seq_offsets, num_targets, attn_bias, *ctx.opts, bias_grad)
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None,
+            db if bias_grad else None) + (None,) * 9
+
+
+torch.library.register_autograd("torchfuse::hstu_fwd", _backward, setup_context=_setup_context)

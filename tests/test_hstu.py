@@ -1,0 +1,344 @@
+"""HSTU attention against a float64 reference built here from the formula (and generative-recommenders'
+mask, ported literally). Pass rule (FBGEMM's and NVIDIA's): the kernel's max error against the float64
+reference is at most 2x that of the same computation done by PyTorch in the input dtype (forward), 5x
+for the gradients, plus one ulp of the output's magnitude so exact-zero budgets are not impossible."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchfuse
+from torchfuse.compat import gr
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# ---- the reference ----
+
+
+def gr_valid_mask(n, t, c, m, f, g, has_targets):
+    """generative-recommenders' `_get_valid_attn_mask` for one sequence (causal), plus FBGEMM's target
+    groups: (n, n) bool, [row p, column q]."""
+    ids = torch.arange(n).view(1, n)
+    max_ids = torch.tensor(n)
+    if c > 0:
+        ids = torch.clamp(ids - c + 1, min=0)
+        max_ids = max_ids - c + 1
+    if has_targets:
+        max_ids = max_ids - t
+        ids = torch.clamp(ids, max=max_ids)
+    row_ids = ids.view(n, 1).expand(n, n)
+    col_ids = ids.view(1, n).expand(n, n)
+    dist = row_ids - col_ids
+    valid = torch.eye(n, dtype=torch.bool) | (dist > 0)
+    if m > 0:
+        if f > 0:
+            valid = valid & ((dist <= m) | (row_ids >= max_ids - f))
+        else:
+            valid = valid & (dist <= m)
+    if c > 0:
+        valid = valid | ((row_ids == 0) & (col_ids < max_ids))
+    if has_targets and g > 1:
+        u = n - t
+        p = torch.arange(n).view(n, 1)
+        qq = torch.arange(n).view(1, n)
+        valid = valid | ((p >= u) & (qq >= u) & (qq < p) & (torch.div(p - u, g, rounding_mode="floor")
+                                                            == torch.div(qq - u, g, rounding_mode="floor")))
+    return valid
+
+
+def reference(q, k, v, offsets, max_seq_len, alpha, num_targets=None, contextual_seq_len=0, max_attn_len=0,
+              min_full_attn_seq_len=0, target_group_size=1, scaling_seqlen=None, attn_bias=None):
+    """The formula in q's dtype (differentiable), sequence by sequence."""
+    S = scaling_seqlen if scaling_seqlen is not None else max_seq_len
+    offs = offsets.tolist()
+    outs = []
+    for b in range(len(offs) - 1):
+        s, e = offs[b], offs[b + 1]
+        n = e - s
+        qb, kb, vb = q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)  # (H, n, D)
+        t = int(num_targets[b]) if num_targets is not None else 0
+        mask = gr_valid_mask(n, t, contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size,
+                             num_targets is not None).to(q.device)
+        qk = qb @ kb.transpose(1, 2)
+        if attn_bias is not None:
+            qk = qk + attn_bias[b, :, :n, :n]
+        p = F.silu(alpha * qk) / S * mask
+        outs.append((p @ vb).transpose(0, 1))
+    return torch.cat(outs, 0) if outs else v.new_zeros((0,) + v.shape[1:])
+
+
+# ---- data ----
+
+
+def make_lengths(B, max_len, gen_max):
+    """B lengths with 0, 1 and max_len among them (when B allows), the rest random."""
+    lens = torch.randint(0, max_len + 1, (B,)).tolist()
+    for i, forced in enumerate([max_len, 0, 1]):
+        if i < B:
+            lens[i] = forced
+    perm = torch.randperm(B).tolist()
+    lens = [lens[i] for i in perm]
+    return [min(x, gen_max) for x in lens]
+
+
+def make_inputs(device, dtype, B, H, dqk, dv, max_len, max_seq_len=None, idx_dtype=torch.int32, targets=False,
+                bias_heads=0, strided=False):
+    lens = make_lengths(B, max_len, max_len)
+    offsets = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=idx_dtype, device=device)
+    L = int(offsets[-1])
+    if strided:  # q, k, v as views of one fused projection (unit inner stride, padded rows)
+        fused = torch.randn(L, H, 2 * dqk + dv + 8, device=device, dtype=dtype)
+        q, k, v = fused[..., :dqk], fused[..., dqk:2 * dqk], fused[..., 2 * dqk:2 * dqk + dv]
+    else:
+        q = torch.randn(L, H, dqk, device=device, dtype=dtype)
+        k = torch.randn(L, H, dqk, device=device, dtype=dtype)
+        v = torch.randn(L, H, dv, device=device, dtype=dtype)
+    msl = max_seq_len if max_seq_len is not None else max_len
+    nt = None
+    if targets:
+        nt = torch.tensor([torch.randint(0, x + 1, ()).item() if x > 0 else 0 for x in lens], dtype=idx_dtype,
+                          device=device)
+    bias = None
+    if bias_heads:
+        bias = torch.randn(B, bias_heads, msl, msl, device=device, dtype=dtype)
+    return q, k, v, offsets, msl, nt, bias
+
+
+CASES = {
+    # name: (B, H, dqk, dv, max_len, extra make_inputs kwargs, op kwargs)
+    "plain_h2_d64": (5, 2, 64, 64, 150, {}, {}),
+    "dqk32_dv96_h1": (4, 1, 32, 96, 90, {}, {}),
+    "d128_h4_int64": (4, 4, 128, 128, 140, {"idx_dtype": torch.int64}, {}),
+    "d192_dv256_h2": (3, 2, 192, 256, 80, {}, {}),
+    "d256_dv32_h8_msl_scaling": (4, 8, 256, 32, 70, {"max_seq_len": 100}, {"scaling_seqlen": 37}),
+    "context": (5, 2, 64, 64, 130, {}, {"contextual_seq_len": 6}),
+    "targets": (6, 2, 64, 64, 150, {"targets": True}, {}),
+    "targets_groups_context": (6, 2, 96, 64, 150, {"targets": True}, {"target_group_size": 3,
+                                                                      "contextual_seq_len": 4}),
+    "window": (5, 2, 64, 128, 200, {}, {"max_attn_len": 37}),
+    "window_minfull_targets_ctx": (6, 4, 64, 64, 200, {"targets": True, "idx_dtype": torch.int64},
+                                   {"max_attn_len": 20, "min_full_attn_seq_len": 9, "contextual_seq_len": 5}),
+    "window_targets_groups": (5, 1, 32, 32, 160, {"targets": True}, {"max_attn_len": 33, "target_group_size": 4}),
+    "bias_h_heads": (4, 4, 64, 64, 100, {"bias_heads": 4}, {}),
+    "bias_1_head_targets_window": (4, 2, 128, 64, 120, {"bias_heads": 1, "targets": True, "max_seq_len": 130},
+                                   {"max_attn_len": 25, "contextual_seq_len": 2}),
+    "strided_qkv": (4, 2, 64, 64, 100, {"strided": True}, {"contextual_seq_len": 3}),
+}
+
+
+def run_case(device, dtype, case, grad):
+    B, H, dqk, dv, max_len, mk, kw = CASES[case]
+    q, k, v, offsets, msl, nt, bias = make_inputs(device, dtype, B, H, dqk, dv, max_len, **mk)
+    alpha = 1.0 / dqk ** 0.5 * float(torch.empty(()).uniform_(0.5, 2.0))
+    kw = dict(kw, num_targets=nt, attn_bias=bias)
+    leaves = [q, k, v] + ([bias] if bias is not None else [])
+    ins64 = [t.detach().double().requires_grad_(grad) for t in leaves]
+    insl = [t.detach().clone().requires_grad_(grad) for t in leaves]
+    insk = [t.detach().clone().requires_grad_(grad) for t in leaves]
+    if "strided" in case:
+        insk = [t.detach().requires_grad_(grad) for t in leaves]  # keep the strided views
+
+    def call(fn, ins):
+        bias_ = ins[3] if bias is not None else None
+        return fn(ins[0], ins[1], ins[2], offsets, msl, alpha, **dict(kw, attn_bias=bias_))
+
+    ref = call(reference, ins64)
+    lp = call(reference, insl)
+    out = call(torchfuse.hstu_attention, insk)
+    assert out.shape == ref.shape and out.dtype == dtype
+    check("out", out, ref, lp, 2.0, dtype)
+    if grad:
+        dout = torch.randn_like(ref)
+        g64 = torch.autograd.grad(ref, ins64, dout)
+        glp = torch.autograd.grad(lp, insl, dout.to(dtype))
+        gk = torch.autograd.grad(out, insk, dout.to(dtype))
+        for name, a, r, l in zip(["dq", "dk", "dv", "dbias"], gk, g64, glp):
+            assert a.shape == r.shape and a.dtype == dtype
+            check(name, a, r, l, 5.0, dtype)
+
+
+def check(name, got, ref, lp, factor, dtype):
+    ref = ref.double()
+    err = (got.double() - ref).abs().max().item() if ref.numel() else 0.0
+    err_lp = (lp.double() - ref).abs().max().item() if ref.numel() else 0.0
+    floor = torch.finfo(dtype).eps * max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
+    assert torch.isfinite(got).all(), name
+    assert err <= factor * err_lp + floor, f"{name}: error {err:.3g} > {factor} x PyTorch's {err_lp:.3g} + {floor:.3g}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_forward(device, dtype, case):
+    run_case(device, dtype, case, grad=False)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_backward(device, dtype, case):
+    run_case(device, dtype, case, grad=True)
+
+
+def test_float64_cpu_matches_reference_tightly():
+    q, k, v, offsets, msl, nt, bias = make_inputs("cpu", torch.float64, 5, 2, 32, 64, 60, targets=True,
+                                                  bias_heads=2)
+    kw = dict(num_targets=nt, contextual_seq_len=3, max_attn_len=11, min_full_attn_seq_len=4, target_group_size=2,
+              attn_bias=bias)
+    ins = [t.requires_grad_() for t in (q, k, v, bias)]
+    out = torchfuse.hstu_attention(q, k, v, offsets, msl, 0.3, **kw)
+    ref = reference(q, k, v, offsets, msl, 0.3, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    dout = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, ins, dout), torch.autograd.grad(ref, ins, dout)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_mask_prose_matches_gr_port():
+    """The issue's prose description of the mask equals the ported GR mask (when n > c + t)."""
+    for _ in range(200):
+        n = int(torch.randint(1, 40, ()))
+        c = int(torch.randint(0, 5, ()))
+        t = int(torch.randint(0, max(1, n - c), ()))
+        m = int(torch.randint(0, 8, ())) * int(torch.randint(0, 2, ()))
+        f = int(torch.randint(0, 6, ()))
+        g = int(torch.randint(1, 4, ()))
+        if n <= c + t:
+            continue
+        u = n - t
+
+        def num(p):
+            if p >= u:
+                return num(u - 1) + 1
+            return (0 if p < c else p - c + 1) if c > 0 else p
+
+        want = torch.zeros(n, n, dtype=torch.bool)
+        for p in range(n):
+            for qq in range(n):
+                if p < c:
+                    ok = qq < u
+                elif p < u:
+                    ok = qq <= p
+                else:
+                    ok = qq < u or qq == p or (g > 1 and qq >= u and qq < p and (p - u) // g == (qq - u) // g)
+                if ok and m > 0 and p >= c and not (f > 0 and p >= u - f):
+                    ok = num(p) - num(qq) <= m
+                want[p, qq] = ok
+        got = gr_valid_mask(n, t, c, m, f, g, True)
+        assert torch.equal(got, want), (n, c, t, m, f, g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("D", [1, 3, 70])
+def test_cached_equals_full_rows(device, dtype, D):
+    q, k, v, offsets, msl, nt, _ = make_inputs(device, dtype, 5, 2, 64, 32, 130, targets=True)
+    kw = dict(num_targets=nt, contextual_seq_len=2, max_attn_len=40, min_full_attn_seq_len=3, target_group_size=2)
+    full = torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2, **kw)
+    offs = offsets.tolist()
+    B = len(offs) - 1
+    dq = q.new_zeros(B * D, 2, 64)
+    want = full.new_zeros(B * D, 2, 32)
+    for b in range(B):
+        n = offs[b + 1] - offs[b]
+        for i in range(D):
+            pos = n - D + i
+            if pos >= 0:
+                dq[b * D + i] = q[offs[b] + pos]
+                want[b * D + i] = full[offs[b] + pos]
+    got = torchfuse.hstu_attention_cached(dq, k, v, offsets, msl, 0.2, **kw)
+    tol = torch.finfo(dtype).eps * max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+def test_validate_false_same_result(device):
+    q, k, v, offsets, msl, nt, _ = make_inputs(device, torch.bfloat16, 5, 2, 64, 64, 150, targets=True)
+    kw = dict(num_targets=nt, contextual_seq_len=3, max_attn_len=30)
+    a = torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2, **kw)
+    b = torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2, validate=False, **kw)
+    assert torch.equal(a, b) and a.abs().max() > 0
+
+
+def test_empty_batch_and_all_empty(device):
+    q = torch.randn(0, 2, 32, device=device)
+    out = torchfuse.hstu_attention(q, q, q, torch.zeros(1, dtype=torch.int32, device=device), 0, 1.0)
+    assert out.shape == (0, 2, 32)
+    offsets = torch.zeros(4, dtype=torch.int64, device=device)
+    out = torchfuse.hstu_attention(q, q, q, offsets, 16, 1.0)
+    assert out.shape == (0, 2, 32)
+
+
+def test_rows_outside_sequences_are_zero(device):
+    q, k, v = (torch.randn(10, 1, 32, device=device) for _ in range(3))
+    offsets = torch.tensor([0, 3, 7], device=device)
+    q.requires_grad_()
+    out = torchfuse.hstu_attention(q, k, v, offsets, 8, 0.5)
+    assert out[7:].abs().max() == 0
+    ref = reference(q[:7].double(), k[:7].double(), v[:7].double(), offsets, 8, 0.5)
+    torch.testing.assert_close(out[:7].double(), ref, rtol=1e-4, atol=1e-5)
+    (g,) = torch.autograd.grad(out.sum(), q)
+    assert g[7:].abs().max() == 0
+
+
+def test_compat_gr_hstu_mha(device):
+    q, k, v, offsets, msl, nt, _ = make_inputs(device, torch.float32, 4, 2, 64, 64, 50, targets=True)
+    out = gr.hstu_mha(msl, 0.25, q, k, v, offsets, causal=True, dropout_pr=0.0, training=True, num_targets=nt,
+                      max_attn_len=9, contextual_seq_len=2, min_full_attn_seq_len=3)
+    ref = reference(q.double(), k.double(), v.double(), offsets, msl, 0.25, num_targets=nt, max_attn_len=9,
+                    contextual_seq_len=2, min_full_attn_seq_len=3)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        gr.hstu_mha(msl, 0.25, q, k, v, offsets, dropout_pr=0.1)
+    with pytest.raises(NotImplementedError, match="causal"):
+        gr.hstu_mha(msl, 0.25, q, k, v, offsets, causal=False)
+
+
+def test_bad_inputs(device):
+    q, k, v, offsets, msl, nt, _ = make_inputs(device, torch.float32, 3, 2, 64, 64, 20)
+    call = torchfuse.hstu_attention
+    with pytest.raises(RuntimeError, match="same number of heads"):
+        call(q, k[:, :1], v, offsets, msl, 1.0)
+    with pytest.raises(RuntimeError, match="head dim must equal"):
+        call(q, k[..., :32], v, offsets, msl, 1.0)
+    with pytest.raises(RuntimeError, match="head dims must be one of"):
+        call(q[..., :48], k[..., :48], v, offsets, msl, 1.0)
+    with pytest.raises(RuntimeError, match="same number of rows"):
+        call(q, k[:-1], v[:-1], offsets, msl, 1.0)
+    with pytest.raises(RuntimeError, match=r"max_seq_len \(\d+\) is smaller"):
+        call(q, k, v, offsets, msl - 1, 1.0)
+    with pytest.raises(RuntimeError, match="lie in"):
+        call(q, k, v, offsets + 1, msl + 1, 1.0)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        call(q, k, v, offsets.flip(0), 1000, 1.0)
+    with pytest.raises(RuntimeError, match="num_targets must be 1-D with B"):
+        call(q, k, v, offsets, msl, 1.0, num_targets=torch.zeros(2, dtype=torch.int32, device=device))
+    with pytest.raises(RuntimeError, match="num_targets must lie"):
+        call(q, k, v, offsets, msl, 1.0, num_targets=torch.full((3,), 1000, dtype=torch.int32, device=device))
+    with pytest.raises(RuntimeError, match="attn_bias must have shape"):
+        call(q, k, v, offsets, msl, 1.0, attn_bias=torch.zeros(3, 3, msl, msl, device=device))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        call(q, k, v, offsets.float(), msl, 1.0)
+    with pytest.raises(TypeError, match="must be bfloat16"):
+        call(q.int(), k.int(), v.int(), offsets, msl, 1.0)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        call(q, k.half(), v, offsets, msl, 1.0)
+    with pytest.raises(RuntimeError, match="3-D"):
+        call(q[0], k, v, offsets, msl, 1.0)
+    with pytest.raises(ValueError, match="B \\* D rows"):
+        torchfuse.hstu_attention_cached(q[:4], k, v, offsets, msl, 1.0)
+    if device == "cuda":
+        with pytest.raises(TypeError, match="only the CPU"):
+            call(q.double(), k.double(), v.double(), offsets, msl, 1.0)
+
+
+def test_opcheck_and_compile():
+    q, k, v, offsets, msl, nt, bias = make_inputs("cpu", torch.float32, 3, 2, 32, 32, 20, targets=True,
+                                                  bias_heads=1)
+    args = (q, k, v, offsets, nt, bias, msl, 0.5, None, 1, 5, 2, 2, 0)
+    torch.library.opcheck(torch.ops.torchfuse.hstu_fwd.default, args)
+
+    def f(q, k, v, bias):
+        return torchfuse.hstu_attention(q, k, v, offsets, msl, 0.5, num_targets=nt, attn_bias=bias).sum()
+
+    ins = [t.requires_grad_() for t in (q, k, v, bias)]
+    g_eager = torch.autograd.grad(f(*ins), ins)
+    g_comp = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(*ins), ins)
+    for a, b in zip(g_eager, g_comp):
+        torch.testing.assert_close(a, b)
