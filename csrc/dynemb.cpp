@@ -178,6 +178,7 @@ tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::T
     tf_dynemb_segsum_params p{};
     p.n_unique = seg.numel() - 1;
     p.dim = grad.size(1);
+    p.n_occ = perm.numel();
     p.perm = perm.data_ptr<int64_t>();
     p.seg = seg.data_ptr<int64_t>();
     if (bag_of.has_value()) {

@@ -128,14 +128,21 @@ typedef struct {
 } tf_dynemb_pool_params;
 
 /* Deterministic gradient per unique id: out[u] = sum over j in [seg[u], seg[u+1]) of
- * scale[perm[j]] * grad[src(perm[j])] in j order (src(i) = bag_of[i], or i when bag_of is NULL),
- * fp32. perm lists the ids grouped by unique id (a stable sort). */
+ * scale[perm[j]] * grad[src(perm[j])] (src(i) = bag_of[i], or i when bag_of is NULL), fp32. perm
+ * lists the ids grouped by unique id (a stable sort). The CPU sums in j order; CUDA cuts the
+ * occurrence list into fixed chunks of TF_DYNEMB_SEG_CHUNK (a hot id of a skewed batch is spread over
+ * many warps instead of one) and adds an id's chunk sums in chunk order: a fixed order too, so
+ * the result is the same run to run. */
+#define TF_DYNEMB_SEG_CHUNK 32
+TF_HD int64_t tf_dynemb_seg_chunks(int64_t n_occ) { return (n_occ + TF_DYNEMB_SEG_CHUNK - 1) / TF_DYNEMB_SEG_CHUNK; }
 typedef struct {
     int64_t n_unique, dim;
+    int64_t n_occ;                        /* entries of perm (= seg[n_unique]) */
     const int64_t *perm, *seg, *bag_of;   /* bag_of may be NULL */
     const float *scale;                   /* NULL: ones */
     const void *grad; int grad_dtype;     /* rows of dim, contiguous */
     float *out;                           /* n_unique x dim */
+    float *partial;                       /* CUDA only: 2 x tf_dynemb_seg_chunks(n_occ) x dim scratch */
 } tf_dynemb_segsum_params;
 
 /* The i-th per-key random number in [0, 1) of init for `key`; identical on CPU and CUDA. */

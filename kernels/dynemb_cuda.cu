@@ -339,31 +339,83 @@ __global__ void pool_kernel(tf_dynemb_pool_params p) {
     }
 }
 
-// One warp per unique id, lanes over columns; the id's occurrences in perm order (deterministic).
-__global__ void segsum_kernel(tf_dynemb_segsum_params p) {
-    const int64_t u = warp_index();
+/* Segment sum in two steps (see tf_dynemb_segsum_params). Step 1: one warp per chunk of
+ * TF_DYNEMB_SEG_CHUNK consecutive occurrences (perm order), lanes over columns. The lanes first load
+ * the chunk's (source row, scale) pairs, one per lane, then walk the occurrences in order, taking each
+ * pair from its lane by shuffle, so a step costs one row load instead of three dependent loads.
+ * A run of one id that lies wholly inside the chunk is written to out; a run cut by the chunk's
+ * edge is written to partial: slot 0 when the id began in an earlier chunk, slot 1 when it begins
+ * here and goes on. */
+__global__ void segsum_chunk_kernel(tf_dynemb_segsum_params p) {
+    const int64_t k = warp_index();
     const int lane = threadIdx.x & 31;
-    if (u >= p.n_unique) return;
-    const int64_t k0 = p.seg[u], k1 = p.seg[u + 1];
+    const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
+    if (q0 >= p.n_occ) return;
+    const int64_t q1 = q0 + TF_DYNEMB_SEG_CHUNK < p.n_occ ? q0 + TF_DYNEMB_SEG_CHUNK : p.n_occ;
+    int64_t my_src = 0;
+    float my_scale = 0.f;
+    if (q0 + lane < q1) {
+        const int64_t i = p.perm[q0 + lane];
+        my_src = p.bag_of ? p.bag_of[i] : i;
+        my_scale = p.scale ? p.scale[i] : 1.f;
+    }
+    /* the id of occurrence q0: the last u with seg[u] <= q0 */
+    int64_t lo = 0, hi = p.n_unique - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) >> 1;
+        if (p.seg[mid] <= q0) lo = mid;
+        else hi = mid - 1;
+    }
     for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * 8) {
         float acc[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-        for (int64_t q = k0; q < k1; ++q) {
-            const int64_t i = p.perm[q];
-            const int64_t src = p.bag_of ? p.bag_of[i] : i;
-            const float s = p.scale ? p.scale[i] : 1.f;
+        for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+        int64_t u = lo, u_begin = p.seg[u], u_end = p.seg[u + 1];
+        for (int64_t q = q0; q < q1; ++q) {
+            const int64_t src = __shfl_sync(0xffffffffu, my_src, (int)(q - q0));
+            const float s = __shfl_sync(0xffffffffu, my_scale, (int)(q - q0));
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                const int64_t j = c0 + lane + 32 * k;
-                if (j < p.dim) acc[k] += s * load_f32(p.grad, p.grad_dtype, src * p.dim + j);
+            for (int j = 0; j < 8; ++j) {
+                const int64_t c = c0 + lane + 32 * j;
+                if (c < p.dim) acc[j] += s * load_f32(p.grad, p.grad_dtype, src * p.dim + c);
+            }
+            if (q + 1 == u_end || q + 1 == q1) { /* the run of id u ends here */
+                float *dst;
+                if (u_begin >= q0 && u_end <= q1) dst = p.out + u * p.dim;
+                else dst = p.partial + ((2 * k + (u_begin < q0 ? 0 : 1)) * p.dim);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int64_t c = c0 + lane + 32 * j;
+                    if (c < p.dim) dst[c] = acc[j];
+                    acc[j] = 0.f;
+                }
+                if (q + 1 < q1 && u + 1 < p.n_unique) { /* the next id begins at q + 1 (unique ids own non-empty runs) */
+                    ++u;
+                    u_begin = u_end;
+                    u_end = p.seg[u + 1];
+                }
             }
         }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const int64_t j = c0 + lane + 32 * k;
-            if (j < p.dim) p.out[u * p.dim + j] = acc[k];
-        }
+    }
+}
+
+/* Step 2: one warp per id whose run crosses chunks: out[u] = its first chunk's slot 1, then each
+ * later chunk's slot 0, added in chunk order. Ids inside one chunk were finished by step 1. */
+__global__ void segsum_join_kernel(tf_dynemb_segsum_params p) {
+    const int64_t u = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (u >= p.n_unique) return;
+    const int64_t a = p.seg[u], b = p.seg[u + 1];
+    if (b <= a) { /* an empty run (not produced by unique ids, but defined): zeros */
+        for (int64_t c = lane; c < p.dim; c += 32) p.out[u * p.dim + c] = 0.f;
+        return;
+    }
+    const int64_t k0 = a / TF_DYNEMB_SEG_CHUNK, k1 = (b - 1) / TF_DYNEMB_SEG_CHUNK;
+    if (k0 == k1) return;
+    for (int64_t c = lane; c < p.dim; c += 32) {
+        float acc = p.partial[(2 * k0 + 1) * p.dim + c];
+        for (int64_t k = k0 + 1; k <= k1; ++k) acc += p.partial[(2 * k) * p.dim + c];
+        p.out[u * p.dim + c] = acc;
     }
 }
 
@@ -379,7 +431,13 @@ int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream) {
 
 int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream) {
     if (p->n_unique == 0) return 0;
-    segsum_kernel<<<grid_for_warps(p->n_unique), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->n_occ > 0) {
+        segsum_chunk_kernel<<<grid_for_warps(tf_dynemb_seg_chunks(p->n_occ)), kBlock, 0, s>>>(*p);
+        const cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess) return static_cast<int>(err);
+    }
+    segsum_join_kernel<<<grid_for_warps(p->n_unique), kBlock, 0, s>>>(*p);
     return static_cast<int>(cudaGetLastError());
 }
 
