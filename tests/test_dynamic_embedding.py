@@ -328,6 +328,48 @@ def test_duplicates_share_one_row(device):
     torch.testing.assert_close(after, before - (g[0] + g[1] + g[3]), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "weighted"])
+@pytest.mark.parametrize("dim", [5, 300])
+def test_skewed_duplicates_gradient(device, mode, dim):
+    """A hot id repeated hundreds of times (as in Zipf-distributed batches): its gradient is the sum
+    over every occurrence, whatever way the kernel splits that sum (CUDA cuts it into chunks of 32
+    occurrences, so runs crossing one, two and many chunk edges all occur here). dim 300 exceeds one
+    pass of a warp's columns."""
+    P, lr = 41, 0.5
+    pool = _keys(P)
+    hot, warm = pool[0], pool[1]
+    ks = [hot] * 203 + [warm] * 67 + _keys(150, pool)
+    random.shuffle(ks)
+    n = len(ks)
+    index = {k: i for i, k in enumerate(pool)}
+    table = DynamicEmbeddingBag(dim, 256, device=device, optimizer=tfo.SGD(lr), bucket_size=32,
+                                mode="mean" if mode == "mean" else "sum", initializer=("normal", 0.0, 1.0))
+    table.train()
+    with torch.no_grad():
+        DynamicEmbedding.forward(table, _t(pool, device))
+    w0 = table.find(_t(pool, device))[0].clone()
+    ref = torch.nn.EmbeddingBag(P, dim, mode="mean" if mode == "mean" else "sum").to(device)
+    with torch.no_grad():
+        ref.weight.copy_(w0)
+    B = 9
+    offsets = _t([0] + sorted(random.randint(0, n) for _ in range(B - 1)), device)
+    psw = torch.rand(n, device=device) if mode == "weighted" else None
+    ids, idx = _t(ks, device), _t([index[k] for k in ks], device)
+    g = torch.randn(B, dim, device=device)
+    (table(ids, offsets, psw) * g).sum().backward()
+    (ref(idx, offsets, per_sample_weights=psw) * g).sum().backward()
+    want = w0 - lr * ref.weight.grad
+    # fp32 sums of up to 203 terms in another order: a few ulps of the largest partial sum
+    torch.testing.assert_close(table.find(_t(pool, device))[0], want, rtol=1e-5, atol=2e-5 * B)
+    # the same batch again from the same state gives the same bits (fixed summation order)
+    t2 = DynamicEmbeddingBag(dim, 256, device=device, optimizer=tfo.SGD(lr), bucket_size=32,
+                             mode="mean" if mode == "mean" else "sum")
+    t2.insert(_t(pool, device), w0)
+    t2.train()
+    (t2(ids, offsets, psw) * g).sum().backward()
+    assert torch.equal(t2.find(_t(pool, device))[0], table.find(_t(pool, device))[0])
+
+
 def test_empty_batches(device):
     table = DynamicEmbedding(3, 8, device=device, bucket_size=8)
     table.train()
