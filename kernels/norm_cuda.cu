@@ -467,13 +467,16 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
-template <int K, int XB, int RB>
-__host__ __device__ constexpr int staged_planes() { return K * (XB / 2 + RB / 2); } /* per stage */
+/* Planes per chunk and stage: x, then the residual, then residual2 (R2B > 0: GPT-NeoX's parallel
+ * residual, whose third input would otherwise be loaded at its use, a row's latency exposed). */
+template <int XB, int RB, int R2B>
+__host__ __device__ constexpr int staged_chunk_planes() { return XB / 2 + RB / 2 + R2B / 2; }
 
-template <int K, int XB, int RB>
+template <int K, int XB, int RB, int R2B>
 __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_staged_kernel(const tf_norm_fwd_params p) {
     extern __shared__ uint4 stage_buf[];
-    constexpr int PLANES = staged_planes<K, XB, RB>();
+    constexpr int CP = staged_chunk_planes<XB, RB, R2B>();
+    constexpr int PLANES = K * CP;
     __shared__ float red[32];
     const int tpr = blockDim.x, tid = threadIdx.x;
     const int nthreads = blockDim.x * blockDim.y, flat = threadIdx.y * blockDim.x + tid;
@@ -488,15 +491,18 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_staged_kernel(const t
         if (row < p.rows) {
             const char *xrow = (const char *)tf_row(p.x, p.x_dtype, row, p.x_stride);
             const char *rrow = RB ? (const char *)tf_row(p.res, p.res_dtype, row, p.res_stride) : nullptr;
+            const char *r2row = R2B ? (const char *)tf_row(p.res2, p.res2_dtype, row, p.res2_stride) : nullptr;
 #pragma unroll
             for (int k = 0; k < K; ++k) {
                 if (!have[k]) continue;
                 const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
 #pragma unroll
-                for (int q = 0; q < XB / 2; ++q) cp_async16(plane(stage, k * (XB / 2 + RB / 2) + q), xrow + col * XB + 16 * q);
+                for (int q = 0; q < XB / 2; ++q) cp_async16(plane(stage, k * CP + q), xrow + col * XB + 16 * q);
 #pragma unroll
-                for (int q = 0; q < RB / 2; ++q)
-                    cp_async16(plane(stage, k * (XB / 2 + RB / 2) + XB / 2 + q), rrow + col * RB + 16 * q);
+                for (int q = 0; q < RB / 2; ++q) cp_async16(plane(stage, k * CP + XB / 2 + q), rrow + col * RB + 16 * q);
+#pragma unroll
+                for (int q = 0; q < R2B / 2; ++q)
+                    cp_async16(plane(stage, k * CP + XB / 2 + RB / 2 + q), r2row + col * R2B + 16 * q);
             }
         }
         cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
@@ -521,17 +527,24 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_staged_kernel(const t
             const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
             TfRaw<XB> xr;
 #pragma unroll
-            for (int q = 0; q < XB / 2; ++q) xr.q[q] = *plane(stage, k * (XB / 2 + RB / 2) + q);
+            for (int q = 0; q < XB / 2; ++q) xr.q[q] = *plane(stage, k * CP + q);
             tf_raw_to_float(xr, p.x_dtype, v[k]);
             if constexpr (RB > 0) {
                 TfRaw<RB> rr;
 #pragma unroll
-                for (int q = 0; q < RB / 2; ++q) rr.q[q] = *plane(stage, k * (XB / 2 + RB / 2) + XB / 2 + q);
+                for (int q = 0; q < RB / 2; ++q) rr.q[q] = *plane(stage, k * CP + XB / 2 + q);
                 float r[TF_VEC];
                 tf_raw_to_float(rr, p.res_dtype, r);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add1_dtype);
-                if (p.res2) {
+                if constexpr (R2B > 0) {
+                    TfRaw<R2B> r2r;
+#pragma unroll
+                    for (int q = 0; q < R2B / 2; ++q) r2r.q[q] = *plane(stage, k * CP + XB / 2 + RB / 2 + q);
+                    tf_raw_to_float(r2r, p.res2_dtype, r);
+#pragma unroll
+                    for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add2_dtype);
+                } else if (p.res2) {
                     tf_load_chunk(tf_row(p.res2, p.res2_dtype, row, p.res2_stride), p.res2_dtype, col, TF_VEC, r);
 #pragma unroll
                     for (int i = 0; i < TF_VEC; ++i) v[k][i] = tf_round(v[k][i] + r[i], p.add2_dtype);
@@ -764,14 +777,15 @@ const void *fwd_fast(int xb, int rb) {
 }
 
 template <int K>
-const void *fwd_staged(int xb, int rb) {
+const void *fwd_staged(int xb, int rb, int r2b) {
     if (xb == 2) {
-        if (rb == 0) return (const void *)norm_fwd_staged_kernel<K, 2, 0>;
-        if (rb == 2) return (const void *)norm_fwd_staged_kernel<K, 2, 2>;
-        return (const void *)norm_fwd_staged_kernel<K, 2, 4>;
+        if (rb == 0) return (const void *)norm_fwd_staged_kernel<K, 2, 0, 0>;
+        if (rb == 2) return r2b == 2 ? (const void *)norm_fwd_staged_kernel<K, 2, 2, 2>
+                                     : (const void *)norm_fwd_staged_kernel<K, 2, 2, 0>;
+        return (const void *)norm_fwd_staged_kernel<K, 2, 4, 0>;
     }
-    if (rb == 0) return (const void *)norm_fwd_staged_kernel<K, 4, 0>;
-    if (rb == 4) return (const void *)norm_fwd_staged_kernel<K, 4, 4>;
+    if (rb == 0) return (const void *)norm_fwd_staged_kernel<K, 4, 0, 0>;
+    if (rb == 4) return (const void *)norm_fwd_staged_kernel<K, 4, 4, 0>;
     return nullptr;
 }
 
@@ -787,9 +801,11 @@ Launch fwd_launch(const tf_norm_fwd_params *p) {
         const int xb = elem_size(p->x_dtype);
         const bool staged = p->cols % TF_VEC == 0 && aligned_rows(p->x, p->x_stride, p->x_dtype) &&
                             (!p->res || aligned_rows(p->res, p->res_stride, p->res_dtype));
+        /* residual2 is staged too where all three inputs are 16-bit and its rows aligned */
+        const int r2b = p->res2 && xb == 2 && rb == 2 && aligned_rows(p->res2, p->res2_stride, p->res2_dtype) ? 2 : 0;
         if (staged) {
-            l.fn = l.k == 1 ? fwd_staged<1>(xb, rb) : fwd_staged<2>(xb, rb);
-            l.smem = (size_t)2 * l.k * (xb / 2 + rb / 2) * l.block.x * l.block.y * 16;
+            l.fn = l.k == 1 ? fwd_staged<1>(xb, rb, r2b) : fwd_staged<2>(xb, rb, r2b);
+            l.smem = (size_t)2 * l.k * (xb / 2 + rb / 2 + r2b / 2) * l.block.x * l.block.y * 16;
         } else {
             l.fn = l.k == 1 ? fwd_fast<1>(xb, rb) : fwd_fast<2>(xb, rb);
         }
