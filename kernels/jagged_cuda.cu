@@ -5,7 +5,7 @@
  * iteration. tfj_resolve (jagged_map.h) finds a row's sample (a step or two forward from the group's
  * previous one, a binary search over the offsets when that fails) and returns the source and
  * destination row addresses, plus the run: how many of the following rows continue both
- * contiguously inside the same tensors. When the group's 8
+ * contiguously inside the same tensors. For rows of >= TFJ_RUN_MIN_UNITS units, when the group's 8
  * rows are one run (away from sample and piece boundaries) one resolve serves them all and each
  * thread has 8 loads in flight before its first store. Otherwise the rows are resolved one by one,
  * TFJ_ROWS at a time, all before the first load. The G threads move a row as U-byte units (16-byte
@@ -28,6 +28,12 @@
 
 #define TFJ_THREADS 256
 #define TFJ_ROWS 4
+/* The run fast path only for rows of at least this many units (16 or 32 threads per row). On the H100
+ * (same process, CUDA-graph kernel time) it took concat / split from 310-312 to 300-301 us at D = 128
+ * bf16 and from 1176-1178 to 1153-1154 us at D = 512, but made D = 1 int64 rows (one 8-byte unit, one
+ * thread per row, a thread's 8 loads 8 bytes apart and 64 bytes from its neighbour's) 9% to 35% slower
+ * (benchmarks/NOTES.md). Rows of 2 to 8 threads are not measured yet and keep the per-row path. */
+#define TFJ_RUN_MIN_UNITS 16
 
 template <int U> struct TfjUnit;
 template <> struct TfjUnit<1> { typedef uint8_t T; };
@@ -129,7 +135,7 @@ static int launch_copy(const tfj_copy_params *p, cudaStream_t stream) {
      * measurements (benchmarks/bench_jagged.py --ab). Read at each launch so that a benchmark can
      * flip it between calls; a getenv is well under a microsecond next to the launch itself. */
     const char *env = getenv("TORCHFUSE_JAGGED_RUNS");
-    const int use_runs = !(env && env[0] == '0');
+    const int use_runs = units >= TFJ_RUN_MIN_UNITS && !(env && env[0] == '0');
     jagged_copy_kernel<U><<<(unsigned)grid_for(p->tasks, g, TFJ_RUN_ROWS, per_sm), TFJ_THREADS, 0, stream>>>(*p, g, units, fill,
                                                                                                use_runs);
     return (int)cudaGetLastError();
