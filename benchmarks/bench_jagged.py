@@ -4,11 +4,23 @@ generative-recommenders' Triton concat_2D_jagged / split_2D_jagged, on one GPU.
 Shape (generative-recommenders' benchmark): B = 1024 samples, history lengths uniform in [100, 3052],
 16 candidates each; rows of D = 128 bf16, plus D = 1 int64 (timestamps) and D = 512 bf16.
 concat = [history; candidates] per sample, split its inverse; to_padded / to_jagged convert the
-history to (B, max_len, D) and back. Median kernel time (CUDA events); GB/s over the fewest bytes the
-op must move (every row read once and written once; padding rows written); % of the device-to-device
-copy bandwidth measured in the same run. Backward = torch.autograd.grad of the forward's output.
+history to (B, max_len, D) and back. GB/s over the fewest bytes the op must move (every row read once
+and written once; padding rows written); % of the device-to-device copy bandwidth measured in the same
+run.
 
-    python benchmarks/bench_jagged.py [--peers DIR] [--quick] [--out results.md]
+Times (us per call, median over repetitions, CUDA events):
+- main columns: N back-to-back calls between two events, divided by N (as a training step runs them:
+  the host dispatches call i+1 while call i runs), for every implementation alike;
+- "torchfuse 1-call": one call between two events from an idle GPU (host dispatch inside the window);
+- "torchfuse graph": the forward replayed from a CUDA graph (kernel time only).
+Backward = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True) of one forward graph
+built once, called back to back the same way (autograd engine dispatch included).
+
+    python benchmarks/bench_jagged.py [--peers DIR] [--quick] [--dims 128,1,512] [--no-compile]
+                                      [--ab] [--out results.md]
+
+--ab adds torchfuse with the copy kernel's run fast path off (TORCHFUSE_JAGGED_RUNS=0, read at each
+launch), timed in the same process on the same tensors ("per-row" columns).
 
 --peers: a folder holding generative_recommenders/ops/triton/triton_jagged_tensors.py (fetched code,
 never committed); without it the Triton column is skipped.
@@ -104,6 +116,24 @@ def make_case(D, dtype, B=1024, lo=100, hi=3052, cand=16):
     return dict(vl=rand(tl), vr=rand(tr), ol=ol, orr=orr, tl=tl, tr=tr, ml=hi, mr=cand, B=B, D=D, dtype=dtype)
 
 
+def b2b_time_us(fn, rep, n=20):
+    """Median over `rep` repetitions of (n back-to-back calls between two CUDA events) / n."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def graph_time_us(fn, rep):
     """The forward replayed from a CUDA graph: kernel time without host dispatch (small shapes)."""
     side = torch.cuda.Stream()
@@ -114,7 +144,7 @@ def graph_time_us(fn, rep):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g), torch.no_grad():
         fn()
-    return device_time_us(g.replay, DEV, warmup=3, rep=rep)
+    return b2b_time_us(g.replay, rep)
 
 
 def fwd_bwd(fn, inputs, grad_out):
@@ -190,7 +220,21 @@ def min_bytes(c, op, direction):
     return (Tl + dense_rows) * rb if padded_side else 2 * Tl * rb
 
 
-COLS = ["torchfuse", "torchfuse graph", "torch index", "torch.compile", "torch.nested", "GR Triton"]
+COLS = ["torchfuse", "torchfuse 1-call", "torchfuse graph", "per-row", "per-row graph", "torch index",
+        "torch.compile", "torch.nested", "GR Triton"]
+
+
+def without_runs(fn):
+    """fn() with the copy kernel's run fast path off (TORCHFUSE_JAGGED_RUNS=0, read at each launch)."""
+    old = os.environ.get("TORCHFUSE_JAGGED_RUNS")
+    os.environ["TORCHFUSE_JAGGED_RUNS"] = "0"
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ["TORCHFUSE_JAGGED_RUNS"]
+        else:
+            os.environ["TORCHFUSE_JAGGED_RUNS"] = old
 
 
 def main():
@@ -198,36 +242,53 @@ def main():
     ap.add_argument("--peers", default=os.environ.get("TORCHFUSE_PEERS"))
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--compile-all", action="store_true", help="torch.compile at every shape (default: D=128)")
+    ap.add_argument("--no-compile", action="store_true", help="no torch.compile column")
+    ap.add_argument("--ab", action="store_true", help="also torchfuse with the run fast path off ('per-row')")
+    ap.add_argument("--dims", default="128,1,512", help="row shapes: D for bf16 rows, 1 means D=1 int64")
     ap.add_argument("--out")
     args = ap.parse_args()
     triton_peer = load_triton_peer(args.peers)
     copy_gbs = copy_bandwidth()
     rep = 10 if args.quick else 30
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {copy_gbs:.0f} GB/s",
-             "B=1024, history lengths uniform in [100, 3052], 16 candidates; times in us (median), GB/s over the "
-             "minimum bytes; % = of copy bandwidth; x = best other / torchfuse; 'torchfuse graph' = the same "
-             "forward replayed from a CUDA graph (no host dispatch)",
+             "B=1024, history lengths uniform in [100, 3052], 16 candidates; us per call (median): 20 back-to-back "
+             "calls between two CUDA events / 20; '1-call' = one call from an idle GPU; 'graph' = the forward "
+             "replayed from a CUDA graph (no host dispatch); bwd = torch.autograd.grad(retain_graph=True) of one "
+             "forward graph, back to back; GB/s and % (of copy bandwidth) from the back-to-back torchfuse time; "
+             "x = best other / torchfuse; 'per-row' (A/B, same process) = torchfuse with the copy kernel's run "
+             "fast path off (TORCHFUSE_JAGGED_RUNS=0)",
              "",
              "| op | D dtype | " + " | ".join(f"{n} us" for n in COLS) + " | torchfuse GB/s | % copy | x best other | x GR |",
              "|---|---|" + "---|" * (len(COLS) + 4)]
     print("\n".join(lines), flush=True)
-    for D, dtype in [(128, torch.bfloat16), (1, torch.int64), (512, torch.bfloat16)]:
+    shapes = [(1, torch.int64) if d == 1 else (d, torch.bfloat16) for d in map(int, args.dims.split(","))]
+    for D, dtype in shapes:
         c = make_case(D, dtype)
-        compiled = {} if (D == 128 or args.compile_all) else None
+        compiled = {} if ((D == 128 or args.compile_all) and not args.no_compile) else None
         for op in ("concat", "split", "to_padded", "to_jagged"):
             fns = impls(c, op, triton_peer, compiled)
             timings = {"fwd": {}, "bwd": {}}
             for name, (fn, inputs) in fns.items():
                 try:
                     f, b = fwd_bwd(fn, inputs, lambda outs: [torch.randn_like(o) for o in outs])
-                    timings["fwd"][name] = device_time_us(f, DEV, warmup=3, rep=rep)
+                    timings["fwd"][name] = b2b_time_us(f, rep)
                     if name == "torchfuse":
+                        timings["fwd"]["torchfuse 1-call"] = device_time_us(f, DEV, warmup=3, rep=rep)
                         try:
                             timings["fwd"]["torchfuse graph"] = graph_time_us(lambda: fn(*inputs), rep)
+                            if args.ab:  # the graph captures the kernel variant at capture time
+                                timings["fwd"]["per-row graph"] = without_runs(
+                                    lambda: graph_time_us(lambda: fn(*inputs), rep))
                         except Exception as e:  # noqa: BLE001
                             print(f"# {op} D={D} graph capture: {type(e).__name__}: {e}", file=sys.stderr)
+                        if args.ab:
+                            timings["fwd"]["per-row"] = without_runs(lambda: b2b_time_us(f, rep))
                     if b is not None:
-                        timings["bwd"][name] = device_time_us(b, DEV, warmup=3, rep=rep)
+                        timings["bwd"][name] = b2b_time_us(b, rep)
+                        if name == "torchfuse":
+                            timings["bwd"]["torchfuse 1-call"] = device_time_us(b, DEV, warmup=3, rep=rep)
+                            if args.ab:
+                                timings["bwd"]["per-row"] = without_runs(lambda: b2b_time_us(b, rep))
                 except Exception as e:  # noqa: BLE001  (a baseline that cannot run this case is shown as n/a)
                     print(f"# {op} D={D} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr)
                 torch.cuda.empty_cache()
@@ -236,7 +297,7 @@ def main():
                 if "torchfuse" not in t:
                     continue
                 gbs = min_bytes(c, op, direction) / (t["torchfuse"] * 1e-6) / 1e9
-                others = [v for k, v in t.items() if not k.startswith("torchfuse")]
+                others = [v for k, v in t.items() if not k.startswith("torchfuse") and not k.startswith("per-row")]
                 best = f"{min(others) / t['torchfuse']:.2f}" if others else "n/a"
                 vs_gr = f"{t['GR Triton'] / t['torchfuse']:.2f}" if "GR Triton" in t else "n/a"
                 cells = [f"{t[n]:.1f}" if n in t else "n/a" for n in COLS]

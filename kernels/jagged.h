@@ -30,6 +30,8 @@ enum {
 };
 
 #define TFJ_MAX_PARTS 8
+/* Rows per group step of the CUDA copy kernel (its fast path copies a whole run of this many rows). */
+#define TFJ_RUN_ROWS 8
 
 /* Arithmetic dtypes of jagged_dense_add / mul: tf_dtype.h's codes plus float64. */
 enum { TFJ_F64 = 3 };

@@ -1,5 +1,5 @@
-/* Jagged ops, CPU path: the same per-row mapping as the CUDA kernels (jagged_map.h), one row at a
- * time. The glue (csrc/jagged.cpp) has already validated offsets and indices and splits the tasks
+/* Jagged ops, CPU path: the same per-row mapping as the CUDA kernels (jagged_map.h), a run of
+ * consecutive rows at a time. The glue (csrc/jagged.cpp) has already validated offsets and indices and splits the tasks
  * over threads. */
 #include <string.h>
 
@@ -16,12 +16,21 @@ static void fill_row(char *dst, int64_t row_bytes, uint64_t fill, int elem_size)
 
 void tfj_copy_cpu(const tfj_copy_params *p, int64_t begin, int64_t end) {
     int64_t hint = -1;
-    for (int64_t r = begin; r < end; ++r) {
+    for (int64_t r = begin; r < end;) {
         const char *src;
-        char *dst = tfj_resolve(p, r, &src, &hint);
-        if (!dst) continue;
-        if (src) memcpy(dst, src, (size_t)p->row_bytes);
-        else fill_row(dst, p->row_bytes, p->fill, p->elem_size);
+        int64_t run;
+        char *dst = tfj_resolve(p, r, &src, &hint, &run);
+        /* A run is cut at the next multiple of TFJ_RUN_ROWS, where the CUDA kernel's groups start, so
+         * these tests resolve runs from the same rows as the GPU does (mid-sample, mid-piece). */
+        const int64_t next = (r / TFJ_RUN_ROWS + 1) * TFJ_RUN_ROWS;
+        const int64_t n = run < next - r ? run : next - r;
+        const int64_t m = n < end - r ? n : end - r;
+        if (dst) {
+            if (src) memcpy(dst, src, (size_t)(m * p->row_bytes));
+            else
+                for (int64_t k = 0; k < m; ++k) fill_row(dst + k * p->row_bytes, p->row_bytes, p->fill, p->elem_size);
+        }
+        r += m;
     }
 }
 

@@ -1,14 +1,17 @@
 /* Jagged ops, CUDA kernels.
  *
  * jagged_copy_kernel<U>: a persistent grid over the op's task rows (jagged.h). A group of G threads
- * (a power of two up to 32, so small rows share a warp) owns TFJ_ROWS consecutive rows per iteration:
- * tfj_resolve (jagged_map.h) finds each row's sample (a binary search over the offsets for the first,
- * a step or two forward from it for the rest, since consecutive rows mostly share a sample) and
- * returns the source and destination row addresses; all rows are resolved before the first load, so
- * their loads are in flight together. The G threads move a row as U-byte units (16-byte vectors
- * whenever the row length and every base pointer allow, else the widest unit that does). Rows are
- * raw bytes: one instantiation per unit width (5 in all) serves every dtype and op. Row and byte
- * indices are 64-bit.
+ * (a power of two up to 32, so small rows share a warp) owns TFJ_RUN_ROWS (8) consecutive rows per
+ * iteration. tfj_resolve (jagged_map.h) finds a row's sample (a step or two forward from the group's
+ * previous one, a binary search over the offsets when that fails) and returns the source and
+ * destination row addresses, plus the run: how many of the following rows continue both
+ * contiguously inside the same tensors. For rows of >= TFJ_RUN_MIN_UNITS units, when the group's 8
+ * rows are one run (away from sample and piece boundaries) one resolve serves them all and each
+ * thread has 8 loads in flight before its first store. Otherwise the rows are resolved one by one,
+ * TFJ_ROWS at a time, all before the first load. The G threads move a row as U-byte units (16-byte
+ * vectors whenever the row length and every base pointer allow, else the widest unit that does).
+ * Rows are raw bytes: one instantiation per unit width (5 in all) serves every dtype and op. Row and
+ * byte indices are 64-bit.
  *
  * jagged_arith_kernel: jagged_dense_add / mul, the same row mapping, element by element in fp32
  * (fp64 for double), rounded once to the dtype, as PyTorch's own add / mul. */
@@ -16,6 +19,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "jagged.h"
 #include "jagged_map.h"
@@ -23,6 +28,12 @@
 
 #define TFJ_THREADS 256
 #define TFJ_ROWS 4
+/* The run fast path only for rows of at least this many units (16 or 32 threads per row). On the H100
+ * (same process, CUDA-graph kernel time) it took concat / split from 310-312 to 300-301 us at D = 128
+ * bf16 and from 1176-1178 to 1153-1154 us at D = 512, but made D = 1 int64 rows (one 8-byte unit, one
+ * thread per row, a thread's 8 loads 8 bytes apart and 64 bytes from its neighbour's) 9% to 35% slower
+ * (benchmarks/NOTES.md). Rows of 2 to 8 threads are not measured yet and keep the per-row path. */
+#define TFJ_RUN_MIN_UNITS 16
 
 template <int U> struct TfjUnit;
 template <> struct TfjUnit<1> { typedef uint8_t T; };
@@ -32,32 +43,56 @@ template <> struct TfjUnit<8> { typedef uint2 T; };
 template <> struct TfjUnit<16> { typedef uint4 T; };
 
 template <int U>
-__global__ void __launch_bounds__(TFJ_THREADS)
+__global__ void __launch_bounds__(TFJ_THREADS, 4)
     jagged_copy_kernel(const __grid_constant__ tfj_copy_params p, int group_log2, int64_t units,
-                       typename TfjUnit<U>::T fill) {
+                       typename TfjUnit<U>::T fill, int use_runs) {
     typedef typename TfjUnit<U>::T T;
     const int G = 1 << group_log2;
     const int lane = threadIdx.x & (G - 1);
+    const int64_t rb = p.row_bytes;
     const int64_t n_groups = ((int64_t)gridDim.x * blockDim.x) >> group_log2;
     const int64_t group = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> group_log2;
     int64_t hint = -1;
-    for (int64_t r0 = group * TFJ_ROWS; r0 < p.tasks; r0 += TFJ_ROWS * n_groups) {
-        const char *src[TFJ_ROWS];
-        char *dst[TFJ_ROWS];
+    for (int64_t r0 = group * TFJ_RUN_ROWS; r0 < p.tasks; r0 += TFJ_RUN_ROWS * n_groups) {
+        /* Fast path: the group's TFJ_RUN_ROWS rows are one run (tfj_resolve: consecutive rows of the
+         * same tensors, all inside them), so one resolve serves them all and all their loads are
+         * issued before the first store. */
+        if (use_runs) {
+            const char *s;
+            int64_t run;
+            char *d = tfj_resolve(&p, r0, &s, &hint, &run);
+            if (run >= TFJ_RUN_ROWS) {
+                for (int64_t u = lane; u < units; u += G) {
+                    T v[TFJ_RUN_ROWS];
 #pragma unroll
-        for (int k = 0; k < TFJ_ROWS; ++k) {
-            const int64_t r = r0 + k;
-            src[k] = 0;
-            dst[k] = r < p.tasks ? tfj_resolve(&p, r, &src[k], &hint) : 0;
+                    for (int k = 0; k < TFJ_RUN_ROWS; ++k) v[k] = s ? __ldg((const T *)(s + k * rb) + u) : fill;
+#pragma unroll
+                    for (int k = 0; k < TFJ_RUN_ROWS; ++k) ((T *)(d + k * rb))[u] = v[k];
+                }
+                continue;
+            }
         }
-        for (int64_t u = lane; u < units; u += G) {
-            T v[TFJ_ROWS];
+        /* Rows across a sample or piece boundary (or bad offsets): each row resolved on its own,
+         * TFJ_ROWS at a time, all resolved before the first load. */
+        for (int64_t c = r0; c < r0 + TFJ_RUN_ROWS && c < p.tasks; c += TFJ_ROWS) {
+            const char *src[TFJ_ROWS];
+            char *dst[TFJ_ROWS];
 #pragma unroll
-            for (int k = 0; k < TFJ_ROWS; ++k)
-                if (dst[k]) v[k] = src[k] ? __ldg((const T *)src[k] + u) : fill;
+            for (int k = 0; k < TFJ_ROWS; ++k) {
+                const int64_t r = c + k;
+                int64_t run;
+                src[k] = 0;
+                dst[k] = r < p.tasks ? tfj_resolve(&p, r, &src[k], &hint, &run) : 0;
+            }
+            for (int64_t u = lane; u < units; u += G) {
+                T v[TFJ_ROWS];
 #pragma unroll
-            for (int k = 0; k < TFJ_ROWS; ++k)
-                if (dst[k]) ((T *)dst[k])[u] = v[k];
+                for (int k = 0; k < TFJ_ROWS; ++k)
+                    if (dst[k]) v[k] = src[k] ? __ldg((const T *)src[k] + u) : fill;
+#pragma unroll
+                for (int k = 0; k < TFJ_ROWS; ++k)
+                    if (dst[k]) ((T *)dst[k])[u] = v[k];
+            }
         }
     }
 }
@@ -70,10 +105,10 @@ static int group_log2_for(int64_t units) {
 }
 
 /* Enough blocks for the tasks, at most one resident wave (blocks_per_sm from the occupancy API). */
-static int64_t grid_for(int64_t tasks, int group_log2, int blocks_per_sm) {
+static int64_t grid_for(int64_t tasks, int group_log2, int rows_per_group, int blocks_per_sm) {
     int dev = 0, sms = 132;
     if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    const int64_t rows_per_block = (int64_t)(TFJ_THREADS >> group_log2) * TFJ_ROWS;
+    const int64_t rows_per_block = (int64_t)(TFJ_THREADS >> group_log2) * rows_per_group;
     int64_t blocks = (tasks + rows_per_block - 1) / rows_per_block;
     const int64_t cap = (int64_t)sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
     return blocks < cap ? blocks : cap;
@@ -96,7 +131,13 @@ static int launch_copy(const tfj_copy_params *p, cudaStream_t stream) {
     const int64_t units = p->row_bytes / U;
     const int g = group_log2_for(units);
     static const int per_sm = blocks_per_sm(jagged_copy_kernel<U>);
-    jagged_copy_kernel<U><<<(unsigned)grid_for(p->tasks, g, per_sm), TFJ_THREADS, 0, stream>>>(*p, g, units, fill);
+    /* TORCHFUSE_JAGGED_RUNS=0 turns the run fast path off (every row resolved on its own): for A/B
+     * measurements (benchmarks/bench_jagged.py --ab). Read at each launch so that a benchmark can
+     * flip it between calls; a getenv is well under a microsecond next to the launch itself. */
+    const char *env = getenv("TORCHFUSE_JAGGED_RUNS");
+    const int use_runs = units >= TFJ_RUN_MIN_UNITS && !(env && env[0] == '0');
+    jagged_copy_kernel<U><<<(unsigned)grid_for(p->tasks, g, TFJ_RUN_ROWS, per_sm), TFJ_THREADS, 0, stream>>>(*p, g, units, fill,
+                                                                                               use_runs);
     return (int)cudaGetLastError();
 }
 
@@ -163,6 +204,6 @@ extern "C" int tfj_arith_cuda(const tfj_arith_params *p, void *stream) {
     if (p->rows <= 0 || p->cols <= 0) return 0;
     const int g = group_log2_for(p->cols);
     static const int per_sm = blocks_per_sm(jagged_arith_kernel);
-    jagged_arith_kernel<<<(unsigned)grid_for(p->rows, g, per_sm), TFJ_THREADS, 0, (cudaStream_t)stream>>>(*p, g);
+    jagged_arith_kernel<<<(unsigned)grid_for(p->rows, g, TFJ_ROWS, per_sm), TFJ_THREADS, 0, (cudaStream_t)stream>>>(*p, g);
     return (int)cudaGetLastError();
 }
