@@ -336,3 +336,51 @@ def test_bad_inputs(device):
                                                                                        device=device), good.lengths())
     with pytest.raises(ValueError, match="do not match"):
         ebc(bad)
+
+
+@pytest.mark.skipif(not HAVE_TORCHREC, reason="needs torchrec (CI installs it; .ci/run checks it imported)")
+@pytest.mark.parametrize("weighted", [False, True])
+def test_swap_matches_torchrec_shared_features(device, weighted):
+    """Against real TorchRec modules: a feature read by two tables ('x@a', 'x@b' names), KJT keys in
+    another order, weighted and unweighted collections, B = 0, 1 and 5; and an EmbeddingCollection."""
+    tables = [EmbeddingBagConfig(name="a", embedding_dim=6, num_embeddings=20, feature_names=["x", "y"]),
+              EmbeddingBagConfig(name="b", embedding_dim=3, num_embeddings=11, feature_names=["z", "x"])]
+    static = _Holder(EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device(device)))
+    dynamic = copy.deepcopy(static)
+    tftr.swap_embedding_modules(dynamic)
+    n_emb = {"x": 11, "y": 20, "z": 11}
+    for B in (0, 1, 5):
+        kjt = _kjt_over(["z", "y", "x"], n_emb, B, device, weighted)
+        want, got = static(kjt), dynamic(kjt)
+        assert got.keys() == want.keys() == ["x@a", "y", "z", "x@b"]
+        assert got.length_per_key() == want.length_per_key()
+        torch.testing.assert_close(got.values(), want.values(), rtol=1e-5, atol=1e-6)
+    ec_tables = [EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=9, feature_names=["x", "y"]),
+                 EmbeddingConfig(name="b", embedding_dim=4, num_embeddings=7, feature_names=["z"])]
+    static = _Holder(EmbeddingCollection(tables=ec_tables, device=torch.device(device)))
+    dynamic = copy.deepcopy(static)
+    tftr.swap_embedding_modules(dynamic)
+    kjt = _kjt_over(["y", "z", "x"], {"x": 9, "y": 9, "z": 7}, 4, device, False)
+    want, got = static(kjt), dynamic(kjt)
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k].values(), want[k].values())
+        assert torch.equal(got[k].lengths(), want[k].lengths())
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, coll):
+        super().__init__()
+        self.coll = coll
+
+    def forward(self, kjt):
+        return self.coll(kjt)
+
+
+def _kjt_over(keys, n_emb, B, device, weighted):
+    lengths = torch.randint(0, 4, (len(keys) * B,))
+    vals = [torch.randint(0, n_emb[k], (int(lengths[i * B:(i + 1) * B].sum()),)) for i, k in enumerate(keys)]
+    v = torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
+    w = torch.rand(v.numel()) if weighted else None
+    return KeyedJaggedTensor(keys=keys, values=v.to(device), lengths=lengths.to(device),
+                             weights=None if w is None else w.to(device))
