@@ -518,3 +518,33 @@ def test_meta_tensors():
     assert out.shape == (20, 4) and o.shape == (4,)
     a, b = torchfuse.split_2d_jagged(v, off, None, None, 2, 0, None, None)
     assert a.shape == (4, 4) and b.shape == (6, 4)
+
+
+def test_opcheck(device):
+    """Every jagged op's schema, fake kernel, autograd registration and AOT tracing agree
+    (torch.library.opcheck), with empty samples and int64 offsets."""
+    ops = torch.ops.torchfuse
+    lengths = torch.tensor([3, 0, 2, 5], device=device)
+    off = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    T, D = int(off[-1]), 3
+    lr = torch.tensor([1, 2, 0, 1], device=device)
+    offr = torch.cat([lr.new_zeros(1), lr.cumsum(0)])
+    Tr = int(offr[-1])
+    v = torch.randn(T, D, device=device, requires_grad=True)
+    vr = torch.randn(Tr, D, device=device, requires_grad=True)
+    dense = torch.randn(4, 4, D, device=device, requires_grad=True)
+    cat = torch.randn(T + Tr, D, device=device, requires_grad=True)
+    cases = [
+        (ops.complete_cumsum.default, (lengths,)),
+        (ops.jagged_to_padded_dense.default, (v, off, 4, 0.5)),
+        (ops.dense_to_jagged.default, (dense, off, T)),
+        (ops.jagged_dense_add.default, (v, off, dense)),
+        (ops.jagged_dense_mul.default, (v, off, dense)),
+        (ops.jagged_concat.default, ([v, vr], [off, offr])),
+        (ops.jagged_split.default, (cat, [off, offr], [T, Tr])),
+        (ops.concat_2d_jagged.default, (v, off, vr, offr, None, None, 1)),
+        (ops.split_2d_jagged.default, (cat, off, offr, None, None, 1, T, Tr)),
+        (ops.jagged_index_select.default, (v, lengths, torch.tensor([2, 0, 0], device=device), None)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
