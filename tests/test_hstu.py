@@ -333,6 +333,9 @@ def test_opcheck_and_compile():
                                                   bias_heads=1)
     args = (q, k, v, offsets, nt, bias, msl, 0.5, None, 1, 5, 2, 2, 0)
     torch.library.opcheck(torch.ops.torchfuse.hstu_fwd.default, args)
+    dout = torch.randn(q.shape[0], q.shape[1], v.shape[2])
+    torch.library.opcheck(torch.ops.torchfuse.hstu_bwd.default,
+                          (dout, q, k, v, offsets, nt, bias, msl, 0.5, None, 1, 5, 2, 2, True))
 
     def f(q, k, v, bias):
         return torchfuse.hstu_attention(q, k, v, offsets, msl, 0.5, num_targets=nt, attn_bias=bias).sum()
