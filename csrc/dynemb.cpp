@@ -211,7 +211,10 @@ DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, a
     TORCH_CHECK(slots.numel() == query.numel(), op, ": slots must have one entry per query key");
     const int64_t n = query.numel();
     ins.is_new = at::zeros({n}, query.options().dtype(at::kByte));
-    ins.ev = at::empty({3, n}, query.options());
+    // entries past the evicted count hold -1 (defined contents: the op is then a function of its inputs)
+    ins.ev_keys = at::full({n}, -1, query.options());
+    ins.ev_slots = at::full({n}, -1, query.options());
+    ins.ev_scores = at::full({n}, -1, query.options());
     ins.counts = at::zeros({3}, query.options());
     tf_dynemb_probe &p = ins.p;
     p.n = n;
@@ -220,9 +223,9 @@ DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, a
     p.epoch = (int32_t)epoch;
     p.allow_evict = allow_evict;
     p.is_new = ins.is_new.data_ptr<uint8_t>();
-    p.evicted_keys = ins.ev[0].data_ptr<int64_t>();
-    p.evicted_slots = ins.ev[1].data_ptr<int64_t>();
-    p.evicted_scores = ins.ev[2].data_ptr<int64_t>();
+    p.evicted_keys = ins.ev_keys.data_ptr<int64_t>();
+    p.evicted_slots = ins.ev_slots.data_ptr<int64_t>();
+    p.evicted_scores = ins.ev_scores.data_ptr<int64_t>();
     p.counts = ins.counts.data_ptr<int64_t>();
     return ins;
 }
