@@ -201,6 +201,35 @@ tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::T
     return p;
 }
 
+DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
+                                   at::Tensor &scores, at::Tensor &marks, at::Tensor *locks, int64_t bucket_size,
+                                   int64_t epoch, bool allow_evict) {
+    const char *op = "torchfuse.dynemb_insert";
+    DynembInsert ins{};
+    ins.t = dynemb_table(query, keys, digests, &scores, marks, locks, bucket_size, op);
+    check_index(slots, keys, op, "slots");
+    TORCH_CHECK(slots.numel() == query.numel(), op, ": slots must have one entry per query key");
+    const int64_t n = query.numel();
+    ins.is_new = at::zeros({n}, query.options().dtype(at::kByte));
+    // entries past the evicted count hold -1 (defined contents: the op is then a function of its inputs)
+    ins.ev_keys = at::full({n}, -1, query.options());
+    ins.ev_slots = at::full({n}, -1, query.options());
+    ins.ev_scores = at::full({n}, -1, query.options());
+    ins.counts = at::zeros({3}, query.options());
+    tf_dynemb_probe &p = ins.p;
+    p.n = n;
+    p.query = query.data_ptr<int64_t>();
+    p.slots = slots.data_ptr<int64_t>();
+    p.epoch = (int32_t)epoch;
+    p.allow_evict = allow_evict;
+    p.is_new = ins.is_new.data_ptr<uint8_t>();
+    p.evicted_keys = ins.ev_keys.data_ptr<int64_t>();
+    p.evicted_slots = ins.ev_slots.data_ptr<int64_t>();
+    p.evicted_scores = ins.ev_scores.data_ptr<int64_t>();
+    p.counts = ins.counts.data_ptr<int64_t>();
+    return ins;
+}
+
 namespace {
 
 at::Tensor lookup_cpu(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests, at::Tensor &marks,
@@ -219,27 +248,10 @@ at::Tensor lookup_cpu(const at::Tensor &query, const at::Tensor &keys, const at:
 DynembInsertResult insert_cpu(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
                               at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, int64_t bucket_size,
                               int64_t epoch, bool allow_evict) {
-    const char *op = "torchfuse.dynemb_insert";
-    tf_dynemb_table t = dynemb_table(query, keys, digests, &scores, marks, nullptr, bucket_size, op);
-    check_index(slots, keys, op, "slots");
-    TORCH_CHECK(slots.numel() == query.numel(), op, ": slots must have one entry per query key");
-    const int64_t n = query.numel();
-    at::Tensor is_new = at::zeros({n}, query.options().dtype(at::kByte));
-    at::Tensor ev = at::empty({3, n}, query.options());
-    at::Tensor counts = at::zeros({3}, query.options());
-    tf_dynemb_probe p{};
-    p.n = n;
-    p.query = query.data_ptr<int64_t>();
-    p.slots = slots.data_ptr<int64_t>();
-    p.epoch = (int32_t)epoch;
-    p.allow_evict = allow_evict;
-    p.is_new = is_new.data_ptr<uint8_t>();
-    p.evicted_keys = ev[0].data_ptr<int64_t>();
-    p.evicted_slots = ev[1].data_ptr<int64_t>();
-    p.evicted_scores = ev[2].data_ptr<int64_t>();
-    p.counts = counts.data_ptr<int64_t>();
-    tf_dynemb_insert_cpu(&t, &p);
-    return {is_new, ev[0], ev[1], ev[2], counts};
+    DynembInsert ins = prepare_dynemb_insert(query, slots, keys, digests, scores, marks, nullptr, bucket_size, epoch,
+                                             allow_evict);
+    tf_dynemb_insert_cpu(&ins.t, &ins.p);
+    return ins.result();
 }
 
 void touch_cpu(at::Tensor &scores, const at::Tensor &slots, int64_t policy, int64_t clock) {

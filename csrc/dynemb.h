@@ -13,6 +13,19 @@ namespace torchfuse {
 
 using DynembInsertResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// An insert's kernel parameters and the outputs they point into: (is_new, evicted keys, evicted
+// slots, evicted scores, counts), each its own tensor (the schema promises outputs that do not alias
+// one another; torch.compile relies on it). Shared by the CPU and CUDA implementations.
+struct DynembInsert {
+    tf_dynemb_table t;
+    tf_dynemb_probe p;
+    at::Tensor is_new, ev_keys, ev_slots, ev_scores, counts;
+    DynembInsertResult result() const { return {is_new, ev_keys, ev_slots, ev_scores, counts}; }
+};
+DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
+                                   at::Tensor &scores, at::Tensor &marks, at::Tensor *locks, int64_t bucket_size,
+                                   int64_t epoch, bool allow_evict);
+
 // keys/digests/scores/marks/locks checked against each other and against the queried keys.
 tf_dynemb_table dynemb_table(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests,
                              const at::Tensor *scores, const at::Tensor &marks, const at::Tensor *locks,

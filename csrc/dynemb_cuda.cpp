@@ -60,28 +60,11 @@ std::tuple<at::Tensor, at::Tensor> find_cuda(const at::Tensor &query, const at::
 DynembInsertResult insert_cuda(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
                                at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, int64_t bucket_size,
                                int64_t epoch, bool allow_evict) {
-    const char *op = "torchfuse.dynemb_insert";
     const c10::cuda::CUDAGuard guard(keys.device());
-    tf_dynemb_table t = dynemb_table(query, keys, digests, &scores, marks, &locks, bucket_size, op);
-    check_index(slots, keys, op, "slots");
-    TORCH_CHECK(slots.numel() == query.numel(), op, ": slots must have one entry per query key");
-    const int64_t n = query.numel();
-    at::Tensor is_new = at::zeros({n}, query.options().dtype(at::kByte));
-    at::Tensor ev = at::empty({3, n}, query.options());
-    at::Tensor counts = at::zeros({3}, query.options());
-    tf_dynemb_probe p{};
-    p.n = n;
-    p.query = query.data_ptr<int64_t>();
-    p.slots = slots.data_ptr<int64_t>();
-    p.epoch = (int32_t)epoch;
-    p.allow_evict = allow_evict;
-    p.is_new = is_new.data_ptr<uint8_t>();
-    p.evicted_keys = ev[0].data_ptr<int64_t>();
-    p.evicted_slots = ev[1].data_ptr<int64_t>();
-    p.evicted_scores = ev[2].data_ptr<int64_t>();
-    p.counts = counts.data_ptr<int64_t>();
-    check_launch(tf_dynemb_insert_cuda(&t, &p, stream()), "dynemb insert kernel");
-    return {is_new, ev[0], ev[1], ev[2], counts};
+    DynembInsert ins = prepare_dynemb_insert(query, slots, keys, digests, scores, marks, &locks, bucket_size, epoch,
+                                             allow_evict);
+    check_launch(tf_dynemb_insert_cuda(&ins.t, &ins.p, stream()), "dynemb insert kernel");
+    return ins.result();
 }
 
 void touch_cuda(at::Tensor &scores, const at::Tensor &slots, int64_t policy, int64_t clock) {

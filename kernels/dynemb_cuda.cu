@@ -41,15 +41,15 @@ unsigned grid_for_warps(int64_t warps) { return static_cast<unsigned>((warps + k
 
 // ---- probing ----
 
-__global__ void lookup_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
-    const int64_t i = warp_index();
-    const int lane = threadIdx.x & 31;
-    if (i >= p.n) return;  // uniform per warp
-    const int64_t key = p.query[i];
+/* A warp probes key's bucket: each lane reads 4 digest bytes (one 32-bit word; a 128-slot bucket's
+ * digests are one 128-byte line) and compares the key only where the digest matches. Returns the
+ * ballot of lanes that found it (keys are unique in the table: at most one); `found` is that lane's
+ * slot, -1 elsewhere. */
+__device__ __forceinline__ unsigned warp_probe(const tf_dynemb_table &t, int64_t key, int lane, int64_t &found) {
     const uint64_t h = tf_dynemb_hash(key);
     const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * t.bucket_size;
     const uint32_t d = tf_dynemb_digest(h);
-    int64_t found = -1;
+    found = -1;
     if (lane < (t.bucket_size >> 2)) {
         const uint32_t w = __ldg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane);
 #pragma unroll
@@ -58,7 +58,16 @@ __global__ void lookup_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
             if (((w >> (8 * b)) & 0xffu) == d && t.keys[j] == key) found = j;
         }
     }
-    const unsigned m = __ballot_sync(0xffffffffu, found >= 0);
+    return __ballot_sync(0xffffffffu, found >= 0);
+}
+
+__global__ void lookup_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
+    const int64_t i = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (i >= p.n) return;  // uniform per warp
+    const int64_t key = p.query[i];
+    int64_t found;
+    const unsigned m = warp_probe(t, key, lane, found);
     if (lane == __ffs(m) - 1) {  // keys are unique in the table: at most one lane found it
         p.slots[i] = found;
         if (p.epoch > 0) t.marks[found] = p.epoch;
@@ -75,19 +84,8 @@ __global__ void find_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, 
     const int lane = threadIdx.x & 31;
     if (i >= n) return;  // uniform per warp
     const int64_t key = query[i];
-    const uint64_t h = tf_dynemb_hash(key);
-    const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * t.bucket_size;
-    const uint32_t d = tf_dynemb_digest(h);
-    int64_t found = -1;
-    if (lane < (t.bucket_size >> 2)) {
-        const uint32_t w = __ldg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-            const int64_t j = base + 4 * lane + b;
-            if (((w >> (8 * b)) & 0xffu) == d && t.keys[j] == key) found = j;
-        }
-    }
-    const unsigned m = __ballot_sync(0xffffffffu, found >= 0);
+    int64_t found;
+    const unsigned m = warp_probe(t, key, lane, found);
     const int64_t slot = m ? __shfl_sync(0xffffffffu, found, __ffs(m) - 1) : -1;
     if (lane == 0) slots[i] = slot;
     const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));

@@ -601,3 +601,33 @@ def test_find_op_matches_lookup_gather(device, dim):
     assert torch.equal(slots, ref_slots)
     assert torch.equal(rows, table._gather(ref_slots, table._values, table._values_host))
     assert (slots >= 0).sum() == len(ks[::3])
+
+
+def test_ops_opcheck(device):
+    """Every table op's schema (mutation and aliasing annotations), fake kernel and AOT tracing,
+    checked by torch.library.opcheck on a small live table."""
+    ops = torch.ops.torchfuse
+    t = DynamicEmbeddingBag(5, 64, device=device, bucket_size=16, optimizer=tfo.Adam(0.1))
+    t.train()
+    t(_t([3, -1, 7, 2**62, 3], device), _t([0, 2, 2, 5], device))  # inserts four keys
+    q = _t([3, 7, 11, -1], device)
+    found = ops.dynemb_lookup(q, t._keys, t._digests, t._marks.clone(), t.bucket_size, 0).clamp(min=0)
+    f32 = dict(device=device, dtype=torch.float32)
+    cases = [
+        (ops.dynemb_lookup.default, (q, t._keys, t._digests, t._marks.clone(), t.bucket_size, 0)),
+        (ops.dynemb_find.default, (q, t._keys, t._digests, t._marks, t._values, t._values_host, t.bucket_size)),
+        (ops.dynemb_gather.default, (found, t._values, t._values_host)),
+        (ops.dynemb_pool.default, (found, _t([0, 1, 4], device), None, t._values, t._values_host, False)),
+        (ops.dynemb_segment_sum.default, (torch.randn(4, 5, **f32), _t([1, 0, 2, 3], device), _t([0, 2, 3, 4], device),
+                                          None, None)),
+        (ops.dynemb_touch.default, (t._scores.clone(), found, 0, 5)),
+        (ops.dynemb_scatter.default, (found[:2], torch.randn(2, 5, **f32), t._values.clone(), t._values_host.clone())),
+        (ops.dynemb_update.default, (found[:2], torch.randn(2, 5, **f32), t._values.clone(), t._values_host.clone(),
+                                     t._state.clone(), t._state_host.clone(), 3, 0.1, 1e-8, 0.9, 0.999, 0.1)),
+        (ops.dynemb_init.default, (found[:2], q[:2], None, t._values.clone(), t._values_host.clone(),
+                                   t._state.clone(), t._state_host.clone(), 1, 0.0, 1.0, 0)),
+        (ops.dynemb_insert.default, (_t([99, 100], device), _t([-1, -1], device), t._keys.clone(), t._digests.clone(),
+                                     t._scores.clone(), t._marks.clone(), t._locks.clone(), t.bucket_size, 5, False)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
