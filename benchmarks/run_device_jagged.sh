@@ -4,7 +4,8 @@
 # Usage (repo root, GPU machine):
 #   bash benchmarks/run_device_jagged.sh [PEERS_DIR]
 # PEERS_DIR holds generative-recommenders' Triton jagged files (fetched, never committed); without it
-# the benchmark skips that column. BUDGET (seconds, default 230) bounds the whole script: each stage
+# the benchmark skips that column. COMPILE=1 adds the torch.compile column (slower: it compiles
+# every op at every shape). BUDGET (seconds, default 230) bounds the whole script: each stage
 # gets what is left, the benchmark writes its rows as it goes (DIMS: its row shapes, in order).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,7 +27,7 @@ if [ "${SANITIZE:-1}" = 1 ]; then
 fi
 wait $PY; echo "pytest exit $?"; tail -4 "$OUT/pytest_jagged.log"
 echo "checks done at ${SECONDS}s"
-timeout $(( $(left) > 10 ? $(left) : 10 )) python3 benchmarks/bench_jagged.py ${PEERS:+--peers "$PEERS"} --quick --ab --no-compile \
+timeout $(( $(left) > 10 ? $(left) : 10 )) python3 benchmarks/bench_jagged.py ${PEERS:+--peers "$PEERS"} --quick --ab $( [ "${COMPILE:-0}" = 1 ] || echo --no-compile ) \
   --dims "${DIMS:-128,512,1}" --out "$OUT/bench_jagged.md" 2>"$OUT/bench_jagged.err"
 echo "bench exit $? at ${SECONDS}s"; tail -5 "$OUT/bench_jagged.err"
 cat "$OUT/bench_jagged.md" 2>/dev/null
