@@ -111,11 +111,18 @@ def main():
     # dynamic: one table per feature, capacity 2x the ids seen
     tables = [SimpleNamespace(name=f"t{i}", embedding_dim=args.dim, num_embeddings=n, feature_names=[k],
                               pooling="sum") for i, (k, n) in enumerate(zip(keys, n_seen))]
-    dyn = tftr.DynamicEmbeddingBagCollection(tables, device=DEV, optimizer=torchfuse.optim.SGD(lr=args.lr),
-                                             initializer=("uniform", -0.01, 0.01))
+    def make_dyn(table_batched):
+        return tftr.DynamicEmbeddingBagCollection(tables, device=DEV, optimizer=torchfuse.optim.SGD(lr=args.lr),
+                                                  initializer=("uniform", -0.01, 0.01), table_batched=table_batched)
+
+    dyn, dyn_per_table = make_dyn(True), make_dyn(False)
 
     def dyn_step(kjt):
         out = dyn(kjt).values()
+        out.square().mean().backward()
+
+    def dyn_per_table_step(kjt):
+        out = dyn_per_table(kjt).values()
         out.square().mean().backward()
 
     # static: ids remapped to 0..n-1 per feature beforehand (not timed)
@@ -138,11 +145,13 @@ def main():
         opt.step()
 
     t_dyn = step_time_ms(dyn_step, batches, args.reps)
+    t_dyn_pt = step_time_ms(dyn_per_table_step, batches, args.reps)
     t_static = step_time_ms(static_step, remapped, args.reps)
     lookups = args.batch * args.features * args.pooling
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
     rows = [
-        ("torchfuse DynamicEmbeddingBagCollection (fused SGD)", t_dyn),
+        ("torchfuse DynamicEmbeddingBagCollection, table-batched (fused SGD)", t_dyn),
+        ("torchfuse DynamicEmbeddingBagCollection, one table after another", t_dyn_pt),
         ("static nn.EmbeddingBag(sparse=True) + torch.optim.SGD", t_static),
     ]
     lines = [f"DLRM-style step on {gpu}, torch {torch.__version__}: batch {args.batch}, {args.features} features, "

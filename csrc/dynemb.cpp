@@ -164,6 +164,9 @@ tf_dynemb_pool_params dynemb_pool_params(const at::Tensor &slots, const at::Tens
     p.dim = rows.size(1);
     out = at::empty({p.n_bags, p.dim}, rows.options());
     p.out = out.data_ptr();
+    p.out_dtype = p.dtype;
+    p.out_block_bags = p.n_bags > 0 ? p.n_bags : 1;
+    p.out_row_stride = p.dim;
     return p;
 }
 

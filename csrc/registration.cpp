@@ -98,5 +98,26 @@ TORCH_LIBRARY(torchfuse, m) {
     // (rows, cols) of `dtype` in pinned host memory mapped into `like`'s GPU (cudaHostAlloc, mapped):
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");
+    // Table-batched forms (a collection's tables in one launch each, as FBGEMM's TBE): the items of
+    // the batch (keys, bags) are concatenated, table t owning [starts[t], starts[t + 1]); every other
+    // list has one entry per table, and each table's part means what the single-table op means.
+    m.def("dynemb_group_lookup(Tensor query, int[] starts, Tensor[] keys, Tensor[] digests, Tensor(a!)[] marks, "
+          "int[] bucket_sizes, int[] epochs) -> Tensor");
+    // counts: (tables, 3); table t's evicted entries start at starts[t] of evicted_*.
+    m.def("dynemb_group_insert(Tensor query, Tensor(a!) slots, int[] starts, Tensor(b!)[] keys, Tensor(c!)[] digests, "
+          "Tensor(d!)[] scores, Tensor(e!)[] marks, Tensor(f!)[] locks, int[] bucket_sizes, int[] epochs, "
+          "bool[] allow_evict) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+    m.def("dynemb_group_init(Tensor slots, Tensor keys, Tensor? mask, int[] starts, Tensor(a!)[] values, "
+          "Tensor(b!)[] values_host, Tensor(c!)[] state, Tensor(d!)[] state_host, int[] init_kinds, float[] a, "
+          "float[] b, int[] seeds) -> ()");
+    m.def("dynemb_group_touch(Tensor(a!)[] scores, Tensor slots, int[] starts, int[] policies, int[] clocks) -> ()");
+    // Same optimizer (opt, lr, eps, betas) for every table; Adam's step size per table.
+    m.def("dynemb_group_update(Tensor slots, Tensor grad, int[] starts, Tensor(a!)[] values, Tensor(b!)[] values_host, "
+          "Tensor(c!)[] state, Tensor(d!)[] state_host, int opt, float lr, float eps, float beta1, float beta2, "
+          "float[] step_sizes) -> ()");
+    // A collection's bags: offsets (sum(features) * batch + 1) in (table, feature, sample) order; returns
+    // the float32 (batch, sum over t of features[t] * dim[t]) values of a TorchRec KeyedTensor.
+    m.def("dynemb_group_pool(Tensor slots, Tensor offsets, Tensor? weights, int batch, int[] features, Tensor[] rows, "
+          "Tensor[] rows_host, bool[] mean) -> Tensor");
 
 }

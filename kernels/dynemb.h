@@ -124,8 +124,17 @@ typedef struct {
     const float *weights;            /* NULL: ones */
     int mean;
     tf_dynemb_rows values; int dtype; int64_t dim;
-    void *out;                       /* n_bags x dim, dtype */
+    /* Bag b's row goes to out[(b % out_block_bags) * out_row_stride + (b / out_block_bags) * dim],
+     * in out_dtype: (n_bags, dim) contiguous is out_block_bags = n_bags, out_row_stride = dim; a
+     * collection's features (f, b) land in the (B, features x dim) layout of a TorchRec KeyedTensor
+     * with out_block_bags = B. */
+    void *out; int out_dtype;
+    int64_t out_block_bags, out_row_stride;
 } tf_dynemb_pool_params;
+
+TF_HD int64_t tf_dynemb_pool_out_index(const tf_dynemb_pool_params *p, int64_t b) {
+    return (b % p->out_block_bags) * p->out_row_stride + (b / p->out_block_bags) * p->dim;
+}
 
 /* Deterministic gradient per unique id: out[u] = sum over j in [seg[u], seg[u+1]) of
  * scale[perm[j]] * grad[src(perm[j])] (src(i) = bag_of[i], or i when bag_of is NULL), fp32. perm
@@ -188,6 +197,21 @@ int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream);
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream);
 int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream);
 int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream);
+
+/* Table-batched forms: one launch over the concatenated items of n_tables tables (keys for
+ * lookup / insert / init / touch / update, bags for pool). Table t's items are [start[t],
+ * start[t + 1]) of the batch; its params (t[i], p[i]) point at its own part (their n is ignored:
+ * the starts count). Touch: scores[t] is table t's scores, slots the concatenated batch. */
+#define TF_DYNEMB_GROUP_MAX 32
+int tf_dynemb_group_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
+                                int n_tables, void *stream);
+int tf_dynemb_group_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
+                                int n_tables, void *stream);
+int tf_dynemb_group_init_cuda(const tf_dynemb_init_params *p, const int64_t *start, int n_tables, void *stream);
+int tf_dynemb_group_touch_cuda(int64_t *const *scores, const int64_t *slots, const int64_t *start, const int *policy,
+                               const int64_t *clock, int n_tables, void *stream);
+int tf_dynemb_group_update_cuda(const tf_dynemb_update_params *p, const int64_t *start, int n_tables, void *stream);
+int tf_dynemb_group_pool_cuda(const tf_dynemb_pool_params *p, const int64_t *start, int n_tables, void *stream);
 
 #ifdef __cplusplus
 }

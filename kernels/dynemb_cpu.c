@@ -149,7 +149,7 @@ void tf_dynemb_pool_cpu(const tf_dynemb_pool_params *p, int64_t begin, int64_t e
                 acc += p->weights ? p->weights[i] * v : v;
             }
             if (p->mean && i1 > i0) acc /= (float)(i1 - i0);
-            tf_store_f32(p->out, p->dtype, b * p->dim + j, acc);
+            tf_store_f32(p->out, p->out_dtype, tf_dynemb_pool_out_index(p, b) + j, acc);
         }
     }
 }

@@ -61,10 +61,91 @@ __device__ __forceinline__ unsigned warp_probe(const tf_dynemb_table &t, int64_t
     return __ballot_sync(0xffffffffu, found >= 0);
 }
 
-__global__ void lookup_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
-    const int64_t i = warp_index();
-    const int lane = threadIdx.x & 31;
-    if (i >= p.n) return;  // uniform per warp
+// ---- grouped launches ----
+
+/* One launch over several tables (a table-batched step, as FBGEMM's TBE): item i of the
+ * concatenated batch (a key, a bag, a row) belongs to table t with start[t] <= i < start[t + 1];
+ * each table's params already point at its own part of the batch (local index i - start[t]). A
+ * single-table call is the N = 1 case. The struct travels as a __grid_constant__ kernel parameter
+ * (up to 32 tables: about 5 KB, within sm_70+'s 32 KB parameter space), so there is no descriptor
+ * copy to the device. */
+template <typename P, int N>
+struct Group {
+    P p[N];
+    int64_t start[N + 1];
+    int n;
+};
+
+// The table of item i (start[0] <= i < start[n]): the last t with start[t] <= i.
+template <typename P, int N>
+__device__ __forceinline__ int group_table(const Group<P, N> &g, int64_t i) {
+    int lo = 0, hi = g.n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (g.start[mid] <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+struct ProbeArgs {
+    tf_dynemb_table t;
+    tf_dynemb_probe p;
+};
+
+struct TouchArgs {
+    int64_t *scores;
+    const int64_t *slots;
+    int policy;
+    int64_t clock;
+};
+
+// Launches kernel<N> over the items [start[0], start[n]) of up to N tables per launch.
+template <int N, typename P, typename Launch>
+int launch_group(const P *p, const int64_t *start, int n_tables, Launch launch) {
+    for (int c = 0; c < n_tables; c += N) {
+        Group<P, N> g;
+        g.n = n_tables - c < N ? n_tables - c : N;
+        for (int t = 0; t < g.n; ++t) {
+            g.p[t] = p[c + t];
+            g.start[t] = start[c + t];
+        }
+        g.start[g.n] = start[c + g.n];
+        const int64_t items = g.start[g.n] - g.start[0];
+        if (items <= 0) continue;
+        launch(g, items);
+        const cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess) return static_cast<int>(err);
+    }
+    return 0;
+}
+
+// Dispatches a single table to the N = 1 instantiation (a small parameter block), groups to N = 32.
+#define TF_GROUP_LAUNCH(P, p, start, n_tables, KERNEL, GRID_OF_ITEMS, stream)                                \
+    ((n_tables) == 1                                                                                     \
+         ? launch_group<1>(p, start, n_tables, [&](const Group<P, 1> &g, int64_t items) {               \
+               KERNEL<1><<<GRID_OF_ITEMS(items), kBlock, 0, stream>>>(g);                                \
+           })                                                                                            \
+         : launch_group<TF_DYNEMB_GROUP_MAX>(p, start, n_tables,                                         \
+                                             [&](const Group<P, TF_DYNEMB_GROUP_MAX> &g, int64_t items) { \
+                                                 KERNEL<TF_DYNEMB_GROUP_MAX>                             \
+                                                     <<<GRID_OF_ITEMS(items), kBlock, 0, stream>>>(g);   \
+                                             }))
+
+unsigned grid_for_threads(int64_t n) { return static_cast<unsigned>((n + kBlock - 1) / kBlock); }
+
+// The warp's (or thread's) item: its table and local index; false past the end. Uniform per warp
+// for warp-per-item kernels.
+template <typename P, int N>
+__device__ __forceinline__ bool group_item(const Group<P, N> &g, int64_t item, int &t, int64_t &local) {
+    const int64_t i = g.start[0] + item;
+    if (i >= g.start[g.n]) return false;
+    t = N == 1 ? 0 : group_table(g, i);
+    local = i - g.start[t];
+    return true;
+}
+
+__device__ __forceinline__ void lookup_one(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t i, int lane) {
     const int64_t key = p.query[i];
     int64_t found;
     const unsigned m = warp_probe(t, key, lane, found);
@@ -73,6 +154,14 @@ __global__ void lookup_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
         if (p.epoch > 0) t.marks[found] = p.epoch;
     }
     if (m == 0 && lane == 0) p.slots[i] = -1;
+}
+
+template <int N>
+__global__ void lookup_kernel(const __grid_constant__ Group<ProbeArgs, N> g) {
+    int t;
+    int64_t i;
+    if (!group_item(g, warp_index(), t, i)) return;
+    lookup_one(g.p[t].t, g.p[t].p, i, threadIdx.x & 31);
 }
 
 // find: lookup_kernel's probe, then the same warp copies the row (zeros when absent) in 16-byte
@@ -105,10 +194,8 @@ __device__ __forceinline__ void min_victim(int64_t &s, int64_t &j, int64_t s2, i
     if (j2 >= 0 && (j < 0 || s2 < s || (s2 == s && j2 < j))) { s = s2; j = j2; }
 }
 
-__global__ void insert_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
-    const int64_t i = warp_index();
-    const int lane = threadIdx.x & 31;
-    if (i >= p.n || p.slots[i] >= 0) return;  // uniform per warp
+__device__ __forceinline__ void insert_one(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t i, int lane) {
+    if (p.slots[i] >= 0) return;  // uniform per warp
     const int64_t key = p.query[i];
     const uint64_t h = tf_dynemb_hash(key);
     const int64_t bucket = tf_dynemb_bucket(h, t.num_buckets);
@@ -173,11 +260,24 @@ __global__ void insert_kernel(tf_dynemb_table t, tf_dynemb_probe p) {
     }
 }
 
-__global__ void touch_kernel(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock) {
-    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (i >= n || slots[i] < 0) return;
-    if (policy == TF_DYNEMB_LFU) atomicAdd(reinterpret_cast<unsigned long long *>(&scores[slots[i]]), 1ull);
-    else scores[slots[i]] = clock;
+template <int N>
+__global__ void insert_kernel(const __grid_constant__ Group<ProbeArgs, N> g) {
+    int t;
+    int64_t i;
+    if (!group_item(g, warp_index(), t, i)) return;
+    insert_one(g.p[t].t, g.p[t].p, i, threadIdx.x & 31);
+}
+
+template <int N>
+__global__ void touch_kernel(const __grid_constant__ Group<TouchArgs, N> g) {
+    int t;
+    int64_t i;
+    if (!group_item(g, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, t, i)) return;
+    const TouchArgs &a = g.p[t];
+    const int64_t slot = a.slots[i];
+    if (slot < 0) return;
+    if (a.policy == TF_DYNEMB_LFU) atomicAdd(reinterpret_cast<unsigned long long *>(&a.scores[slot]), 1ull);
+    else a.scores[slot] = a.clock;
 }
 
 // ---- row copies ----
@@ -244,10 +344,7 @@ int launch_rows(bool gather, const tf_dynemb_rows *r, const int64_t *slots, int6
 
 // ---- row math ----
 
-__global__ void init_kernel(tf_dynemb_init_params p) {
-    const int64_t i = warp_index();
-    const int lane = threadIdx.x & 31;
-    if (i >= p.n) return;
+__device__ __forceinline__ void init_one(const tf_dynemb_init_params &p, int64_t i, int lane) {
     const int64_t slot = p.slots[i];
     if (slot < 0 || (p.mask && !p.mask[i])) return;
     if (p.init_kind != TF_INIT_NONE) {
@@ -261,10 +358,15 @@ __global__ void init_kernel(tf_dynemb_init_params p) {
     }
 }
 
-__global__ void update_kernel(tf_dynemb_update_params p) {
-    const int64_t i = warp_index();
-    const int lane = threadIdx.x & 31;
-    if (i >= p.n) return;
+template <int N>
+__global__ void init_kernel(const __grid_constant__ Group<tf_dynemb_init_params, N> g) {
+    int t;
+    int64_t i;
+    if (!group_item(g, warp_index(), t, i)) return;
+    init_one(g.p[t], i, threadIdx.x & 31);
+}
+
+__device__ __forceinline__ void update_one(const tf_dynemb_update_params &p, int64_t i, int lane) {
     const int64_t slot = p.slots[i];
     if (slot < 0) return;
     const int64_t dim = p.dim;
@@ -308,11 +410,17 @@ __global__ void update_kernel(tf_dynemb_update_params p) {
     }
 }
 
+template <int N>
+__global__ void update_kernel(const __grid_constant__ Group<tf_dynemb_update_params, N> g) {
+    int t;
+    int64_t i;
+    if (!group_item(g, warp_index(), t, i)) return;
+    update_one(g.p[t], i, threadIdx.x & 31);
+}
+
 // One warp per bag, lanes over columns; ids of the bag in order (fp32 accumulation).
-__global__ void pool_kernel(tf_dynemb_pool_params p) {
-    const int64_t b = warp_index();
-    const int lane = threadIdx.x & 31;
-    if (b >= p.n_bags) return;
+__device__ __forceinline__ void pool_one(const tf_dynemb_pool_params &p, int64_t b, int lane) {
+    const int64_t o = tf_dynemb_pool_out_index(&p, b);
     const int64_t i0 = p.offsets[b], i1 = p.offsets[b + 1];
     for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * 8) {
         float acc[8];
@@ -332,9 +440,17 @@ __global__ void pool_kernel(tf_dynemb_pool_params p) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             const int64_t j = c0 + lane + 32 * k;
-            if (j < p.dim) store_f32(p.out, p.dtype, b * p.dim + j, (p.mean && i1 > i0) ? acc[k] / static_cast<float>(i1 - i0) : acc[k]);
+            if (j < p.dim) store_f32(p.out, p.out_dtype, o + j, (p.mean && i1 > i0) ? acc[k] / static_cast<float>(i1 - i0) : acc[k]);
         }
     }
+}
+
+template <int N>
+__global__ void pool_kernel(const __grid_constant__ Group<tf_dynemb_pool_params, N> g) {
+    int t;
+    int64_t b;
+    if (!group_item(g, warp_index(), t, b)) return;
+    pool_one(g.p[t], b, threadIdx.x & 31);
 }
 
 /* Segment sum in two steps (see tf_dynemb_segsum_params). Step 1: one warp per chunk of
@@ -421,10 +537,14 @@ __global__ void segsum_join_kernel(tf_dynemb_segsum_params p) {
 
 extern "C" {
 
+int tf_dynemb_group_pool_cuda(const tf_dynemb_pool_params *p, const int64_t *start, int n_tables, void *stream) {
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    return TF_GROUP_LAUNCH(tf_dynemb_pool_params, p, start, n_tables, pool_kernel, grid_for_warps, s);
+}
+
 int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream) {
-    if (p->n_bags == 0) return 0;
-    pool_kernel<<<grid_for_warps(p->n_bags), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*p);
-    return static_cast<int>(cudaGetLastError());
+    const int64_t start[2] = {0, p->n_bags};
+    return tf_dynemb_group_pool_cuda(p, start, 1, stream);
 }
 
 int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream) {
@@ -439,10 +559,28 @@ int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream) {
     return static_cast<int>(cudaGetLastError());
 }
 
+// Probe arguments of n_tables tables, paired for the kernels (at most TF_DYNEMB_GROUP_MAX per launch).
+static int probe_group(bool insert, const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
+                       int n_tables, cudaStream_t s) {
+    for (int c = 0; c < n_tables; c += TF_DYNEMB_GROUP_MAX) {
+        ProbeArgs a[TF_DYNEMB_GROUP_MAX];
+        const int k = n_tables - c < TF_DYNEMB_GROUP_MAX ? n_tables - c : TF_DYNEMB_GROUP_MAX;
+        for (int j = 0; j < k; ++j) a[j] = ProbeArgs{t[c + j], p[c + j]};
+        const int err = insert ? TF_GROUP_LAUNCH(ProbeArgs, a, start + c, k, insert_kernel, grid_for_warps, s)
+                               : TF_GROUP_LAUNCH(ProbeArgs, a, start + c, k, lookup_kernel, grid_for_warps, s);
+        if (err) return err;
+    }
+    return 0;
+}
+
+int tf_dynemb_group_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
+                                int n_tables, void *stream) {
+    return probe_group(false, t, p, start, n_tables, static_cast<cudaStream_t>(stream));
+}
+
 int tf_dynemb_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream) {
-    if (p->n == 0) return 0;
-    lookup_kernel<<<grid_for_warps(p->n), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*t, *p);
-    return static_cast<int>(cudaGetLastError());
+    const int64_t start[2] = {0, p->n};
+    return tf_dynemb_group_lookup_cuda(t, p, start, 1, stream);
 }
 
 int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t n, int64_t *slots,
@@ -454,17 +592,32 @@ int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t 
     return static_cast<int>(cudaGetLastError());
 }
 
+int tf_dynemb_group_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
+                                int n_tables, void *stream) {
+    return probe_group(true, t, p, start, n_tables, static_cast<cudaStream_t>(stream));
+}
+
 int tf_dynemb_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream) {
-    if (p->n == 0) return 0;
-    insert_kernel<<<grid_for_warps(p->n), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*t, *p);
-    return static_cast<int>(cudaGetLastError());
+    const int64_t start[2] = {0, p->n};
+    return tf_dynemb_group_insert_cuda(t, p, start, 1, stream);
+}
+
+int tf_dynemb_group_touch_cuda(int64_t *const *scores, const int64_t *slots, const int64_t *start, const int *policy,
+                               const int64_t *clock, int n_tables, void *stream) {
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    for (int c = 0; c < n_tables; c += TF_DYNEMB_GROUP_MAX) {
+        TouchArgs a[TF_DYNEMB_GROUP_MAX];
+        const int k = n_tables - c < TF_DYNEMB_GROUP_MAX ? n_tables - c : TF_DYNEMB_GROUP_MAX;
+        for (int j = 0; j < k; ++j) a[j] = TouchArgs{scores[c + j], slots + start[c + j], policy[c + j], clock[c + j]};
+        const int err = TF_GROUP_LAUNCH(TouchArgs, a, start + c, k, touch_kernel, grid_for_threads, s);
+        if (err) return err;
+    }
+    return 0;
 }
 
 int tf_dynemb_touch_cuda(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock, void *stream) {
-    if (n == 0) return 0;
-    touch_kernel<<<static_cast<unsigned>((n + kBlock - 1) / kBlock), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(
-        scores, slots, n, policy, clock);
-    return static_cast<int>(cudaGetLastError());
+    const int64_t start[2] = {0, n};
+    return tf_dynemb_group_touch_cuda(&scores, slots, start, &policy, &clock, 1, stream);
 }
 
 int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, void *out, void *stream) {
@@ -475,16 +628,24 @@ int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_
     return launch_rows(false, r, slots, n, const_cast<void *>(src), static_cast<cudaStream_t>(stream));
 }
 
+int tf_dynemb_group_init_cuda(const tf_dynemb_init_params *p, const int64_t *start, int n_tables, void *stream) {
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    return TF_GROUP_LAUNCH(tf_dynemb_init_params, p, start, n_tables, init_kernel, grid_for_warps, s);
+}
+
 int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream) {
-    if (p->n == 0) return 0;
-    init_kernel<<<grid_for_warps(p->n), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*p);
-    return static_cast<int>(cudaGetLastError());
+    const int64_t start[2] = {0, p->n};
+    return tf_dynemb_group_init_cuda(p, start, 1, stream);
+}
+
+int tf_dynemb_group_update_cuda(const tf_dynemb_update_params *p, const int64_t *start, int n_tables, void *stream) {
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    return TF_GROUP_LAUNCH(tf_dynemb_update_params, p, start, n_tables, update_kernel, grid_for_warps, s);
 }
 
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream) {
-    if (p->n == 0) return 0;
-    update_kernel<<<grid_for_warps(p->n), kBlock, 0, static_cast<cudaStream_t>(stream)>>>(*p);
-    return static_cast<int>(cudaGetLastError());
+    const int64_t start[2] = {0, p->n};
+    return tf_dynemb_group_update_cuda(p, start, 1, stream);
 }
 
 }  // extern "C"

@@ -384,3 +384,128 @@ def _kjt_over(keys, n_emb, B, device, weighted):
     w = torch.rand(v.numel()) if weighted else None
     return KeyedJaggedTensor(keys=keys, values=v.to(device), lengths=lengths.to(device),
                              weights=None if w is None else w.to(device))
+
+
+# Equal row widths (the table-batched path's condition); a feature read by two tables; MEAN pooling.
+SAME_DIM_TABLES = [
+    dict(name="a", embedding_dim=16, num_embeddings=40, feature_names=["fa", "shared"], pooling="sum"),
+    dict(name="b", embedding_dim=16, num_embeddings=30, feature_names=["fb"], pooling="mean"),
+    dict(name="c", embedding_dim=16, num_embeddings=50, feature_names=["shared", "fc"], pooling="sum"),
+]
+
+
+def _same_dim_configs(all_sum):
+    out = []
+    for t in SAME_DIM_TABLES:
+        t = copy.deepcopy(t)
+        if all_sum:
+            t["pooling"] = "sum"
+        if HAVE_TORCHREC:
+            out.append(EmbeddingBagConfig(name=t["name"], embedding_dim=t["embedding_dim"],
+                                          num_embeddings=t["num_embeddings"], feature_names=t["feature_names"],
+                                          pooling=PoolingType.SUM if t["pooling"] == "sum" else PoolingType.MEAN))
+        else:
+            out.append(SimpleNamespace(**t))
+    return out
+
+
+def _sorted_state(coll):
+    """Each table's (keys, values, optimizer state, scores) sorted by key (slot positions may differ)."""
+    out = {}
+    for name, t in coll.tables.items():
+        keys, values, state, scores = t._compact()
+        order = torch.argsort(keys)
+        out[name] = (keys[order], values[order].float(), state[order], scores[order], len(t), t.capacity)
+    return out
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_table_batched_matches_per_table(device, opt, weighted, dtype):
+    """The table-batched step (one launch per phase over all tables) against one table after another:
+    outputs, every table's rows, optimizer state, scores and size after several training steps with
+    growth (table a), LRU eviction (table c), a MEAN table, a feature shared by two tables, the KJT's
+    keys in another order than the tables', an empty bag, and a batch of size 0."""
+    make_opt = (lambda: torchfuse.optim.SGD(lr=0.1)) if opt == "sgd" else (lambda: torchfuse.optim.Adam(lr=0.01))
+    colls = [tftr.DynamicEmbeddingBagCollection(
+        _same_dim_configs(all_sum=weighted), device=device, dtype=dtype, optimizer=make_opt(),
+        capacity={"a": 16, "b": 256, "c": 64}, max_capacity={"a": 512, "c": 64}, eviction="lru",
+        initializer=("uniform", -0.5, 0.5), is_weighted=weighted, table_batched=tb) for tb in (True, False)]
+    keys = ["fc", "shared", "fb", "fa"]
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for step, B in enumerate([7, 5, 0, 9, 6, 9, 8]):
+        lengths = torch.randint(0, 4, (len(keys) * B,))  # table c (64 slots) sees < 64 ids per batch
+        if B:
+            lengths[1] = 0
+        n = int(lengths.sum())
+        values = torch.randint(-400, 400, (n,)) * 1000003  # negative and large ids; tables a, c overflow
+        w = torch.rand(n) if weighted else None
+        kjt = make_kjt(keys, values.to(device), lengths.to(device), None if w is None else w.to(device))
+        outs = []
+        for c in colls:
+            out = c(kjt).values()
+            g = torch.Generator().manual_seed(step)
+            (out * torch.randn(out.shape, generator=g).to(device)).sum().backward()
+            outs.append(out.detach())
+        torch.testing.assert_close(outs[0], outs[1], **tol)
+    s0, s1 = _sorted_state(colls[0]), _sorted_state(colls[1])
+    assert colls[0].tables["a"].capacity > 16, "table a should have grown"
+    for name in s0:
+        k0, v0, st0, sc0, n0, cap0 = s0[name]
+        k1, v1, st1, sc1, n1, cap1 = s1[name]
+        assert (n0, cap0) == (n1, cap1), name
+        torch.testing.assert_close(k0, k1)
+        torch.testing.assert_close(sc0, sc1)
+        torch.testing.assert_close(v0, v1, **tol)
+        torch.testing.assert_close(st0, st1, **tol)
+    ev0, ev1 = colls[0].tables["c"].drain_evicted(), colls[1].tables["c"].drain_evicted()
+    assert ev0[0].numel() > 0, "table c should have evicted keys"
+    torch.testing.assert_close(torch.sort(ev0[0])[0], torch.sort(ev1[0])[0])
+
+
+def test_table_batched_eval_and_frozen(device):
+    """Eval mode (no inserts: unseen ids pool as zeros) and frozen tables through the batched path equal
+    the per-table path."""
+    colls = [tftr.DynamicEmbeddingBagCollection(_same_dim_configs(False), device=device, capacity=256,
+                                                table_batched=tb) for tb in (True, False)]
+    keys = ["fa", "shared", "fb", "fc"]
+    lengths = torch.randint(0, 4, (4 * 6,))
+    vals = torch.randint(0, 100, (int(lengths.sum()),))
+    kjt = make_kjt(keys, vals.to(device), lengths.to(device))
+    with torch.no_grad():
+        for c in colls:
+            c(kjt)  # training mode, no gradient: inserts
+    for c in colls:
+        c.eval()
+    vals2 = torch.randint(0, 200, (int(lengths.sum()),))  # half unseen
+    kjt2 = make_kjt(keys, vals2.to(device), lengths.to(device))
+    a, b = (c(kjt2).values() for c in colls)
+    torch.testing.assert_close(a, b)
+    assert len(colls[0].tables["a"]) == len(colls[1].tables["a"])
+    for c in colls:
+        c.train()
+        for t in c.tables.values():
+            t.requires_grad_(False)
+    a, b = (c(kjt2).values() for c in colls)
+    assert not a.requires_grad
+    torch.testing.assert_close(a, b)
+
+
+def test_table_batched_path_runs(device):
+    """The batched path is really taken when the tables allow it (and not when row widths differ)."""
+    from torchfuse import dynemb_group
+    calls = []
+    orig = dynemb_group.pooled
+    dynemb_group.pooled = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        keys = ["fa", "shared", "fb", "fc"]
+        lengths = torch.randint(1, 3, (4 * 3,))
+        kjt = make_kjt(keys, torch.randint(0, 9, (int(lengths.sum()),)).to(device), lengths.to(device))
+        tftr.DynamicEmbeddingBagCollection(_same_dim_configs(False), device=device)(kjt)
+        assert calls == [1]
+        batch = random_batch(3, device)
+        tftr.DynamicEmbeddingBagCollection(configs(), device=device)(batch)  # dims 12 and 20
+        assert calls == [1]
+    finally:
+        dynemb_group.pooled = orig

@@ -15,6 +15,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import dynemb_group as _group
 from .dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag
 
 __all__ = ["DynamicEmbeddingBagCollection", "DynamicEmbeddingCollection", "swap_embedding_modules",
@@ -133,9 +134,12 @@ class _KJTView:
                              f"(+1) entries, got {offsets.numel()}")
         self.offsets = offsets
         bounds = offsets[:: self.B] if self.B > 0 else offsets[:1].expand(F + 1)
-        self.bounds = [int(b) for b in bounds.tolist()]  # the one host sync
+        # the one host sync: per-key bounds, and whether any length is negative
+        decreasing = (offsets[1:] < offsets[:-1]).any().view(1).to(bounds.dtype)
+        *bounds, bad = torch.cat([bounds, decreasing]).tolist()
+        self.bounds = [int(b) for b in bounds]
         n = self.values.numel()
-        if self.bounds[0] != 0 or self.bounds[-1] != n or any(a > b for a, b in zip(self.bounds, self.bounds[1:])):
+        if bad or self.bounds[0] != 0 or self.bounds[-1] != n or any(a > b for a, b in zip(self.bounds, self.bounds[1:])):
             raise ValueError(f"{owner}: the KJT's lengths do not match its values: per-key offsets "
                              f"{self.bounds} for {n} values")
         if self.weights is not None and self.weights.numel() != n:
@@ -238,17 +242,46 @@ class DynamicEmbeddingBagCollection(_Collection):
         max_capacity, eviction, optimizer, initializer: as :class:`torchfuse.DynamicEmbedding`
             (max_capacity may also be a {table name: int} mapping).
         is_weighted: use the KJT's weights (None: when it has them).
+        table_batched: run all tables in one set of launches per step (torchfuse.dynemb_group) when
+            they share a row width, device and optimizer configuration (default True); False: one
+            table after another. The results are the same; pooled values are accumulated in float32
+            and returned in float32 without rounding to a 16-bit table dtype first.
         **table_options: further :class:`torchfuse.DynamicEmbedding` arguments (dtype, seed,
             hbm_budget_bytes, ...), applied to every table.
     """
 
     def __init__(self, tables, *, device=None, capacity=None, max_capacity=None, eviction: str = "lru",
-                 optimizer=None, initializer=None, is_weighted: Optional[bool] = None, **table_options):
+                 optimizer=None, initializer=None, is_weighted: Optional[bool] = None, table_batched: bool = True,
+                 **table_options):
         super().__init__(tables, DynamicEmbeddingBag, device=device, capacity=capacity, max_capacity=max_capacity,
                          eviction=eviction, optimizer=optimizer, initializer=initializer,
                          extra=lambda t: dict(table_options, mode=_pooling(t), include_last_offset=True))
         self._is_weighted = is_weighted
         self._length_per_key = [int(t.embedding_dim) for t, fs in zip(self._configs, self._feature_names) for _ in fs]
+        self.table_batched = bool(table_batched)
+        self._feature_info = None  # (device, feature -> table index, feature -> MEAN), built on first use
+
+    def _features_on(self, device):
+        if self._feature_info is None or self._feature_info[0] != device:
+            tab = [i for i, fs in enumerate(self._feature_names) for _ in fs]
+            mean = [self.tables[c.name].mode == "mean" for c, fs in zip(self._configs, self._feature_names) for _ in fs]
+            self._feature_info = (device, torch.tensor(tab, dtype=torch.int64, device=device),
+                                  torch.tensor(mean, dtype=torch.bool, device=device))
+        return self._feature_info[1:]
+
+    def _forward_batched(self, view, tables, use_w) -> Tensor:
+        feats = [f for fs in self._feature_names for f in fs]
+        ids, offsets, w = view.segment(feats, use_w)
+        ids = tables[0]._check_keys(ids)
+        counts = [view.bounds[view.index[f] + 1] - view.bounds[view.index[f]] for f in feats]
+        id_starts, k = [0], 0
+        for fs in self._feature_names:
+            id_starts.append(id_starts[-1] + sum(counts[k:k + len(fs)]))
+            k += len(fs)
+        table_of, mean_of = self._features_on(ids.device)
+        return _group.pooled(tables, ids, offsets.to(torch.int64), w.float().contiguous() if w is not None else None,
+                             view.B, [len(fs) for fs in self._feature_names], [t.mode == "mean" for t in tables],
+                             id_starts, table_of, mean_of)
 
     def is_weighted(self) -> bool:
         return bool(self._is_weighted)
@@ -260,6 +293,17 @@ class DynamicEmbeddingBagCollection(_Collection):
         view = _KJTView(features, self._all_features, "torchfuse.torchrec.DynamicEmbeddingBagCollection")
         B = view.B
         use_w = self._is_weighted is not False
+        tables = [self.tables[c.name] for c in self._configs]
+        if use_w and view.weights is not None:
+            for t, cfg in zip(tables, self._configs):
+                if t.mode != "sum":
+                    raise ValueError(f"torchfuse.torchrec.DynamicEmbeddingBagCollection: table {cfg.name!r} has "
+                                     f"MEAN pooling but the KJT carries weights (TorchRec allows weights with SUM only)")
+        names = [n for ns in self._embedding_names for n in ns]
+        jt = _torchrec()
+        cls = jt.KeyedTensor if jt is not None else KeyedTensor
+        if self.table_batched and _group.can_batch(tables, view.weights if use_w else None):
+            return cls(keys=names, length_per_key=self._length_per_key, values=self._forward_batched(view, tables, use_w))
         pooled = []
         for cfg, feats in zip(self._configs, self._feature_names):
             bag = self.tables[cfg.name]
@@ -271,9 +315,6 @@ class DynamicEmbeddingBagCollection(_Collection):
             dim = bag.embedding_dim
             pooled.append(out.float().view(len(feats), B, dim).transpose(0, 1).reshape(B, len(feats) * dim))
         values = torch.cat(pooled, dim=1) if pooled else torch.empty(B, 0, device=self._device)
-        names = [n for ns in self._embedding_names for n in ns]
-        jt = _torchrec()
-        cls = jt.KeyedTensor if jt is not None else KeyedTensor
         return cls(keys=names, length_per_key=self._length_per_key, values=values)
 
 

@@ -1,0 +1,273 @@
+// Table-batched dynamic embedding ops (schemas: registration.cpp): per-table kernel parameters over
+// a concatenated batch, built with the single-table checks (dynemb.cpp), and the CPU implementation
+// (a loop over the tables; the CUDA one, dynemb_cuda.cpp, launches once for up to
+// TF_DYNEMB_GROUP_MAX tables).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "dynemb.h"
+#include "tf_check.h"
+
+namespace torchfuse {
+
+std::vector<int64_t> group_starts(at::IntArrayRef starts, int64_t n_items, size_t tables, const char *op) {
+    TORCH_CHECK(starts.size() == tables + 1, op, ": starts must have one entry per table plus one (", tables + 1,
+                "), got ", starts.size());
+    TORCH_CHECK(starts[0] == 0 && starts[tables] == n_items, op, ": starts must run from 0 to the batch size (",
+                n_items, "), got ", starts);
+    for (size_t t = 0; t < tables; ++t)
+        TORCH_CHECK(starts[t] <= starts[t + 1], op, ": starts must be non-decreasing, got ", starts);
+    return std::vector<int64_t>(starts.begin(), starts.end());
+}
+
+namespace {
+
+void check_count(size_t got, size_t tables, const char *op, const char *arg) {
+    TORCH_CHECK(got == tables, op, ": ", arg, " must have one entry per table (", tables, "), got ", got);
+}
+
+at::Tensor part(const at::Tensor &t, const std::vector<int64_t> &start, size_t i) {
+    return t.narrow(0, start[i], start[i + 1] - start[i]);
+}
+
+}  // namespace
+
+DynembGroupProbe prepare_group_probe(bool insert, const at::Tensor &query, const at::Tensor *slots,
+                                     at::IntArrayRef starts, at::TensorList keys, at::TensorList digests,
+                                     at::TensorList scores, at::TensorList marks, at::TensorList locks,
+                                     at::IntArrayRef bucket_sizes, at::IntArrayRef epochs,
+                                     const std::vector<bool> &allow_evict) {
+    const char *op = insert ? "torchfuse.dynemb_group_insert" : "torchfuse.dynemb_group_lookup";
+    const size_t T = keys.size();
+    TORCH_CHECK(T >= 1, op, ": needs at least one table");
+    check_index(query, keys[0], op, "query");
+    DynembGroupProbe g;
+    g.start = group_starts(starts, query.numel(), T, op);
+    check_count(digests.size(), T, op, "digests");
+    check_count(marks.size(), T, op, "marks");
+    check_count(bucket_sizes.size(), T, op, "bucket_sizes");
+    check_count(epochs.size(), T, op, "epochs");
+    const int64_t n = query.numel();
+    if (insert) {
+        check_count(scores.size(), T, op, "scores");
+        check_count(allow_evict.size(), T, op, "allow_evict");
+        TORCH_CHECK(locks.empty() || locks.size() == T, op, ": locks must have one entry per table");
+        check_index(*slots, keys[0], op, "slots");
+        TORCH_CHECK(slots->numel() == n, op, ": slots must have one entry per query key");
+        g.slots = *slots;
+        g.is_new = at::zeros({n}, query.options().dtype(at::kByte));
+        g.ev_keys = at::full({n}, -1, query.options());
+        g.ev_slots = at::full({n}, -1, query.options());
+        g.ev_scores = at::full({n}, -1, query.options());
+        g.counts = at::zeros({static_cast<int64_t>(T), 3}, query.options());
+    } else {
+        g.slots = at::empty({n}, query.options());
+    }
+    g.t.resize(T);
+    g.p.resize(T);
+    for (size_t i = 0; i < T; ++i) {
+        const int64_t s = g.start[i];
+        g.t[i] = dynemb_table(query, keys[i], digests[i], insert ? &scores[i] : nullptr, marks[i],
+                              insert && !locks.empty() ? &locks[i] : nullptr, bucket_sizes[i], op);
+        tf_dynemb_probe &p = g.p[i];
+        p = tf_dynemb_probe{};
+        p.n = g.start[i + 1] - s;
+        p.query = query.data_ptr<int64_t>() + s;
+        p.slots = g.slots.data_ptr<int64_t>() + s;
+        p.epoch = static_cast<int32_t>(epochs[i]);
+        if (insert) {
+            p.allow_evict = allow_evict[i];
+            p.is_new = g.is_new.data_ptr<uint8_t>() + s;
+            p.evicted_keys = g.ev_keys.data_ptr<int64_t>() + s;
+            p.evicted_slots = g.ev_slots.data_ptr<int64_t>() + s;
+            p.evicted_scores = g.ev_scores.data_ptr<int64_t>() + s;
+            p.counts = g.counts.data_ptr<int64_t>() + 3 * i;
+        }
+    }
+    return g;
+}
+
+std::vector<tf_dynemb_init_params> prepare_group_init(const at::Tensor &slots, const at::Tensor &keys,
+                                                      const std::optional<at::Tensor> &mask,
+                                                      const std::vector<int64_t> &start, at::TensorList values,
+                                                      at::TensorList values_host, at::TensorList state,
+                                                      at::TensorList state_host, at::IntArrayRef init_kinds,
+                                                      at::ArrayRef<double> a, at::ArrayRef<double> b,
+                                                      at::IntArrayRef seeds) {
+    const char *op = "torchfuse.dynemb_group_init";
+    const size_t T = values.size();
+    for (auto [got, arg] : {std::pair<size_t, const char *>{values_host.size(), "values_host"},
+                            {state.size(), "state"}, {state_host.size(), "state_host"},
+                            {init_kinds.size(), "init_kinds"}, {a.size(), "a"}, {b.size(), "b"},
+                            {seeds.size(), "seeds"}})
+        check_count(got, T, op, arg);
+    TORCH_CHECK(keys.numel() == slots.numel(), op, ": keys and slots must have the same length");
+    TORCH_CHECK(!mask.has_value() || mask->numel() == slots.numel(), op, ": mask must have one entry per slot");
+    std::vector<tf_dynemb_init_params> p(T);
+    for (size_t i = 0; i < T; ++i) {
+        std::optional<at::Tensor> m;
+        if (mask.has_value()) m = part(*mask, start, i);
+        p[i] = dynemb_init_params(part(slots, start, i), part(keys, start, i), m, values[i], values_host[i], state[i],
+                                  state_host[i], init_kinds[i], a[i], b[i], seeds[i]);
+    }
+    return p;
+}
+
+std::vector<tf_dynemb_update_params> prepare_group_update(const at::Tensor &slots, const at::Tensor &grad,
+                                                          const std::vector<int64_t> &start, at::TensorList values,
+                                                          at::TensorList values_host, at::TensorList state,
+                                                          at::TensorList state_host, int64_t opt, double lr,
+                                                          double eps, double beta1, double beta2,
+                                                          at::ArrayRef<double> step_sizes) {
+    const char *op = "torchfuse.dynemb_group_update";
+    const size_t T = values.size();
+    for (auto [got, arg] : {std::pair<size_t, const char *>{values_host.size(), "values_host"},
+                            {state.size(), "state"}, {state_host.size(), "state_host"},
+                            {step_sizes.size(), "step_sizes"}})
+        check_count(got, T, op, arg);
+    TORCH_CHECK(grad.dim() == 2 && grad.size(0) == slots.numel(), op, ": grad must have one row per slot (",
+                slots.numel(), "), got ", grad.sizes());
+    std::vector<tf_dynemb_update_params> p(T);
+    for (size_t i = 0; i < T; ++i)
+        p[i] = dynemb_update_params(part(slots, start, i), part(grad, start, i), values[i], values_host[i], state[i],
+                                    state_host[i], opt, lr, eps, beta1, beta2, step_sizes[i]);
+    return p;
+}
+
+DynembGroupPool prepare_group_pool(const at::Tensor &slots, const at::Tensor &offsets,
+                                   const std::optional<at::Tensor> &weights, int64_t batch, at::IntArrayRef features,
+                                   at::TensorList rows, at::TensorList rows_host, const std::vector<bool> &mean) {
+    const char *op = "torchfuse.dynemb_group_pool";
+    const size_t T = rows.size();
+    TORCH_CHECK(T >= 1, op, ": needs at least one table");
+    check_count(features.size(), T, op, "features");
+    check_count(rows_host.size(), T, op, "rows_host");
+    check_count(mean.size(), T, op, "mean");
+    TORCH_CHECK(batch >= 0, op, ": batch must be >= 0, got ", batch);
+    check_index(slots, rows[0], op, "slots");
+    check_index(offsets, rows[0], op, "offsets");
+    DynembGroupPool g;
+    g.start.assign(T + 1, 0);
+    int64_t cols = 0;
+    for (size_t i = 0; i < T; ++i) {
+        TORCH_CHECK(features[i] >= 0, op, ": features must be >= 0, got ", features);
+        TORCH_CHECK(rows[i].dim() == 2, op, ": rows[", i, "] must be 2-D");
+        g.start[i + 1] = g.start[i] + features[i] * batch;
+        cols += features[i] * rows[i].size(1);
+    }
+    TORCH_CHECK(offsets.numel() == g.start[T] + 1, op, ": offsets must hold sum(features) * batch + 1 = ",
+                g.start[T] + 1, " entries, got ", offsets.numel());
+    const float *w = nullptr;
+    if (weights.has_value()) {
+        TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == slots.numel() &&
+                        weights->is_contiguous(),
+                    op, ": weights must be contiguous float32 with one entry per id");
+        check_same_device(*weights, rows[0], op, "weights", "the tables");
+        w = weights->data_ptr<float>();
+    }
+    g.out = at::empty({batch, cols}, rows[0].options().dtype(at::kFloat));
+    g.p.resize(T);
+    int64_t col = 0;
+    for (size_t i = 0; i < T; ++i) {
+        tf_dynemb_pool_params &p = g.p[i];
+        p = tf_dynemb_pool_params{};
+        p.n_bags = g.start[i + 1] - g.start[i];
+        p.slots = slots.data_ptr<int64_t>();
+        p.offsets = offsets.data_ptr<int64_t>() + g.start[i];
+        p.weights = w;
+        p.mean = mean[i];
+        p.values = dynemb_rows(rows[i], rows_host[i], rows[0], op, "rows");
+        p.dtype = kernel_dtype(rows[i].scalar_type(), op, "rows");
+        p.dim = rows[i].size(1);
+        p.out = g.out.data_ptr<float>() + col;
+        p.out_dtype = TF_F32;
+        p.out_block_bags = batch > 0 ? batch : 1;
+        p.out_row_stride = cols;
+        col += features[i] * p.dim;
+    }
+    return g;
+}
+
+void check_group_touch(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef policies,
+                       at::IntArrayRef clocks, const std::vector<int64_t> &start) {
+    const char *op = "torchfuse.dynemb_group_touch";
+    const size_t T = scores.size();
+    check_count(policies.size(), T, op, "policies");
+    check_count(clocks.size(), T, op, "clocks");
+    for (size_t i = 0; i < T; ++i) {
+        check_index(scores[i], scores[0], op, "scores");
+        TORCH_CHECK(policies[i] == TF_DYNEMB_LRU || policies[i] == TF_DYNEMB_LFU, op, ": bad policy ", policies[i]);
+    }
+    if (T) check_index(slots, scores[0], op, "slots");
+}
+
+namespace {
+
+at::Tensor group_lookup_cpu(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
+                            at::TensorList digests, at::TensorList marks, at::IntArrayRef bucket_sizes,
+                            at::IntArrayRef epochs) {
+    DynembGroupProbe g =
+        prepare_group_probe(false, query, nullptr, starts, keys, digests, {}, marks, {}, bucket_sizes, epochs, {});
+    for (size_t i = 0; i < g.t.size(); ++i)
+        at::parallel_for(0, g.p[i].n, 2048, [&](int64_t b, int64_t e) { tf_dynemb_lookup_cpu(&g.t[i], &g.p[i], b, e); });
+    return g.slots;
+}
+
+DynembInsertResult group_insert_cpu(const at::Tensor &query, at::Tensor &slots, at::IntArrayRef starts,
+                                    at::TensorList keys, at::TensorList digests, at::TensorList scores,
+                                    at::TensorList marks, at::TensorList locks, at::IntArrayRef bucket_sizes,
+                                    at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
+    DynembGroupProbe g = prepare_group_probe(true, query, &slots, starts, keys, digests, scores, marks, {},
+                                             bucket_sizes, epochs, allow_evict.vec());
+    for (size_t i = 0; i < g.t.size(); ++i) tf_dynemb_insert_cpu(&g.t[i], &g.p[i]);
+    return g.result();
+}
+
+void group_init_cpu(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
+                    at::IntArrayRef starts, at::TensorList values, at::TensorList values_host, at::TensorList state,
+                    at::TensorList state_host, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
+                    at::ArrayRef<double> b, at::IntArrayRef seeds) {
+    const auto start = group_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_group_init");
+    for (auto &p : prepare_group_init(slots, keys, mask, start, values, values_host, state, state_host, init_kinds, a,
+                                      b, seeds))
+        at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_cpu(&p, b0, e0); });
+}
+
+void group_touch_cpu(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
+                     at::IntArrayRef clocks) {
+    const auto start = group_starts(starts, slots.numel(), scores.size(), "torchfuse.dynemb_group_touch");
+    check_group_touch(scores, slots, policies, clocks, start);
+    for (size_t i = 0; i < scores.size(); ++i)
+        tf_dynemb_touch_cpu(scores[i].data_ptr<int64_t>(), slots.data_ptr<int64_t>() + start[i], start[i + 1] - start[i],
+                            (int)policies[i], clocks[i]);
+}
+
+void group_update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList values,
+                      at::TensorList values_host, at::TensorList state, at::TensorList state_host, int64_t opt,
+                      double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
+    const auto start = group_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_group_update");
+    for (auto &p : prepare_group_update(slots, grad, start, values, values_host, state, state_host, opt, lr, eps,
+                                        beta1, beta2, step_sizes))
+        at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_update_cpu(&p, b0, e0); });
+}
+
+at::Tensor group_pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
+                          int64_t batch, at::IntArrayRef features, at::TensorList rows, at::TensorList rows_host,
+                          const c10::List<bool> &mean) {
+    DynembGroupPool g = prepare_group_pool(slots, offsets, weights, batch, features, rows, rows_host, mean.vec());
+    for (auto &p : g.p) at::parallel_for(0, p.n_bags, 16, [&](int64_t b, int64_t e) { tf_dynemb_pool_cpu(&p, b, e); });
+    return g.out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
+    m.impl("dynemb_group_lookup", &group_lookup_cpu);
+    m.impl("dynemb_group_insert", &group_insert_cpu);
+    m.impl("dynemb_group_init", &group_init_cpu);
+    m.impl("dynemb_group_touch", &group_touch_cpu);
+    m.impl("dynemb_group_update", &group_update_cpu);
+    m.impl("dynemb_group_pool", &group_pool_cpu);
+}
+
+}  // namespace torchfuse
