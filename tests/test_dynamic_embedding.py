@@ -631,3 +631,38 @@ def test_ops_opcheck(device):
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+def test_group_ops_opcheck(device):
+    """The table-batched ops (torchfuse.dynemb_group): schema, fake kernel and AOT tracing on two live
+    tables, the second with no keys in the batch."""
+    ops = torch.ops.torchfuse
+    ts = [DynamicEmbeddingBag(5, 64, device=device, bucket_size=16, optimizer=tfo.Adam(0.1)) for _ in range(2)]
+    for t in ts:
+        t.train()
+        t(_t([3, -1, 7, 2**62, 3], device), _t([0, 2, 2, 5], device))
+    q = _t([3, 7, 11, -1], device)
+    starts = [0, 4, 4]
+    f32 = dict(device=device, dtype=torch.float32)
+
+    def each(name, clone=True):
+        return [getattr(t, name).clone() if clone else getattr(t, name) for t in ts]
+
+    found = ops.dynemb_group_lookup(q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [0, 0])
+    found = found.clamp(min=0)
+    cases = [
+        (ops.dynemb_group_lookup.default, (q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [3, 3])),
+        (ops.dynemb_group_insert.default, (_t([99, 100, 101], device), _t([-1, -1, -1], device), [0, 2, 3],
+                                           each("_keys"), each("_digests"), each("_scores"), each("_marks"),
+                                           each("_locks"), [16, 16], [5, 5], [False, True])),
+        (ops.dynemb_group_init.default, (found, q, None, starts, each("_values"), each("_values_host"), each("_state"),
+                                         each("_state_host"), [1, 2], [0.0, -1.0], [1.0, 1.0], [0, 1])),
+        (ops.dynemb_group_touch.default, (each("_scores"), found, starts, [0, 1], [5, 6])),
+        (ops.dynemb_group_update.default, (found, torch.randn(4, 5, **f32), starts, each("_values"),
+                                           each("_values_host"), each("_state"), each("_state_host"), 3, 0.1, 1e-8,
+                                           0.9, 0.999, [0.1, 0.2])),
+        (ops.dynemb_group_pool.default, (found, _t([0, 1, 4, 4, 4], device), None, 2, [1, 1],
+                                         each("_values", False), each("_values_host", False), [False, True])),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
