@@ -165,11 +165,12 @@ def pooled(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batc
     new = torch.ones(n, dtype=torch.bool, device=dev)
     if n > 1:
         new[1:] = (skey[1:] != skey[:-1]) | (st[1:] != st[:-1])
-    useg = torch.cumsum(new, 0) - 1
-    ucount = torch.zeros(T, dtype=torch.int64, device=dev).index_add_(0, st.to(torch.int64), new.to(torch.int64))
-    ustarts = [0]
-    for c in ucount.tolist():
-        ustarts.append(ustarts[-1] + c)
+    csum = torch.cumsum(new, 0)
+    useg = csum - 1
+    # table t's unique ids start at the number of new-id flags before its first sorted position (a
+    # search over the sorted table indices: an index_add of every flag into T bins serializes on atomics)
+    first_pos = torch.searchsorted(st, torch.arange(T + 1, device=dev, dtype=st.dtype))
+    ustarts = F.pad(csum, (1, 0))[first_pos].tolist()
     U = ustarts[-1]
     first = torch.full((U,), n, dtype=torch.int64, device=dev).scatter_reduce_(
         0, useg, torch.arange(n, device=dev), "amin")

@@ -265,7 +265,9 @@ class DynamicEmbeddingBagCollection(_Collection):
         if self._feature_info is None or self._feature_info[0] != device:
             tab = [i for i, fs in enumerate(self._feature_names) for _ in fs]
             mean = [self.tables[c.name].mode == "mean" for c, fs in zip(self._configs, self._feature_names) for _ in fs]
-            self._feature_info = (device, torch.tensor(tab, dtype=torch.int64, device=device),
+            # a narrow dtype: the batched path radix-sorts ids by table index (fewer passes)
+            tdt = torch.int16 if len(self._configs) < 2**15 else torch.int32
+            self._feature_info = (device, torch.tensor(tab, dtype=tdt, device=device),
                                   torch.tensor(mean, dtype=torch.bool, device=device))
         return self._feature_info[1:]
 
