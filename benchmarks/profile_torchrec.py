@@ -41,6 +41,18 @@ def main():
                 fn(b)
             torch.cuda.synchronize()
         print(f"{part}: {(time.perf_counter() - t0) / (3 * len(batches)) * 1e3:.2f} ms per step")
+    # host side: Python's own profiler over a few steps (tottime per function, builtins included; a
+    # host sync shows up as the time inside .tolist())
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    for b in batches * 2:
+        step(b)
+    torch.cuda.synchronize()
+    pr.disable()
+    print(f"cProfile over {2 * len(batches)} steps (host):")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         step(batches[0])
         torch.cuda.synchronize()

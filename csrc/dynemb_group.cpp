@@ -26,10 +26,6 @@ void check_count(size_t got, size_t tables, const char *op, const char *arg) {
     TORCH_CHECK(got == tables, op, ": ", arg, " must have one entry per table (", tables, "), got ", got);
 }
 
-at::Tensor part(const at::Tensor &t, const std::vector<int64_t> &start, size_t i) {
-    return t.narrow(0, start[i], start[i + 1] - start[i]);
-}
-
 }  // namespace
 
 DynembGroupProbe prepare_group_probe(bool insert, const at::Tensor &query, const at::Tensor *slots,
@@ -103,12 +99,16 @@ std::vector<tf_dynemb_init_params> prepare_group_init(const at::Tensor &slots, c
         check_count(got, T, op, arg);
     TORCH_CHECK(keys.numel() == slots.numel(), op, ": keys and slots must have the same length");
     TORCH_CHECK(!mask.has_value() || mask->numel() == slots.numel(), op, ": mask must have one entry per slot");
+    // Built against the whole batch (the same checks), then pointed at table i's part: no per-table
+    // tensor views (their dispatcher calls were most of a batched op's host time).
     std::vector<tf_dynemb_init_params> p(T);
     for (size_t i = 0; i < T; ++i) {
-        std::optional<at::Tensor> m;
-        if (mask.has_value()) m = part(*mask, start, i);
-        p[i] = dynemb_init_params(part(slots, start, i), part(keys, start, i), m, values[i], values_host[i], state[i],
-                                  state_host[i], init_kinds[i], a[i], b[i], seeds[i]);
+        p[i] = dynemb_init_params(slots, keys, mask, values[i], values_host[i], state[i], state_host[i], init_kinds[i],
+                                  a[i], b[i], seeds[i]);
+        p[i].n = start[i + 1] - start[i];
+        p[i].slots += start[i];
+        p[i].keys += start[i];
+        if (p[i].mask) p[i].mask += start[i];
     }
     return p;
 }
@@ -128,9 +128,13 @@ std::vector<tf_dynemb_update_params> prepare_group_update(const at::Tensor &slot
     TORCH_CHECK(grad.dim() == 2 && grad.size(0) == slots.numel(), op, ": grad must have one row per slot (",
                 slots.numel(), "), got ", grad.sizes());
     std::vector<tf_dynemb_update_params> p(T);
-    for (size_t i = 0; i < T; ++i)
-        p[i] = dynemb_update_params(part(slots, start, i), part(grad, start, i), values[i], values_host[i], state[i],
-                                    state_host[i], opt, lr, eps, beta1, beta2, step_sizes[i]);
+    for (size_t i = 0; i < T; ++i) {  // whole-batch params pointed at table i's part, as in init
+        p[i] = dynemb_update_params(slots, grad, values[i], values_host[i], state[i], state_host[i], opt, lr, eps,
+                                    beta1, beta2, step_sizes[i]);
+        p[i].n = start[i + 1] - start[i];
+        p[i].slots += start[i];
+        p[i].grad = static_cast<const char *>(p[i].grad) + start[i] * p[i].grad_stride * grad.element_size();
+    }
     return p;
 }
 

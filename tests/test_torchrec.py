@@ -394,9 +394,9 @@ SAME_DIM_TABLES = [
 ]
 
 
-def _same_dim_configs(all_sum):
+def _same_dim_configs(all_sum, tables=SAME_DIM_TABLES):
     out = []
-    for t in SAME_DIM_TABLES:
+    for t in tables:
         t = copy.deepcopy(t)
         if all_sum:
             t["pooling"] = "sum"
@@ -419,20 +419,30 @@ def _sorted_state(coll):
     return out
 
 
+# No shared feature: a KJT can list the tables' features in order, the batched path's sync-free input.
+IN_ORDER_TABLES = [
+    dict(name="a", embedding_dim=8, num_embeddings=40, feature_names=["fa", "fa2"], pooling="sum"),
+    dict(name="b", embedding_dim=8, num_embeddings=30, feature_names=["fb"], pooling="mean"),
+    dict(name="c", embedding_dim=8, num_embeddings=50, feature_names=["fc"], pooling="sum"),
+]
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_table_batched_matches_per_table(device, opt, weighted, dtype):
+@pytest.mark.parametrize("order", ["shuffled", "in_order"])
+def test_table_batched_matches_per_table(device, opt, weighted, dtype, order):
     """The table-batched step (one launch per phase over all tables) against one table after another:
     outputs, every table's rows, optimizer state, scores and size after several training steps with
     growth (tables a and c), a MEAN table, a feature shared by two tables, the KJT's keys in another
     order than the tables', an empty bag, and a batch of size 0. (Eviction: the next test.)"""
     make_opt = (lambda: torchfuse.optim.SGD(lr=0.1)) if opt == "sgd" else (lambda: torchfuse.optim.Adam(lr=0.01))
+    tables = SAME_DIM_TABLES if order == "shuffled" else IN_ORDER_TABLES
     colls = [tftr.DynamicEmbeddingBagCollection(
-        _same_dim_configs(all_sum=weighted), device=device, dtype=dtype, optimizer=make_opt(),
+        _same_dim_configs(weighted, tables), device=device, dtype=dtype, optimizer=make_opt(),
         capacity={"a": 16, "b": 256, "c": 32}, max_capacity={"a": 512, "c": 1024}, eviction="lru",
         initializer=("uniform", -0.5, 0.5), is_weighted=weighted, table_batched=tb) for tb in (True, False)]
-    keys = ["fc", "shared", "fb", "fa"]
+    keys = ["fc", "shared", "fb", "fa"] if order == "shuffled" else ["fa", "fa2", "fb", "fc"]
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for step, B in enumerate([7, 5, 0, 9, 6, 9, 8]):
         lengths = torch.randint(0, 4, (len(keys) * B,))
@@ -564,11 +574,14 @@ def test_table_batched_path_runs(device):
         dynemb_group.pooled = orig
 
 
-def test_table_batched_bad_lengths(device):
+@pytest.mark.parametrize("order", ["shuffled", "in_order"])
+def test_table_batched_bad_lengths(device, order):
     """A negative length inside a feature (per-feature totals still consistent) is refused before any
-    kernel reads the ids, on the batched path too."""
-    ebc = tftr.DynamicEmbeddingBagCollection(_same_dim_configs(False), device=device)
-    keys = ["fa", "shared", "fb", "fc"]
+    kernel reads the ids, on the batched path too (in table order the check is deferred to the
+    batch's first host read)."""
+    tables = SAME_DIM_TABLES if order == "shuffled" else IN_ORDER_TABLES
+    ebc = tftr.DynamicEmbeddingBagCollection(_same_dim_configs(False, tables), device=device)
+    keys = ["fa", "shared", "fb", "fc"] if order == "shuffled" else ["fa", "fa2", "fb", "fc"]
     lengths = torch.tensor([2, 1, 1, 1, 0, 3, 1, 1, 1, 1, 1, 1])
     lengths[0], lengths[1] = 5, -2  # feature fa still holds 4 ids in total
     kjt = make_kjt(keys, torch.arange(int(lengths.sum()), device=device), lengths.to(device))

@@ -247,9 +247,16 @@ class DynamicEmbedding(torch.nn.Module):
 
     # ---- core table operations ----
 
+    def _bump(self, name: str, delta: int = 1) -> int:
+        """Adds to a plain int counter (_epoch, _clock, _size, _step, _version) without
+        nn.Module.__setattr__, whose parameter/buffer checks cost more than the kernels of a
+        table-batched step when paid per table per phase."""
+        d = self.__dict__
+        d[name] += delta
+        return d[name]
+
     def _next_epoch(self) -> int:
-        self._epoch += 1
-        if self._epoch > _MAX_EPOCH:
+        if self._bump("_epoch") > _MAX_EPOCH:
             self._marks.zero_()
             self._epoch = 1
         return self._epoch

@@ -42,9 +42,10 @@ def lookup(tables, keys: Tensor, starts: List[int], epochs: Optional[List[int]] 
                                     epochs or [0] * len(tables))
 
 
-def find_or_insert(tables, keys: Tensor, starts: List[int], tid: Tensor) -> Tensor:
+def find_or_insert(tables, keys: Tensor, starts: List[int], tid_of_keys) -> Tensor:
     """Slots of each table's unique keys, inserting the missing ones: DynamicEmbedding._find_or_insert
-    for every table at once (tid: each key's table, for the growth check)."""
+    for every table at once (tid_of_keys(): each key's table, for the growth check; called only when
+    a table may grow)."""
     T = len(tables)
     while True:
         epochs = [t._next_epoch() for t in tables]
@@ -52,7 +53,7 @@ def find_or_insert(tables, keys: Tensor, starts: List[int], tid: Tensor) -> Tens
         growable = [i for i, t in enumerate(tables) if t.capacity < t.max_capacity]
         if growable:
             missing = torch.zeros(T, dtype=torch.int64, device=keys.device).index_add_(
-                0, tid, (slots < 0).to(torch.int64)).tolist()
+                0, tid_of_keys(), (slots < 0).to(torch.int64)).tolist()
             grow = [i for i in growable if missing[i]
                     and tables[i]._size + missing[i] > tables[i].max_load_factor * tables[i].capacity]
             if grow:
@@ -66,14 +67,14 @@ def find_or_insert(tables, keys: Tensor, starts: List[int], tid: Tensor) -> Tens
         counts = counts.tolist()
         failed = []
         for i, (t, (inserted, n_ev, n_failed)) in enumerate(zip(tables, counts)):
-            t._size += inserted - n_ev
+            t._bump("_size", inserted - n_ev)
             if n_ev:
                 lo = starts[i]
                 es = ev_slots[lo:lo + n_ev]
                 ev = (ev_keys[lo:lo + n_ev].clone(), t._gather(es, t._values, t._values_host),
                       t._gather(es, t._state, t._state_host), ev_scores[lo:lo + n_ev].clone())
                 t._record_evicted(ev)
-                t._version += 1
+                t._bump("_version")
             if n_failed:
                 failed.append((i, n_failed))
         if any(c[0] for c in counts):
@@ -97,7 +98,7 @@ def find_or_insert(tables, keys: Tensor, starts: List[int], tid: Tensor) -> Tens
             continue
         break
     for t in tables:
-        t._clock += 1
+        t._bump("_clock")
     _ops.dynemb_group_touch([t._scores for t in tables], slots, starts,
                             [1 if t.eviction == "lfu" else 0 for t in tables], [t._clock for t in tables])
     return slots
@@ -107,7 +108,7 @@ def update(tables, slots: Tensor, grad: Tensor, starts: List[int]):
     """One optimizer step per unique slot of every table (DynamicEmbedding._apply_gradient)."""
     o = tables[0].optimizer
     for t in tables:
-        t._step += 1
+        t._bump("_step")
     v, vh, st, sth = _lists(tables, "_values", "_values_host", "_state", "_state_host")
     _ops.dynemb_group_update(slots, grad, starts, v, vh, st, sth, o.code, o.lr, o.eps, o.betas[0], o.betas[1],
                              [t.optimizer.step_size(t._step) for t in tables])
@@ -141,12 +142,15 @@ class _Pooled(torch.autograd.Function):
 
 
 def pooled(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batch: int, features: List[int],
-           means: List[bool], id_starts: List[int], feature_table: Tensor, feature_mean: Tensor) -> Tensor:
+           means: List[bool], id_starts: Optional[List[int]], feature_table: Tensor, feature_mean: Tensor,
+           pending: Optional[Tensor] = None, on_pending=None) -> Tensor:
     """(batch, sum of features[t] * dim) float32: the bags of every table pooled, in TorchRec's
     KeyedTensor layout. ids: every table's ids, table t's at [id_starts[t], id_starts[t + 1]);
     offsets: (sum(features) * batch + 1) bag bounds over ids, ordered (table, feature, sample), already
-    validated; feature_table, feature_mean: each feature's table index and whether it is MEAN-pooled
-    (device tensors of sum(features) entries)."""
+    validated, or with `pending` (a device int64 vector) not yet: it is read with the first host read
+    here and passed to on_pending, which raises on a bad batch before any kernel reads ids through
+    the offsets; feature_table, feature_mean: each feature's table index and whether it is
+    MEAN-pooled (device tensors of sum(features) entries); id_starts: each table's ids (eval only)."""
     tables = list(tables)
     T, n, dev = len(tables), ids.numel(), ids.device
     v, vh = _lists(tables, "_values", "_values_host")
@@ -157,7 +161,7 @@ def pooled(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batc
     # Each table's unique ids: a stable sort by id, then by table (ids of one table are contiguous
     # but a feature order may repeat a table, so the table index is sorted on, not assumed).
     ends = offsets[batch::batch].contiguous() if batch else offsets[:0]  # each feature's end in ids
-    fid = torch.bucketize(torch.arange(n, device=dev), ends, right=True)
+    fid = torch.bucketize(torch.arange(n, device=dev), ends, right=True).clamp_(max=feature_table.numel() - 1)
     tid = feature_table[fid]
     sk, p1 = torch.sort(ids, stable=True)
     st, p2 = torch.sort(tid[p1], stable=True)
@@ -170,12 +174,18 @@ def pooled(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batc
     # table t's unique ids start at the number of new-id flags before its first sorted position (a
     # search over the sorted table indices: an index_add of every flag into T bins serializes on atomics)
     first_pos = torch.searchsorted(st, torch.arange(T + 1, device=dev, dtype=st.dtype))
-    ustarts = F.pad(csum, (1, 0))[first_pos].tolist()
+    host = F.pad(csum, (1, 0))[first_pos]
+    if pending is not None:
+        host = torch.cat([host, pending])
+    host = host.tolist()  # the batch's first host read
+    if pending is not None:
+        on_pending(host[T + 1:])
+    ustarts = host[:T + 1]
     U = ustarts[-1]
     first = torch.full((U,), n, dtype=torch.int64, device=dev).scatter_reduce_(
         0, useg, torch.arange(n, device=dev), "amin")
     uniq = skey[first]
-    slots_u = find_or_insert(tables, uniq, ustarts, st.to(torch.int64)[first])
+    slots_u = find_or_insert(tables, uniq, ustarts, lambda: st.to(torch.int64)[first])
     slots_id = torch.empty_like(ids)
     slots_id[perm] = slots_u[useg]
     if not need_grad:

@@ -112,9 +112,13 @@ def _capacity_for(capacity, cfg) -> int:
 
 class _KJTView:
     """The parts of a KJT the collections need, read once per forward with at most one host sync:
-    per key, the [start, end) of its ids in values() and its slice of offsets."""
+    per key, the [start, end) of its ids in values() and its slice of offsets.
 
-    def __init__(self, features, wanted: Sequence[str], owner: str):
+    sync=False defers that sync: ``pending`` (a device int64 vector) is to be read by the caller
+    together with its own next host read, and handed to ``finish``, which checks the KJT (until then
+    nothing may read ids through the offsets)."""
+
+    def __init__(self, features, wanted: Sequence[str], owner: str, sync: bool = True):
         keys = list(features.keys())
         unknown = [k for k in keys if k not in wanted]
         if unknown:
@@ -133,17 +137,25 @@ class _KJTView:
             raise ValueError(f"{owner}: the KJT's offsets/lengths must have {F} keys x {self.B} samples "
                              f"(+1) entries, got {offsets.numel()}")
         self.offsets = offsets
+        self.owner = owner
+        n = self.values.numel()
+        if self.weights is not None and self.weights.numel() != n:
+            raise ValueError(f"{owner}: the KJT has {self.weights.numel()} weights for {n} values")
         bounds = offsets[:: self.B] if self.B > 0 else offsets[:1].expand(F + 1)
-        # the one host sync: per-key bounds, and whether any length is negative
+        # per-key bounds, and whether any length is negative
         decreasing = (offsets[1:] < offsets[:-1]).any().view(1).to(bounds.dtype)
-        *bounds, bad = torch.cat([bounds, decreasing]).tolist()
+        self.pending = torch.cat([bounds, decreasing]).to(torch.int64)
+        self.bounds: Optional[List[int]] = None
+        if sync:
+            self.finish(self.pending.tolist())  # the one host sync
+
+    def finish(self, host: List[int]):
+        *bounds, bad = host
         self.bounds = [int(b) for b in bounds]
         n = self.values.numel()
         if bad or self.bounds[0] != 0 or self.bounds[-1] != n or any(a > b for a, b in zip(self.bounds, self.bounds[1:])):
-            raise ValueError(f"{owner}: the KJT's lengths do not match its values: per-key offsets "
+            raise ValueError(f"{self.owner}: the KJT's lengths do not match its values: per-key offsets "
                              f"{self.bounds} for {n} values")
-        if self.weights is not None and self.weights.numel() != n:
-            raise ValueError(f"{owner}: the KJT has {self.weights.numel()} weights for {n} values")
 
     def segment(self, names: Sequence[str], with_weights: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """(ids, offsets (len(names)*B + 1, starting at 0), weights) of the named keys, in that order.
@@ -259,6 +271,7 @@ class DynamicEmbeddingBagCollection(_Collection):
         self._is_weighted = is_weighted
         self._length_per_key = [int(t.embedding_dim) for t, fs in zip(self._configs, self._feature_names) for _ in fs]
         self.table_batched = bool(table_batched)
+        self._feature_order = [f for fs in self._feature_names for f in fs]
         self._feature_info = None  # (device, feature -> table index, feature -> MEAN), built on first use
 
     def _features_on(self, device):
@@ -272,18 +285,29 @@ class DynamicEmbeddingBagCollection(_Collection):
         return self._feature_info[1:]
 
     def _forward_batched(self, view, tables, use_w) -> Tensor:
+        """All tables in one batch. A KJT whose keys are the tables' features in order (the usual
+        case) is used as is and its check rides on the batch's first host read (view.bounds None);
+        otherwise the features are gathered in table order first."""
         feats = [f for fs in self._feature_names for f in fs]
-        ids, offsets, w = view.segment(feats, use_w)
+        if view.bounds is None and not tables[0].training:  # eval needs the per-table id ranges now
+            view.finish(view.pending.tolist())
+        if view.bounds is None:
+            ids, offsets, w = view.values, view.offsets, (view.weights if use_w else None)
+        else:
+            ids, offsets, w = view.segment(feats, use_w)
         ids = tables[0]._check_keys(ids)
-        counts = [view.bounds[view.index[f] + 1] - view.bounds[view.index[f]] for f in feats]
-        id_starts, k = [0], 0
-        for fs in self._feature_names:
-            id_starts.append(id_starts[-1] + sum(counts[k:k + len(fs)]))
-            k += len(fs)
+        id_starts = None
+        if view.bounds is not None:
+            counts = [view.bounds[view.index[f] + 1] - view.bounds[view.index[f]] for f in feats]
+            id_starts, k = [0], 0
+            for fs in self._feature_names:
+                id_starts.append(id_starts[-1] + sum(counts[k:k + len(fs)]))
+                k += len(fs)
         table_of, mean_of = self._features_on(ids.device)
         return _group.pooled(tables, ids, offsets.to(torch.int64), w.float().contiguous() if w is not None else None,
                              view.B, [len(fs) for fs in self._feature_names], [t.mode == "mean" for t in tables],
-                             id_starts, table_of, mean_of)
+                             id_starts, table_of, mean_of,
+                             pending=view.pending if view.bounds is None else None, on_pending=view.finish)
 
     def is_weighted(self) -> bool:
         return bool(self._is_weighted)
@@ -292,7 +316,10 @@ class DynamicEmbeddingBagCollection(_Collection):
         return self._configs
 
     def forward(self, features):
-        view = _KJTView(features, self._all_features, "torchfuse.torchrec.DynamicEmbeddingBagCollection")
+        # the batched path reads a KJT in table-feature order without a sync of its own
+        lazy = self.table_batched and list(features.keys()) == self._feature_order
+        view = _KJTView(features, self._all_features, "torchfuse.torchrec.DynamicEmbeddingBagCollection",
+                        sync=not lazy)
         B = view.B
         use_w = self._is_weighted is not False
         tables = [self.tables[c.name] for c in self._configs]
@@ -306,6 +333,8 @@ class DynamicEmbeddingBagCollection(_Collection):
         cls = jt.KeyedTensor if jt is not None else KeyedTensor
         if self.table_batched and _group.can_batch(tables, view.weights if use_w else None):
             return cls(keys=names, length_per_key=self._length_per_key, values=self._forward_batched(view, tables, use_w))
+        if view.bounds is None:
+            view.finish(view.pending.tolist())
         pooled = []
         for cfg, feats in zip(self._configs, self._feature_names):
             bag = self.tables[cfg.name]
