@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <unordered_map>
+
 #include "tf_check.h"
 
 namespace torchfuse {
@@ -233,6 +235,32 @@ DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, a
     return ins;
 }
 
+DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests, at::Tensor &scores,
+                                 at::Tensor &marks, at::Tensor *locks, at::Tensor &values, at::Tensor &values_host,
+                                 at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
+                                 bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind, double a,
+                                 double b, int64_t seed, bool with_rows) {
+    const char *op = "torchfuse.dynemb_find_or_insert";
+    TORCH_CHECK(policy >= -1 && policy <= TF_DYNEMB_LFU, op, ": policy must be -1 (no touch), 0 (LRU) or 1 (LFU)");
+    TORCH_CHECK(epoch > 0, op, ": epoch must be > 0 (found keys are marked with it)");
+    DynembFoi f{};
+    check_index(query, keys, op, "query");
+    f.slots = at::full({query.numel()}, -1, query.options());
+    f.ins = prepare_dynemb_insert(query, f.slots, keys, digests, scores, marks, locks, bucket_size, epoch, allow_evict);
+    f.p.p = f.ins.p;
+    f.p.init = dynemb_init_params(f.slots, query, std::nullopt, values, values_host, state, state_host, init_kind, a,
+                                  b, seed);
+    TORCH_CHECK(values.size(0) + values_host.size(0) == keys.numel(), op, ": values must hold one row per slot (",
+                keys.numel(), ")");
+    f.p.policy = static_cast<int>(policy);
+    f.p.clock = clock;
+    f.rows = at::empty(row_shape(values, with_rows ? query.numel() : 0), values.options());
+    f.p.out = with_rows ? f.rows.data_ptr() : nullptr;
+    f.ev_new = at::full({query.numel()}, -1, query.options());
+    f.p.evicted_new = f.ev_new.data_ptr<int64_t>();
+    return f;
+}
+
 namespace {
 
 at::Tensor lookup_cpu(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests, at::Tensor &marks,
@@ -331,9 +359,47 @@ at::Tensor segsum_cpu(const at::Tensor &grad, const at::Tensor &perm, const at::
     return out;
 }
 
+// The reference order of tf_dynemb_foi_params: lookup (marks), insert, init of the new rows that
+// evicted nobody, touch, rows out.
+DynembFoiResult find_or_insert_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                   at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
+                                   at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                                   int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
+                                   int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
+                                   bool with_rows) {
+    DynembFoi f = prepare_find_or_insert(query, keys, digests, scores, marks, nullptr, values, values_host, state,
+                                         state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b,
+                                         seed, with_rows);
+    const int64_t n = query.numel();
+    tf_dynemb_lookup_cpu(&f.ins.t, &f.p.p, 0, n);
+    tf_dynemb_insert_cpu(&f.ins.t, &f.p.p);
+    // which key took each evicted slot; those rows wait for the caller
+    const int64_t n_ev = f.ins.counts.data_ptr<int64_t>()[1];
+    at::Tensor mask = f.ins.is_new.clone();
+    if (n_ev) {
+        std::unordered_map<int64_t, int64_t> key_of_slot;
+        const int64_t *sl = f.slots.data_ptr<int64_t>();
+        const uint8_t *nw = f.ins.is_new.data_ptr<uint8_t>();
+        for (int64_t i = 0; i < n; ++i)
+            if (nw[i]) key_of_slot[sl[i]] = i;
+        for (int64_t e = 0; e < n_ev; ++e) {
+            const int64_t i = key_of_slot.at(f.ins.ev_slots.data_ptr<int64_t>()[e]);
+            f.p.evicted_new[e] = i;
+            mask.data_ptr<uint8_t>()[i] = 0;
+        }
+    }
+    f.p.init.mask = mask.data_ptr<uint8_t>();
+    tf_dynemb_init_cpu(&f.p.init, 0, n);
+    if (policy >= 0) tf_dynemb_touch_cpu(scores.data_ptr<int64_t>(), f.slots.data_ptr<int64_t>(), n, (int)policy, clock);
+    if (with_rows && f.p.init.values.row_bytes)
+        tf_dynemb_gather_cpu(&f.p.init.values, f.slots.data_ptr<int64_t>(), f.rows.data_ptr(), 0, n);
+    return f.result();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
+    m.impl("dynemb_find_or_insert", &find_or_insert_cpu);
     m.impl("dynemb_pool", &pool_cpu);
     m.impl("dynemb_segment_sum", &segsum_cpu);
     m.impl("dynemb_lookup", &lookup_cpu);

@@ -56,6 +56,23 @@ tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::T
                                              const std::optional<at::Tensor> &bag_of,
                                              const std::optional<at::Tensor> &scale, at::Tensor &out);
 
+// find-or-insert with the row work folded in: parameters and outputs (shared by CPU and CUDA).
+using DynembFoiResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                   at::Tensor>;
+struct DynembFoi {
+    DynembInsert ins;
+    tf_dynemb_foi_params p;
+    at::Tensor slots, rows, ev_new;
+    DynembFoiResult result() const {
+        return {slots, rows, ins.is_new, ins.ev_keys, ins.ev_slots, ins.ev_scores, ev_new, ins.counts};
+    }
+};
+DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests, at::Tensor &scores,
+                                 at::Tensor &marks, at::Tensor *locks, at::Tensor &values, at::Tensor &values_host,
+                                 at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
+                                 bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind, double a,
+                                 double b, int64_t seed, bool with_rows);
+
 // ---- table-batched ops (dynemb_group.cpp): per-table kernel parameters over a concatenated batch ----
 
 // starts checked: tables + 1 non-decreasing entries from 0 to n_items.

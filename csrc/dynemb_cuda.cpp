@@ -159,6 +159,22 @@ at::Tensor segsum_cuda(const at::Tensor &grad, const at::Tensor &perm, const at:
     return out;
 }
 
+DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                    at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
+                                    at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                                    int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
+                                    int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
+                                    bool with_rows) {
+    const c10::cuda::CUDAGuard guard(keys.device());
+    DynembFoi f = prepare_find_or_insert(query, keys, digests, scores, marks, &locks, values, values_host, state,
+                                         state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b,
+                                         seed, with_rows);
+    map_host(f.p.init.values, values_host);
+    map_host(f.p.init.state, state_host);
+    check_launch(tf_dynemb_find_or_insert_cuda(&f.ins.t, &f.p, stream()), "dynemb find-or-insert kernels");
+    return f.result();
+}
+
 // ---- table-batched ops (parameters: dynemb_group.cpp) ----
 
 at::Tensor group_lookup_cuda(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
@@ -245,6 +261,7 @@ at::Tensor group_pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, c
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
+    m.impl("dynemb_find_or_insert", &find_or_insert_cuda);
     m.impl("dynemb_group_lookup", &group_lookup_cuda);
     m.impl("dynemb_group_insert", &group_insert_cuda);
     m.impl("dynemb_group_init", &group_init_cuda);

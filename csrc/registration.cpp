@@ -98,6 +98,16 @@ TORCH_LIBRARY(torchfuse, m) {
     // (rows, cols) of `dtype` in pinned host memory mapped into `like`'s GPU (cudaHostAlloc, mapped):
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");
+    // find-or-insert of unique keys with the row work folded in (kernels/dynemb.h,
+    // tf_dynemb_foi_params): returns (slots, rows (n or 0 x dim), is_new, evicted_keys, evicted_slots,
+    // evicted_scores, evicted_new, counts); for e < counts[1] the key query[evicted_new[e]] took slot
+    // evicted_slots[e] and its row is neither initialized nor in rows yet (the caller saves the
+    // evicted row first). policy -1: no touch.
+    m.def("dynemb_find_or_insert(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
+          "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
+          "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
+          "int init_kind, float a, float b, int seed, bool with_rows) "
+          "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
     // Table-batched forms (a collection's tables in one launch each, as FBGEMM's TBE): the items of
     // the batch (keys, bags) are concatenated, table t owning [starts[t], starts[t + 1]); every other
     // list has one entry per table, and each table's part means what the single-table op means.

@@ -103,6 +103,21 @@ typedef struct {
     uint64_t seed;
 } tf_dynemb_init_params;
 
+/* find-or-insert of unique keys with the row work folded in (the table ops' semantics, in order:
+ * lookup marking found slots; insert of the missing keys; init of the new rows; touch of every key;
+ * the rows copied out). Except: a key that took an evicted key's slot gets neither its row initialized
+ * nor copied out: evicted_new[e] names it (e < counts[1]); the caller saves the victim's row, then
+ * initializes and copies it. Used: the probe's query, slots, epoch, allow_evict, is_new, evicted
+ * arrays and counts; the init's values/state/dtype/dim/initializer are used (init.slots = p.slots, init.keys =
+ * p.query, init.mask unused). policy: TF_DYNEMB_LRU / LFU, or -1 for no touch. */
+typedef struct {
+    tf_dynemb_probe p;
+    tf_dynemb_init_params init;
+    int policy; int64_t clock;
+    void *out;                 /* n rows of values.row_bytes, or NULL */
+    int64_t *evicted_new;      /* capacity n */
+} tf_dynemb_foi_params;
+
 /* Per row i (unique slots): optimizer step on values[slots[i]] with gradient row grad[i]. */
 typedef struct {
     int64_t n;
@@ -197,6 +212,7 @@ int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream);
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream);
 int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream);
 int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream);
+int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_params *p, void *stream);
 
 /* Table-batched forms: one launch over the concatenated items of n_tables tables (keys for
  * lookup / insert / init / touch / update, bags for pool). Table t's items are [start[t],

@@ -194,8 +194,9 @@ __device__ __forceinline__ void min_victim(int64_t &s, int64_t &j, int64_t s2, i
     if (j2 >= 0 && (j < 0 || s2 < s || (s2 == s && j2 < j))) { s = s2; j = j2; }
 }
 
-__device__ __forceinline__ void insert_one(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t i, int lane) {
-    if (p.slots[i] >= 0) return;  // uniform per warp
+// Returns, to every lane, the index in evicted_* of the key this insert evicted, or -1.
+__device__ __forceinline__ int64_t insert_one(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t i, int lane) {
+    if (p.slots[i] >= 0) return -1;  // uniform per warp
     const int64_t key = p.query[i];
     const uint64_t h = tf_dynemb_hash(key);
     const int64_t bucket = tf_dynemb_bucket(h, t.num_buckets);
@@ -233,6 +234,7 @@ __device__ __forceinline__ void insert_one(const tf_dynemb_table &t, const tf_dy
             min_victim(vs, vj, s2, j2);
         }
     }
+    int64_t ev = -1;
     if (lane == 0) {
         if (found >= 0) {
             p.slots[i] = found;  // a repeat of this key was placed first
@@ -241,6 +243,7 @@ __device__ __forceinline__ void insert_one(const tf_dynemb_table &t, const tf_dy
             if (empty == INT64_MAX) {
                 slot = vj;
                 const unsigned long long e = atomicAdd(reinterpret_cast<unsigned long long *>(&p.counts[1]), 1ull);
+                ev = static_cast<int64_t>(e);
                 p.evicted_keys[e] = __ldcg(&t.keys[slot]);
                 p.evicted_slots[e] = slot;
                 p.evicted_scores[e] = vs;
@@ -258,6 +261,7 @@ __device__ __forceinline__ void insert_one(const tf_dynemb_table &t, const tf_dy
         __threadfence();
         atomicExch(&t.locks[bucket], 0);
     }
+    return __shfl_sync(0xffffffffu, ev, 0);
 }
 
 template <int N>
@@ -416,6 +420,67 @@ __global__ void update_kernel(const __grid_constant__ Group<tf_dynemb_update_par
     int64_t i;
     if (!group_item(g, warp_index(), t, i)) return;
     update_one(g.p[t], i, threadIdx.x & 31);
+}
+
+// ---- find-or-insert in two kernels (tf_dynemb_foi_params) ----
+
+// Lanes copy a row of row_bytes in units of T.
+template <typename T>
+__device__ __forceinline__ void copy_row(void *dst, const void *src, int64_t row_bytes, int lane) {
+    const int64_t units = row_bytes / static_cast<int64_t>(sizeof(T));
+    for (int64_t u = lane; u < units; u += 32) static_cast<T *>(dst)[u] = static_cast<const T *>(src)[u];
+}
+
+__device__ __forceinline__ void touch_slot(const tf_dynemb_table &t, int policy, int64_t clock, int64_t slot) {
+    if (policy == TF_DYNEMB_LFU) atomicAdd(reinterpret_cast<unsigned long long *>(&t.scores[slot]), 1ull);
+    else if (policy == TF_DYNEMB_LRU) t.scores[slot] = clock;
+}
+
+/* Step 1, a warp per key: probe; a found key's slot is marked with the epoch (so step 2's evictions
+ * spare it), touched, and its row copied out. Misses get slot -1. Step 2 starts after every mark is
+ * written, which one kernel could not promise. */
+template <typename T>
+__global__ void foi_find_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
+    const int64_t i = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (i >= p.p.n) return;
+    int64_t found;
+    const unsigned m = warp_probe(t, p.p.query[i], lane, found);
+    const int64_t slot = m ? __shfl_sync(0xffffffffu, found, __ffs(m) - 1) : -1;
+    if (lane == 0) {
+        p.p.slots[i] = slot;
+        if (slot >= 0) {
+            t.marks[slot] = p.p.epoch;
+            touch_slot(t, p.policy, p.clock, slot);
+        }
+    }
+    if (slot >= 0 && p.out)
+        copy_row<T>(static_cast<char *>(p.out) + i * p.init.values.row_bytes, tf_dynemb_row(&p.init.values, slot),
+                    p.init.values.row_bytes, lane);
+}
+
+/* Step 2, a warp per missing key: insert_one (lock, re-probe, empty slot or victim), then the new row
+ * from the initializer, the touch, and the row copied out. A key that evicted another leaves its
+ * row alone (the caller saves the victim's row first, then initializes: evicted_new[e] = i). */
+template <typename T>
+__global__ void foi_insert_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
+    const int64_t i = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (i >= p.p.n || p.p.slots[i] >= 0) return;  // uniform per warp
+    const int64_t e = insert_one(t, p.p, i, lane);
+    __syncwarp();
+    const int64_t slot = p.p.slots[i];
+    if (slot < 0) return;  // no room: counted as failed
+    if (lane == 0) touch_slot(t, p.policy, p.clock, slot);
+    if (e >= 0) {
+        if (lane == 0) p.evicted_new[e] = i;
+        return;
+    }
+    init_one(p.init, i, lane);
+    __syncwarp();
+    if (p.out)
+        copy_row<T>(static_cast<char *>(p.out) + i * p.init.values.row_bytes, tf_dynemb_row(&p.init.values, slot),
+                    p.init.values.row_bytes, lane);
 }
 
 // One warp per bag, lanes over columns; ids of the bag in order (fp32 accumulation).
@@ -646,6 +711,20 @@ int tf_dynemb_group_update_cuda(const tf_dynemb_update_params *p, const int64_t 
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream) {
     const int64_t start[2] = {0, p->n};
     return tf_dynemb_group_update_cuda(p, start, 1, stream);
+}
+
+int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_params *p, void *stream) {
+    if (p->p.n == 0) return 0;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const unsigned grid = grid_for_warps(p->p.n);
+    if (copy_unit(&p->init.values, p->out) >= 16) {
+        foi_find_kernel<uint4><<<grid, kBlock, 0, s>>>(*t, *p);
+        foi_insert_kernel<uint4><<<grid, kBlock, 0, s>>>(*t, *p);
+    } else {
+        foi_find_kernel<uint16_t><<<grid, kBlock, 0, s>>>(*t, *p);
+        foi_insert_kernel<uint16_t><<<grid, kBlock, 0, s>>>(*t, *p);
+    }
+    return static_cast<int>(cudaGetLastError());
 }
 
 }  // extern "C"

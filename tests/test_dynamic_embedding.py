@@ -630,6 +630,10 @@ def test_ops_opcheck(device):
                                    t._state.clone(), t._state_host.clone(), 1, 0.0, 1.0, 0)),
         (ops.dynemb_insert.default, (_t([99, 100], device), _t([-1, -1], device), t._keys.clone(), t._digests.clone(),
                                      t._scores.clone(), t._marks.clone(), t._locks.clone(), t.bucket_size, 5, False)),
+        (ops.dynemb_find_or_insert.default, (_t([3, 99, 100], device), t._keys.clone(), t._digests.clone(),
+                                             t._scores.clone(), t._marks.clone(), t._locks.clone(), t._values.clone(),
+                                             t._values_host.clone(), t._state.clone(), t._state_host.clone(),
+                                             t.bucket_size, 6, True, 0, 9, 2, -1.0, 1.0, 3, True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -668,3 +672,28 @@ def test_group_ops_opcheck(device):
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_find_or_insert_full_table_rows(device, dtype):
+    """find_or_insert on a full table (the one-op path): rows returned for found, new and
+    evicting keys equal the table's rows afterwards; new rows are the initializer's; evicted keys
+    come back with the rows they had."""
+    t = DynamicEmbedding(6, 32, device=device, dtype=dtype, bucket_size=32, eviction="lru",  # one bucket
+                         initializer=("uniform", -1.0, 1.0), seed=5)
+    first = _t(_keys(24), device)
+    t.insert(first, torch.randn(24, 6, device=device).to(dtype))
+    before = {k: r.clone() for k, r in zip(first.tolist(), t.find(first)[0])}
+    q = torch.cat([first[:5], _t(_keys(20), device)])  # 5 found, 20 new: 44 keys for 32 slots
+    q = torch.unique(q)
+    rows = t.find_or_insert(q)
+    got, found = t.find(q)
+    assert bool(found.all())
+    torch.testing.assert_close(rows, got, rtol=0, atol=0)
+    ref = DynamicEmbedding(6, 1024, device=device, dtype=dtype, initializer=("uniform", -1.0, 1.0), seed=5)
+    new = torch.tensor([k not in before for k in q.tolist()], device=device)
+    torch.testing.assert_close(rows[new], ref.find_or_insert(q[new]), rtol=0, atol=0)
+    ev_keys, ev_rows, _, _ = t.drain_evicted()
+    assert ev_keys.numel() > 0
+    for k, r in zip(ev_keys.tolist(), ev_rows):
+        torch.testing.assert_close(r, before[k], rtol=0, atol=0)

@@ -288,9 +288,48 @@ class DynamicEmbedding(torch.nn.Module):
         _ops.dynemb_init(slots, keys, mask, self._values, self._values_host, self._state, self._state_host,
                          _INIT_KINDS[kind], a, b, self.seed)
 
+    def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool):
+        """_find_or_insert at full capacity (no growth to decide first) in one op, two kernels on the
+        GPU (dynemb_find_or_insert: probe, insert, init, touch and the rows out). Returns (slots,
+        is_new, evicted or None, rows or None)."""
+        epoch = self._next_epoch()
+        policy = (1 if self.eviction == "lfu" else 0) if touch else -1
+        clock = self._bump("_clock") if touch else self._clock
+        kind, *nums = self.initializer
+        a, b = (nums + [0.0])[:2]
+        slots, rows, is_new, ev_keys, ev_slots, ev_scores, ev_new, counts = _ops.dynemb_find_or_insert(
+            keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values, self._values_host,
+            self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none", policy, clock,
+            _INIT_KINDS[kind], a, b, self.seed, with_rows)
+        inserted, n_ev, failed = counts.tolist()
+        self._bump("_size", inserted - n_ev)
+        evicted = None
+        if n_ev:  # save the evicted rows, then give their slots the new keys' rows
+            s = ev_slots[:n_ev]
+            evicted = (ev_keys[:n_ev].clone(), self._gather(s, self._values, self._values_host),
+                       self._gather(s, self._state, self._state_host), ev_scores[:n_ev].clone())
+            self._record_evicted(evicted)
+            self._bump("_version")
+            new_i = ev_new[:n_ev]
+            self._init_rows(s, keys[new_i], None)
+            if with_rows:
+                rows.index_copy_(0, new_i, self._gather(s, self._values, self._values_host))
+        if failed:
+            raise RuntimeError(self._full_message(failed))
+        return slots, is_new, evicted, rows if with_rows else None
+
+    def _full_message(self, failed: int) -> str:
+        return (f"torchfuse.{type(self).__name__}: the table is full (capacity {self.capacity} = max_capacity, "
+                f"{self._size} keys): {failed} new keys found their bucket full"
+                + (" with eviction='none'; raise max_capacity or choose eviction='lru' or 'lfu'"
+                   if self.eviction == "none" else
+                   " of keys used by this same batch; use smaller batches or a larger max_capacity"))
+
     def _find_or_insert(self, keys: Tensor, touch: bool = True):
         """Slots of unique `keys`, inserting the missing ones (growing or evicting as configured).
         Returns (slots, is_new uint8, evicted (keys, values, state, scores) or None)."""
+        if self.capacity >= self.max_capacity:
+            return self._find_or_insert_fused(keys, touch, False)[:3]
         evicted = None
         while True:
             epoch = self._next_epoch()
@@ -316,12 +355,7 @@ class DynamicEmbedding(torch.nn.Module):
                 if self.capacity < self.max_capacity:
                     self._grow()
                     continue
-                raise RuntimeError(
-                    f"torchfuse.{type(self).__name__}: the table is full (capacity {self.capacity} = max_capacity, "
-                    f"{self._size} keys): {failed} new keys found their bucket full"
-                    + (" with eviction='none'; raise max_capacity or choose eviction='lru' or 'lfu'"
-                       if self.eviction == "none" else
-                       " of keys used by this same batch; use smaller batches or a larger max_capacity"))
+                raise RuntimeError(self._full_message(failed))
             break
         if touch:
             self._touch(slots)
@@ -420,12 +454,13 @@ class DynamicEmbedding(torch.nn.Module):
         does, without autograd). ``unique=True`` promises the keys are distinct (skips a sort)."""
         count("dynemb_find_or_insert")
         flat = self._check_keys(keys, "keys")
-        if unique:
-            slots = self._find_or_insert(flat)[0]
-            rows = self._gather(slots, self._values, self._values_host)
+        uniq, inv = (flat, None) if unique else torch.unique(flat, return_inverse=True)
+        if self.capacity >= self.max_capacity:  # rows come out of the insert itself
+            rows = self._find_or_insert_fused(uniq, True, True)[3]
         else:
-            uniq, inv = torch.unique(flat, return_inverse=True)
-            rows = self._gather(self._find_or_insert(uniq)[0], self._values, self._values_host)[inv]
+            rows = self._gather(self._find_or_insert(uniq)[0], self._values, self._values_host)
+        if inv is not None:
+            rows = rows[inv]
         return rows.reshape(*keys.shape, self.embedding_dim)
 
     def insert(self, keys: Tensor, values: Tensor, scores: Optional[Tensor] = None, return_evicted: bool = False,
@@ -711,6 +746,15 @@ def _insert_fake(query, slots, keys, digests, scores, marks, locks, bucket_size,
     n = query.shape[0]
     return (query.new_empty((n,), dtype=torch.uint8), query.new_empty((n,)), query.new_empty((n,)),
             query.new_empty((n,)), query.new_empty((3,)))
+
+
+@torch.library.register_fake("torchfuse::dynemb_find_or_insert")
+def _find_or_insert_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
+                         bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows):
+    n = query.shape[0]
+    return (query.new_empty((n,)), values.new_empty((n if with_rows else 0, values.shape[1])),
+            query.new_empty((n,), dtype=torch.uint8), query.new_empty((n,)), query.new_empty((n,)),
+            query.new_empty((n,)), query.new_empty((n,)), query.new_empty((3,)))
 
 
 @torch.library.register_fake("torchfuse::dynemb_touch")
