@@ -98,7 +98,7 @@ TORCH_LIBRARY(torchfuse, m) {
     // (rows, cols) of `dtype` in pinned host memory mapped into `like`'s GPU (cudaHostAlloc, mapped):
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");
-    // find-or-insert of unique keys with the row work folded in (kernels/dynemb.h,
+    // find-or-insert of distinct keys (required) with the row work folded in (kernels/dynemb.h,
     // tf_dynemb_foi_params): returns (slots, rows (n or 0 x dim), is_new, evicted_keys, evicted_slots,
     // evicted_scores, evicted_new, counts); for e < counts[1] the key query[evicted_new[e]] took slot
     // evicted_slots[e] and its row is neither initialized nor in rows yet (the caller saves the

@@ -103,7 +103,8 @@ typedef struct {
     uint64_t seed;
 } tf_dynemb_init_params;
 
-/* find-or-insert of unique keys with the row work folded in (the table ops' semantics, in order:
+/* find-or-insert of distinct keys (required: the CUDA insert claims slots without a bucket lock, by
+ * swapping the slot's mark to the epoch, and would place a repeated key twice) with the row work folded in (the table ops' semantics, in order:
  * lookup marking found slots; insert of the missing keys; init of the new rows; touch of every key;
  * the rows copied out). Except: a key that took an evicted key's slot gets neither its row initialized
  * nor copied out: evicted_new[e] names it (e < counts[1]); the caller saves the victim's row, then

@@ -459,15 +459,92 @@ __global__ void foi_find_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
                     p.init.values.row_bytes, lane);
 }
 
-/* Step 2, a warp per missing key: insert_one (lock, re-probe, empty slot or victim), then the new row
- * from the initializer, the touch, and the row copied out. A key that evicted another leaves its
- * row alone (the caller saves the victim's row first, then initializes: evicted_new[e] = i). */
+/* Step 2's insert, lock-free: a key known to be absent (step 1 ran; the keys of a call are distinct)
+ * claims a slot by swapping the slot's mark to the epoch with atomicCAS. Empty-slot takers and
+ * evictors both must win that swap, so each slot goes to one key, and a slot marked by this call
+ * (found in step 1, or claimed) is never taken. Each attempt takes the bucket's lowest empty unmarked
+ * slot, else (allow_evict) its unmarked slot of least (score, slot), as the locked insert does; a lost
+ * swap means another key progressed, and the warp looks again. Writes slots[i], is_new, counts and
+ * the evicted arrays; returns the eviction index (or -1) to every lane. */
+__device__ __forceinline__ int64_t claim_one(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t i,
+                                             int lane) {
+    const int64_t key = p.query[i];
+    const uint64_t h = tf_dynemb_hash(key);
+    const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * t.bucket_size;
+    const uint32_t d = tf_dynemb_digest(h);
+    const bool active = lane < (t.bucket_size >> 2);
+    for (;;) {
+        int64_t empty = INT64_MAX, vs = 0, vj = -1;
+        int32_t em = 0, vm = 0;
+        if (active) {
+            const uint32_t w = __ldcg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane);
+            for (int b = 0; b < 4; ++b) {
+                const int64_t j = base + 4 * lane + b;
+                const int32_t m = __ldcg(&t.marks[j]);
+                if (m == p.epoch) continue;
+                if (((w >> (8 * b)) & 0xffu) == 0) {
+                    if (empty == INT64_MAX) { empty = j; em = m; }
+                } else if (p.allow_evict) {
+                    const int64_t pj = vj;
+                    min_victim(vs, vj, __ldcg(&t.scores[j]), j);
+                    if (vj != pj) vm = m;
+                }
+            }
+        }
+        int64_t best = empty;
+        for (int o = 16; o > 0; o >>= 1) best = min(best, __shfl_xor_sync(0xffffffffu, best, o));
+        int64_t slot = -1, e = -1;
+        if (best != INT64_MAX) {
+            const int owner = static_cast<int>((best - base) >> 2);
+            bool won = false;
+            if (lane == owner) won = atomicCAS(&t.marks[best], em, p.epoch) == em;
+            if (!__shfl_sync(0xffffffffu, won, owner)) continue;
+            slot = best;
+        } else {
+            // the least (score, slot) victim over the lanes, and the lane holding it
+            int64_t bs = vs, bj = vj;
+            for (int o = 16; o > 0; o >>= 1) {
+                const int64_t s2 = __shfl_xor_sync(0xffffffffu, bs, o), j2 = __shfl_xor_sync(0xffffffffu, bj, o);
+                min_victim(bs, bj, s2, j2);
+            }
+            if (bj < 0) {  // nothing to take: full of this call's keys, or no eviction
+                if (lane == 0) atomicAdd(reinterpret_cast<unsigned long long *>(&p.counts[2]), 1ull);
+                return -1;
+            }
+            const int owner = static_cast<int>((bj - base) >> 2);
+            bool won = false;
+            if (lane == owner) won = atomicCAS(&t.marks[bj], vm, p.epoch) == vm;
+            if (!__shfl_sync(0xffffffffu, won, owner)) continue;
+            slot = bj;
+            if (lane == 0) {
+                e = static_cast<int64_t>(atomicAdd(reinterpret_cast<unsigned long long *>(&p.counts[1]), 1ull));
+                p.evicted_keys[e] = __ldcg(&t.keys[slot]);
+                p.evicted_slots[e] = slot;
+                p.evicted_scores[e] = bs;
+            }
+            e = __shfl_sync(0xffffffffu, e, 0);
+        }
+        if (lane == 0) {
+            t.keys[slot] = key;
+            t.scores[slot] = 0;
+            t.digests[slot] = static_cast<uint8_t>(d);
+            p.slots[i] = slot;
+            p.is_new[i] = 1;
+            atomicAdd(reinterpret_cast<unsigned long long *>(&p.counts[0]), 1ull);
+        }
+        return e;
+    }
+}
+
+/* Step 2, a warp per missing key: claim_one, then the new row from the initializer, the touch, and
+ * the row copied out. A key that evicted another leaves its row alone (the caller saves the victim's
+ * row first, then initializes: evicted_new[e] = i). */
 template <typename T>
 __global__ void foi_insert_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
     const int64_t i = warp_index();
     const int lane = threadIdx.x & 31;
     if (i >= p.p.n || p.p.slots[i] >= 0) return;  // uniform per warp
-    const int64_t e = insert_one(t, p.p, i, lane);
+    const int64_t e = claim_one(t, p.p, i, lane);
     __syncwarp();
     const int64_t slot = p.p.slots[i];
     if (slot < 0) return;  // no room: counted as failed
