@@ -697,3 +697,22 @@ def test_find_or_insert_full_table_rows(device, dtype):
     assert ev_keys.numel() > 0
     for k, r in zip(ev_keys.tolist(), ev_rows):
         torch.testing.assert_close(r, before[k], rtol=0, atol=0)
+
+
+def test_find_or_insert_concurrent_claims(device):
+    """Many keys racing for few buckets (4 buckets of 128 slots, batches of 300 distinct keys, LRU
+    eviction from the second batch on): every key of a batch is found afterwards, no key is stored
+    twice, the size matches the occupied slots, and present + evicted keys are exactly the keys seen."""
+    t = DynamicEmbedding(4, 512, device=device, bucket_size=128, eviction="lru", initializer=("constant", 0.5))
+    seen = set()
+    for _ in range(5):
+        q = torch.unique(_t(_keys(300), device))
+        seen |= set(q.tolist())
+        rows = t.find_or_insert(q, unique=True)
+        assert rows.shape == (q.numel(), 4)
+        assert bool(t.find(q)[1].all())
+        keys = t._compact()[0]
+        assert keys.numel() == torch.unique(keys).numel() == len(t) == int((t._digests != 0).sum())
+    ev = t.drain_evicted()[0]
+    assert set(t._compact()[0].tolist()) | set(ev.tolist()) == seen
+    assert ev.numel() + len(t) == len(seen)
