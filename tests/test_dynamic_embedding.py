@@ -594,8 +594,8 @@ def test_bag_eval_and_weight_gradients(device, mode):
 def test_find_op_matches_lookup_gather(device, dim):
     """dynemb_find (probe and copy in one kernel, used for rows >= 512 bytes) against lookup + gather."""
     table = DynamicEmbedding(dim, 64, device=device, bucket_size=16, hbm_budget_bytes=20 * dim * 4)
-    ks = _keys(40)
-    table.insert(_t(ks, device), torch.randn(40, dim, device=device))
+    ks = _keys(30)  # 4 buckets of 16: 40 keys overfilled one about 5% of seeds
+    table.insert(_t(ks, device), torch.randn(30, dim, device=device))
     q = _t(ks[::3] + [random.randint(I64_MIN, I64_MAX) for _ in range(7)], device)
     ops = torch.ops.torchfuse
     rows, slots = ops.dynemb_find(q, table._keys, table._digests, table._marks, table._values, table._values_host, 16)
