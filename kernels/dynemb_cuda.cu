@@ -473,26 +473,37 @@ __device__ __forceinline__ int64_t claim_one(const tf_dynemb_table &t, const tf_
     const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * t.bucket_size;
     const uint32_t d = tf_dynemb_digest(h);
     const bool active = lane < (t.bucket_size >> 2);
+    // Keys of one bucket start their search for an empty slot at different places (from hash bits
+    // the bucket index does not use), so concurrent claimers rarely race for the same slot.
+    const int64_t rot = static_cast<int64_t>((h >> 40) & static_cast<uint64_t>(t.bucket_size - 1));
     for (;;) {
-        int64_t empty = INT64_MAX, vs = 0, vj = -1;
+        int64_t empty = INT64_MAX, order = INT64_MAX, vs = 0, vj = -1;
         int32_t em = 0, vm = 0;
+        uint32_t w = 0;
         if (active) {
-            const uint32_t w = __ldcg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane);
+            w = __ldcg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane);
             for (int b = 0; b < 4; ++b) {
+                if ((w >> (8 * b)) & 0xffu) continue;
+                const int64_t j = base + 4 * lane + b;
+                const int32_t m = __ldcg(&t.marks[j]);
+                const int64_t o = (j - base - rot) & (t.bucket_size - 1);
+                if (m != p.epoch && o < order) { order = o; empty = j; em = m; }
+            }
+        }
+        int64_t best_order = order;
+        for (int o = 16; o > 0; o >>= 1) best_order = min(best_order, __shfl_xor_sync(0xffffffffu, best_order, o));
+        const int64_t best = best_order == INT64_MAX ? INT64_MAX : base + ((best_order + rot) & (t.bucket_size - 1));
+        if (best == INT64_MAX && p.allow_evict && active) {  // full: victims need marks and scores
+            for (int b = 0; b < 4; ++b) {
+                if (((w >> (8 * b)) & 0xffu) == 0) continue;
                 const int64_t j = base + 4 * lane + b;
                 const int32_t m = __ldcg(&t.marks[j]);
                 if (m == p.epoch) continue;
-                if (((w >> (8 * b)) & 0xffu) == 0) {
-                    if (empty == INT64_MAX) { empty = j; em = m; }
-                } else if (p.allow_evict) {
-                    const int64_t pj = vj;
-                    min_victim(vs, vj, __ldcg(&t.scores[j]), j);
-                    if (vj != pj) vm = m;
-                }
+                const int64_t pj = vj;
+                min_victim(vs, vj, __ldcg(&t.scores[j]), j);
+                if (vj != pj) vm = m;
             }
         }
-        int64_t best = empty;
-        for (int o = 16; o > 0; o >>= 1) best = min(best, __shfl_xor_sync(0xffffffffu, best, o));
         int64_t slot = -1, e = -1;
         if (best != INT64_MAX) {
             const int owner = static_cast<int>((best - base) >> 2);
