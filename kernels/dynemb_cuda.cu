@@ -145,6 +145,14 @@ __device__ __forceinline__ bool group_item(const Group<P, N> &g, int64_t item, i
     return true;
 }
 
+// The body of a warp-per-item group kernel: Body(params of the item's table, local index, lane).
+template <typename P, int N, typename Body>
+__device__ __forceinline__ void warp_item(const Group<P, N> &g, Body body) {
+    int t;
+    int64_t i;
+    if (group_item(g, warp_index(), t, i)) body(g.p[t], i, static_cast<int>(threadIdx.x & 31));
+}
+
 __device__ __forceinline__ void lookup_one(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t i, int lane) {
     const int64_t key = p.query[i];
     int64_t found;
@@ -158,10 +166,7 @@ __device__ __forceinline__ void lookup_one(const tf_dynemb_table &t, const tf_dy
 
 template <int N>
 __global__ void lookup_kernel(const __grid_constant__ Group<ProbeArgs, N> g) {
-    int t;
-    int64_t i;
-    if (!group_item(g, warp_index(), t, i)) return;
-    lookup_one(g.p[t].t, g.p[t].p, i, threadIdx.x & 31);
+    warp_item(g, [](const ProbeArgs &a, int64_t i, int lane) { lookup_one(a.t, a.p, i, lane); });
 }
 
 // find: lookup_kernel's probe, then the same warp copies the row (zeros when absent) in 16-byte
@@ -266,10 +271,7 @@ __device__ __forceinline__ int64_t insert_one(const tf_dynemb_table &t, const tf
 
 template <int N>
 __global__ void insert_kernel(const __grid_constant__ Group<ProbeArgs, N> g) {
-    int t;
-    int64_t i;
-    if (!group_item(g, warp_index(), t, i)) return;
-    insert_one(g.p[t].t, g.p[t].p, i, threadIdx.x & 31);
+    warp_item(g, [](const ProbeArgs &a, int64_t i, int lane) { insert_one(a.t, a.p, i, lane); });
 }
 
 template <int N>
@@ -364,10 +366,7 @@ __device__ __forceinline__ void init_one(const tf_dynemb_init_params &p, int64_t
 
 template <int N>
 __global__ void init_kernel(const __grid_constant__ Group<tf_dynemb_init_params, N> g) {
-    int t;
-    int64_t i;
-    if (!group_item(g, warp_index(), t, i)) return;
-    init_one(g.p[t], i, threadIdx.x & 31);
+    warp_item(g, [](const tf_dynemb_init_params &a, int64_t i, int lane) { init_one(a, i, lane); });
 }
 
 __device__ __forceinline__ void update_one(const tf_dynemb_update_params &p, int64_t i, int lane) {
@@ -416,10 +415,7 @@ __device__ __forceinline__ void update_one(const tf_dynemb_update_params &p, int
 
 template <int N>
 __global__ void update_kernel(const __grid_constant__ Group<tf_dynemb_update_params, N> g) {
-    int t;
-    int64_t i;
-    if (!group_item(g, warp_index(), t, i)) return;
-    update_one(g.p[t], i, threadIdx.x & 31);
+    warp_item(g, [](const tf_dynemb_update_params &a, int64_t i, int lane) { update_one(a, i, lane); });
 }
 
 // ---- find-or-insert in two kernels (tf_dynemb_foi_params) ----
@@ -600,10 +596,7 @@ __device__ __forceinline__ void pool_one(const tf_dynemb_pool_params &p, int64_t
 
 template <int N>
 __global__ void pool_kernel(const __grid_constant__ Group<tf_dynemb_pool_params, N> g) {
-    int t;
-    int64_t b;
-    if (!group_item(g, warp_index(), t, b)) return;
-    pool_one(g.p[t], b, threadIdx.x & 31);
+    warp_item(g, [](const tf_dynemb_pool_params &a, int64_t b, int lane) { pool_one(a, b, lane); });
 }
 
 /* Segment sum in two steps (see tf_dynemb_segsum_params). Step 1: one warp per chunk of
