@@ -567,8 +567,47 @@ __global__ void foi_insert_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
                     p.init.values.row_bytes, lane);
 }
 
+/* pool_one for fp32 rows of at most 128 columns, a multiple of 4: lane l sums columns 4l..4l+3 with
+ * one 16-byte load per row. The lanes first load 32 of the bag's slots and weights at once and pass
+ * them round by shuffle, so a row's load waits on no other load, and the loads of consecutive ids can
+ * be in flight together. Same sums, in the same order, as the general loop. */
+__device__ __forceinline__ void pool_one_f32x4(const tf_dynemb_pool_params &p, int64_t b, int lane) {
+    const int64_t o = tf_dynemb_pool_out_index(&p, b);
+    const int64_t i0 = p.offsets[b], i1 = p.offsets[b + 1];
+    const bool mine = 4 * lane < p.dim;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int64_t c = i0; c < i1; c += 32) {
+        const int64_t my = c + lane;
+        const int64_t s = my < i1 ? p.slots[my] : -1;
+        const float w = (p.weights && my < i1) ? p.weights[my] : 1.f;
+        const int cnt = static_cast<int>(i1 - c < 32 ? i1 - c : 32);
+#pragma unroll 4
+        for (int k = 0; k < cnt; ++k) {
+            const int64_t slot = __shfl_sync(0xffffffffu, s, k);
+            const float wk = __shfl_sync(0xffffffffu, w, k);
+            if (slot >= 0 && mine) {
+                const float4 v = reinterpret_cast<const float4 *>(tf_dynemb_row(&p.values, slot))[lane];
+                acc.x += wk * v.x;
+                acc.y += wk * v.y;
+                acc.z += wk * v.z;
+                acc.w += wk * v.w;
+            }
+        }
+    }
+    if (!mine) return;
+    const float div = (p.mean && i1 > i0) ? static_cast<float>(i1 - i0) : 1.f;
+    const float r[4] = {acc.x, acc.y, acc.z, acc.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) store_f32(p.out, p.out_dtype, o + 4 * lane + k, div != 1.f ? r[k] / div : r[k]);
+}
+
 // One warp per bag, lanes over columns; ids of the bag in order (fp32 accumulation).
 __device__ __forceinline__ void pool_one(const tf_dynemb_pool_params &p, int64_t b, int lane) {
+    if (p.dtype == TF_F32 && p.dim <= 128 && p.dim % 4 == 0 &&
+        ((reinterpret_cast<uintptr_t>(p.values.hbm) | reinterpret_cast<uintptr_t>(p.values.host)) & 15) == 0) {
+        pool_one_f32x4(p, b, lane);
+        return;
+    }
     const int64_t o = tf_dynemb_pool_out_index(&p, b);
     const int64_t i0 = p.offsets[b], i1 = p.offsets[b + 1];
     for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * 8) {
