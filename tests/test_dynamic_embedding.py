@@ -716,3 +716,22 @@ def test_find_or_insert_concurrent_claims(device):
     ev = t.drain_evicted()[0]
     assert set(t._compact()[0].tolist()) | set(ev.tolist()) == seen
     assert ev.numel() + len(t) == len(seen)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("dim", [4, 128, 132])
+def test_pool_op_layouts(device, shift, dim):
+    """dynemb_pool against F.embedding_bag for row widths on both sides of the 16-byte fast path
+    (fp32, <= 128 columns, a multiple of 4) and rows that start off a 16-byte boundary."""
+    n = 50
+    rows = torch.randn(n * dim + shift, device=device)[shift:].view(n, dim)
+    host = rows.new_empty(0, dim)
+    slots = _t([random.randrange(-1, n) for _ in range(40)], device)
+    offsets = _t([0, 0, 1, 7, 40], device)
+    w = torch.rand(40, device=device)
+    for weights, mean in [(None, False), (w, False), (None, True)]:
+        got = torch.ops.torchfuse.dynemb_pool(slots, offsets, weights, rows, host, mean)
+        padded = torch.cat([rows, rows.new_zeros(1, dim)])  # slot -1 -> a zero row (counted by mean, as ours)
+        ref = F.embedding_bag(torch.where(slots < 0, n, slots), padded, offsets[:-1], mode="mean" if mean else "sum",
+                              per_sample_weights=weights)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
