@@ -194,6 +194,50 @@ __global__ void find_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, 
     for (int64_t u = lane; u < units; u += 32) dst[u] = src[u];
 }
 
+/* find for 128-slot buckets, four keys per warp: quarter q (lanes 8q..8q+7) probes key 4w+q, each
+ * lane reading 16 of the bucket's digests with one 16-byte load, then the quarter copies that key's
+ * row (zeros when absent). A warp per key kept one probe in flight per 32 lanes; here four are, which
+ * is what a latency-bound probe needs. */
+template <typename T>
+__global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, int64_t *slots,
+                                    tf_dynemb_rows r, char *out) {
+    const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
+    const int64_t i = warp_index() * 4 + q;
+    if (warp_index() * 4 >= n) return;  // uniform per warp
+    const bool valid = i < n;
+    const int64_t key = valid ? query[i] : 0;
+    const uint64_t h = tf_dynemb_hash(key);
+    const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * 128;
+    const uint32_t d = tf_dynemb_digest(h);
+    int64_t found = -1;
+    if (valid) {
+        const uint4 w4 = __ldg(reinterpret_cast<const uint4 *>(t.digests + base) + ql);
+        const uint32_t ws[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const int64_t j = base + 16 * ql + 4 * k + b;
+                if (((ws[k] >> (8 * b)) & 0xffu) == d && t.keys[j] == key) found = j;
+            }
+    }
+    const unsigned m = (__ballot_sync(0xffffffffu, found >= 0) >> (8 * q)) & 0xffu;
+    const int64_t hit = __shfl_sync(0xffffffffu, found, 8 * q + (m ? __ffs(m) - 1 : 0));
+    if (!valid) return;
+    const int64_t slot = m ? hit : -1;
+    if (ql == 0) slots[i] = slot;
+    const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));
+    T *dst = reinterpret_cast<T *>(out + i * r.row_bytes);
+    if (slot < 0) {
+        T zero;
+        memset(&zero, 0, sizeof(T));
+        for (int64_t u = ql; u < units; u += 8) dst[u] = zero;
+        return;
+    }
+    const T *src = reinterpret_cast<const T *>(tf_dynemb_row(&r, slot));
+    for (int64_t u = ql; u < units; u += 8) dst[u] = src[u];
+}
+
 // (valid, score, slot) ordered by score then slot; invalid loses.
 __device__ __forceinline__ void min_victim(int64_t &s, int64_t &j, int64_t s2, int64_t j2) {
     if (j2 >= 0 && (j < 0 || s2 < s || (s2 == s && j2 < j))) { s = s2; j = j2; }
@@ -772,8 +816,17 @@ int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t 
                         const tf_dynemb_rows *r, void *out, void *stream) {
     if (n == 0) return 0;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (copy_unit(r, out) >= 16) find_kernel<uint4><<<grid_for_warps(n), kBlock, 0, s>>>(*t, query, n, slots, *r, static_cast<char *>(out));
-    else find_kernel<uint16_t><<<grid_for_warps(n), kBlock, 0, s>>>(*t, query, n, slots, *r, static_cast<char *>(out));
+    char *o = static_cast<char *>(out);
+    const bool wide = copy_unit(r, out) >= 16;
+    if (t->bucket_size == 128) {  // four keys per warp
+        const unsigned grid = grid_for_warps((n + 3) / 4);
+        if (wide) find_quarter_kernel<uint4><<<grid, kBlock, 0, s>>>(*t, query, n, slots, *r, o);
+        else find_quarter_kernel<uint16_t><<<grid, kBlock, 0, s>>>(*t, query, n, slots, *r, o);
+    } else if (wide) {
+        find_kernel<uint4><<<grid_for_warps(n), kBlock, 0, s>>>(*t, query, n, slots, *r, o);
+    } else {
+        find_kernel<uint16_t><<<grid_for_warps(n), kBlock, 0, s>>>(*t, query, n, slots, *r, o);
+    }
     return static_cast<int>(cudaGetLastError());
 }
 

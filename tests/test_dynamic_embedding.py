@@ -590,15 +590,18 @@ def test_bag_eval_and_weight_gradients(device, mode):
         torch.testing.assert_close(bag.find(_t(pool, device))[0], ref.weight.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bucket", [16, 128])
 @pytest.mark.parametrize("dim", [3, 128])
-def test_find_op_matches_lookup_gather(device, dim):
-    """dynemb_find (probe and copy in one kernel, used for rows >= 512 bytes) against lookup + gather."""
-    table = DynamicEmbedding(dim, 64, device=device, bucket_size=16, hbm_budget_bytes=20 * dim * 4)
-    ks = _keys(30)  # 4 buckets of 16: 40 keys overfilled one about 5% of seeds
+def test_find_op_matches_lookup_gather(device, dim, bucket):
+    """dynemb_find (probe and copy in one kernel; four keys a warp for 128-slot buckets) against
+    lookup + gather, with rows in both tiers."""
+    table = DynamicEmbedding(dim, 4 * bucket, device=device, bucket_size=bucket, hbm_budget_bytes=20 * dim * 4)
+    ks = _keys(30)  # 4 buckets: 40 keys overfilled one of 16 slots about 5% of seeds
     table.insert(_t(ks, device), torch.randn(30, dim, device=device))
     q = _t(ks[::3] + [random.randint(I64_MIN, I64_MAX) for _ in range(7)], device)
     ops = torch.ops.torchfuse
-    rows, slots = ops.dynemb_find(q, table._keys, table._digests, table._marks, table._values, table._values_host, 16)
+    rows, slots = ops.dynemb_find(q, table._keys, table._digests, table._marks, table._values, table._values_host,
+                                  bucket)
     ref_slots = table._lookup(q)
     assert torch.equal(slots, ref_slots)
     assert torch.equal(rows, table._gather(ref_slots, table._values, table._values_host))
