@@ -21,10 +21,10 @@ def main():
         existing = bd.fill(t, a.lf, "cuda")
         q = torch.unique(bd.batch_60(existing, "cuda"))
         res = {}
-        for name, thr in [("lookup+gather", 1 << 30), ("one kernel", 0)]:
-            de._FUSED_FIND_MIN_ROW_BYTES = thr
+        for name, thr, quarter in [("lookup+gather", 1 << 30, False), ("one kernel", 0, True)]:
+            de._FUSED_FIND_MIN_ROW_BYTES, de._QUARTER_FIND = thr, quarter
             res[name] = q.numel() / bd.timed(lambda: t.find(q), reps=5) / 2**30
-        de._FUSED_FIND_MIN_ROW_BYTES = default
+        de._FUSED_FIND_MIN_ROW_BYTES, de._QUARTER_FIND = default, True
         print(f"find dim {dim} lf {a.lf}: " + ", ".join(f"{k} {v:.3f} Gi keys/s" for k, v in res.items()))
         del t
 

@@ -198,9 +198,15 @@ __global__ void find_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, 
  * lane reading 16 of the bucket's digests with one 16-byte load, then the quarter copies that key's
  * row (zeros when absent). A warp per key kept one probe in flight per 32 lanes; here four are, which
  * is what a latency-bound probe needs. */
-template <typename T>
+struct QuarterMark {  // find_or_insert's step 1: found slots are marked and touched, misses left alone
+    int32_t epoch;
+    int policy;
+    int64_t clock;
+};
+
+template <typename T, bool kMark>
 __global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, int64_t *slots,
-                                    tf_dynemb_rows r, char *out) {
+                                    tf_dynemb_rows r, char *out, QuarterMark mk) {
     const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
     const int64_t i = warp_index() * 4 + q;
     if (warp_index() * 4 >= n) return;  // uniform per warp
@@ -226,6 +232,15 @@ __global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int
     if (!valid) return;
     const int64_t slot = m ? hit : -1;
     if (ql == 0) slots[i] = slot;
+    if (kMark) {
+        if (slot < 0) return;  // step 2 inserts it and writes its row
+        if (ql == 0) {
+            t.marks[slot] = mk.epoch;
+            if (mk.policy == TF_DYNEMB_LFU) atomicAdd(reinterpret_cast<unsigned long long *>(&t.scores[slot]), 1ull);
+            else if (mk.policy == TF_DYNEMB_LRU) t.scores[slot] = mk.clock;
+        }
+        if (!out) return;
+    }
     const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));
     T *dst = reinterpret_cast<T *>(out + i * r.row_bytes);
     if (slot < 0) {
@@ -820,8 +835,8 @@ int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t 
     const bool wide = copy_unit(r, out) >= 16;
     if (t->bucket_size == 128) {  // four keys per warp
         const unsigned grid = grid_for_warps((n + 3) / 4);
-        if (wide) find_quarter_kernel<uint4><<<grid, kBlock, 0, s>>>(*t, query, n, slots, *r, o);
-        else find_quarter_kernel<uint16_t><<<grid, kBlock, 0, s>>>(*t, query, n, slots, *r, o);
+        if (wide) find_quarter_kernel<uint4, false><<<grid, kBlock, 0, s>>>(*t, query, n, slots, *r, o, QuarterMark{});
+        else find_quarter_kernel<uint16_t, false><<<grid, kBlock, 0, s>>>(*t, query, n, slots, *r, o, QuarterMark{});
     } else if (wide) {
         find_kernel<uint4><<<grid_for_warps(n), kBlock, 0, s>>>(*t, query, n, slots, *r, o);
     } else {
@@ -890,13 +905,20 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
     if (p->p.n == 0) return 0;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const unsigned grid = grid_for_warps(p->p.n);
-    if (copy_unit(&p->init.values, p->out) >= 16) {
+    const bool wide = copy_unit(&p->init.values, p->out) >= 16;
+    if (t->bucket_size == 128) {  // step 1 four keys per warp
+        const QuarterMark mk{p->p.epoch, p->policy, p->clock};
+        const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
+        char *o = static_cast<char *>(p->out);
+        if (wide) find_quarter_kernel<uint4, true><<<g4, kBlock, 0, s>>>(*t, p->p.query, p->p.n, p->p.slots, p->init.values, o, mk);
+        else find_quarter_kernel<uint16_t, true><<<g4, kBlock, 0, s>>>(*t, p->p.query, p->p.n, p->p.slots, p->init.values, o, mk);
+    } else if (wide) {
         foi_find_kernel<uint4><<<grid, kBlock, 0, s>>>(*t, *p);
-        foi_insert_kernel<uint4><<<grid, kBlock, 0, s>>>(*t, *p);
     } else {
         foi_find_kernel<uint16_t><<<grid, kBlock, 0, s>>>(*t, *p);
-        foi_insert_kernel<uint16_t><<<grid, kBlock, 0, s>>>(*t, *p);
     }
+    if (wide) foi_insert_kernel<uint4><<<grid, kBlock, 0, s>>>(*t, *p);
+    else foi_insert_kernel<uint16_t><<<grid, kBlock, 0, s>>>(*t, *p);
     return static_cast<int>(cudaGetLastError());
 }
 
