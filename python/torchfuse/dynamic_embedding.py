@@ -309,18 +309,23 @@ class DynamicEmbedding(torch.nn.Module):
         self._bump("_size", inserted - n_ev)
         evicted = None
         if n_ev:  # save the evicted rows, then give their slots the new keys' rows
-            s = ev_slots[:n_ev]
-            evicted = (ev_keys[:n_ev].clone(), self._gather(s, self._values, self._values_host),
-                       self._gather(s, self._state, self._state_host), ev_scores[:n_ev].clone())
-            self._record_evicted(evicted)
-            self._bump("_version")
-            new_i = ev_new[:n_ev]
+            evicted = self._save_evicted(ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
+            s, new_i = ev_slots[:n_ev], ev_new[:n_ev]
             self._init_rows(s, keys[new_i], None)
             if with_rows:
                 rows.index_copy_(0, new_i, self._gather(s, self._values, self._values_host))
         if failed:
             raise RuntimeError(self._full_message(failed))
         return slots, is_new, evicted, rows if with_rows else None
+
+    def _save_evicted(self, keys: Tensor, slots: Tensor, scores: Tensor):
+        """(keys, values, optimizer state, scores) of keys an insert evicted, read before their slots
+        are reused, recorded for drain_evicted; bumps the version (slots changed hands)."""
+        evicted = (keys.clone(), self._gather(slots, self._values, self._values_host),
+                   self._gather(slots, self._state, self._state_host), scores.clone())
+        self._record_evicted(evicted)
+        self._bump("_version")
+        return evicted
 
     def _full_message(self, failed: int) -> str:
         return (f"torchfuse.{type(self).__name__}: the table is full (capacity {self.capacity} = max_capacity, "
@@ -348,11 +353,7 @@ class DynamicEmbedding(torch.nn.Module):
             inserted, n_ev, failed = counts.tolist()
             self._size += inserted - n_ev
             if n_ev:
-                s = ev_slots[:n_ev]
-                evicted = (ev_keys[:n_ev].clone(), self._gather(s, self._values, self._values_host),
-                           self._gather(s, self._state, self._state_host), ev_scores[:n_ev].clone())
-                self._record_evicted(evicted)
-                self._version += 1
+                evicted = self._save_evicted(ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
             if inserted:
                 self._init_rows(slots, keys, is_new)
             if failed:

@@ -70,11 +70,7 @@ def find_or_insert(tables, keys: Tensor, starts: List[int], tid_of_keys) -> Tens
             t._bump("_size", inserted - n_ev)
             if n_ev:
                 lo = starts[i]
-                es = ev_slots[lo:lo + n_ev]
-                ev = (ev_keys[lo:lo + n_ev].clone(), t._gather(es, t._values, t._values_host),
-                      t._gather(es, t._state, t._state_host), ev_scores[lo:lo + n_ev].clone())
-                t._record_evicted(ev)
-                t._bump("_version")
+                t._save_evicted(ev_keys[lo:lo + n_ev], ev_slots[lo:lo + n_ev], ev_scores[lo:lo + n_ev])
             if n_failed:
                 failed.append((i, n_failed))
         if any(c[0] for c in counts):
@@ -88,12 +84,7 @@ def find_or_insert(tables, keys: Tensor, starts: List[int], tid_of_keys) -> Tens
             for i, n_failed in failed:
                 t = tables[i]
                 if t.capacity >= t.max_capacity:
-                    raise RuntimeError(
-                        f"torchfuse.{type(t).__name__}: the table is full (capacity {t.capacity} = max_capacity, "
-                        f"{t._size} keys): {n_failed} new keys found their bucket full"
-                        + (" with eviction='none'; raise max_capacity or choose eviction='lru' or 'lfu'"
-                           if t.eviction == "none" else
-                           " of keys used by this same batch; use smaller batches or a larger max_capacity"))
+                    raise RuntimeError(t._full_message(n_failed))
                 t._grow()
             continue
         break

@@ -71,6 +71,15 @@ def _take(carry, h):
     return None
 
 
+def _normed_input(carry, h, weight, bias, eps, kind):
+    """The norm of ``h`` its producer carried over, else computed here (one norm, no residual)."""
+    got = _take(carry, h)
+    if got is not None:
+        return got[0]
+    count("norm_fwd")
+    return _infer(h, None, weight, bias, eps, kind, 0.0)[0]
+
+
 def make_emit(consumer):
     """``emit(x, r, r2)``: ``s = x + r (+ r2)`` in that order, the consumer's norm(s) of ``s`` in the
     same kernel, left in the consumer's carry; returns ``s``. Inference path only.
@@ -114,11 +123,7 @@ def final_norm_forward(norm):
             raise _copied(self)
         count("hf_final_norm")
         if not _grad_enabled():
-            got = _take(carry, hidden_states)
-            if got is not None:
-                return got[0]
-            count("norm_fwd")
-            return _infer(hidden_states, None, p["weight"], p.get("bias"), eps, kind, 0.0)[0]
+            return _normed_input(carry, hidden_states, p["weight"], p.get("bias"), eps, kind)
         return norm(hidden_states)
     return forward
 
@@ -142,12 +147,7 @@ def rms_layer_forward(layer, n_in, n_post, emit):
                                      position_embeddings=position_embeddings, **kwargs)
             x, h = n_post(x, hidden_states)
             return h + mods["mlp"](x)
-        got = _take(carry, hidden_states)
-        if got is not None:
-            x = got[0]
-        else:
-            count("norm_fwd")
-            x = _infer(hidden_states, None, p_in["weight"], None, eps_in, rms, 0.0)[0]
+        x = _normed_input(carry, hidden_states, p_in["weight"], None, eps_in, rms)
         x, _ = mods["self_attn"](hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=past_key_values, use_cache=use_cache,
                                  position_embeddings=position_embeddings, **kwargs)
@@ -241,12 +241,7 @@ def gpt2_block_forward(layer, n_1, n_2, n_cross, emit):
                 hidden_states = h
             x, h = n_2(a, hidden_states)
             return h + mods["mlp"](x)
-        got = _take(carry, hidden_states)
-        if got is not None:
-            x = got[0]
-        else:
-            count("norm_fwd")
-            x = _infer(hidden_states, None, p_1["weight"], p_1["bias"], eps_1, ln, 0.0)[0]
+        x = _normed_input(carry, hidden_states, p_1["weight"], p_1["bias"], eps_1, ln)
         a, _ = mods["attn"](x, past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache,
                             **kwargs)
         if encoder_hidden_states is not None:
