@@ -171,6 +171,11 @@ DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, a
                                          seed, with_rows);
     map_host(f.p.init.values, values_host);
     map_host(f.p.init.state, state_host);
+    at::Tensor miss;  // step 1's per-block lists of missed keys (128-slot buckets)
+    if (bucket_size == 128) {
+        miss = at::empty({tf_dynemb_foi_miss_bytes(query.numel())}, query.options().dtype(at::kByte));
+        f.p.miss = miss.data_ptr<uint8_t>();
+    }
     check_launch(tf_dynemb_find_or_insert_cuda(&f.ins.t, &f.p, stream()), "dynemb find-or-insert kernels");
     return f.result();
 }

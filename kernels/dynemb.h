@@ -117,7 +117,11 @@ typedef struct {
     int policy; int64_t clock;
     void *out;                 /* n rows of values.row_bytes, or NULL */
     int64_t *evicted_new;      /* capacity n */
+    uint8_t *miss;             /* CUDA with 128-slot buckets: scratch of tf_dynemb_foi_miss_bytes(n) */
 } tf_dynemb_foi_params;
+
+/* Step 1 lists the keys it missed per block of 32 keys (count + 32 indices) for step 2. */
+TF_HD int64_t tf_dynemb_foi_miss_bytes(int64_t n) { return 33 * ((n + 31) / 32); }
 
 /* Per row i (unique slots): optimizer step on values[slots[i]] with gradient row grad[i]. */
 typedef struct {

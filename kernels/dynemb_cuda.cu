@@ -39,6 +39,26 @@ __device__ __forceinline__ int64_t warp_index() {
 
 unsigned grid_for_warps(int64_t warps) { return static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock); }
 
+/* Lane l of a group of G lanes copies units l, l + G, ... of a row of `units` T's (zeros when src is
+ * NULL). Four loads are issued before the first store: the compiler cannot know dst and src never
+ * overlap, so a plain copy loop waits for each load in turn (four round trips per lane for a
+ * 512-byte row in a quarter warp). */
+template <typename T, int G>
+__device__ __forceinline__ void copy_units(T *dst, const T *src, int64_t units, int l) {
+    for (int64_t u0 = l; u0 < units; u0 += 4 * G) {
+        T v[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int64_t u = u0 + k * G;
+            if (src && u < units) v[k] = src[u];
+            else memset(&v[k], 0, sizeof(T));
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (u0 + k * G < units) dst[u0 + k * G] = v[k];
+    }
+}
+
 // ---- probing ----
 
 /* A warp probes key's bucket: each lane reads 4 digest bytes (one 32-bit word; a 128-slot bucket's
@@ -182,36 +202,18 @@ __global__ void find_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, 
     const unsigned m = warp_probe(t, key, lane, found);
     const int64_t slot = m ? __shfl_sync(0xffffffffu, found, __ffs(m) - 1) : -1;
     if (lane == 0) slots[i] = slot;
-    const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));
-    T *dst = reinterpret_cast<T *>(out + i * r.row_bytes);
-    if (slot < 0) {
-        T zero;
-        memset(&zero, 0, sizeof(T));
-        for (int64_t u = lane; u < units; u += 32) dst[u] = zero;
-        return;
-    }
-    const T *src = reinterpret_cast<const T *>(tf_dynemb_row(&r, slot));
-    for (int64_t u = lane; u < units; u += 32) dst[u] = src[u];
+    const T *src = slot < 0 ? nullptr : reinterpret_cast<const T *>(tf_dynemb_row(&r, slot));
+    copy_units<T, 32>(reinterpret_cast<T *>(out + i * r.row_bytes), src, r.row_bytes / static_cast<int64_t>(sizeof(T)), lane);
 }
 
 /* find for 128-slot buckets, four keys per warp: quarter q (lanes 8q..8q+7) probes key 4w+q, each
  * lane reading 16 of the bucket's digests with one 16-byte load, then the quarter copies that key's
  * row (zeros when absent). A warp per key kept one probe in flight per 32 lanes; here four are, which
  * is what a latency-bound probe needs. */
-struct QuarterMark {  // find_or_insert's step 1: found slots are marked and touched, misses left alone
-    int32_t epoch;
-    int policy;
-    int64_t clock;
-};
 
-template <typename T, bool kMark>
-__global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, int64_t *slots,
-                                    tf_dynemb_rows r, char *out, QuarterMark mk) {
-    const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
-    const int64_t i = warp_index() * 4 + q;
-    if (warp_index() * 4 >= n) return;  // uniform per warp
-    const bool valid = i < n;
-    const int64_t key = valid ? query[i] : 0;
+// The slot of `key` in its 128-slot bucket, or -1, to the 8 lanes of quarter q (lane ql of it reads
+// digests 16 ql .. 16 ql + 15). Every lane of the warp calls it; invalid quarters get -1.
+__device__ __forceinline__ int64_t quarter_probe(const tf_dynemb_table &t, int64_t key, bool valid, int q, int ql) {
     const uint64_t h = tf_dynemb_hash(key);
     const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * 128;
     const uint32_t d = tf_dynemb_digest(h);
@@ -229,11 +231,47 @@ __global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int
     }
     const unsigned m = (__ballot_sync(0xffffffffu, found >= 0) >> (8 * q)) & 0xffu;
     const int64_t hit = __shfl_sync(0xffffffffu, found, 8 * q + (m ? __ffs(m) - 1 : 0));
-    if (!valid) return;
-    const int64_t slot = m ? hit : -1;
-    if (ql == 0) slots[i] = slot;
+    return m ? hit : -1;
+}
+
+struct QuarterMark {  // find_or_insert's step 1: found slots are marked and touched, misses listed
+    int32_t epoch;
+    int policy;
+    int64_t clock;
+    uint8_t *miss;  // tf_dynemb_foi_params.miss
+};
+
+/* Step 1 of find_or_insert lists each block's misses for step 2 (block b covers keys 32 b .. 32 b +
+ * 31, a quarter warp each): miss[33 b] = how many, miss[33 b + 1 + r] = the r-th missing key's index
+ * within the block, in key order. Step 2 then gives each quarter warp a missing key, instead of
+ * running over every key with most quarters idle. Every thread of the block calls it. */
+__device__ __forceinline__ void list_misses(uint8_t *miss, bool missed) {
+    __shared__ unsigned bits[kWarpsPerBlock];
+    const int lane = threadIdx.x & 31;
+    const unsigned b = __ballot_sync(0xffffffffu, missed && (lane & 7) == 0);
+    if (lane == 0) bits[threadIdx.x >> 5] = b;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint8_t *m = miss + 33 * static_cast<int64_t>(blockIdx.x);
+        int c = 0;
+        for (int w = 0; w < kWarpsPerBlock; ++w)
+            for (unsigned x = bits[w]; x; x &= x - 1) m[1 + c++] = static_cast<uint8_t>(4 * w + ((__ffs(x) - 1) >> 3));
+        m[0] = static_cast<uint8_t>(c);
+    }
+}
+
+template <typename T, bool kMark>
+__global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, int64_t *slots,
+                                    tf_dynemb_rows r, char *out, QuarterMark mk) {
+    const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
+    const int64_t i = warp_index() * 4 + q;
+    if (!kMark && warp_index() * 4 >= n) return;  // uniform per warp (step 1: every thread lists misses)
+    const bool valid = i < n;
+    const int64_t slot = quarter_probe(t, valid ? query[i] : 0, valid, q, ql);
+    if (valid && ql == 0) slots[i] = slot;
     if (kMark) {
-        if (slot < 0) return;  // step 2 inserts it and writes its row
+        list_misses(mk.miss, valid && slot < 0);
+        if (!valid || slot < 0) return;  // step 2 inserts it and writes its row
         if (ql == 0) {
             t.marks[slot] = mk.epoch;
             if (mk.policy == TF_DYNEMB_LFU) atomicAdd(reinterpret_cast<unsigned long long *>(&t.scores[slot]), 1ull);
@@ -241,16 +279,9 @@ __global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int
         }
         if (!out) return;
     }
-    const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));
-    T *dst = reinterpret_cast<T *>(out + i * r.row_bytes);
-    if (slot < 0) {
-        T zero;
-        memset(&zero, 0, sizeof(T));
-        for (int64_t u = ql; u < units; u += 8) dst[u] = zero;
-        return;
-    }
-    const T *src = reinterpret_cast<const T *>(tf_dynemb_row(&r, slot));
-    for (int64_t u = ql; u < units; u += 8) dst[u] = src[u];
+    if (!valid) return;
+    const T *src = slot < 0 ? nullptr : reinterpret_cast<const T *>(tf_dynemb_row(&r, slot));
+    copy_units<T, 8>(reinterpret_cast<T *>(out + i * r.row_bytes), src, r.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
 }
 
 // (valid, score, slot) ordered by score then slot; invalid loses.
@@ -479,11 +510,10 @@ __global__ void update_kernel(const __grid_constant__ Group<tf_dynemb_update_par
 
 // ---- find-or-insert in two kernels (tf_dynemb_foi_params) ----
 
-// Lanes copy a row of row_bytes in units of T.
+// The 32 lanes copy a row of row_bytes in units of T.
 template <typename T>
 __device__ __forceinline__ void copy_row(void *dst, const void *src, int64_t row_bytes, int lane) {
-    const int64_t units = row_bytes / static_cast<int64_t>(sizeof(T));
-    for (int64_t u = lane; u < units; u += 32) static_cast<T *>(dst)[u] = static_cast<const T *>(src)[u];
+    copy_units<T, 32>(static_cast<T *>(dst), static_cast<const T *>(src), row_bytes / static_cast<int64_t>(sizeof(T)), lane);
 }
 
 __device__ __forceinline__ void touch_slot(const tf_dynemb_table &t, int policy, int64_t clock, int64_t slot) {
@@ -624,6 +654,152 @@ __global__ void foi_insert_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
     if (p.out)
         copy_row<T>(static_cast<char *>(p.out) + i * p.init.values.row_bytes, tf_dynemb_row(&p.init.values, slot),
                     p.init.values.row_bytes, lane);
+}
+
+/* Step 2 for 128-slot buckets: quarter warp q of a warp claims a slot for one missing key of step 1's
+ * list (list_misses), as claim_one does but with 8 lanes of 16 slots each, and with atomicExch on the
+ * mark: a claimer wins iff the mark was not yet the epoch, so it need not read the mark first. Every
+ * attempt takes the first free slot in hash-rotated order, skipping slots this quarter lost a swap
+ * for (their digests are written just after the swap, and may still read 0), else (allow_evict) the
+ * unmarked slot of least (score, slot). qmask: the quarter's lanes. */
+struct Claim {
+    int64_t slot;        // -1: no room
+    int64_t victim_key;  // when evicted
+    int64_t victim_score;
+    bool evicted;
+};
+
+__device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t key,
+                                               unsigned qmask, int q, int ql) {
+    const uint64_t h = tf_dynemb_hash(key);
+    const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * 128;
+    const int rot = static_cast<int>((h >> 40) & 127u);
+    unsigned lost = 0;  // bit k: slot base + 16 ql + k was taken by another key under this quarter's eyes
+    for (;;) {
+        const uint4 w4 = __ldcg(reinterpret_cast<const uint4 *>(t.digests + base) + ql);
+        const uint32_t ws[4] = {w4.x, w4.y, w4.z, w4.w};
+        int order = 128;
+#pragma unroll
+        for (int k = 0; k < 16; ++k)
+            if (((ws[k >> 2] >> (8 * (k & 3))) & 0xffu) == 0 && !((lost >> k) & 1u))
+                order = min(order, (16 * ql + k - rot) & 127);
+        for (int o = 4; o > 0; o >>= 1) order = min(order, __shfl_xor_sync(qmask, order, o));
+        if (order < 128) {
+            const int s = (order + rot) & 127, owner = s >> 4;
+            bool won = false;
+            if (ql == owner) {
+                won = atomicExch(&t.marks[base + s], p.epoch) != p.epoch;
+                if (!won) lost |= 1u << (s & 15);
+            }
+            if (__shfl_sync(qmask, won, 8 * q + owner)) return Claim{base + s, 0, 0, false};
+            continue;
+        }
+        if (!p.allow_evict) return Claim{-1, 0, 0, false};
+        // full: the unmarked slot of least (score, slot); marks and scores loaded before use
+        int32_t mk[16];
+        int64_t sc[16];
+        const int64_t j0 = base + 16 * ql;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+            mk[k] = __ldcg(&t.marks[j0 + k]);
+            sc[k] = __ldcg(&t.scores[j0 + k]);
+        }
+        int64_t vs = 0, vj = -1;
+#pragma unroll
+        for (int k = 0; k < 16; ++k)
+            if (mk[k] != p.epoch) min_victim(vs, vj, sc[k], j0 + k);
+        for (int o = 4; o > 0; o >>= 1) {
+            const int64_t s2 = __shfl_xor_sync(qmask, vs, o), j2 = __shfl_xor_sync(qmask, vj, o);
+            min_victim(vs, vj, s2, j2);
+        }
+        if (vj < 0) return Claim{-1, 0, 0, false};  // full of this call's keys
+        const int owner = static_cast<int>((vj - base) >> 4);
+        bool won = false;
+        int64_t vkey = 0;
+        if (ql == owner) {
+            won = atomicExch(&t.marks[vj], p.epoch) != p.epoch;
+            if (won) vkey = __ldcg(&t.keys[vj]);
+        }
+        if (__shfl_sync(qmask, won, 8 * q + owner))
+            return Claim{vj, __shfl_sync(qmask, vkey, 8 * q + owner), vs, true};
+    }
+}
+
+/* Step 2 for 128-slot buckets: block b takes block b's misses from step 1 (miss list), a quarter
+ * warp each: quarter_claim, then the key, digest and score written, the row initialized and, when
+ * asked, written out too (from registers, not read back). Evictions and the counts are numbered
+ * with one global atomic per block. An evicting key leaves its row to the caller (evicted_new). */
+template <typename T>
+__global__ void foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
+    __shared__ int ev_prefix[kWarpsPerBlock + 1];
+    __shared__ int fail_count[kWarpsPerBlock];
+    __shared__ int64_t ev_base;
+    const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7, w = threadIdx.x >> 5;
+    const uint8_t *m = p.miss + 33 * static_cast<int64_t>(blockIdx.x);
+    const int count = m[0];
+    if (count == 0) return;  // uniform per block
+    const int k = 4 * w + q;
+    const bool valid = k < count;
+    const int64_t i = valid ? 32 * static_cast<int64_t>(blockIdx.x) + m[1 + k] : 0;
+    const int64_t key = valid ? p.p.query[i] : 0;
+    Claim c{-1, 0, 0, false};
+    if (valid) c = quarter_claim(t, p.p, key, 0xffu << (8 * q), q, ql);
+    __syncwarp();
+    const unsigned eb = __ballot_sync(0xffffffffu, c.evicted && ql == 0);
+    const unsigned fb = __ballot_sync(0xffffffffu, valid && c.slot < 0 && ql == 0);
+    if (lane == 0) {
+        ev_prefix[w] = __popc(eb);
+        fail_count[w] = __popc(fb);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int ne = 0, nf = 0;
+        for (int x = 0; x < kWarpsPerBlock; ++x) {
+            const int c1 = ev_prefix[x];
+            ev_prefix[x] = ne;
+            ne += c1;
+            nf += fail_count[x];
+        }
+        unsigned long long *counts = reinterpret_cast<unsigned long long *>(p.p.counts);
+        ev_base = ne ? static_cast<int64_t>(atomicAdd(&counts[1], static_cast<unsigned long long>(ne))) : 0;
+        if (count > nf) atomicAdd(&counts[0], static_cast<unsigned long long>(count - nf));
+        if (nf) atomicAdd(&counts[2], static_cast<unsigned long long>(nf));
+    }
+    __syncthreads();
+    if (c.slot < 0) return;  // invalid, or no room (counted as failed)
+    const int64_t slot = c.slot;
+    if (ql == 0) {
+        if (c.evicted) {
+            const int64_t e = ev_base + ev_prefix[w] + __popc(eb & ((1u << (8 * q)) - 1u));
+            p.p.evicted_keys[e] = c.victim_key;
+            p.p.evicted_slots[e] = slot;
+            p.p.evicted_scores[e] = c.victim_score;
+            p.evicted_new[e] = i;
+        }
+        t.keys[slot] = key;
+        t.scores[slot] = p.policy == TF_DYNEMB_LRU ? p.clock : p.policy == TF_DYNEMB_LFU ? 1 : 0;  // new, touched
+        t.digests[slot] = static_cast<uint8_t>(tf_dynemb_digest(tf_dynemb_hash(key)));
+        p.p.slots[i] = slot;
+        p.p.is_new[i] = 1;
+    }
+    if (c.evicted) return;  // the caller saves the victim's row first
+    const tf_dynemb_init_params &in = p.init;
+    char *row = tf_dynemb_row(&in.values, slot);
+    char *o = p.out ? static_cast<char *>(p.out) + i * in.values.row_bytes : nullptr;
+    if (in.init_kind != TF_INIT_NONE) {
+        for (int64_t j = ql; j < in.dim; j += 8) {
+            const float v = static_cast<float>(tf_dynemb_init_value(in.init_kind, in.a, in.b, key, in.seed, j));
+            store_f32(row, in.dtype, j, v);
+            if (o) store_f32(o, in.dtype, j, v);
+        }
+    } else if (o) {  // no initializer: the slot keeps whatever row it had
+        copy_units<T, 8>(reinterpret_cast<T *>(o), reinterpret_cast<const T *>(row),
+                         in.values.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
+    }
+    if (in.state.row_bytes) {
+        float *st = reinterpret_cast<float *>(tf_dynemb_row(&in.state, slot));
+        for (int64_t j = ql; j < in.state.row_bytes / 4; j += 8) st[j] = 0.f;
+    }
 }
 
 /* pool_one for fp32 rows of at most 128 columns, a multiple of 4: lane l sums columns 4l..4l+3 with
@@ -906,13 +1082,20 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const unsigned grid = grid_for_warps(p->p.n);
     const bool wide = copy_unit(&p->init.values, p->out) >= 16;
-    if (t->bucket_size == 128) {  // step 1 four keys per warp
-        const QuarterMark mk{p->p.epoch, p->policy, p->clock};
-        const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
+    if (t->bucket_size == 128) {  // four keys per warp; step 2 over step 1's list of misses
+        const QuarterMark mk{p->p.epoch, p->policy, p->clock, p->miss};
+        const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);  // 33 g4 bytes = tf_dynemb_foi_miss_bytes(n)
         char *o = static_cast<char *>(p->out);
-        if (wide) find_quarter_kernel<uint4, true><<<g4, kBlock, 0, s>>>(*t, p->p.query, p->p.n, p->p.slots, p->init.values, o, mk);
-        else find_quarter_kernel<uint16_t, true><<<g4, kBlock, 0, s>>>(*t, p->p.query, p->p.n, p->p.slots, p->init.values, o, mk);
-    } else if (wide) {
+        if (wide) {
+            find_quarter_kernel<uint4, true><<<g4, kBlock, 0, s>>>(*t, p->p.query, p->p.n, p->p.slots, p->init.values, o, mk);
+            foi_insert_quarter_kernel<uint4><<<g4, kBlock, 0, s>>>(*t, *p);
+        } else {
+            find_quarter_kernel<uint16_t, true><<<g4, kBlock, 0, s>>>(*t, p->p.query, p->p.n, p->p.slots, p->init.values, o, mk);
+            foi_insert_quarter_kernel<uint16_t><<<g4, kBlock, 0, s>>>(*t, *p);
+        }
+        return static_cast<int>(cudaGetLastError());
+    }
+    if (wide) {
         foi_find_kernel<uint4><<<grid, kBlock, 0, s>>>(*t, *p);
     } else {
         foi_find_kernel<uint16_t><<<grid, kBlock, 0, s>>>(*t, *p);
