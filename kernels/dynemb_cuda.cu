@@ -212,15 +212,31 @@ __global__ void find_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, 
  * is what a latency-bound probe needs. */
 
 // The slot of `key` in its 128-slot bucket, or -1, to the 8 lanes of quarter q (lane ql of it reads
-// digests 16 ql .. 16 ql + 15). Every lane of the warp calls it; invalid quarters get -1.
-__device__ __forceinline__ int64_t quarter_probe(const tf_dynemb_table &t, int64_t key, bool valid, int q, int ql) {
+// digests 16 ql .. 16 ql + 15). Every lane of the warp calls it; invalid quarters get -1. With
+// free_order, also the bucket's first empty slot in the key's rotated order (quarter_free_order), or
+// 128 when it has none: where the key would be inserted.
+__device__ __forceinline__ int quarter_free_order(const uint32_t (&ws)[4], int ql, int rot, unsigned skip) {
+    int order = 128;
+#pragma unroll
+    for (int k = 0; k < 16; ++k)
+        if (((ws[k >> 2] >> (8 * (k & 3))) & 0xffu) == 0 && !((skip >> k) & 1u)) order = min(order, (16 * ql + k - rot) & 127);
+    return order;
+}
+
+// Keys of one bucket look for an empty slot from different places (hash bits the bucket index does
+// not use), so concurrent inserts rarely race for one slot.
+__device__ __forceinline__ int insert_rotation(uint64_t h) { return static_cast<int>((h >> 40) & 127u); }
+
+__device__ __forceinline__ int64_t quarter_probe(const tf_dynemb_table &t, int64_t key, bool valid, int q, int ql,
+                                                 int *free_order = nullptr) {
     const uint64_t h = tf_dynemb_hash(key);
     const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * 128;
     const uint32_t d = tf_dynemb_digest(h);
     int64_t found = -1;
+    uint32_t ws[4] = {0u, 0u, 0u, 0u};
     if (valid) {
         const uint4 w4 = __ldg(reinterpret_cast<const uint4 *>(t.digests + base) + ql);
-        const uint32_t ws[4] = {w4.x, w4.y, w4.z, w4.w};
+        ws[0] = w4.x; ws[1] = w4.y; ws[2] = w4.z; ws[3] = w4.w;
 #pragma unroll
         for (int k = 0; k < 4; ++k)
 #pragma unroll
@@ -231,6 +247,11 @@ __device__ __forceinline__ int64_t quarter_probe(const tf_dynemb_table &t, int64
     }
     const unsigned m = (__ballot_sync(0xffffffffu, found >= 0) >> (8 * q)) & 0xffu;
     const int64_t hit = __shfl_sync(0xffffffffu, found, 8 * q + (m ? __ffs(m) - 1 : 0));
+    if (free_order) {
+        int order = quarter_free_order(ws, ql, insert_rotation(h), 0u);
+        for (int o = 4; o > 0; o >>= 1) order = min(order, __shfl_xor_sync(0xffffffffu, order, o));
+        *free_order = order;
+    }
     return m ? hit : -1;
 }
 
@@ -242,21 +263,37 @@ struct QuarterMark {  // find_or_insert's step 1: found slots are marked and tou
 };
 
 /* Step 1 of find_or_insert lists each block's misses for step 2 (block b covers keys 32 b .. 32 b +
- * 31, a quarter warp each): miss[33 b] = how many, miss[33 b + 1 + r] = the r-th missing key's index
- * within the block, in key order. Step 2 then gives each quarter warp a missing key, instead of
- * running over every key with most quarters idle. Every thread of the block calls it. */
-__device__ __forceinline__ void list_misses(uint8_t *miss, bool missed) {
+ * 31, a quarter warp each), so that step 2 gives each quarter warp a missing key instead of running
+ * over every key with most quarters idle. Per block, in tf_dynemb_foi_miss_bytes' layout: the r-th
+ * missing key (in key order), its index within the block, and the slot within its bucket where it
+ * would go by this step's reading of the digests (255: none empty), so step 2 can try that slot
+ * before reading anything. Every thread of the block calls it. */
+struct MissList {
+    int64_t *keys;  // 32 per block
+    uint8_t *info;  // 65 per block: count, 32 indices, 32 slots-in-bucket
+};
+
+__device__ __forceinline__ MissList miss_list(uint8_t *miss, int64_t block, int64_t blocks) {
+    return MissList{reinterpret_cast<int64_t *>(miss) + 32 * block, miss + 256 * blocks + 65 * block};
+}
+
+__device__ __forceinline__ void list_misses(MissList ml, bool missed, int64_t key, int order, int rot) {
     __shared__ unsigned bits[kWarpsPerBlock];
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const unsigned b = __ballot_sync(0xffffffffu, missed && (lane & 7) == 0);
-    if (lane == 0) bits[threadIdx.x >> 5] = b;
+    if (lane == 0) bits[w] = b;
     __syncthreads();
+    if (missed && (lane & 7) == 0) {
+        int r = __popc(b & ((1u << lane) - 1u));
+        for (int x = 0; x < w; ++x) r += __popc(bits[x]);
+        ml.keys[r] = key;
+        ml.info[1 + r] = static_cast<uint8_t>(4 * w + (lane >> 3));
+        ml.info[33 + r] = static_cast<uint8_t>(order < 128 ? (order + rot) & 127 : 255);
+    }
     if (threadIdx.x == 0) {
-        uint8_t *m = miss + 33 * static_cast<int64_t>(blockIdx.x);
         int c = 0;
-        for (int w = 0; w < kWarpsPerBlock; ++w)
-            for (unsigned x = bits[w]; x; x &= x - 1) m[1 + c++] = static_cast<uint8_t>(4 * w + ((__ffs(x) - 1) >> 3));
-        m[0] = static_cast<uint8_t>(c);
+        for (int x = 0; x < kWarpsPerBlock; ++x) c += __popc(bits[x]);
+        ml.info[0] = static_cast<uint8_t>(c);
     }
 }
 
@@ -267,10 +304,13 @@ __global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int
     const int64_t i = warp_index() * 4 + q;
     if (!kMark && warp_index() * 4 >= n) return;  // uniform per warp (step 1: every thread lists misses)
     const bool valid = i < n;
-    const int64_t slot = quarter_probe(t, valid ? query[i] : 0, valid, q, ql);
+    const int64_t key = valid ? query[i] : 0;
+    int order = 128;
+    const int64_t slot = quarter_probe(t, key, valid, q, ql, kMark ? &order : nullptr);
     if (valid && ql == 0) slots[i] = slot;
     if (kMark) {
-        list_misses(mk.miss, valid && slot < 0);
+        list_misses(miss_list(mk.miss, blockIdx.x, gridDim.x), valid && slot < 0, key, order,
+                    insert_rotation(tf_dynemb_hash(key)));
         if (!valid || slot < 0) return;  // step 2 inserts it and writes its row
         if (ql == 0) {
             t.marks[slot] = mk.epoch;
@@ -479,27 +519,45 @@ __device__ __forceinline__ void update_one(const tf_dynemb_update_params &p, int
         __syncwarp();
         if (lane == 0) st[0] = m;
     }
-    for (int64_t j = lane; j < dim; j += 32) {
-        const float g = load_f32(p.grad, p.grad_dtype, g0 + j);
-        float w = load_f32(row, p.dtype, j);
-        switch (p.opt) {
-        case TF_OPT_SGD: w -= p.lr * g; break;
-        case TF_OPT_ADAGRAD: {
-            const float s = st[j] + g * g;
-            st[j] = s;
-            w -= p.lr * g / (sqrtf(s) + p.eps);
-            break;
+    // Four elements per lane at a time, every load issued before the first store (the compiler may
+    // not move a load above a store that could alias it: one round trip per element otherwise).
+    const bool st1 = p.opt == TF_OPT_ADAGRAD || p.opt == TF_OPT_ADAM, st2 = p.opt == TF_OPT_ADAM;
+    for (int64_t j0 = lane; j0 < dim; j0 += 4 * 32) {
+        float g[4], w[4], s1[4], s2[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int64_t j = j0 + 32 * k;
+            g[k] = w[k] = s1[k] = s2[k] = 0.f;
+            if (j < dim) {
+                g[k] = load_f32(p.grad, p.grad_dtype, g0 + j);
+                w[k] = load_f32(row, p.dtype, j);
+                if (st1) s1[k] = st[j];
+                if (st2) s2[k] = st[dim + j];
+            }
         }
-        case TF_OPT_ROWWISE_ADAGRAD: w -= rw_mult * g; break;
-        default: {  // Adam, in torch.optim.SparseAdam's form
-            const float m0 = st[j], v0 = st[dim + j];
-            const float m = m0 + (g - m0) * (1.f - p.beta1), v = v0 + (g * g - v0) * (1.f - p.beta2);
-            st[j] = m;
-            st[dim + j] = v;
-            w += -p.step_size * (m / (sqrtf(v) + p.eps));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int64_t j = j0 + 32 * k;
+            if (j >= dim) break;
+            switch (p.opt) {
+            case TF_OPT_SGD: w[k] -= p.lr * g[k]; break;
+            case TF_OPT_ADAGRAD: {
+                const float sq = s1[k] + g[k] * g[k];
+                st[j] = sq;
+                w[k] -= p.lr * g[k] / (sqrtf(sq) + p.eps);
+                break;
+            }
+            case TF_OPT_ROWWISE_ADAGRAD: w[k] -= rw_mult * g[k]; break;
+            default: {  // Adam, in torch.optim.SparseAdam's form
+                const float m = s1[k] + (g[k] - s1[k]) * (1.f - p.beta1);
+                const float v = s2[k] + (g[k] * g[k] - s2[k]) * (1.f - p.beta2);
+                st[j] = m;
+                st[dim + j] = v;
+                w[k] += -p.step_size * (m / (sqrtf(v) + p.eps));
+            }
+            }
+            store_f32(row, p.dtype, j, w[k]);
         }
-        }
-        store_f32(row, p.dtype, j, w);
     }
 }
 
@@ -658,10 +716,11 @@ __global__ void foi_insert_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
 
 /* Step 2 for 128-slot buckets: quarter warp q of a warp claims a slot for one missing key of step 1's
  * list (list_misses), as claim_one does but with 8 lanes of 16 slots each, and with atomicExch on the
- * mark: a claimer wins iff the mark was not yet the epoch, so it need not read the mark first. Every
- * attempt takes the first free slot in hash-rotated order, skipping slots this quarter lost a swap
- * for (their digests are written just after the swap, and may still read 0), else (allow_evict) the
- * unmarked slot of least (score, slot). qmask: the quarter's lanes. */
+ * mark: a claimer wins iff the mark was not yet the epoch, so it need not read the mark first. The
+ * first attempt takes the slot step 1 chose (`first`, 255: none); only if another key won it does the
+ * quarter read the bucket. Every attempt takes the first free slot in hash-rotated order, skipping
+ * slots this quarter lost a swap for (their digests are written just after the swap, and may still
+ * read 0), else (allow_evict) the unmarked slot of least (score, slot). qmask: the quarter's lanes. */
 struct Claim {
     int64_t slot;        // -1: no room
     int64_t victim_key;  // when evicted
@@ -670,19 +729,24 @@ struct Claim {
 };
 
 __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t key,
-                                               unsigned qmask, int q, int ql) {
+                                               int first, unsigned qmask, int q, int ql) {
     const uint64_t h = tf_dynemb_hash(key);
     const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * 128;
-    const int rot = static_cast<int>((h >> 40) & 127u);
+    const int rot = insert_rotation(h);
     unsigned lost = 0;  // bit k: slot base + 16 ql + k was taken by another key under this quarter's eyes
+    if (first < 128) {  // step 1's choice: no read needed unless another key took it meanwhile
+        const int owner = first >> 4;
+        bool won = false;
+        if (ql == owner) {
+            won = atomicExch(&t.marks[base + first], p.epoch) != p.epoch;
+            if (!won) lost |= 1u << (first & 15);
+        }
+        if (__shfl_sync(qmask, won, 8 * q + owner)) return Claim{base + first, 0, 0, false};
+    }
     for (;;) {
         const uint4 w4 = __ldcg(reinterpret_cast<const uint4 *>(t.digests + base) + ql);
         const uint32_t ws[4] = {w4.x, w4.y, w4.z, w4.w};
-        int order = 128;
-#pragma unroll
-        for (int k = 0; k < 16; ++k)
-            if (((ws[k >> 2] >> (8 * (k & 3))) & 0xffu) == 0 && !((lost >> k) & 1u))
-                order = min(order, (16 * ql + k - rot) & 127);
+        int order = quarter_free_order(ws, ql, rot, lost);
         for (int o = 4; o > 0; o >>= 1) order = min(order, __shfl_xor_sync(qmask, order, o));
         if (order < 128) {
             const int s = (order + rot) & 127, owner = s >> 4;
@@ -730,20 +794,22 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
  * asked, written out too (from registers, not read back). Evictions and the counts are numbered
  * with one global atomic per block. An evicting key leaves its row to the caller (evicted_new). */
 template <typename T>
-__global__ void foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
+__global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
     __shared__ int ev_prefix[kWarpsPerBlock + 1];
     __shared__ int fail_count[kWarpsPerBlock];
     __shared__ int64_t ev_base;
     const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7, w = threadIdx.x >> 5;
-    const uint8_t *m = p.miss + 33 * static_cast<int64_t>(blockIdx.x);
-    const int count = m[0];
-    if (count == 0) return;  // uniform per block
+    const MissList ml = miss_list(p.miss, blockIdx.x, gridDim.x);
     const int k = 4 * w + q;
+    // the block's count, this quarter's entry and key: one round of independent loads
+    const int count = ml.info[0], local = ml.info[1 + k], first = ml.info[33 + k];
+    const int64_t listed = ml.keys[k];
+    if (count == 0) return;  // uniform per block
     const bool valid = k < count;
-    const int64_t i = valid ? 32 * static_cast<int64_t>(blockIdx.x) + m[1 + k] : 0;
-    const int64_t key = valid ? p.p.query[i] : 0;
+    const int64_t i = 32 * static_cast<int64_t>(blockIdx.x) + local;
+    const int64_t key = valid ? listed : 0;
     Claim c{-1, 0, 0, false};
-    if (valid) c = quarter_claim(t, p.p, key, 0xffu << (8 * q), q, ql);
+    if (valid) c = quarter_claim(t, p.p, key, first, 0xffu << (8 * q), q, ql);
     __syncwarp();
     const unsigned eb = __ballot_sync(0xffffffffu, c.evicted && ql == 0);
     const unsigned fb = __ballot_sync(0xffffffffu, valid && c.slot < 0 && ql == 0);
@@ -880,6 +946,9 @@ __global__ void pool_kernel(const __grid_constant__ Group<tf_dynemb_pool_params,
  * A run of one id that lies wholly inside the chunk is written to out; a run cut by the chunk's
  * edge is written to partial: slot 0 when the id began in an earlier chunk, slot 1 when it begins
  * here and goes on. */
+// Columns per lane per pass over a chunk (a pass covers 32 kSegCols columns; wider rows take more).
+constexpr int kSegCols = 4;
+
 __global__ void segsum_chunk_kernel(tf_dynemb_segsum_params p) {
     const int64_t k = warp_index();
     const int lane = threadIdx.x & 31;
@@ -900,33 +969,47 @@ __global__ void segsum_chunk_kernel(tf_dynemb_segsum_params p) {
         if (p.seg[mid] <= q0) lo = mid;
         else hi = mid - 1;
     }
-    for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * 8) {
-        float acc[8];
+    for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * kSegCols) {
+        float acc[kSegCols];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+        for (int j = 0; j < kSegCols; ++j) acc[j] = 0.f;
         int64_t u = lo, u_begin = p.seg[u], u_end = p.seg[u + 1];
-        for (int64_t q = q0; q < q1; ++q) {
-            const int64_t src = __shfl_sync(0xffffffffu, my_src, (int)(q - q0));
-            const float s = __shfl_sync(0xffffffffu, my_scale, (int)(q - q0));
+        // Four occurrences' rows are loaded before any is summed: runs are mostly one occurrence
+        // long, and a run's store would otherwise hold back the next row's load.
+        for (int64_t qb = q0; qb < q1; qb += 4) {
+            float v[4][kSegCols];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int64_t c = c0 + lane + 32 * j;
-                if (c < p.dim) acc[j] += s * load_f32(p.grad, p.grad_dtype, src * p.dim + c);
-            }
-            if (q + 1 == u_end || q + 1 == q1) { /* the run of id u ends here */
-                float *dst;
-                if (u_begin >= q0 && u_end <= q1) dst = p.out + u * p.dim;
-                else dst = p.partial + ((2 * k + (u_begin < q0 ? 0 : 1)) * p.dim);
+            for (int r = 0; r < 4; ++r) {
+                const int64_t q = qb + r;
+                const int64_t src = __shfl_sync(0xffffffffu, my_src, (int)((q < q1 ? q : q0) - q0));
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
+                for (int j = 0; j < kSegCols; ++j) {
                     const int64_t c = c0 + lane + 32 * j;
-                    if (c < p.dim) dst[c] = acc[j];
-                    acc[j] = 0.f;
+                    v[r][j] = q < q1 && c < p.dim ? load_f32(p.grad, p.grad_dtype, src * p.dim + c) : 0.f;
                 }
-                if (q + 1 < q1 && u + 1 < p.n_unique) { /* the next id begins at q + 1 (unique ids own non-empty runs) */
-                    ++u;
-                    u_begin = u_end;
-                    u_end = p.seg[u + 1];
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int64_t q = qb + r;
+                if (q >= q1) break;
+                const float s = __shfl_sync(0xffffffffu, my_scale, (int)(q - q0));
+#pragma unroll
+                for (int j = 0; j < kSegCols; ++j) acc[j] += s * v[r][j];
+                if (q + 1 == u_end || q + 1 == q1) { /* the run of id u ends here */
+                    float *dst;
+                    if (u_begin >= q0 && u_end <= q1) dst = p.out + u * p.dim;
+                    else dst = p.partial + ((2 * k + (u_begin < q0 ? 0 : 1)) * p.dim);
+#pragma unroll
+                    for (int j = 0; j < kSegCols; ++j) {
+                        const int64_t c = c0 + lane + 32 * j;
+                        if (c < p.dim) dst[c] = acc[j];
+                        acc[j] = 0.f;
+                    }
+                    if (q + 1 < q1 && u + 1 < p.n_unique) { /* the next id begins at q + 1 (unique ids own non-empty runs) */
+                        ++u;
+                        u_begin = u_end;
+                        u_end = p.seg[u + 1];
+                    }
                 }
             }
         }

@@ -677,27 +677,31 @@ def test_group_ops_opcheck(device):
         torch.library.opcheck(op, args)
 
 
+@pytest.mark.parametrize("dim", [6, 32])
+@pytest.mark.parametrize("bucket_size, n_first, n_new", [(32, 24, 20), (128, 120, 60)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_find_or_insert_full_table_rows(device, dtype):
-    """find_or_insert on a full table (the one-op path): rows returned for found, new and
-    evicting keys equal the table's rows afterwards; new rows are the initializer's; evicted keys
-    come back with the rows they had."""
-    t = DynamicEmbedding(6, 32, device=device, dtype=dtype, bucket_size=32, eviction="lru",  # one bucket
+def test_find_or_insert_full_table_rows(device, dtype, bucket_size, n_first, n_new, dim):
+    """find_or_insert on a full table of one bucket (the one-op path; 128-slot buckets take the
+    quarter-warp kernels on the GPU, 6 and 32 columns the 2- and 16-byte row copies): rows returned
+    for found, new and evicting keys equal the table's rows afterwards; new rows are the
+    initializer's; evicted keys come back with the rows they had."""
+    t = DynamicEmbedding(dim, bucket_size, device=device, dtype=dtype, bucket_size=bucket_size, eviction="lru",
                          initializer=("uniform", -1.0, 1.0), seed=5)
-    first = _t(_keys(24), device)
-    t.insert(first, torch.randn(24, 6, device=device).to(dtype))
+    first = _t(_keys(n_first), device)
+    t.insert(first, torch.randn(n_first, dim, device=device).to(dtype))
     before = {k: r.clone() for k, r in zip(first.tolist(), t.find(first)[0])}
-    q = torch.cat([first[:5], _t(_keys(20), device)])  # 5 found, 20 new: 44 keys for 32 slots
+    q = torch.cat([first[:5], _t(_keys(n_new), device)])  # 5 found and n_new new keys: more than the slots
     q = torch.unique(q)
     rows = t.find_or_insert(q)
     got, found = t.find(q)
     assert bool(found.all())
+    assert len(t) == bucket_size
     torch.testing.assert_close(rows, got, rtol=0, atol=0)
-    ref = DynamicEmbedding(6, 1024, device=device, dtype=dtype, initializer=("uniform", -1.0, 1.0), seed=5)
+    ref = DynamicEmbedding(dim, 1024, device=device, dtype=dtype, initializer=("uniform", -1.0, 1.0), seed=5)
     new = torch.tensor([k not in before for k in q.tolist()], device=device)
     torch.testing.assert_close(rows[new], ref.find_or_insert(q[new]), rtol=0, atol=0)
     ev_keys, ev_rows, _, _ = t.drain_evicted()
-    assert ev_keys.numel() > 0
+    assert ev_keys.numel() == len(before) + int(new.sum()) - bucket_size  # _keys repeats special keys
     for k, r in zip(ev_keys.tolist(), ev_rows):
         torch.testing.assert_close(r, before[k], rtol=0, atol=0)
 
