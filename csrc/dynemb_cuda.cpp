@@ -173,6 +173,7 @@ DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, a
     map_host(f.p.init.state, state_host);
     at::Tensor miss;  // step 1's per-block lists of missed keys (128-slot buckets)
     if (bucket_size == 128) {
+        TORCH_CHECK(query.numel() < (int64_t{1} << 31), "torchfuse.dynemb_find_or_insert: at most 2^31 - 1 keys per call");
         miss = at::empty({tf_dynemb_foi_miss_bytes(query.numel())}, query.options().dtype(at::kByte));
         f.p.miss = miss.data_ptr<uint8_t>();
     }

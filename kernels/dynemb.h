@@ -120,9 +120,9 @@ typedef struct {
     uint8_t *miss;             /* CUDA with 128-slot buckets: scratch of tf_dynemb_foi_miss_bytes(n) */
 } tf_dynemb_foi_params;
 
-/* Step 1 lists the keys it missed per block of 32 keys for step 2: 32 keys (int64), then per block a
- * count, 32 indices and 32 slot choices (bytes). */
-TF_HD int64_t tf_dynemb_foi_miss_bytes(int64_t n) { return (256 + 65) * ((n + 31) / 32); }
+/* Step 1 lists the keys it missed for step 2: a count (8 bytes), then n keys (int64), n indices (int32:
+ * n < 2^31) and n slot choices (bytes). */
+TF_HD int64_t tf_dynemb_foi_miss_bytes(int64_t n) { return 8 + 13 * n; }
 
 /* Per row i (unique slots): optimizer step on values[slots[i]] with gradient row grad[i]. */
 typedef struct {

@@ -37,6 +37,15 @@ __device__ __forceinline__ int64_t warp_index() {
     return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }
 
+// Multiprocessors of the current device (asked once per device).
+int sm_count() {
+    static int cache[64] = {0};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+    if (!cache[dev] && cudaDeviceGetAttribute(&cache[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 132;
+    return cache[dev];
+}
+
 unsigned grid_for_warps(int64_t warps) { return static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock); }
 
 /* Lane l of a group of G lanes copies units l, l + G, ... of a row of `units` T's (zeros when src is
@@ -262,38 +271,44 @@ struct QuarterMark {  // find_or_insert's step 1: found slots are marked and tou
     uint8_t *miss;  // tf_dynemb_foi_params.miss
 };
 
-/* Step 1 of find_or_insert lists each block's misses for step 2 (block b covers keys 32 b .. 32 b +
- * 31, a quarter warp each), so that step 2 gives each quarter warp a missing key instead of running
- * over every key with most quarters idle. Per block, in tf_dynemb_foi_miss_bytes' layout: the r-th
- * missing key (in key order), its index within the block, and the slot within its bucket where it
- * would go by this step's reading of the digests (255: none empty), so step 2 can try that slot
- * before reading anything. Every thread of the block calls it. */
+/* Step 1 of find_or_insert lists the keys it missed for step 2, so that step 2 runs a quarter warp
+ * per missing key instead of over every key with most quarters idle. Per missing key: the key, its
+ * index in the batch, and the slot within its bucket where it would go by this step's reading of the
+ * digests (255: none empty), so step 2 can try that slot before reading anything. A block appends its
+ * misses with one atomic on the count (the list's order is the blocks' arrival order: slot placement
+ * on the GPU never was deterministic). Layout: tf_dynemb_foi_miss_bytes. */
 struct MissList {
-    int64_t *keys;  // 32 per block
-    uint8_t *info;  // 65 per block: count, 32 indices, 32 slots-in-bucket
+    unsigned long long *count;  // zeroed before step 1
+    int64_t *keys;
+    int32_t *index;
+    uint8_t *first;
 };
 
-__device__ __forceinline__ MissList miss_list(uint8_t *miss, int64_t block, int64_t blocks) {
-    return MissList{reinterpret_cast<int64_t *>(miss) + 32 * block, miss + 256 * blocks + 65 * block};
+__device__ __forceinline__ MissList miss_list(uint8_t *miss, int64_t n) {
+    return MissList{reinterpret_cast<unsigned long long *>(miss), reinterpret_cast<int64_t *>(miss + 8),
+                    reinterpret_cast<int32_t *>(miss + 8 + 8 * n), miss + 8 + 12 * n};
 }
 
-__device__ __forceinline__ void list_misses(MissList ml, bool missed, int64_t key, int order, int rot) {
+// Every thread of the block calls it; `missed` is read at the quarter leaders (lane % 8 == 0).
+__device__ __forceinline__ void list_misses(MissList ml, bool missed, int64_t key, int64_t i, int order, int rot) {
     __shared__ unsigned bits[kWarpsPerBlock];
+    __shared__ unsigned long long base;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const unsigned b = __ballot_sync(0xffffffffu, missed && (lane & 7) == 0);
     if (lane == 0) bits[w] = b;
     __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned c = 0;
+        for (int x = 0; x < kWarpsPerBlock; ++x) c += __popc(bits[x]);
+        base = c ? atomicAdd(ml.count, static_cast<unsigned long long>(c)) : 0ull;
+    }
+    __syncthreads();
     if (missed && (lane & 7) == 0) {
-        int r = __popc(b & ((1u << lane) - 1u));
+        int64_t r = static_cast<int64_t>(base) + __popc(b & ((1u << lane) - 1u));
         for (int x = 0; x < w; ++x) r += __popc(bits[x]);
         ml.keys[r] = key;
-        ml.info[1 + r] = static_cast<uint8_t>(4 * w + (lane >> 3));
-        ml.info[33 + r] = static_cast<uint8_t>(order < 128 ? (order + rot) & 127 : 255);
-    }
-    if (threadIdx.x == 0) {
-        int c = 0;
-        for (int x = 0; x < kWarpsPerBlock; ++x) c += __popc(bits[x]);
-        ml.info[0] = static_cast<uint8_t>(c);
+        ml.index[r] = static_cast<int32_t>(i);
+        ml.first[r] = static_cast<uint8_t>(order < 128 ? (order + rot) & 127 : 255);
     }
 }
 
@@ -309,8 +324,7 @@ __global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int
     const int64_t slot = quarter_probe(t, key, valid, q, ql, kMark ? &order : nullptr);
     if (valid && ql == 0) slots[i] = slot;
     if (kMark) {
-        list_misses(miss_list(mk.miss, blockIdx.x, gridDim.x), valid && slot < 0, key, order,
-                    insert_rotation(tf_dynemb_hash(key)));
+        list_misses(miss_list(mk.miss, n), valid && slot < 0, key, i, order, insert_rotation(tf_dynemb_hash(key)));
         if (!valid || slot < 0) return;  // step 2 inserts it and writes its row
         if (ql == 0) {
             t.marks[slot] = mk.epoch;
@@ -620,7 +634,7 @@ __device__ __forceinline__ int64_t claim_one(const tf_dynemb_table &t, const tf_
     // the bucket index does not use), so concurrent claimers rarely race for the same slot.
     const int64_t rot = static_cast<int64_t>((h >> 40) & static_cast<uint64_t>(t.bucket_size - 1));
     for (;;) {
-        int64_t empty = INT64_MAX, order = INT64_MAX, vs = 0, vj = -1;
+        int64_t order = INT64_MAX, vs = 0, vj = -1;
         int32_t em = 0, vm = 0;
         uint32_t w = 0;
         if (active) {
@@ -630,7 +644,7 @@ __device__ __forceinline__ int64_t claim_one(const tf_dynemb_table &t, const tf_
                 const int64_t j = base + 4 * lane + b;
                 const int32_t m = __ldcg(&t.marks[j]);
                 const int64_t o = (j - base - rot) & (t.bucket_size - 1);
-                if (m != p.epoch && o < order) { order = o; empty = j; em = m; }
+                if (m != p.epoch && o < order) { order = o; em = m; }
             }
         }
         int64_t best_order = order;
@@ -789,82 +803,89 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
     }
 }
 
-/* Step 2 for 128-slot buckets: block b takes block b's misses from step 1 (miss list), a quarter
- * warp each: quarter_claim, then the key, digest and score written, the row initialized and, when
- * asked, written out too (from registers, not read back). Evictions and the counts are numbered
- * with one global atomic per block. An evicting key leaves its row to the caller (evicted_new). */
+/* Step 2 for 128-slot buckets: a resident grid walks step 1's list of misses, 32 keys per block per
+ * round, a quarter warp each: quarter_claim, then the key, digest and score written, the row
+ * initialized and, when asked, written out too (from registers, not read back). Evictions and the
+ * counts are numbered with one global atomic per block and round. An evicting key leaves its row to
+ * the caller (evicted_new). */
 template <typename T>
 __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
-    __shared__ int ev_prefix[kWarpsPerBlock + 1];
+    __shared__ int ev_prefix[kWarpsPerBlock];
     __shared__ int fail_count[kWarpsPerBlock];
     __shared__ int64_t ev_base;
     const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7, w = threadIdx.x >> 5;
-    const MissList ml = miss_list(p.miss, blockIdx.x, gridDim.x);
-    const int k = 4 * w + q;
-    // the block's count, this quarter's entry and key: one round of independent loads
-    const int count = ml.info[0], local = ml.info[1 + k], first = ml.info[33 + k];
-    const int64_t listed = ml.keys[k];
-    if (count == 0) return;  // uniform per block
-    const bool valid = k < count;
-    const int64_t i = 32 * static_cast<int64_t>(blockIdx.x) + local;
-    const int64_t key = valid ? listed : 0;
-    Claim c{-1, 0, 0, false};
-    if (valid) c = quarter_claim(t, p.p, key, first, 0xffu << (8 * q), q, ql);
-    __syncwarp();
-    const unsigned eb = __ballot_sync(0xffffffffu, c.evicted && ql == 0);
-    const unsigned fb = __ballot_sync(0xffffffffu, valid && c.slot < 0 && ql == 0);
-    if (lane == 0) {
-        ev_prefix[w] = __popc(eb);
-        fail_count[w] = __popc(fb);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int ne = 0, nf = 0;
-        for (int x = 0; x < kWarpsPerBlock; ++x) {
-            const int c1 = ev_prefix[x];
-            ev_prefix[x] = ne;
-            ne += c1;
-            nf += fail_count[x];
+    const MissList ml = miss_list(p.miss, p.p.n);
+    const int64_t count = static_cast<int64_t>(*ml.count);
+    unsigned long long *counts = reinterpret_cast<unsigned long long *>(p.p.counts);
+    for (int64_t r0 = 32 * static_cast<int64_t>(blockIdx.x); r0 < count; r0 += 32 * static_cast<int64_t>(gridDim.x)) {
+        const int64_t k = r0 + 4 * w + q;  // uniform per block: the loop and the barriers in it
+        const bool valid = k < count;
+        int64_t key = 0, i = 0;
+        int first = 255;
+        if (valid) {  // independent loads: one round trip
+            key = ml.keys[k];
+            i = ml.index[k];
+            first = ml.first[k];
         }
-        unsigned long long *counts = reinterpret_cast<unsigned long long *>(p.p.counts);
-        ev_base = ne ? static_cast<int64_t>(atomicAdd(&counts[1], static_cast<unsigned long long>(ne))) : 0;
-        if (count > nf) atomicAdd(&counts[0], static_cast<unsigned long long>(count - nf));
-        if (nf) atomicAdd(&counts[2], static_cast<unsigned long long>(nf));
-    }
-    __syncthreads();
-    if (c.slot < 0) return;  // invalid, or no room (counted as failed)
-    const int64_t slot = c.slot;
-    if (ql == 0) {
-        if (c.evicted) {
-            const int64_t e = ev_base + ev_prefix[w] + __popc(eb & ((1u << (8 * q)) - 1u));
-            p.p.evicted_keys[e] = c.victim_key;
-            p.p.evicted_slots[e] = slot;
-            p.p.evicted_scores[e] = c.victim_score;
-            p.evicted_new[e] = i;
+        Claim c{-1, 0, 0, false};
+        if (valid) c = quarter_claim(t, p.p, key, first, 0xffu << (8 * q), q, ql);
+        __syncwarp();
+        const unsigned eb = __ballot_sync(0xffffffffu, c.evicted && ql == 0);
+        const unsigned fb = __ballot_sync(0xffffffffu, valid && c.slot < 0 && ql == 0);
+        const unsigned vb = __ballot_sync(0xffffffffu, valid && ql == 0);
+        if (lane == 0) {
+            ev_prefix[w] = __popc(eb);
+            fail_count[w] = __popc(fb) | (__popc(vb) << 8);
         }
-        t.keys[slot] = key;
-        t.scores[slot] = p.policy == TF_DYNEMB_LRU ? p.clock : p.policy == TF_DYNEMB_LFU ? 1 : 0;  // new, touched
-        t.digests[slot] = static_cast<uint8_t>(tf_dynemb_digest(tf_dynemb_hash(key)));
-        p.p.slots[i] = slot;
-        p.p.is_new[i] = 1;
-    }
-    if (c.evicted) return;  // the caller saves the victim's row first
-    const tf_dynemb_init_params &in = p.init;
-    char *row = tf_dynemb_row(&in.values, slot);
-    char *o = p.out ? static_cast<char *>(p.out) + i * in.values.row_bytes : nullptr;
-    if (in.init_kind != TF_INIT_NONE) {
-        for (int64_t j = ql; j < in.dim; j += 8) {
-            const float v = static_cast<float>(tf_dynemb_init_value(in.init_kind, in.a, in.b, key, in.seed, j));
-            store_f32(row, in.dtype, j, v);
-            if (o) store_f32(o, in.dtype, j, v);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int ne = 0, nf = 0, nv = 0;
+            for (int x = 0; x < kWarpsPerBlock; ++x) {
+                const int c1 = ev_prefix[x];
+                ev_prefix[x] = ne;
+                ne += c1;
+                nf += fail_count[x] & 0xff;
+                nv += fail_count[x] >> 8;
+            }
+            ev_base = ne ? static_cast<int64_t>(atomicAdd(&counts[1], static_cast<unsigned long long>(ne))) : 0;
+            if (nv > nf) atomicAdd(&counts[0], static_cast<unsigned long long>(nv - nf));
+            if (nf) atomicAdd(&counts[2], static_cast<unsigned long long>(nf));
         }
-    } else if (o) {  // no initializer: the slot keeps whatever row it had
-        copy_units<T, 8>(reinterpret_cast<T *>(o), reinterpret_cast<const T *>(row),
-                         in.values.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
-    }
-    if (in.state.row_bytes) {
-        float *st = reinterpret_cast<float *>(tf_dynemb_row(&in.state, slot));
-        for (int64_t j = ql; j < in.state.row_bytes / 4; j += 8) st[j] = 0.f;
+        __syncthreads();
+        if (c.slot < 0) continue;  // invalid, or no room (counted as failed)
+        const int64_t slot = c.slot;
+        if (ql == 0) {
+            if (c.evicted) {
+                const int64_t e = ev_base + ev_prefix[w] + __popc(eb & ((1u << (8 * q)) - 1u));
+                p.p.evicted_keys[e] = c.victim_key;
+                p.p.evicted_slots[e] = slot;
+                p.p.evicted_scores[e] = c.victim_score;
+                p.evicted_new[e] = i;
+            }
+            t.keys[slot] = key;
+            t.scores[slot] = p.policy == TF_DYNEMB_LRU ? p.clock : p.policy == TF_DYNEMB_LFU ? 1 : 0;  // new, touched
+            t.digests[slot] = static_cast<uint8_t>(tf_dynemb_digest(tf_dynemb_hash(key)));
+            p.p.slots[i] = slot;
+            p.p.is_new[i] = 1;
+        }
+        if (c.evicted) continue;  // the caller saves the victim's row first
+        const tf_dynemb_init_params &in = p.init;
+        char *row = tf_dynemb_row(&in.values, slot);
+        char *o = p.out ? static_cast<char *>(p.out) + i * in.values.row_bytes : nullptr;
+        if (in.init_kind != TF_INIT_NONE) {
+            for (int64_t j = ql; j < in.dim; j += 8) {
+                const float v = static_cast<float>(tf_dynemb_init_value(in.init_kind, in.a, in.b, key, in.seed, j));
+                store_f32(row, in.dtype, j, v);
+                if (o) store_f32(o, in.dtype, j, v);
+            }
+        } else if (o) {  // no initializer: the slot keeps whatever row it had
+            copy_units<T, 8>(reinterpret_cast<T *>(o), reinterpret_cast<const T *>(row),
+                             in.values.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
+        }
+        if (in.state.row_bytes) {
+            float *st = reinterpret_cast<float *>(tf_dynemb_row(&in.state, slot));
+            for (int64_t j = ql; j < in.state.row_bytes / 4; j += 8) st[j] = 0.f;
+        }
     }
 }
 
@@ -1167,14 +1188,18 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
     const bool wide = copy_unit(&p->init.values, p->out) >= 16;
     if (t->bucket_size == 128) {  // four keys per warp; step 2 over step 1's list of misses
         const QuarterMark mk{p->p.epoch, p->policy, p->clock, p->miss};
-        const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);  // 33 g4 bytes = tf_dynemb_foi_miss_bytes(n)
+        const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
+        // step 2: one resident wave (4 blocks per SM by its launch bounds), or fewer for small batches
+        const unsigned g2 = g4 < 4u * static_cast<unsigned>(sm_count()) ? g4 : 4u * static_cast<unsigned>(sm_count());
         char *o = static_cast<char *>(p->out);
+        cudaError_t err = cudaMemsetAsync(p->miss, 0, 8, s);  // the list's count
+        if (err != cudaSuccess) return static_cast<int>(err);
         if (wide) {
             find_quarter_kernel<uint4, true><<<g4, kBlock, 0, s>>>(*t, p->p.query, p->p.n, p->p.slots, p->init.values, o, mk);
-            foi_insert_quarter_kernel<uint4><<<g4, kBlock, 0, s>>>(*t, *p);
+            foi_insert_quarter_kernel<uint4><<<g2, kBlock, 0, s>>>(*t, *p);
         } else {
             find_quarter_kernel<uint16_t, true><<<g4, kBlock, 0, s>>>(*t, p->p.query, p->p.n, p->p.slots, p->init.values, o, mk);
-            foi_insert_quarter_kernel<uint16_t><<<g4, kBlock, 0, s>>>(*t, *p);
+            foi_insert_quarter_kernel<uint16_t><<<g2, kBlock, 0, s>>>(*t, *p);
         }
         return static_cast<int>(cudaGetLastError());
     }
