@@ -488,6 +488,9 @@ def test_bad_inputs(device):
         bag(_t([1, 2, 3], device), _t([0, 4], device))
     with pytest.raises(TypeError, match="offsets"):
         bag(_t([1, 2, 3], device), torch.tensor([0.0], device=device))
+    with torch.no_grad(), pytest.raises(ValueError, match="offsets"):
+        bag(_t([1, 2, 3], device), _t([0, 2, 1], device))
+    assert len(bag) == 0  # refused before any id was inserted
     with pytest.raises(ValueError, match="per_sample_weights"):
         DynamicEmbeddingBag(3, 8, device=device, mode="mean")(_t([1], device), _t([0], device),
                                                               torch.ones(1, device=device))

@@ -6,7 +6,7 @@ keys, digests (0 = empty slot, so every int64 is a usable key), scores, values a
 indexed by slot. Operations are the internal ops ``torch.ops.torchfuse.dynemb_*`` on those tensors.
 """
 import math
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -554,12 +554,15 @@ class DynamicEmbedding(torch.nn.Module):
             rows = self._gather(slots, self._values, self._values_host)
         return rows, inv
 
-    def _group(self, flat: Tensor):
+    def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None):
         """One stable sort of the batch: (perm, seg, slots_u, uniq, slots_id). perm lists the ids
         grouped by unique id, seg the group bounds, slots_u the unique ids' slots (inserted in
-        training mode), slots_id each id's slot."""
+        training mode), slots_id each id's slot. check (if given) runs before the table is touched,
+        right after unique_consecutive's host sync, so a check that reads the device waits on nothing."""
         sorted_ids, perm = torch.sort(flat, stable=True)
         uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        if check is not None:
+            check()
         seg = F.pad(torch.cumsum(counts, 0), (1, 0))
         slots_u = self._find_or_insert(uniq)[0] if self.training else self._lookup(uniq)
         slots_id = torch.empty_like(flat)
@@ -685,15 +688,18 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             raise ValueError(f"{name}: offsets must be on {self.device}, got {offsets.device}")
         n = flat.numel()
         offsets = offsets.to(torch.int64)
+        bad = None  # offsets checked on the device; read (a host sync) before anything uses them
         if offsets.numel():
             bad = (offsets[0] != 0) | (offsets[-1] > n) | (offsets[1:] < offsets[:-1]).any()
             if incl:
                 bad = bad | (offsets[-1] != n)
-            if bool(bad):
-                raise ValueError(f"{name}: offsets must start at 0, be non-decreasing and end at most at "
-                                 f"len(ids) = {n}" + (" (exactly, with include_last_offset)" if incl else ""))
         elif incl or n:
             raise ValueError(f"{name}: empty offsets with {n} ids")
+
+        def check_offsets():
+            if bad is not None and bool(bad):
+                raise ValueError(f"{name}: offsets must start at 0, be non-decreasing and end at most at "
+                                 f"len(ids) = {n}" + (" (exactly, with include_last_offset)" if incl else ""))
         if per_sample_weights is not None:
             if self.mode != "sum":
                 raise ValueError(f"{name}: per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
@@ -701,6 +707,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
                 raise ValueError(f"{name}: per_sample_weights must have the shape {tuple(ids.shape)} and device of ids")
             per_sample_weights = per_sample_weights.reshape(-1)
         if per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled():
+            check_offsets()
             # gradients for the weights too: PyTorch's embedding_bag on the batch's unique rows
             rows, inv = self._embed(flat)
             if inv is None:
@@ -711,9 +718,13 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         mean = self.mode == "mean"
         w = per_sample_weights.float().contiguous() if per_sample_weights is not None else None
         if not self._need_grad():
-            slots = self._lookup(flat) if not self.training else self._group(flat)[4]
+            if self.training:
+                slots = self._group(flat, check_offsets)[4]
+            else:
+                check_offsets()
+                slots = self._lookup(flat)
             return _ops.dynemb_pool(slots, full, w, self._values, self._values_host, mean)
-        perm, seg, slots_u, uniq, slots_id = self._group(flat)
+        perm, seg, slots_u, uniq, slots_id = self._group(flat, check_offsets)
         lengths = full[1:] - full[:-1]
         bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=self.device), lengths, output_size=n)
         scale = w if w is not None else ((1.0 / lengths.clamp(min=1).float())[bag_of] if mean else None)
