@@ -235,6 +235,37 @@ DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, a
     return ins;
 }
 
+tf_dynemb_evict_params dynemb_evict_params(const at::Tensor &slots, const at::Tensor &new_index, const at::Tensor &keys,
+                                           const at::Tensor &values, const at::Tensor &values_host,
+                                           const at::Tensor &state, const at::Tensor &state_host, at::Tensor &rows,
+                                           int64_t init_kind, double a, double b, int64_t seed, at::Tensor &old_values,
+                                           at::Tensor &old_state) {
+    const char *op = "torchfuse.dynemb_evict_rows";
+    check_index(slots, values, op, "slots");
+    check_index(new_index, values, op, "new_index");
+    check_index(keys, values, op, "keys");
+    TORCH_CHECK(new_index.numel() == slots.numel(), op, ": new_index must have one entry per slot (", slots.numel(),
+                "), got ", new_index.numel());
+    tf_dynemb_evict_params p{};
+    p.init = dynemb_init_params(slots, slots, std::nullopt, values, values_host, state, state_host, init_kind, a, b,
+                                seed);
+    p.n = slots.numel();
+    p.slots = slots.data_ptr<int64_t>();
+    p.new_index = new_index.data_ptr<int64_t>();
+    p.keys = keys.data_ptr<int64_t>();
+    check_same_device(rows, values, op, "rows", "values");
+    TORCH_CHECK(rows.numel() == 0 || (rows.dim() == 2 && rows.size(0) == keys.numel() && rows.size(1) == values.size(1) &&
+                                      rows.scalar_type() == values.scalar_type() && rows.is_contiguous()),
+                op, ": rows must be empty or contiguous (", keys.numel(), ", ", values.size(1), ") ",
+                values.scalar_type(), ", got ", rows.scalar_type(), " ", rows.sizes());
+    p.rows_out = rows.numel() ? rows.data_ptr() : nullptr;
+    old_values = at::empty({p.n, values.size(1)}, values.options());
+    old_state = at::empty({p.n, state.size(1)}, state.options());
+    p.old_values = old_values.data_ptr();
+    p.old_state = old_state.data_ptr<float>();
+    return p;
+}
+
 DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests, at::Tensor &scores,
                                  at::Tensor &marks, at::Tensor *locks, at::Tensor &values, at::Tensor &values_host,
                                  at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
@@ -325,6 +356,17 @@ void init_cpu(const at::Tensor &slots, const at::Tensor &keys, const std::option
     at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_cpu(&p, b0, e0); });
 }
 
+std::tuple<at::Tensor, at::Tensor> evict_rows_cpu(const at::Tensor &slots, const at::Tensor &new_index,
+                                                  const at::Tensor &keys, at::Tensor &values, at::Tensor &values_host,
+                                                  at::Tensor &state, at::Tensor &state_host, at::Tensor &rows,
+                                                  int64_t init_kind, double a, double b, int64_t seed) {
+    at::Tensor old_values, old_state;
+    tf_dynemb_evict_params p = dynemb_evict_params(slots, new_index, keys, values, values_host, state, state_host, rows,
+                                                   init_kind, a, b, seed, old_values, old_state);
+    at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_evict_rows_cpu(&p, b0, e0); });
+    return {old_values, old_state};
+}
+
 void update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::Tensor &values, at::Tensor &values_host,
                 at::Tensor &state, at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1,
                 double beta2, double step_size) {
@@ -410,6 +452,7 @@ TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("dynemb_scatter", &scatter_cpu);
     m.impl("dynemb_init", &init_cpu);
     m.impl("dynemb_update", &update_cpu);
+    m.impl("dynemb_evict_rows", &evict_rows_cpu);
 }
 
 }  // namespace torchfuse

@@ -67,6 +67,12 @@ struct DynembFoi {
         return {slots, rows, ins.is_new, ins.ev_keys, ins.ev_slots, ins.ev_scores, ev_new, ins.counts};
     }
 };
+// dynemb_evict_rows' checks and parameters; old_values / old_state are allocated here.
+tf_dynemb_evict_params dynemb_evict_params(const at::Tensor &slots, const at::Tensor &new_index, const at::Tensor &keys,
+                                           const at::Tensor &values, const at::Tensor &values_host,
+                                           const at::Tensor &state, const at::Tensor &state_host, at::Tensor &rows,
+                                           int64_t init_kind, double a, double b, int64_t seed, at::Tensor &old_values,
+                                           at::Tensor &old_state);
 DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests, at::Tensor &scores,
                                  at::Tensor &marks, at::Tensor *locks, at::Tensor &values, at::Tensor &values_host,
                                  at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,

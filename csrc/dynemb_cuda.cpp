@@ -114,6 +114,20 @@ void init_cuda(const at::Tensor &slots, const at::Tensor &keys, const std::optio
     check_launch(tf_dynemb_init_cuda(&p, stream()), "dynemb init kernel");
 }
 
+std::tuple<at::Tensor, at::Tensor> evict_rows_cuda(const at::Tensor &slots, const at::Tensor &new_index,
+                                                   const at::Tensor &keys, at::Tensor &values, at::Tensor &values_host,
+                                                   at::Tensor &state, at::Tensor &state_host, at::Tensor &rows,
+                                                   int64_t init_kind, double a, double b, int64_t seed) {
+    const c10::cuda::CUDAGuard guard(values.device());
+    at::Tensor old_values, old_state;
+    tf_dynemb_evict_params p = dynemb_evict_params(slots, new_index, keys, values, values_host, state, state_host, rows,
+                                                   init_kind, a, b, seed, old_values, old_state);
+    map_host(p.init.values, values_host);
+    map_host(p.init.state, state_host);
+    check_launch(tf_dynemb_evict_rows_cuda(&p, stream()), "dynemb evict-rows kernel");
+    return {old_values, old_state};
+}
+
 void update_cuda(const at::Tensor &slots, const at::Tensor &grad, at::Tensor &values, at::Tensor &values_host,
                  at::Tensor &state, at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1,
                  double beta2, double step_size) {
@@ -284,6 +298,7 @@ TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("dynemb_scatter", &scatter_cuda);
     m.impl("dynemb_init", &init_cuda);
     m.impl("dynemb_update", &update_cuda);
+    m.impl("dynemb_evict_rows", &evict_rows_cuda);
     m.impl("dynemb_host_rows", &host_rows_cuda);
 }
 

@@ -108,6 +108,11 @@ TORCH_LIBRARY(torchfuse, m) {
           "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
           "int init_kind, float a, float b, int seed, bool with_rows) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+    // find_or_insert's eviction row work (tf_dynemb_evict_params): returns the victims' (values,
+    // state); their slots get the new keys' initial rows, copied into rows (n or 0 x dim) too.
+    m.def("dynemb_evict_rows(Tensor slots, Tensor new_index, Tensor keys, Tensor(a!) values, "
+          "Tensor(b!) values_host, Tensor(c!) state, Tensor(d!) state_host, Tensor(e!) rows, int init_kind, "
+          "float a, float b, int seed) -> (Tensor, Tensor)");
     // Table-batched forms (a collection's tables in one launch each, as FBGEMM's TBE): the items of
     // the batch (keys, bags) are concatenated, table t owning [starts[t], starts[t + 1]); every other
     // list has one entry per table, and each table's part means what the single-table op means.

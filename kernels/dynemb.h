@@ -124,6 +124,20 @@ typedef struct {
  * n < 2^31) and n slot choices (bytes). */
 TF_HD int64_t tf_dynemb_foi_miss_bytes(int64_t n) { return 8 + 13 * n; }
 
+/* The row work of find_or_insert's evictions, after the call's counts are known: per eviction e,
+ * old_values[e] / old_state[e] = the victim's row and optimizer state (slot slots[e]), then the slot
+ * gets the row of key keys[new_index[e]] from the initializer and zeroed state, and, when rows_out is
+ * not NULL, row new_index[e] of rows_out gets that new row. init: values, state, dtype, dim and the
+ * initializer (its n, slots, keys and mask are unused). */
+typedef struct {
+    int64_t n;
+    const int64_t *slots, *new_index, *keys;
+    tf_dynemb_init_params init;
+    void *rows_out;
+    void *old_values;
+    float *old_state;
+} tf_dynemb_evict_params;
+
 /* Per row i (unique slots): optimizer step on values[slots[i]] with gradient row grad[i]. */
 typedef struct {
     int64_t n;
@@ -201,6 +215,7 @@ void tf_dynemb_gather_cpu(const tf_dynemb_rows *r, const int64_t *slots, void *o
 /* row slots[i] = src[i] (skipped where slots[i] < 0). */
 void tf_dynemb_scatter_cpu(const tf_dynemb_rows *r, const int64_t *slots, const void *src, int64_t begin, int64_t end);
 void tf_dynemb_init_cpu(const tf_dynemb_init_params *p, int64_t begin, int64_t end);
+void tf_dynemb_evict_rows_cpu(const tf_dynemb_evict_params *p, int64_t begin, int64_t end);
 void tf_dynemb_update_cpu(const tf_dynemb_update_params *p, int64_t begin, int64_t end);
 void tf_dynemb_pool_cpu(const tf_dynemb_pool_params *p, int64_t begin, int64_t end);
 void tf_dynemb_segsum_cpu(const tf_dynemb_segsum_params *p, int64_t begin, int64_t end);
@@ -215,6 +230,7 @@ int tf_dynemb_touch_cuda(int64_t *scores, const int64_t *slots, int64_t n, int p
 int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, void *out, void *stream);
 int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, const void *src, void *stream);
 int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream);
+int tf_dynemb_evict_rows_cuda(const tf_dynemb_evict_params *p, void *stream);
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream);
 int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream);
 int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream);

@@ -96,6 +96,25 @@ void tf_dynemb_init_cpu(const tf_dynemb_init_params *p, int64_t begin, int64_t e
     }
 }
 
+void tf_dynemb_evict_rows_cpu(const tf_dynemb_evict_params *p, int64_t begin, int64_t end) {
+    const tf_dynemb_init_params *in = &p->init;
+    const int64_t vb = in->values.row_bytes, sb = in->state.row_bytes;
+    for (int64_t e = begin; e < end; ++e) {
+        char *row = tf_dynemb_row(&in->values, p->slots[e]);
+        const int64_t i = p->new_index[e];
+        memcpy((char *)p->old_values + e * vb, row, (size_t)vb);
+        if (sb) {
+            char *st = tf_dynemb_row(&in->state, p->slots[e]);
+            memcpy((char *)p->old_state + e * sb, st, (size_t)sb);
+            memset(st, 0, (size_t)sb);
+        }
+        if (in->init_kind != TF_INIT_NONE)
+            for (int64_t j = 0; j < in->dim; ++j)
+                tf_store_f32(row, in->dtype, j, (float)tf_dynemb_init_value(in->init_kind, in->a, in->b, p->keys[i], in->seed, j));
+        if (p->rows_out) memcpy((char *)p->rows_out + i * vb, row, (size_t)vb);
+    }
+}
+
 void tf_dynemb_update_cpu(const tf_dynemb_update_params *p, int64_t begin, int64_t end) {
     const int64_t dim = p->dim;
     for (int64_t i = begin; i < end; ++i) {

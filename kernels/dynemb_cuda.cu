@@ -508,6 +508,40 @@ __device__ __forceinline__ void init_one(const tf_dynemb_init_params &p, int64_t
     }
 }
 
+/* A warp per eviction (tf_dynemb_evict_params): the victim's row and state copied out, then the new
+ * key's row written to the slot and to the output from registers. The warp barrier orders the lanes'
+ * reads of the old row before any lane's writes of the new one. */
+template <typename T>
+__global__ void evict_rows_kernel(tf_dynemb_evict_params p) {
+    const int64_t e = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (e >= p.n) return;
+    const tf_dynemb_init_params &in = p.init;
+    const int64_t slot = p.slots[e], i = p.new_index[e];
+    const int64_t vb = in.values.row_bytes, sb = in.state.row_bytes;
+    char *row = tf_dynemb_row(&in.values, slot);
+    copy_units<T, 32>(reinterpret_cast<T *>(static_cast<char *>(p.old_values) + e * vb), reinterpret_cast<const T *>(row),
+                      vb / static_cast<int64_t>(sizeof(T)), lane);
+    if (sb) {
+        float *st = reinterpret_cast<float *>(tf_dynemb_row(&in.state, slot));
+        copy_units<float, 32>(p.old_state + e * (sb / 4), st, sb / 4, lane);
+        __syncwarp();
+        for (int64_t j = lane; j < sb / 4; j += 32) st[j] = 0.f;
+    }
+    __syncwarp();
+    char *o = p.rows_out ? static_cast<char *>(p.rows_out) + i * vb : nullptr;
+    if (in.init_kind != TF_INIT_NONE) {
+        const int64_t key = p.keys[i];
+        for (int64_t j = lane; j < in.dim; j += 32) {
+            const float v = static_cast<float>(tf_dynemb_init_value(in.init_kind, in.a, in.b, key, in.seed, j));
+            store_f32(row, in.dtype, j, v);
+            if (o) store_f32(o, in.dtype, j, v);
+        }
+    } else if (o) {
+        copy_units<T, 32>(reinterpret_cast<T *>(o), reinterpret_cast<const T *>(row), vb / static_cast<int64_t>(sizeof(T)), lane);
+    }
+}
+
 template <int N>
 __global__ void init_kernel(const __grid_constant__ Group<tf_dynemb_init_params, N> g) {
     warp_item(g, [](const tf_dynemb_init_params &a, int64_t i, int lane) { init_one(a, i, lane); });
@@ -773,19 +807,24 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
             continue;
         }
         if (!p.allow_evict) return Claim{-1, 0, 0, false};
-        // full: the unmarked slot of least (score, slot); marks and scores loaded before use
-        int32_t mk[16];
-        int64_t sc[16];
-        const int64_t j0 = base + 16 * ql;
+        break;  // full: no slot frees up during a call, so no need to look at the digests again
+    }
+    // The unmarked slot of least (score, slot). Marks and scores are read once: the keys of a bucket
+    // all want its least victim, and a quarter that loses one takes the next from what it read (a
+    // stale entry only costs a lost swap), instead of reading 128 marks and scores again.
+    int64_t sc[16];
+    unsigned eligible = 0;  // bit k: slot j0 + k was unmarked when read and not lost since
+    const int64_t j0 = base + 16 * ql;
 #pragma unroll
-        for (int k = 0; k < 16; ++k) {
-            mk[k] = __ldcg(&t.marks[j0 + k]);
-            sc[k] = __ldcg(&t.scores[j0 + k]);
-        }
+    for (int k = 0; k < 16; ++k) {
+        sc[k] = __ldcg(&t.scores[j0 + k]);
+        if (__ldcg(&t.marks[j0 + k]) != p.epoch) eligible |= 1u << k;
+    }
+    for (;;) {
         int64_t vs = 0, vj = -1;
 #pragma unroll
         for (int k = 0; k < 16; ++k)
-            if (mk[k] != p.epoch) min_victim(vs, vj, sc[k], j0 + k);
+            if ((eligible >> k) & 1u) min_victim(vs, vj, sc[k], j0 + k);
         for (int o = 4; o > 0; o >>= 1) {
             const int64_t s2 = __shfl_xor_sync(qmask, vs, o), j2 = __shfl_xor_sync(qmask, vj, o);
             min_victim(vs, vj, s2, j2);
@@ -797,6 +836,7 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
         if (ql == owner) {
             won = atomicExch(&t.marks[vj], p.epoch) != p.epoch;
             if (won) vkey = __ldcg(&t.keys[vj]);
+            else eligible &= ~(1u << (vj - j0));
         }
         if (__shfl_sync(qmask, won, 8 * q + owner))
             return Claim{vj, __shfl_sync(qmask, vkey, 8 * q + owner), vs, true};
@@ -1179,6 +1219,16 @@ int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_
 int tf_dynemb_group_init_cuda(const tf_dynemb_init_params *p, const int64_t *start, int n_tables, void *stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     return TF_GROUP_LAUNCH(tf_dynemb_init_params, p, start, n_tables, init_kernel, grid_for_warps, s);
+}
+
+int tf_dynemb_evict_rows_cuda(const tf_dynemb_evict_params *p, void *stream) {
+    if (p->n == 0) return 0;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const bool wide = copy_unit(&p->init.values, p->old_values) >= 16 &&
+                      (p->rows_out == nullptr || copy_unit(&p->init.values, p->rows_out) >= 16);
+    if (wide) evict_rows_kernel<uint4><<<grid_for_warps(p->n), kBlock, 0, s>>>(*p);
+    else evict_rows_kernel<uint8_t><<<grid_for_warps(p->n), kBlock, 0, s>>>(*p);
+    return static_cast<int>(cudaGetLastError());
 }
 
 int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream) {

@@ -640,6 +640,9 @@ def test_ops_opcheck(device):
                                              t._scores.clone(), t._marks.clone(), t._locks.clone(), t._values.clone(),
                                              t._values_host.clone(), t._state.clone(), t._state_host.clone(),
                                              t.bucket_size, 6, True, 0, 9, 2, -1.0, 1.0, 3, True)),
+        (ops.dynemb_evict_rows.default, (found[:2], _t([2, 0], device), q, t._values.clone(), t._values_host.clone(),
+                                         t._state.clone(), t._state_host.clone(), torch.zeros(4, 5, **f32), 2,
+                                         -1.0, 1.0, 3)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -689,10 +692,13 @@ def test_find_or_insert_full_table_rows(device, dtype, bucket_size, n_first, n_n
     for found, new and evicting keys equal the table's rows afterwards; new rows are the
     initializer's; evicted keys come back with the rows they had."""
     t = DynamicEmbedding(dim, bucket_size, device=device, dtype=dtype, bucket_size=bucket_size, eviction="lru",
-                         initializer=("uniform", -1.0, 1.0), seed=5)
+                         initializer=("uniform", -1.0, 1.0), seed=5, optimizer=tfo.Adam(0.1))
     first = _t(_keys(n_first), device)
     t.insert(first, torch.randn(n_first, dim, device=device).to(dtype))
+    t._state.copy_(torch.randn_like(t._state))  # optimizer state travels with an evicted key
     before = {k: r.clone() for k, r in zip(first.tolist(), t.find(first)[0])}
+    slots_before = dict(zip(first.tolist(), t._lookup(first).tolist()))
+    state_before = {k: t._state[s].clone() for k, s in slots_before.items()}
     q = torch.cat([first[:5], _t(_keys(n_new), device)])  # 5 found and n_new new keys: more than the slots
     q = torch.unique(q)
     rows = t.find_or_insert(q)
@@ -703,10 +709,13 @@ def test_find_or_insert_full_table_rows(device, dtype, bucket_size, n_first, n_n
     ref = DynamicEmbedding(dim, 1024, device=device, dtype=dtype, initializer=("uniform", -1.0, 1.0), seed=5)
     new = torch.tensor([k not in before for k in q.tolist()], device=device)
     torch.testing.assert_close(rows[new], ref.find_or_insert(q[new]), rtol=0, atol=0)
-    ev_keys, ev_rows, _, _ = t.drain_evicted()
+    ev_keys, ev_rows, ev_state, _ = t.drain_evicted()
     assert ev_keys.numel() == len(before) + int(new.sum()) - bucket_size  # _keys repeats special keys
-    for k, r in zip(ev_keys.tolist(), ev_rows):
+    for k, r, st in zip(ev_keys.tolist(), ev_rows, ev_state):
         torch.testing.assert_close(r, before[k], rtol=0, atol=0)
+        torch.testing.assert_close(st, state_before[k], rtol=0, atol=0)
+    new_slots = t._lookup(q[new])
+    assert bool((t._state[new_slots] == 0).all())  # new keys start with zeroed optimizer state
 
 
 def test_find_or_insert_concurrent_claims(device):

@@ -308,21 +308,24 @@ class DynamicEmbedding(torch.nn.Module):
         inserted, n_ev, failed = counts.tolist()
         self._bump("_size", inserted - n_ev)
         evicted = None
-        if n_ev:  # save the evicted rows, then give their slots the new keys' rows
-            evicted = self._save_evicted(ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
-            s, new_i = ev_slots[:n_ev], ev_new[:n_ev]
-            self._init_rows(s, keys[new_i], None)
-            if with_rows:
-                rows.index_copy_(0, new_i, self._gather(s, self._values, self._values_host))
+        if n_ev:  # one kernel: the victims' rows and state out, the new keys' rows in (and into rows)
+            old_values, old_state = _ops.dynemb_evict_rows(
+                ev_slots[:n_ev], ev_new[:n_ev], keys, self._values, self._values_host, self._state, self._state_host,
+                rows, _INIT_KINDS[kind], a, b, self.seed)
+            evicted = self._save_evicted(ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev], old_values, old_state)
         if failed:
             raise RuntimeError(self._full_message(failed))
         return slots, is_new, evicted, rows if with_rows else None
 
-    def _save_evicted(self, keys: Tensor, slots: Tensor, scores: Tensor):
+    def _save_evicted(self, keys: Tensor, slots: Tensor, scores: Tensor, values: Optional[Tensor] = None,
+                      state: Optional[Tensor] = None):
         """(keys, values, optimizer state, scores) of keys an insert evicted, read before their slots
-        are reused, recorded for drain_evicted; bumps the version (slots changed hands)."""
-        evicted = (keys.clone(), self._gather(slots, self._values, self._values_host),
-                   self._gather(slots, self._state, self._state_host), scores.clone())
+        are reused (unless already read: values, state), recorded for drain_evicted; bumps the
+        version (slots changed hands)."""
+        if values is None:
+            values = self._gather(slots, self._values, self._values_host)
+            state = self._gather(slots, self._state, self._state_host)
+        evicted = (keys.clone(), values, state, scores.clone())
         self._record_evicted(evicted)
         self._bump("_version")
         return evicted
@@ -762,6 +765,11 @@ def _insert_fake(query, slots, keys, digests, scores, marks, locks, bucket_size,
     n = query.shape[0]
     return (query.new_empty((n,), dtype=torch.uint8), query.new_empty((n,)), query.new_empty((n,)),
             query.new_empty((n,)), query.new_empty((3,)))
+
+
+@torch.library.register_fake("torchfuse::dynemb_evict_rows")
+def _evict_rows_fake(slots, new_index, keys, values, values_host, state, state_host, rows, init_kind, a, b, seed):
+    return values.new_empty(slots.shape[0], values.shape[1]), state.new_empty(slots.shape[0], state.shape[1])
 
 
 @torch.library.register_fake("torchfuse::dynemb_find_or_insert")
