@@ -15,6 +15,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dim", type=int, default=8)
     ap.add_argument("--lf", type=float, default=0.5)
+    ap.add_argument("--host", action="store_true", help="host-side ops of the call (self CPU time) instead")
     a = ap.parse_args()
     t = torchfuse.DynamicEmbedding(a.dim, 16 * bd.M, device="cuda", eviction="lru", initializer=("constant", 0.0))
     existing = bd.fill(t, a.lf, "cuda")
@@ -25,10 +26,12 @@ def main():
     t.find_or_insert(qs[1], unique=True)
     torch.cuda.synchronize()
     print(f"dim {a.dim} lf {a.lf}: find_or_insert of {qs[1].numel()} keys: {(time.perf_counter() - t0) * 1e3:.3f} ms wall")
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
+    acts = [ProfilerActivity.CPU] if a.host else [ProfilerActivity.CUDA]
+    with profile(activities=acts) as p:
         t.find_or_insert(qs[2], unique=True)
         torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
+    print(p.key_averages().table(sort_by="self_cpu_time_total" if a.host else "cuda_time_total", row_limit=18,
+                                 max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,11 @@ def main():
             torch.cuda.synchronize()
         print(f"== {name} ({a.opt})")
         print(p.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70))
+    with profile(activities=[ProfilerActivity.CPU]) as p:  # where our host time goes
+        ours()
+        torch.cuda.synchronize()
+    print("== torchfuse host ops (self CPU)")
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ echo "bench exit $?"; tail -40 "$OUT/bench.log"
 # where the GPU time goes: one find_or_insert call, one training step (ours and PyTorch's)
 if [ "${PROFILE:-1}" = 1 ]; then
   (cd benchmarks && for d in 8 128; do for lf in 0.5 1.0; do timeout 60 python3 profile_dynemb.py --dim $d --lf $lf; done; done) > "$OUT/profile_foi.txt" 2>&1
+  (cd benchmarks && timeout 60 python3 profile_dynemb.py --dim 8 --host) > "$OUT/profile_foi_host.txt" 2>&1
   (cd benchmarks && timeout 90 python3 profile_dynemb_train.py --opt sgd) > "$OUT/profile_train.txt" 2>&1
   echo "profiles exit $?"
 fi

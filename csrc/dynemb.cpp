@@ -276,7 +276,7 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     TORCH_CHECK(epoch > 0, op, ": epoch must be > 0 (found keys are marked with it)");
     DynembFoi f{};
     check_index(query, keys, op, "query");
-    f.slots = at::full({query.numel()}, -1, query.options());
+    f.slots = at::empty({query.numel()}, query.options());  // the probe writes every entry
     f.ins = prepare_dynemb_insert(query, f.slots, keys, digests, scores, marks, locks, bucket_size, epoch, allow_evict);
     f.p.p = f.ins.p;
     f.p.init = dynemb_init_params(f.slots, query, std::nullopt, values, values_host, state, state_host, init_kind, a,
@@ -287,7 +287,7 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     f.p.clock = clock;
     f.rows = at::empty(row_shape(values, with_rows ? query.numel() : 0), values.options());
     f.p.out = with_rows ? f.rows.data_ptr() : nullptr;
-    f.ev_new = at::full({query.numel()}, -1, query.options());
+    f.ev_new = at::empty({query.numel()}, query.options());  // defined below counts[1] only
     f.p.evicted_new = f.ev_new.data_ptr<int64_t>();
     return f;
 }

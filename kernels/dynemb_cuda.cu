@@ -508,37 +508,38 @@ __device__ __forceinline__ void init_one(const tf_dynemb_init_params &p, int64_t
     }
 }
 
-/* A warp per eviction (tf_dynemb_evict_params): the victim's row and state copied out, then the new
- * key's row written to the slot and to the output from registers. The warp barrier orders the lanes'
- * reads of the old row before any lane's writes of the new one. */
-template <typename T>
+/* A warp (or quarter warp, G = 8) per eviction (tf_dynemb_evict_params): the victim's row and state
+ * copied out, then the new key's row written to the slot and to the output from registers. The
+ * barrier orders the lanes' reads of the old row before any lane's writes of the new one. */
+template <typename T, int G>
 __global__ void evict_rows_kernel(tf_dynemb_evict_params p) {
-    const int64_t e = warp_index();
-    const int lane = threadIdx.x & 31;
+    // G lanes per eviction: 32, or 8 for rows of at most 128 bytes (four rows in flight per warp)
+    const int64_t e = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / G;
+    const int lane = threadIdx.x % G;
     if (e >= p.n) return;
     const tf_dynemb_init_params &in = p.init;
     const int64_t slot = p.slots[e], i = p.new_index[e];
     const int64_t vb = in.values.row_bytes, sb = in.state.row_bytes;
     char *row = tf_dynemb_row(&in.values, slot);
-    copy_units<T, 32>(reinterpret_cast<T *>(static_cast<char *>(p.old_values) + e * vb), reinterpret_cast<const T *>(row),
+    copy_units<T, G>(reinterpret_cast<T *>(static_cast<char *>(p.old_values) + e * vb), reinterpret_cast<const T *>(row),
                       vb / static_cast<int64_t>(sizeof(T)), lane);
     if (sb) {
         float *st = reinterpret_cast<float *>(tf_dynemb_row(&in.state, slot));
-        copy_units<float, 32>(p.old_state + e * (sb / 4), st, sb / 4, lane);
-        __syncwarp();
-        for (int64_t j = lane; j < sb / 4; j += 32) st[j] = 0.f;
+        copy_units<float, G>(p.old_state + e * (sb / 4), st, sb / 4, lane);
+        __syncwarp(G == 32 ? 0xffffffffu : 0xffu << (threadIdx.x & 24));
+        for (int64_t j = lane; j < sb / 4; j += G) st[j] = 0.f;
     }
-    __syncwarp();
+    __syncwarp(G == 32 ? 0xffffffffu : 0xffu << (threadIdx.x & 24));
     char *o = p.rows_out ? static_cast<char *>(p.rows_out) + i * vb : nullptr;
     if (in.init_kind != TF_INIT_NONE) {
         const int64_t key = p.keys[i];
-        for (int64_t j = lane; j < in.dim; j += 32) {
+        for (int64_t j = lane; j < in.dim; j += G) {
             const float v = static_cast<float>(tf_dynemb_init_value(in.init_kind, in.a, in.b, key, in.seed, j));
             store_f32(row, in.dtype, j, v);
             if (o) store_f32(o, in.dtype, j, v);
         }
     } else if (o) {
-        copy_units<T, 32>(reinterpret_cast<T *>(o), reinterpret_cast<const T *>(row), vb / static_cast<int64_t>(sizeof(T)), lane);
+        copy_units<T, G>(reinterpret_cast<T *>(o), reinterpret_cast<const T *>(row), vb / static_cast<int64_t>(sizeof(T)), lane);
     }
 }
 
@@ -1226,8 +1227,11 @@ int tf_dynemb_evict_rows_cuda(const tf_dynemb_evict_params *p, void *stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const bool wide = copy_unit(&p->init.values, p->old_values) >= 16 &&
                       (p->rows_out == nullptr || copy_unit(&p->init.values, p->rows_out) >= 16);
-    if (wide) evict_rows_kernel<uint4><<<grid_for_warps(p->n), kBlock, 0, s>>>(*p);
-    else evict_rows_kernel<uint8_t><<<grid_for_warps(p->n), kBlock, 0, s>>>(*p);
+    const bool narrow = p->init.values.row_bytes <= 128 && p->init.state.row_bytes <= 128;
+    const unsigned g8 = grid_for_warps((p->n + 3) / 4);
+    if (wide && narrow) evict_rows_kernel<uint4, 8><<<g8, kBlock, 0, s>>>(*p);
+    else if (wide) evict_rows_kernel<uint4, 32><<<grid_for_warps(p->n), kBlock, 0, s>>>(*p);
+    else evict_rows_kernel<uint8_t, 32><<<grid_for_warps(p->n), kBlock, 0, s>>>(*p);
     return static_cast<int>(cudaGetLastError());
 }
 
