@@ -287,7 +287,7 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     f.p.clock = clock;
     f.rows = at::empty(row_shape(values, with_rows ? query.numel() : 0), values.options());
     f.p.out = with_rows ? f.rows.data_ptr() : nullptr;
-    f.ev_new = at::empty({query.numel()}, query.options());  // defined below counts[1] only
+    f.ev_new = at::full({query.numel()}, -1, query.options());
     f.p.evicted_new = f.ev_new.data_ptr<int64_t>();
     return f;
 }
