@@ -15,7 +15,6 @@ Roofline: a find moves at least key (8 B) + the bucket's digests (128 B) + one k
     python benchmarks/bench_dynamic_embedding.py [--quick] [--out results.md]
 """
 import argparse
-import statistics
 import sys
 import time
 
@@ -106,40 +105,47 @@ def static_gather(cap, dims, rows_out):
         torch.cuda.empty_cache()
 
 
-def training(n_ids, universe, dim, rows_out):
-    dev = "cuda"
+def training_step(opt, n_ids, universe, dim, dev="cuda"):
+    """(ours, theirs): one training step each over the same n_ids ids in bags of 64 (sum), ids drawn
+    from `universe` keys already in our table: torchfuse's DynamicEmbeddingBag with its fused optimizer
+    against nn.EmbeddingBag(sparse=True) + torch.optim.SGD / SparseAdam."""
     B = n_ids // 64
     keys = rand_keys(universe, dev)
     offsets = torch.arange(0, n_ids, 64, device=dev)
     g = torch.randn(B, dim, device=dev)
+    tf_opt = tfo.SGD(0.01) if opt == "sgd" else tfo.Adam(0.001)
+    bag = torchfuse.DynamicEmbeddingBag(dim, 2 * universe, device=dev, optimizer=tf_opt, mode="sum",
+                                        initializer=("normal", 0.0, 0.01))
+    bag.train()
+    with torch.no_grad():
+        for i in range(0, universe, M):
+            torchfuse.DynamicEmbedding.forward(bag, keys[i:i + M])
+    ref = torch.nn.EmbeddingBag(universe, dim, mode="sum", sparse=True).to(dev)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.01) if opt == "sgd" else torch.optim.SparseAdam(ref.parameters())
+    idx = torch.randint(0, universe, (n_ids,), device=dev)
+    ids = keys[idx]
+
+    def ours():
+        (bag(ids, offsets) * g).sum().backward()
+
+    def theirs():
+        (ref(idx, offsets) * g).sum().backward()
+        ropt.step()
+        ropt.zero_grad()
+
+    return ours, theirs
+
+
+def training(n_ids, universe, dim, rows_out):
     for opt in ("sgd", "adam"):
-        tf_opt = tfo.SGD(0.01) if opt == "sgd" else tfo.Adam(0.001)
-        bag = torchfuse.DynamicEmbeddingBag(dim, 2 * universe, device=dev, optimizer=tf_opt, mode="sum",
-                                            initializer=("normal", 0.0, 0.01))
-        bag.train()
-        with torch.no_grad():
-            for i in range(0, universe, M):
-                torchfuse.DynamicEmbedding.forward(bag, keys[i:i + M])
-        ref = torch.nn.EmbeddingBag(universe, dim, mode="sum", sparse=True).to(dev)
-        ropt = torch.optim.SGD(ref.parameters(), lr=0.01) if opt == "sgd" else torch.optim.SparseAdam(ref.parameters())
-        idx = torch.randint(0, universe, (n_ids,), device=dev)
-        ids = keys[idx]
-
-        def ours():
-            (bag(ids, offsets) * g).sum().backward()
-
-        def theirs():
-            (ref(idx, offsets) * g).sum().backward()
-            ropt.step()
-            ropt.zero_grad()
-
+        ours, theirs = training_step(opt, n_ids, universe, dim)
         for fn in (ours, theirs, ours, theirs):
             fn()
         t_ours, t_ref = timed(ours, 5), timed(theirs, 5)
         rows_out.append({"opt": opt, "ours_ms": t_ours * 1e3, "ref_ms": t_ref * 1e3})
         print(f"training step {opt}: {n_ids} ids, dim {dim}: torchfuse {t_ours * 1e3:.2f} ms, "
               f"PyTorch sparse {t_ref * 1e3:.2f} ms, speedup {t_ref / t_ours:.2f}x", flush=True)
-        del bag, ref, ropt
+        del ours, theirs
         torch.cuda.empty_cache()
 
 

@@ -7,8 +7,6 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import torchfuse
-import torchfuse.optim as tfo
 import bench_dynamic_embedding as bd
 
 
@@ -16,27 +14,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--opt", default="sgd")
     a = ap.parse_args()
-    dev, n_ids, universe, dim = "cuda", bd.M, 4 * bd.M, 128
-    keys = bd.rand_keys(universe, dev)
-    offsets = torch.arange(0, n_ids, 64, device=dev)
-    g = torch.randn(n_ids // 64, dim, device=dev)
-    opt = tfo.SGD(0.01) if a.opt == "sgd" else tfo.Adam(0.001)
-    bag = torchfuse.DynamicEmbeddingBag(dim, 2 * universe, device=dev, optimizer=opt, mode="sum")
-    with torch.no_grad():
-        for i in range(0, universe, bd.M):
-            torchfuse.DynamicEmbedding.forward(bag, keys[i:i + bd.M])
-    ref = torch.nn.EmbeddingBag(universe, dim, mode="sum", sparse=True).to(dev)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.01) if a.opt == "sgd" else torch.optim.SparseAdam(ref.parameters())
-    idx = torch.randint(0, universe, (n_ids,), device=dev)
-    ids = keys[idx]
-
-    def ours():
-        (bag(ids, offsets) * g).sum().backward()
-
-    def theirs():
-        (ref(idx, offsets) * g).sum().backward()
-        ropt.step()
-        ropt.zero_grad()
+    ours, theirs = bd.training_step(a.opt, bd.M, 4 * bd.M, 128)
 
     for name, fn in (("torchfuse", ours), ("PyTorch sparse", theirs)):
         for _ in range(3):
