@@ -13,7 +13,7 @@ tail -3 "$OUT/build.log"
 timeout 120 python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -12
 timeout 100 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q -x \
-  -p no:cacheprovider -k "cuda and (special_keys or lru_one_bucket or duplicates or empty_batches or (training and sgd and bag_weighted) or (training and adam and embedding-True) or (training and rowwise and bag_mean-False) or (random_ops and lru-True) or device_move or bag_eval or full_table_rows or concurrent_claims)" \
+  -p no:cacheprovider -k "cuda and (special_keys or lru_one_bucket or duplicates or empty_batches or (training and sgd and bag_weighted) or (training and adam and embedding-True) or (training and rowwise and bag_mean-False) or (random_ops and lru-True) or device_move or bag_eval or full_table_rows or concurrent_claims or segment_update)" \
   > "$OUT/memcheck.log" 2>&1
 echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
 # racecheck: the find_or_insert kernels share per-block miss lists and counts through shared memory

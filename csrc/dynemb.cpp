@@ -106,7 +106,7 @@ tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tens
     return p;
 }
 
-tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::Tensor &grad, const at::Tensor &values,
+tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::Tensor *grad, const at::Tensor &values,
                                              const at::Tensor &values_host, const at::Tensor &state,
                                              const at::Tensor &state_host, int64_t opt, double lr, double eps,
                                              double beta1, double beta2, double step_size) {
@@ -116,12 +116,16 @@ tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::
     p.values = dynemb_rows(values, values_host, values, op, "values");
     p.dtype = kernel_dtype(values.scalar_type(), op, "values");
     p.dim = values.size(1);
-    check_same_device(grad, values, op, "grad", "values");
-    TORCH_CHECK(grad.dim() == 2 && grad.size(0) == slots.numel() && grad.size(1) == p.dim && grad.stride(1) == 1, op,
-                ": grad must be (", slots.numel(), ", ", p.dim, ") with unit column stride, got ", grad.sizes());
-    p.grad_dtype = kernel_dtype(grad.scalar_type(), op, "grad");
-    p.grad = grad.data_ptr();
-    p.grad_stride = grad.stride(0);
+    if (grad) {  // NULL: the gradient comes from a fused segment sum
+        check_same_device(*grad, values, op, "grad", "values");
+        TORCH_CHECK(grad->dim() == 2 && grad->size(0) == slots.numel() && grad->size(1) == p.dim &&
+                        grad->stride(1) == 1,
+                    op, ": grad must be (", slots.numel(), ", ", p.dim, ") with unit column stride, got ",
+                    grad->sizes());
+        p.grad_dtype = kernel_dtype(grad->scalar_type(), op, "grad");
+        p.grad = grad->data_ptr();
+        p.grad_stride = grad->stride(0);
+    }
     TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, op, ": state must be float32");
     p.state = dynemb_rows(state, state_host, values, op, "state");
     TORCH_CHECK(state.size(0) == values.size(0), op, ": state and values must split hbm/host rows alike");
@@ -174,7 +178,7 @@ tf_dynemb_pool_params dynemb_pool_params(const at::Tensor &slots, const at::Tens
 
 tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
                                              const std::optional<at::Tensor> &bag_of,
-                                             const std::optional<at::Tensor> &scale, at::Tensor &out) {
+                                             const std::optional<at::Tensor> &scale, at::Tensor *out) {
     const char *op = "torchfuse.dynemb_segment_sum";
     TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), op, ": grad must be a contiguous 2-D tensor");
     check_index(perm, grad, op, "perm");
@@ -201,8 +205,10 @@ tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::T
     }
     p.grad = grad.data_ptr();
     p.grad_dtype = kernel_dtype(grad.scalar_type(), op, "grad");
-    out = at::empty({p.n_unique, p.dim}, grad.options().dtype(at::kFloat));
-    p.out = out.data_ptr<float>();
+    if (out) {  // NULL: fused with the update, no sums written
+        *out = at::empty({p.n_unique, p.dim}, grad.options().dtype(at::kFloat));
+        p.out = out->data_ptr<float>();
+    }
     return p;
 }
 
@@ -370,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor> evict_rows_cpu(const at::Tensor &slots, const
 void update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::Tensor &values, at::Tensor &values_host,
                 at::Tensor &state, at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1,
                 double beta2, double step_size) {
-    tf_dynemb_update_params p = dynemb_update_params(slots, grad, values, values_host, state, state_host, opt, lr, eps,
+    tf_dynemb_update_params p = dynemb_update_params(slots, &grad, values, values_host, state, state_host, opt, lr, eps,
                                                      beta1, beta2, step_size);
     at::parallel_for(0, p.n, 64, [&](int64_t b, int64_t e) { tf_dynemb_update_cpu(&p, b, e); });
 }
@@ -396,9 +402,18 @@ at::Tensor pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, const st
 at::Tensor segsum_cpu(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
                       const std::optional<at::Tensor> &bag_of, const std::optional<at::Tensor> &scale) {
     at::Tensor out;
-    tf_dynemb_segsum_params p = dynemb_segsum_params(grad, perm, seg, bag_of, scale, out);
+    tf_dynemb_segsum_params p = dynemb_segsum_params(grad, perm, seg, bag_of, scale, &out);
     at::parallel_for(0, p.n_unique, 16, [&](int64_t b, int64_t e) { tf_dynemb_segsum_cpu(&p, b, e); });
     return out;
+}
+
+void segment_update_cpu(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
+                        const std::optional<at::Tensor> &bag_of, const std::optional<at::Tensor> &scale,
+                        const at::Tensor &slots, at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
+                        at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1, double beta2,
+                        double step_size) {
+    update_cpu(slots, segsum_cpu(grad, perm, seg, bag_of, scale), values, values_host, state, state_host, opt, lr,
+               eps, beta1, beta2, step_size);
 }
 
 // The reference order of tf_dynemb_foi_params: lookup (marks), insert, init of the new rows that
@@ -453,6 +468,7 @@ TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("dynemb_init", &init_cpu);
     m.impl("dynemb_update", &update_cpu);
     m.impl("dynemb_evict_rows", &evict_rows_cpu);
+    m.impl("dynemb_segment_update", &segment_update_cpu);
 }
 
 }  // namespace torchfuse

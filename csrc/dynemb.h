@@ -44,7 +44,7 @@ tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tens
                                          const at::Tensor &values_host, const at::Tensor &state,
                                          const at::Tensor &state_host, int64_t init_kind, double a, double b,
                                          int64_t seed);
-tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::Tensor &grad, const at::Tensor &values,
+tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::Tensor *grad, const at::Tensor &values,
                                              const at::Tensor &values_host, const at::Tensor &state,
                                              const at::Tensor &state_host, int64_t opt, double lr, double eps,
                                              double beta1, double beta2, double step_size);
@@ -54,7 +54,7 @@ tf_dynemb_pool_params dynemb_pool_params(const at::Tensor &slots, const at::Tens
                                          const at::Tensor &rows_host, bool mean, at::Tensor &out);
 tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
                                              const std::optional<at::Tensor> &bag_of,
-                                             const std::optional<at::Tensor> &scale, at::Tensor &out);
+                                             const std::optional<at::Tensor> &scale, at::Tensor *out);
 
 // find-or-insert with the row work folded in: parameters and outputs (shared by CPU and CUDA).
 using DynembFoiResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,

@@ -132,7 +132,7 @@ void update_cuda(const at::Tensor &slots, const at::Tensor &grad, at::Tensor &va
                  at::Tensor &state, at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1,
                  double beta2, double step_size) {
     const c10::cuda::CUDAGuard guard(values.device());
-    tf_dynemb_update_params p = dynemb_update_params(slots, grad, values, values_host, state, state_host, opt, lr, eps,
+    tf_dynemb_update_params p = dynemb_update_params(slots, &grad, values, values_host, state, state_host, opt, lr, eps,
                                                      beta1, beta2, step_size);
     map_host(p.values, values_host);
     map_host(p.state, state_host);
@@ -165,12 +165,37 @@ at::Tensor segsum_cuda(const at::Tensor &grad, const at::Tensor &perm, const at:
                        const std::optional<at::Tensor> &bag_of, const std::optional<at::Tensor> &scale) {
     const c10::cuda::CUDAGuard guard(grad.device());
     at::Tensor out;
-    tf_dynemb_segsum_params p = dynemb_segsum_params(grad, perm, seg, bag_of, scale, out);
+    tf_dynemb_segsum_params p = dynemb_segsum_params(grad, perm, seg, bag_of, scale, &out);
     // scratch for the chunk sums of ids cut by a chunk edge (kernels/dynemb.h)
     const at::Tensor partial = at::empty({2 * tf_dynemb_seg_chunks(p.n_occ), p.dim}, out.options());
     p.partial = partial.data_ptr<float>();
     check_launch(tf_dynemb_segsum_cuda(&p, stream()), "dynemb segment-sum kernel");
     return out;
+}
+
+void segment_update_cuda(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
+                         const std::optional<at::Tensor> &bag_of, const std::optional<at::Tensor> &scale,
+                         const at::Tensor &slots, at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
+                         at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1, double beta2,
+                         double step_size) {
+    const c10::cuda::CUDAGuard guard(values.device());
+    if (values.size(1) > TF_DYNEMB_SEGSUM_UPDATE_MAX_DIM) {  // wide rows: the sums, then the update
+        update_cuda(slots, segsum_cuda(grad, perm, seg, bag_of, scale), values, values_host, state, state_host, opt, lr,
+                    eps, beta1, beta2, step_size);
+        return;
+    }
+    tf_dynemb_segsum_params sp = dynemb_segsum_params(grad, perm, seg, bag_of, scale, nullptr);
+    tf_dynemb_update_params up = dynemb_update_params(slots, nullptr, values, values_host, state, state_host, opt, lr,
+                                                      eps, beta1, beta2, step_size);
+    TORCH_CHECK(slots.numel() == sp.n_unique, "torchfuse.dynemb_segment_update: slots must have one entry per unique id (",
+                sp.n_unique, "), got ", slots.numel());
+    TORCH_CHECK(grad.size(1) == values.size(1), "torchfuse.dynemb_segment_update: grad must have ", values.size(1),
+                " columns, got ", grad.size(1));
+    map_host(up.values, values_host);
+    map_host(up.state, state_host);
+    const at::Tensor partial = at::empty({2 * tf_dynemb_seg_chunks(sp.n_occ), sp.dim}, grad.options().dtype(at::kFloat));
+    sp.partial = partial.data_ptr<float>();
+    check_launch(tf_dynemb_segsum_update_cuda(&sp, &up, stream()), "dynemb segment-sum + update kernels");
 }
 
 DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
@@ -299,6 +324,7 @@ TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("dynemb_init", &init_cuda);
     m.impl("dynemb_update", &update_cuda);
     m.impl("dynemb_evict_rows", &evict_rows_cuda);
+    m.impl("dynemb_segment_update", &segment_update_cuda);
     m.impl("dynemb_host_rows", &host_rows_cuda);
 }
 

@@ -129,7 +129,7 @@ std::vector<tf_dynemb_update_params> prepare_group_update(const at::Tensor &slot
                 slots.numel(), "), got ", grad.sizes());
     std::vector<tf_dynemb_update_params> p(T);
     for (size_t i = 0; i < T; ++i) {  // whole-batch params pointed at table i's part, as in init
-        p[i] = dynemb_update_params(slots, grad, values[i], values_host[i], state[i], state_host[i], opt, lr, eps,
+        p[i] = dynemb_update_params(slots, &grad, values[i], values_host[i], state[i], state_host[i], opt, lr, eps,
                                     beta1, beta2, step_sizes[i]);
         p[i].n = start[i + 1] - start[i];
         p[i].slots += start[i];

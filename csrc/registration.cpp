@@ -95,6 +95,11 @@ TORCH_LIBRARY(torchfuse, m) {
     m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean) -> Tensor");
     // Per unique id, the sum of its occurrences' gradient rows in perm order (fp32, deterministic).
     m.def("dynemb_segment_sum(Tensor grad, Tensor perm, Tensor seg, Tensor? bag_of, Tensor? scale) -> Tensor");
+    // dynemb_update(slots, dynemb_segment_sum(...)) in one: on CUDA the sums are applied as they are
+    // made, never written out (rows of at most 128 columns; wider rows take the two ops).
+    m.def("dynemb_segment_update(Tensor grad, Tensor perm, Tensor seg, Tensor? bag_of, Tensor? scale, Tensor slots, "
+          "Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, Tensor(d!) state_host, int opt, float lr, "
+          "float eps, float beta1, float beta2, float step_size) -> ()");
     // (rows, cols) of `dtype` in pinned host memory mapped into `like`'s GPU (cudaHostAlloc, mapped):
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");

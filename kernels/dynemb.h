@@ -234,6 +234,11 @@ int tf_dynemb_evict_rows_cuda(const tf_dynemb_evict_params *p, void *stream);
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream);
 int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream);
 int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream);
+/* The segment sum applied as an optimizer step straight away (u: slots = the unique ids' slots; its
+ * grad unused): the same result as segsum then update, without writing the sums out. Rows of at most
+ * TF_DYNEMB_SEGSUM_UPDATE_MAX_DIM columns (else cudaErrorInvalidValue). p->partial is needed, p->out not. */
+#define TF_DYNEMB_SEGSUM_UPDATE_MAX_DIM 128
+int tf_dynemb_segsum_update_cuda(const tf_dynemb_segsum_params *p, const tf_dynemb_update_params *u, void *stream);
 int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_params *p, void *stream);
 
 /* Table-batched forms: one launch over the concatenated items of n_tables tables (keys for

@@ -548,6 +548,34 @@ __global__ void init_kernel(const __grid_constant__ Group<tf_dynemb_init_params,
     warp_item(g, [](const tf_dynemb_init_params &a, int64_t i, int lane) { init_one(a, i, lane); });
 }
 
+/* The optimizer's step on one element of a row: returns the new weight; s1 / s2 are the element's
+ * state (Adagrad: s1; Adam: s1, s2), updated. rw_mult: RowWiseAdagrad's step (rowwise_mult). */
+__device__ __forceinline__ float opt_step(const tf_dynemb_update_params &p, int opt, float w, float g, float &s1,
+                                          float &s2, float rw_mult) {
+    switch (opt) {
+    case TF_OPT_SGD: return w - p.lr * g;
+    case TF_OPT_ADAGRAD: s1 = s1 + g * g; return w - p.lr * g / (sqrtf(s1) + p.eps);
+    case TF_OPT_ROWWISE_ADAGRAD: return w - rw_mult * g;
+    default: {  // Adam, in torch.optim.SparseAdam's form
+        const float m = s1 + (g - s1) * (1.f - p.beta1);
+        const float v = s2 + (g * g - s2) * (1.f - p.beta2);
+        s1 = m;
+        s2 = v;
+        return w + -p.step_size * (m / (sqrtf(v) + p.eps));
+    }
+    }
+}
+
+/* RowWiseAdagrad: sq is this lane's sum of its columns' squared gradients; the warp's total over the
+ * row updates the row's one state float (the running mean square) and gives lr / (sqrt(m) + eps). */
+__device__ __forceinline__ float rowwise_mult(const tf_dynemb_update_params &p, float *st, float sq, int lane) {
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    const float m = st[0] + sq / static_cast<float>(p.dim);
+    __syncwarp();
+    if (lane == 0) st[0] = m;
+    return p.lr / (sqrtf(m) + p.eps);
+}
+
 __device__ __forceinline__ void update_one(const tf_dynemb_update_params &p, int64_t i, int lane) {
     const int64_t slot = p.slots[i];
     if (slot < 0) return;
@@ -562,11 +590,7 @@ __device__ __forceinline__ void update_one(const tf_dynemb_update_params &p, int
             const float g = load_f32(p.grad, p.grad_dtype, g0 + j);
             sq += g * g;
         }
-        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        const float m = st[0] + sq / static_cast<float>(dim);
-        rw_mult = p.lr / (sqrtf(m) + p.eps);
-        __syncwarp();
-        if (lane == 0) st[0] = m;
+        rw_mult = rowwise_mult(p, st, sq, lane);
     }
     // Four elements per lane at a time, every load issued before the first store (the compiler may
     // not move a load above a store that could alias it: one round trip per element otherwise).
@@ -588,23 +612,9 @@ __device__ __forceinline__ void update_one(const tf_dynemb_update_params &p, int
         for (int k = 0; k < 4; ++k) {
             const int64_t j = j0 + 32 * k;
             if (j >= dim) break;
-            switch (p.opt) {
-            case TF_OPT_SGD: w[k] -= p.lr * g[k]; break;
-            case TF_OPT_ADAGRAD: {
-                const float sq = s1[k] + g[k] * g[k];
-                st[j] = sq;
-                w[k] -= p.lr * g[k] / (sqrtf(sq) + p.eps);
-                break;
-            }
-            case TF_OPT_ROWWISE_ADAGRAD: w[k] -= rw_mult * g[k]; break;
-            default: {  // Adam, in torch.optim.SparseAdam's form
-                const float m = s1[k] + (g[k] - s1[k]) * (1.f - p.beta1);
-                const float v = s2[k] + (g[k] * g[k] - s2[k]) * (1.f - p.beta2);
-                st[j] = m;
-                st[dim + j] = v;
-                w[k] += -p.step_size * (m / (sqrtf(v) + p.eps));
-            }
-            }
+            w[k] = opt_step(p, p.opt, w[k], g[k], s1[k], s2[k], rw_mult);
+            if (st1) st[j] = s1[k];
+            if (st2) st[dim + j] = s2[k];
             store_f32(row, p.dtype, j, w[k]);
         }
     }
@@ -1112,6 +1122,195 @@ __global__ void segsum_empty_kernel(tf_dynemb_segsum_params p) {
     for (int64_t c = 0; c < p.dim; ++c) p.out[u * p.dim + c] = 0.f;
 }
 
+// ---- segment sum fused with the optimizer update (rows of at most 32 kSegCols columns) ----
+
+// Row `slot`'s weights and state at this lane's columns lane + 32 k (zeros past the row).
+template <int kOpt>
+__device__ __forceinline__ void load_cols(const tf_dynemb_update_params &u, int64_t slot, int lane,
+                                          float (&w)[kSegCols], float (&s1)[kSegCols], float (&s2)[kSegCols]) {
+    const char *row = tf_dynemb_row(&u.values, slot);
+    const float *st = u.state.row_bytes ? reinterpret_cast<const float *>(tf_dynemb_row(&u.state, slot)) : nullptr;
+    constexpr bool st1 = kOpt == TF_OPT_ADAGRAD || kOpt == TF_OPT_ADAM, st2 = kOpt == TF_OPT_ADAM;
+#pragma unroll
+    for (int k = 0; k < kSegCols; ++k) {
+        const int64_t j = lane + 32 * k;
+        w[k] = s1[k] = s2[k] = 0.f;
+        if (j < u.dim) {
+            w[k] = load_f32(row, u.dtype, j);
+            if (st1) s1[k] = st[j];
+            if (st2) s2[k] = st[u.dim + j];
+        }
+    }
+}
+
+// One optimizer step of row `slot` with gradient g (this lane's columns), its row and state already
+// in w / s1 / s2: the same arithmetic as update_one. The whole warp calls it. kOpt: u.opt, known at
+// compile time so that SGD keeps no state registers.
+template <int kOpt>
+__device__ __forceinline__ void apply_cols(const tf_dynemb_update_params &u, int64_t slot, int lane,
+                                           const float (&g)[kSegCols], float (&w)[kSegCols], float (&s1)[kSegCols],
+                                           float (&s2)[kSegCols]) {
+    char *row = tf_dynemb_row(&u.values, slot);
+    float *st = u.state.row_bytes ? reinterpret_cast<float *>(tf_dynemb_row(&u.state, slot)) : nullptr;
+    float rw_mult = 0.f;
+    if (kOpt == TF_OPT_ROWWISE_ADAGRAD) {
+        float sq = 0.f;
+#pragma unroll
+        for (int k = 0; k < kSegCols; ++k)
+            if (lane + 32 * k < u.dim) sq += g[k] * g[k];
+        rw_mult = rowwise_mult(u, st, sq, lane);
+    }
+    constexpr bool st1 = kOpt == TF_OPT_ADAGRAD || kOpt == TF_OPT_ADAM, st2 = kOpt == TF_OPT_ADAM;
+#pragma unroll
+    for (int k = 0; k < kSegCols; ++k) {
+        const int64_t j = lane + 32 * k;
+        if (j >= u.dim) break;
+        w[k] = opt_step(u, kOpt, w[k], g[k], s1[k], s2[k], rw_mult);
+        if (st1) st[j] = s1[k];
+        if (st2) st[u.dim + j] = s2[k];
+        store_f32(row, u.dtype, j, w[k]);
+    }
+}
+
+/* segsum_chunk_kernel with the update folded in: a run wholly inside the chunk is not written out but
+ * applied to its row (u.slots[id]) at once. The lanes first load the chunk's ids' run ends and slots
+ * (a chunk of 32 occurrences has at most 32 ids); each step of four occurrences loads, with their
+ * gradient rows, the rows of the ids whose runs end in it, so a step waits for one round of loads,
+ * not one per id (runs are mostly one occurrence long). Runs cut by the chunk's edges go to the
+ * partial sums as in segsum_chunk_kernel, and segsum_update_join_kernel applies them. */
+template <int kOpt>
+__global__ void segsum_update_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
+    const int64_t k = warp_index();
+    const int lane = threadIdx.x & 31;
+    const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
+    if (q0 >= p.n_occ) return;
+    const int64_t q1 = q0 + TF_DYNEMB_SEG_CHUNK < p.n_occ ? q0 + TF_DYNEMB_SEG_CHUNK : p.n_occ;
+    int64_t my_src = 0;
+    float my_scale = 0.f;
+    if (q0 + lane < q1) {
+        const int64_t i = p.perm[q0 + lane];
+        my_src = p.bag_of ? p.bag_of[i] : i;
+        my_scale = p.scale ? p.scale[i] : 1.f;
+    }
+    int64_t lo = 0, hi = p.n_unique - 1;  // the id of occurrence q0
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) >> 1;
+        if (p.seg[mid] <= q0) lo = mid;
+        else hi = mid - 1;
+    }
+    int64_t my_end = INT64_MAX, my_slot = -1;  // lane l: the end of the run of id lo + l, and its slot
+    if (lo + lane < p.n_unique) {
+        my_end = p.seg[lo + lane + 1];
+        my_slot = u.slots[lo + lane];
+    }
+    float acc[kSegCols];
+#pragma unroll
+    for (int j = 0; j < kSegCols; ++j) acc[j] = 0.f;
+    int r = 0;  // the current id is lo + r
+    int64_t u_begin = p.seg[lo], u_end = __shfl_sync(0xffffffffu, my_end, 0);
+    for (int64_t qb = q0; qb < q1; qb += 4) {
+        // ids lo + r + b (b < 4) whose run lies in the chunk and ends in this step: their rows now
+        float w[4][kSegCols], s1[4][kSegCols], s2[4][kSegCols];
+        int64_t slot_b[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int rb = r + b < 31 ? r + b : 31;
+            const int64_t end_b = __shfl_sync(0xffffffffu, my_end, rb);
+            const int64_t begin_b = b == 0 ? u_begin : __shfl_sync(0xffffffffu, my_end, rb > 0 ? rb - 1 : 0);
+            const int64_t sl = __shfl_sync(0xffffffffu, my_slot, rb);
+            const bool mine = r + b < 32 && begin_b >= q0 && end_b <= q1 && end_b - 1 >= qb && end_b - 1 <= qb + 3;
+            slot_b[b] = mine ? sl : -1;
+            if (slot_b[b] >= 0) load_cols<kOpt>(u, slot_b[b], lane, w[b], s1[b], s2[b]);
+        }
+        float v[4][kSegCols];
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+            const int64_t q = qb + rr;
+            const int64_t src = __shfl_sync(0xffffffffu, my_src, (int)((q < q1 ? q : q0) - q0));
+#pragma unroll
+            for (int j = 0; j < kSegCols; ++j) {
+                const int64_t c = lane + 32 * j;
+                v[rr][j] = q < q1 && c < p.dim ? load_f32(p.grad, p.grad_dtype, src * p.dim + c) : 0.f;
+            }
+        }
+        const int r0 = r;
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) {
+            const int64_t q = qb + rr;
+            if (q >= q1) break;
+            const float sc = __shfl_sync(0xffffffffu, my_scale, (int)(q - q0));
+#pragma unroll
+            for (int j = 0; j < kSegCols; ++j) acc[j] += sc * v[rr][j];
+            if (q + 1 == u_end || q + 1 == q1) { /* the run of id lo + r ends here */
+                if (u_begin >= q0 && u_end <= q1) {
+                    const int b = r - r0;  // < 4: at most four runs end in four occurrences
+#pragma unroll
+                    for (int bb = 0; bb < 4; ++bb)
+                        if (bb == b && slot_b[bb] >= 0) apply_cols<kOpt>(u, slot_b[bb], lane, acc, w[bb], s1[bb], s2[bb]);
+                } else {
+                    float *dst = p.partial + ((2 * k + (u_begin < q0 ? 0 : 1)) * p.dim);
+#pragma unroll
+                    for (int j = 0; j < kSegCols; ++j)
+                        if (lane + 32 * j < p.dim) dst[lane + 32 * j] = acc[j];
+                }
+#pragma unroll
+                for (int j = 0; j < kSegCols; ++j) acc[j] = 0.f;
+                if (q + 1 < q1 && lo + r + 1 < p.n_unique) {
+                    ++r;
+                    u_begin = u_end;
+                    u_end = __shfl_sync(0xffffffffu, my_end, r < 32 ? r : 31);
+                }
+            }
+        }
+    }
+}
+
+/* segsum_join_kernel's sums of the runs cut by chunk edges, applied to their rows. */
+template <int kOpt>
+__global__ void segsum_update_join_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
+    const int64_t k = warp_index();
+    const int lane = threadIdx.x & 31;
+    const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
+    if (q0 >= p.n_occ) return;
+    const int64_t q1 = q0 + TF_DYNEMB_SEG_CHUNK < p.n_occ ? q0 + TF_DYNEMB_SEG_CHUNK : p.n_occ;
+    int64_t lo = 0, hi = p.n_unique - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) >> 1;
+        if (p.seg[mid] <= q1 - 1) lo = mid;
+        else hi = mid - 1;
+    }
+    const int64_t a = p.seg[lo], b = p.seg[lo + 1];
+    if (a < q0 || b <= q1) return;
+    const int64_t slot = u.slots[lo];
+    if (slot < 0) return;
+    const int64_t k1 = (b - 1) / TF_DYNEMB_SEG_CHUNK;
+    float g[kSegCols], w[kSegCols], s1[kSegCols], s2[kSegCols];
+#pragma unroll
+    for (int j = 0; j < kSegCols; ++j) {
+        const int64_t c = lane + 32 * j;
+        g[j] = 0.f;
+        if (c < p.dim) {
+            float acc = p.partial[(2 * k + 1) * p.dim + c];
+            for (int64_t kk = k + 1; kk <= k1; ++kk) acc += p.partial[(2 * kk) * p.dim + c];
+            g[j] = acc;
+        }
+    }
+    load_cols<kOpt>(u, slot, lane, w, s1, s2);
+    apply_cols<kOpt>(u, slot, lane, g, w, s1, s2);
+}
+
+/* Ids with an empty run: a step with a zero gradient (as segment_sum's zeros then update would), a
+ * warp per id that has one. */
+template <int kOpt>
+__global__ void segsum_update_empty_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
+    const int64_t id = warp_index();
+    const int lane = threadIdx.x & 31;
+    if (id >= p.n_unique || p.seg[id + 1] > p.seg[id] || u.slots[id] < 0) return;  // uniform per warp
+    float g[kSegCols] = {}, w[kSegCols], s1[kSegCols], s2[kSegCols];
+    load_cols<kOpt>(u, u.slots[id], lane, w, s1, s2);
+    apply_cols<kOpt>(u, u.slots[id], lane, g, w, s1, s2);
+}
+
 }  // namespace
 
 extern "C" {
@@ -1248,6 +1447,31 @@ int tf_dynemb_group_update_cuda(const tf_dynemb_update_params *p, const int64_t 
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream) {
     const int64_t start[2] = {0, p->n};
     return tf_dynemb_group_update_cuda(p, start, 1, stream);
+}
+
+int tf_dynemb_segsum_update_cuda(const tf_dynemb_segsum_params *p, const tf_dynemb_update_params *u, void *stream) {
+    if (p->n_unique == 0) return 0;
+    if (p->dim > TF_DYNEMB_SEGSUM_UPDATE_MAX_DIM || TF_DYNEMB_SEGSUM_UPDATE_MAX_DIM > 32 * kSegCols)
+        return static_cast<int>(cudaErrorInvalidValue);  // the glue takes two ops instead
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const unsigned grid = grid_for_warps(tf_dynemb_seg_chunks(p->n_occ));
+    // 94-128 registers: blocks of 4 warps pack more warps per SM than blocks of 8
+    const unsigned grid128 = static_cast<unsigned>((tf_dynemb_seg_chunks(p->n_occ) + 3) / 4);
+#define TF_SEGUPD(OPT)                                                                           \
+    if (p->n_occ > 0) {                                                                          \
+        segsum_update_kernel<OPT><<<grid128, 128, 0, s>>>(*p, *u);                                \
+        segsum_update_join_kernel<OPT><<<grid, kBlock, 0, s>>>(*p, *u);                           \
+    }                                                                                            \
+    segsum_update_empty_kernel<OPT><<<grid_for_warps(p->n_unique), kBlock, 0, s>>>(*p, *u);
+    switch (u->opt) {
+    case TF_OPT_SGD: TF_SEGUPD(TF_OPT_SGD) break;
+    case TF_OPT_ADAGRAD: TF_SEGUPD(TF_OPT_ADAGRAD) break;
+    case TF_OPT_ROWWISE_ADAGRAD: TF_SEGUPD(TF_OPT_ROWWISE_ADAGRAD) break;
+    case TF_OPT_ADAM: TF_SEGUPD(TF_OPT_ADAM) break;
+    default: return static_cast<int>(cudaErrorInvalidValue);
+    }
+#undef TF_SEGUPD
+    return static_cast<int>(cudaGetLastError());
 }
 
 int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_params *p, void *stream) {

@@ -1,6 +1,7 @@
 """DynamicEmbedding / DynamicEmbeddingBag against a Python dict model of the table, nn.Embedding /
 nn.EmbeddingBag plus torch.optim on pre-mapped ids, and each other (state_dict, tiers, devices)."""
 import io
+import itertools
 import math
 import random
 
@@ -640,6 +641,10 @@ def test_ops_opcheck(device):
                                              t._scores.clone(), t._marks.clone(), t._locks.clone(), t._values.clone(),
                                              t._values_host.clone(), t._state.clone(), t._state_host.clone(),
                                              t.bucket_size, 6, True, 0, 9, 2, -1.0, 1.0, 3, True)),
+        (ops.dynemb_segment_update.default, (torch.randn(4, 5, **f32), _t([1, 0, 2, 3], device),
+                                             _t([0, 2, 4], device), None, None, found[:2], t._values.clone(),
+                                             t._values_host.clone(), t._state.clone(), t._state_host.clone(), 3, 0.1,
+                                             1e-8, 0.9, 0.999, 0.1)),
         (ops.dynemb_evict_rows.default, (found[:2], _t([2, 0], device), q, t._values.clone(), t._values_host.clone(),
                                          t._state.clone(), t._state_host.clone(), torch.zeros(4, 5, **f32), 2,
                                          -1.0, 1.0, 3)),
@@ -735,6 +740,41 @@ def test_find_or_insert_concurrent_claims(device):
     ev = t.drain_evicted()[0]
     assert set(t._compact()[0].tolist()) | set(ev.tolist()) == seen
     assert ev.numel() + len(t) == len(seen)
+
+
+@pytest.mark.parametrize("bags", [False, True])
+@pytest.mark.parametrize("dim", [5, 128, 130])
+@pytest.mark.parametrize("opt", [0, 1, 2, 3])
+def test_segment_update_matches_sum_then_update(device, opt, dim, bags):
+    """dynemb_segment_update (on CUDA the sums applied as they are made; rows wider than 128 columns
+    take the two ops) against dynemb_segment_sum then dynemb_update, for every optimizer: ids with one
+    occurrence, and a hot id whose run crosses several 32-occurrence chunks, and an id cut by a chunk
+    edge, with bag sources and scales or without."""
+    ops = torch.ops.torchfuse
+    counts = [1] * 20 + [150] + [3] * 7 + [40] + [1] * 9 + [2]
+    random.shuffle(counts)
+    n_occ, n_u = sum(counts), len(counts)
+    seg = torch.tensor([0] + list(itertools.accumulate(counts)), device=device)
+    perm = torch.randperm(n_occ, device=device)
+    n_rows = 50 if bags else n_occ
+    grad = torch.randn(n_rows, dim, device=device)
+    bag_of = torch.randint(0, n_rows, (n_occ,), device=device) if bags else None
+    scale = torch.rand(n_occ, device=device) if bags else None
+    slots = torch.randperm(200, device=device)[:n_u]
+    slots[3] = -1  # an id gone from the table since the forward: skipped
+    sdim = [0, dim, 1, 2 * dim][opt]
+    values = torch.randn(200, dim, device=device)
+    state = torch.rand(200, sdim, device=device)
+    host = values.new_empty(0, dim)
+    host_st = state.new_empty(0, sdim)
+    args = (opt, 0.05, 1e-8, 0.9, 0.999, 0.07)
+    v1, s1 = values.clone(), state.clone()
+    ops.dynemb_update(slots, ops.dynemb_segment_sum(grad, perm, seg, bag_of, scale), v1, host, s1, host_st, *args)
+    v2, s2 = values.clone(), state.clone()
+    ops.dynemb_segment_update(grad, perm, seg, bag_of, scale, slots, v2, host, s2, host_st, *args)
+    torch.testing.assert_close(v2, v1)
+    torch.testing.assert_close(s2, s1)
+    assert not torch.equal(v2, values)
 
 
 @pytest.mark.parametrize("shift", [0, 1])

@@ -82,10 +82,9 @@ class _Fused(torch.autograd.Function):
     def backward(ctx, grad):
         perm, seg, slots_u, uniq, bag_of, scale = ctx.saved_tensors
         table = ctx.table
-        g = _ops.dynemb_segment_sum(grad.contiguous(), perm, seg, bag_of, scale)
         if table._version != ctx.version:  # rehashed, evicted or erased since the forward
             slots_u = table._lookup(uniq)
-        table._apply_gradient(slots_u, g)
+        table._apply_segment_gradient(slots_u, grad.contiguous(), perm, seg, bag_of, scale)
         return (None,) * 12
 
 
@@ -423,6 +422,16 @@ class DynamicEmbedding(torch.nn.Module):
         # overflows a bucket.
         new_cap = min(2 * self.capacity, self.max_capacity)
         self._rebuild(new_cap, *self._compact())
+
+    def _apply_segment_gradient(self, slots: Tensor, grad: Tensor, perm: Tensor, seg: Tensor,
+                                bag_of: Optional[Tensor], scale: Optional[Tensor]):
+        """The optimizer step of each unique id (slots) with the sum of its occurrences' gradient rows
+        (dynemb_segment_sum's arguments), in one op: on CUDA the sums are never written out."""
+        self._step += 1
+        o = self.optimizer
+        _ops.dynemb_segment_update(grad, perm, seg, bag_of, scale, slots, self._values, self._values_host,
+                                   self._state, self._state_host, o.code, o.lr, o.eps, o.betas[0], o.betas[1],
+                                   o.step_size(self._step))
 
     def _apply_gradient(self, slots: Tensor, grad: Tensor):
         if grad.stride(-1) != 1:
@@ -765,6 +774,12 @@ def _insert_fake(query, slots, keys, digests, scores, marks, locks, bucket_size,
     n = query.shape[0]
     return (query.new_empty((n,), dtype=torch.uint8), query.new_empty((n,)), query.new_empty((n,)),
             query.new_empty((n,)), query.new_empty((3,)))
+
+
+@torch.library.register_fake("torchfuse::dynemb_segment_update")
+def _segment_update_fake(grad, perm, seg, bag_of, scale, slots, values, values_host, state, state_host, opt, lr, eps,
+                         beta1, beta2, step_size):
+    return None
 
 
 @torch.library.register_fake("torchfuse::dynemb_evict_rows")
