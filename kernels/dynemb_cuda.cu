@@ -1299,16 +1299,28 @@ __global__ void segsum_update_join_kernel(tf_dynemb_segsum_params p, tf_dynemb_u
     apply_cols<kOpt>(u, slot, lane, g, w, s1, s2);
 }
 
-/* Ids with an empty run: a step with a zero gradient (as segment_sum's zeros then update would), a
- * warp per id that has one. */
+/* Ids with an empty run (not produced by unique ids, but defined): a step with a zero gradient, as
+ * segment_sum's zeros then update would take. A thread per id: the check is all most ids need. */
 template <int kOpt>
 __global__ void segsum_update_empty_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
-    const int64_t id = warp_index();
-    const int lane = threadIdx.x & 31;
-    if (id >= p.n_unique || p.seg[id + 1] > p.seg[id] || u.slots[id] < 0) return;  // uniform per warp
-    float g[kSegCols] = {}, w[kSegCols], s1[kSegCols], s2[kSegCols];
-    load_cols<kOpt>(u, u.slots[id], lane, w, s1, s2);
-    apply_cols<kOpt>(u, u.slots[id], lane, g, w, s1, s2);
+    const int64_t id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (id >= p.n_unique || p.seg[id + 1] > p.seg[id] || u.slots[id] < 0) return;
+    const int64_t slot = u.slots[id];
+    char *row = tf_dynemb_row(&u.values, slot);
+    float *st = u.state.row_bytes ? reinterpret_cast<float *>(tf_dynemb_row(&u.state, slot)) : nullptr;
+    float rw_mult = 0.f;
+    if (kOpt == TF_OPT_ROWWISE_ADAGRAD) {
+        const float m = st[0] + 0.f / static_cast<float>(u.dim);
+        st[0] = m;
+        rw_mult = u.lr / (sqrtf(m) + u.eps);
+    }
+    for (int64_t j = 0; j < u.dim; ++j) {
+        float s1 = kOpt == TF_OPT_ADAGRAD || kOpt == TF_OPT_ADAM ? st[j] : 0.f;
+        float s2 = kOpt == TF_OPT_ADAM ? st[u.dim + j] : 0.f;
+        store_f32(row, u.dtype, j, opt_step(u, kOpt, load_f32(row, u.dtype, j), 0.f, s1, s2, rw_mult));
+        if (kOpt == TF_OPT_ADAGRAD || kOpt == TF_OPT_ADAM) st[j] = s1;
+        if (kOpt == TF_OPT_ADAM) st[u.dim + j] = s2;
+    }
 }
 
 }  // namespace
@@ -1462,7 +1474,7 @@ int tf_dynemb_segsum_update_cuda(const tf_dynemb_segsum_params *p, const tf_dyne
         segsum_update_kernel<OPT><<<grid128, 128, 0, s>>>(*p, *u);                                \
         segsum_update_join_kernel<OPT><<<grid, kBlock, 0, s>>>(*p, *u);                           \
     }                                                                                            \
-    segsum_update_empty_kernel<OPT><<<grid_for_warps(p->n_unique), kBlock, 0, s>>>(*p, *u);
+    segsum_update_empty_kernel<OPT><<<grid_for_threads(p->n_unique), kBlock, 0, s>>>(*p, *u);
     switch (u->opt) {
     case TF_OPT_SGD: TF_SEGUPD(TF_OPT_SGD) break;
     case TF_OPT_ADAGRAD: TF_SEGUPD(TF_OPT_ADAGRAD) break;
