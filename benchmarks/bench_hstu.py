@@ -193,6 +193,8 @@ def main():
                 eg = "OOM"
             torch.cuda.empty_cache()
             if args.compile and label == "full":
+                # a fresh compile per shape: past dynamo's recompile limit a shape silently runs eager
+                torch._dynamo.reset()
                 comp = torch.compile(eager_hstu, dynamic=False)
                 f_c = lambda: comp(q, k, v, idx, mask, B, N, alpha)  # noqa: E731
                 try:
