@@ -214,19 +214,20 @@ tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::T
 
 DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
                                    at::Tensor &scores, at::Tensor &marks, at::Tensor *locks, int64_t bucket_size,
-                                   int64_t epoch, bool allow_evict) {
+                                   int64_t epoch, bool allow_evict, bool filled) {
     const char *op = "torchfuse.dynemb_insert";
     DynembInsert ins{};
     ins.t = dynemb_table(query, keys, digests, &scores, marks, locks, bucket_size, op);
     check_index(slots, keys, op, "slots");
     TORCH_CHECK(slots.numel() == query.numel(), op, ": slots must have one entry per query key");
     const int64_t n = query.numel();
-    ins.is_new = at::zeros({n}, query.options().dtype(at::kByte));
-    // entries past the evicted count hold -1 (defined contents: the op is then a function of its inputs)
-    ins.ev_keys = at::full({n}, -1, query.options());
-    ins.ev_slots = at::full({n}, -1, query.options());
-    ins.ev_scores = at::full({n}, -1, query.options());
-    ins.counts = at::zeros({3}, query.options());
+    // entries past the evicted count hold -1 (defined contents: the op is then a function of its inputs);
+    // !filled: the caller's first kernel writes these contents (one launch instead of five fills)
+    ins.is_new = filled ? at::zeros({n}, query.options().dtype(at::kByte)) : at::empty({n}, query.options().dtype(at::kByte));
+    ins.ev_keys = filled ? at::full({n}, -1, query.options()) : at::empty({n}, query.options());
+    ins.ev_slots = filled ? at::full({n}, -1, query.options()) : at::empty({n}, query.options());
+    ins.ev_scores = filled ? at::full({n}, -1, query.options()) : at::empty({n}, query.options());
+    ins.counts = filled ? at::zeros({3}, query.options()) : at::empty({3}, query.options());
     tf_dynemb_probe &p = ins.p;
     p.n = n;
     p.query = query.data_ptr<int64_t>();
@@ -276,14 +277,15 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
                                  at::Tensor &marks, at::Tensor *locks, at::Tensor &values, at::Tensor &values_host,
                                  at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
                                  bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind, double a,
-                                 double b, int64_t seed, bool with_rows) {
+                                 double b, int64_t seed, bool with_rows, bool filled) {
     const char *op = "torchfuse.dynemb_find_or_insert";
     TORCH_CHECK(policy >= -1 && policy <= TF_DYNEMB_LFU, op, ": policy must be -1 (no touch), 0 (LRU) or 1 (LFU)");
     TORCH_CHECK(epoch > 0, op, ": epoch must be > 0 (found keys are marked with it)");
     DynembFoi f{};
     check_index(query, keys, op, "query");
     f.slots = at::empty({query.numel()}, query.options());  // the probe writes every entry
-    f.ins = prepare_dynemb_insert(query, f.slots, keys, digests, scores, marks, locks, bucket_size, epoch, allow_evict);
+    f.ins = prepare_dynemb_insert(query, f.slots, keys, digests, scores, marks, locks, bucket_size, epoch, allow_evict,
+                                  filled);
     f.p.p = f.ins.p;
     f.p.init = dynemb_init_params(f.slots, query, std::nullopt, values, values_host, state, state_host, init_kind, a,
                                   b, seed);
@@ -293,7 +295,7 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     f.p.clock = clock;
     f.rows = at::empty(row_shape(values, with_rows ? query.numel() : 0), values.options());
     f.p.out = with_rows ? f.rows.data_ptr() : nullptr;
-    f.ev_new = at::full({query.numel()}, -1, query.options());
+    f.ev_new = filled ? at::full({query.numel()}, -1, query.options()) : at::empty({query.numel()}, query.options());
     f.p.evicted_new = f.ev_new.data_ptr<int64_t>();
     return f;
 }

@@ -24,7 +24,7 @@ struct DynembInsert {
 };
 DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
                                    at::Tensor &scores, at::Tensor &marks, at::Tensor *locks, int64_t bucket_size,
-                                   int64_t epoch, bool allow_evict);
+                                   int64_t epoch, bool allow_evict, bool filled = true);
 
 // keys/digests/scores/marks/locks checked against each other and against the queried keys.
 tf_dynemb_table dynemb_table(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests,
@@ -77,7 +77,7 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
                                  at::Tensor &marks, at::Tensor *locks, at::Tensor &values, at::Tensor &values_host,
                                  at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
                                  bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind, double a,
-                                 double b, int64_t seed, bool with_rows);
+                                 double b, int64_t seed, bool with_rows, bool filled = true);
 
 // ---- table-batched ops (dynemb_group.cpp): per-table kernel parameters over a concatenated batch ----
 

@@ -205,9 +205,12 @@ DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, a
                                     int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
                                     bool with_rows) {
     const c10::cuda::CUDAGuard guard(keys.device());
+    // 128-slot buckets: step 1 writes the outputs' defined contents itself (tf_dynemb_foi_params.fill_outputs)
+    const bool kernel_fills = bucket_size == 128 && query.numel() > 0;
     DynembFoi f = prepare_find_or_insert(query, keys, digests, scores, marks, &locks, values, values_host, state,
                                          state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b,
-                                         seed, with_rows);
+                                         seed, with_rows, !kernel_fills);
+    f.p.fill_outputs = kernel_fills;
     map_host(f.p.init.values, values_host);
     map_host(f.p.init.state, state_host);
     at::Tensor miss;  // step 1's per-block lists of missed keys (128-slot buckets)

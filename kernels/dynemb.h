@@ -118,6 +118,8 @@ typedef struct {
     void *out;                 /* n rows of values.row_bytes, or NULL */
     int64_t *evicted_new;      /* capacity n */
     uint8_t *miss;             /* CUDA with 128-slot buckets: scratch of tf_dynemb_foi_miss_bytes(n) */
+    int fill_outputs;          /* CUDA with 128-slot buckets: step 1 sets is_new to 0, the evicted arrays and
+                                  evicted_new to -1 and counts to 0 (the caller left them unwritten) */
 } tf_dynemb_foi_params;
 
 /* Step 1 lists the keys it missed for step 2: a count (8 bytes), then n keys (int64), n indices (int32:

@@ -269,6 +269,9 @@ struct QuarterMark {  // find_or_insert's step 1: found slots are marked and tou
     int policy;
     int64_t clock;
     uint8_t *miss;  // tf_dynemb_foi_params.miss
+    // fill_outputs: the outputs whose defined contents step 1 writes (is_new NULL: none)
+    uint8_t *is_new;
+    int64_t *evicted_keys, *evicted_slots, *evicted_scores, *evicted_new, *counts;
 };
 
 /* Step 1 of find_or_insert lists the keys it missed for step 2, so that step 2 runs a quarter warp
@@ -323,6 +326,13 @@ __global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int
     int order = 128;
     const int64_t slot = quarter_probe(t, key, valid, q, ql, kMark ? &order : nullptr);
     if (valid && ql == 0) slots[i] = slot;
+    if (kMark && mk.is_new) {  // coalesced: four consecutive keys per warp
+        if (valid && ql == 0) {
+            mk.is_new[i] = 0;
+            mk.evicted_keys[i] = mk.evicted_slots[i] = mk.evicted_scores[i] = mk.evicted_new[i] = -1;
+        }
+        if (blockIdx.x == 0 && threadIdx.x < 3) mk.counts[threadIdx.x] = 0;
+    }
     if (kMark) {
         list_misses(miss_list(mk.miss, n), valid && slot < 0, key, i, order, insert_rotation(tf_dynemb_hash(key)));
         if (!valid || slot < 0) return;  // step 2 inserts it and writes its row
@@ -1492,7 +1502,15 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
     const unsigned grid = grid_for_warps(p->p.n);
     const bool wide = copy_unit(&p->init.values, p->out) >= 16;
     if (t->bucket_size == 128) {  // four keys per warp; step 2 over step 1's list of misses
-        const QuarterMark mk{p->p.epoch, p->policy, p->clock, p->miss};
+        QuarterMark mk{p->p.epoch, p->policy, p->clock, p->miss, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+        if (p->fill_outputs) {
+            mk.is_new = p->p.is_new;
+            mk.evicted_keys = p->p.evicted_keys;
+            mk.evicted_slots = p->p.evicted_slots;
+            mk.evicted_scores = p->p.evicted_scores;
+            mk.evicted_new = p->evicted_new;
+            mk.counts = p->p.counts;
+        }
         const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
         // step 2: one resident wave (4 blocks per SM by its launch bounds), or fewer for small batches
         const unsigned g2 = g4 < 4u * static_cast<unsigned>(sm_count()) ? g4 : 4u * static_cast<unsigned>(sm_count());
