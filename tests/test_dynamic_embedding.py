@@ -622,6 +622,8 @@ def test_ops_opcheck(device):
     q = _t([3, 7, 11, -1], device)
     found = ops.dynemb_lookup(q, t._keys, t._digests, t._marks.clone(), t.bucket_size, 0).clamp(min=0)
     f32 = dict(device=device, dtype=torch.float32)
+    t128 = DynamicEmbedding(5, 128, device=device, bucket_size=128)  # find_or_insert's quarter-warp path on the GPU
+    t128.insert(_t([3, 7], device), torch.ones(2, 5, device=device))
     cases = [
         (ops.dynemb_lookup.default, (q, t._keys, t._digests, t._marks.clone(), t.bucket_size, 0)),
         (ops.dynemb_find.default, (q, t._keys, t._digests, t._marks, t._values, t._values_host, t.bucket_size)),
@@ -641,6 +643,10 @@ def test_ops_opcheck(device):
                                              t._scores.clone(), t._marks.clone(), t._locks.clone(), t._values.clone(),
                                              t._values_host.clone(), t._state.clone(), t._state_host.clone(),
                                              t.bucket_size, 6, True, 0, 9, 2, -1.0, 1.0, 3, True)),
+        (ops.dynemb_find_or_insert.default, (_t([3, 99, 100, 5], device), t128._keys.clone(), t128._digests.clone(),
+                                             t128._scores.clone(), t128._marks.clone(), t128._locks.clone(),
+                                             t128._values.clone(), t128._values_host.clone(), t128._state.clone(),
+                                             t128._state_host.clone(), 128, 6, True, 0, 9, 2, -1.0, 1.0, 3, True)),
         (ops.dynemb_segment_update.default, (torch.randn(4, 5, **f32), _t([1, 0, 2, 3], device),
                                              _t([0, 2, 4], device), None, None, found[:2], t._values.clone(),
                                              t._values_host.clone(), t._state.clone(), t._state_host.clone(), 3, 0.1,
