@@ -1028,6 +1028,53 @@ __global__ void pool_kernel(const __grid_constant__ Group<tf_dynemb_pool_params,
  * A run of one id that lies wholly inside the chunk is written to out; a run cut by the chunk's
  * edge is written to partial: slot 0 when the id began in an earlier chunk, slot 1 when it begins
  * here and goes on. */
+// ---- segment sum: shared pieces of the chunk kernels ----
+
+// Occurrences [q0, q1) of chunk k (q0 < n_occ checked by the caller).
+__device__ __forceinline__ int64_t seg_chunk_end(const tf_dynemb_segsum_params &p, int64_t q0) {
+    return q0 + TF_DYNEMB_SEG_CHUNK < p.n_occ ? q0 + TF_DYNEMB_SEG_CHUNK : p.n_occ;
+}
+
+// The id of occurrence q: the last u with seg[u] <= q.
+__device__ __forceinline__ int64_t seg_id_of(const tf_dynemb_segsum_params &p, int64_t q) {
+    int64_t lo = 0, hi = p.n_unique - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) >> 1;
+        if (p.seg[mid] <= q) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Lane l's (source row, scale) of occurrence q0 + l, handed round by shuffle as the chunk is walked.
+__device__ __forceinline__ void seg_lane_pair(const tf_dynemb_segsum_params &p, int64_t q0, int64_t q1, int lane,
+                                              int64_t &src, float &scale) {
+    src = 0;
+    scale = 0.f;
+    if (q0 + lane < q1) {
+        const int64_t i = p.perm[q0 + lane];
+        src = p.bag_of ? p.bag_of[i] : i;
+        scale = p.scale ? p.scale[i] : 1.f;
+    }
+}
+
+/* The id whose run chunk k (occurrences [q0, q1)) must join, or -1: the run of its last occurrence,
+ * when it begins in this chunk and goes on past it; *k1 = the chunk where that run ends. */
+__device__ __forceinline__ int64_t seg_cut_run(const tf_dynemb_segsum_params &p, int64_t q0, int64_t q1, int64_t *k1) {
+    const int64_t u = seg_id_of(p, q1 - 1);
+    const int64_t a = p.seg[u], b = p.seg[u + 1];
+    if (a < q0 || b <= q1) return -1;  // began in an earlier chunk (joined there), or ends in this one
+    *k1 = (b - 1) / TF_DYNEMB_SEG_CHUNK;
+    return u;
+}
+
+// The run's gradient at column c: its first chunk's slot-1 sum, then each later chunk's slot 0, in order.
+__device__ __forceinline__ float seg_joined(const tf_dynemb_segsum_params &p, int64_t k, int64_t k1, int64_t c) {
+    float acc = p.partial[(2 * k + 1) * p.dim + c];
+    for (int64_t kk = k + 1; kk <= k1; ++kk) acc += p.partial[(2 * kk) * p.dim + c];
+    return acc;
+}
+
 // Columns per lane per pass over a chunk (a pass covers 32 kSegCols columns; wider rows take more).
 constexpr int kSegCols = 4;
 
@@ -1036,21 +1083,11 @@ __global__ void segsum_chunk_kernel(tf_dynemb_segsum_params p) {
     const int lane = threadIdx.x & 31;
     const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
     if (q0 >= p.n_occ) return;
-    const int64_t q1 = q0 + TF_DYNEMB_SEG_CHUNK < p.n_occ ? q0 + TF_DYNEMB_SEG_CHUNK : p.n_occ;
-    int64_t my_src = 0;
-    float my_scale = 0.f;
-    if (q0 + lane < q1) {
-        const int64_t i = p.perm[q0 + lane];
-        my_src = p.bag_of ? p.bag_of[i] : i;
-        my_scale = p.scale ? p.scale[i] : 1.f;
-    }
-    /* the id of occurrence q0: the last u with seg[u] <= q0 */
-    int64_t lo = 0, hi = p.n_unique - 1;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) >> 1;
-        if (p.seg[mid] <= q0) lo = mid;
-        else hi = mid - 1;
-    }
+    const int64_t q1 = seg_chunk_end(p, q0);
+    int64_t my_src;
+    float my_scale;
+    seg_lane_pair(p, q0, q1, lane, my_src, my_scale);
+    const int64_t lo = seg_id_of(p, q0);
     for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * kSegCols) {
         float acc[kSegCols];
 #pragma unroll
@@ -1106,22 +1143,10 @@ __global__ void segsum_join_kernel(tf_dynemb_segsum_params p) {
     const int lane = threadIdx.x & 31;
     const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
     if (q0 >= p.n_occ) return;
-    const int64_t q1 = q0 + TF_DYNEMB_SEG_CHUNK < p.n_occ ? q0 + TF_DYNEMB_SEG_CHUNK : p.n_occ;
-    /* the id of the chunk's last occurrence: the last u with seg[u] <= q1 - 1 */
-    int64_t lo = 0, hi = p.n_unique - 1;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) >> 1;
-        if (p.seg[mid] <= q1 - 1) lo = mid;
-        else hi = mid - 1;
-    }
-    const int64_t a = p.seg[lo], b = p.seg[lo + 1];
-    if (a < q0 || b <= q1) return;  // began in an earlier chunk (joined there), or ends in this one
-    const int64_t k1 = (b - 1) / TF_DYNEMB_SEG_CHUNK;
-    for (int64_t c = lane; c < p.dim; c += 32) {
-        float acc = p.partial[(2 * k + 1) * p.dim + c];
-        for (int64_t kk = k + 1; kk <= k1; ++kk) acc += p.partial[(2 * kk) * p.dim + c];
-        p.out[lo * p.dim + c] = acc;
-    }
+    int64_t k1;
+    const int64_t u = seg_cut_run(p, q0, seg_chunk_end(p, q0), &k1);
+    if (u < 0) return;
+    for (int64_t c = lane; c < p.dim; c += 32) p.out[u * p.dim + c] = seg_joined(p, k, k1, c);
 }
 
 /* Ids with an empty run (seg[u] == seg[u + 1]: not produced by unique ids, but defined) get zeros;
@@ -1194,20 +1219,11 @@ __global__ void segsum_update_kernel(tf_dynemb_segsum_params p, tf_dynemb_update
     const int lane = threadIdx.x & 31;
     const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
     if (q0 >= p.n_occ) return;
-    const int64_t q1 = q0 + TF_DYNEMB_SEG_CHUNK < p.n_occ ? q0 + TF_DYNEMB_SEG_CHUNK : p.n_occ;
-    int64_t my_src = 0;
-    float my_scale = 0.f;
-    if (q0 + lane < q1) {
-        const int64_t i = p.perm[q0 + lane];
-        my_src = p.bag_of ? p.bag_of[i] : i;
-        my_scale = p.scale ? p.scale[i] : 1.f;
-    }
-    int64_t lo = 0, hi = p.n_unique - 1;  // the id of occurrence q0
-    while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) >> 1;
-        if (p.seg[mid] <= q0) lo = mid;
-        else hi = mid - 1;
-    }
+    const int64_t q1 = seg_chunk_end(p, q0);
+    int64_t my_src;
+    float my_scale;
+    seg_lane_pair(p, q0, q1, lane, my_src, my_scale);
+    const int64_t lo = seg_id_of(p, q0);
     int64_t my_end = INT64_MAX, my_slot = -1;  // lane l: the end of the run of id lo + l, and its slot
     if (lo + lane < p.n_unique) {
         my_end = p.seg[lo + lane + 1];
@@ -1282,29 +1298,13 @@ __global__ void segsum_update_join_kernel(tf_dynemb_segsum_params p, tf_dynemb_u
     const int lane = threadIdx.x & 31;
     const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
     if (q0 >= p.n_occ) return;
-    const int64_t q1 = q0 + TF_DYNEMB_SEG_CHUNK < p.n_occ ? q0 + TF_DYNEMB_SEG_CHUNK : p.n_occ;
-    int64_t lo = 0, hi = p.n_unique - 1;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) >> 1;
-        if (p.seg[mid] <= q1 - 1) lo = mid;
-        else hi = mid - 1;
-    }
-    const int64_t a = p.seg[lo], b = p.seg[lo + 1];
-    if (a < q0 || b <= q1) return;
-    const int64_t slot = u.slots[lo];
-    if (slot < 0) return;
-    const int64_t k1 = (b - 1) / TF_DYNEMB_SEG_CHUNK;
+    int64_t k1;
+    const int64_t id = seg_cut_run(p, q0, seg_chunk_end(p, q0), &k1);
+    if (id < 0 || u.slots[id] < 0) return;
+    const int64_t slot = u.slots[id];
     float g[kSegCols], w[kSegCols], s1[kSegCols], s2[kSegCols];
 #pragma unroll
-    for (int j = 0; j < kSegCols; ++j) {
-        const int64_t c = lane + 32 * j;
-        g[j] = 0.f;
-        if (c < p.dim) {
-            float acc = p.partial[(2 * k + 1) * p.dim + c];
-            for (int64_t kk = k + 1; kk <= k1; ++kk) acc += p.partial[(2 * kk) * p.dim + c];
-            g[j] = acc;
-        }
-    }
+    for (int j = 0; j < kSegCols; ++j) g[j] = lane + 32 * j < p.dim ? seg_joined(p, k, k1, lane + 32 * j) : 0.f;
     load_cols<kOpt>(u, slot, lane, w, s1, s2);
     apply_cols<kOpt>(u, slot, lane, g, w, s1, s2);
 }
