@@ -5,7 +5,6 @@ The table's state is a set of tensors owned by the module (kernels/dynemb.h docu
 keys, digests (0 = empty slot, so every int64 is a usable key), scores, values and optimizer state,
 indexed by slot. Operations are the internal ops ``torch.ops.torchfuse.dynemb_*`` on those tensors.
 """
-import math
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
@@ -285,11 +284,15 @@ class DynamicEmbedding(torch.nn.Module):
         return _ops.dynemb_insert(keys, slots, self._keys, self._digests, self._scores, self._marks, self._locks,
                                   self.bucket_size, epoch, allow_evict)
 
-    def _init_rows(self, slots: Tensor, keys: Tensor, mask: Optional[Tensor]):
+    def _init_args(self) -> Tuple[int, float, float]:
+        """The initializer as the kernels take it: (init_kind code, a, b); b is 0 for a constant."""
         kind, *nums = self.initializer
-        a, b = (nums + [0.0])[:2]
+        a, b = (list(nums) + [0.0, 0.0])[:2]
+        return _INIT_KINDS[kind], float(a), float(b)
+
+    def _init_rows(self, slots: Tensor, keys: Tensor, mask: Optional[Tensor]):
         _ops.dynemb_init(slots, keys, mask, self._values, self._values_host, self._state, self._state_host,
-                         _INIT_KINDS[kind], a, b, self.seed)
+                         *self._init_args(), self.seed)
 
     def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool):
         """_find_or_insert at full capacity (no growth to decide first) in one op, two kernels on the
@@ -298,19 +301,18 @@ class DynamicEmbedding(torch.nn.Module):
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
-        kind, *nums = self.initializer
-        a, b = (nums + [0.0])[:2]
+        init = self._init_args()
         slots, rows, is_new, ev_keys, ev_slots, ev_scores, ev_new, counts = _ops.dynemb_find_or_insert(
             keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values, self._values_host,
             self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none", policy, clock,
-            _INIT_KINDS[kind], a, b, self.seed, with_rows)
+            *init, self.seed, with_rows)
         inserted, n_ev, failed = counts.tolist()
         self._bump("_size", inserted - n_ev)
         evicted = None
         if n_ev:  # one kernel: the victims' rows and state out, the new keys' rows in (and into rows)
             old_values, old_state = _ops.dynemb_evict_rows(
                 ev_slots[:n_ev], ev_new[:n_ev], keys, self._values, self._values_host, self._state, self._state_host,
-                rows, _INIT_KINDS[kind], a, b, self.seed)
+                rows, *init, self.seed)
             evicted = self._save_evicted(ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev], old_values, old_state)
         if failed:
             raise RuntimeError(self._full_message(failed))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
-from .dynamic_embedding import _INIT_KINDS, DynamicEmbeddingBag
+from .dynamic_embedding import DynamicEmbeddingBag
 
 _ops = torch.ops.torchfuse
 
@@ -74,12 +74,10 @@ def find_or_insert(tables, keys: Tensor, starts: List[int], tid_of_keys) -> Tens
             if n_failed:
                 failed.append((i, n_failed))
         if any(c[0] for c in counts):
-            inits = [t.initializer for t in tables]
+            kinds, a, b = zip(*(t._init_args() for t in tables))
             v, vh, st, sth = _lists(tables, "_values", "_values_host", "_state", "_state_host")
-            _ops.dynemb_group_init(slots, keys, is_new, starts, v, vh, st, sth,
-                                   [_INIT_KINDS[i[0]] for i in inits],
-                                   [float((list(i[1:]) + [0.0, 0.0])[0]) for i in inits],
-                                   [float((list(i[1:]) + [0.0, 0.0])[1]) for i in inits], [t.seed for t in tables])
+            _ops.dynemb_group_init(slots, keys, is_new, starts, v, vh, st, sth, list(kinds), list(a), list(b),
+                                   [t.seed for t in tables])
         if failed:
             for i, n_failed in failed:
                 t = tables[i]
