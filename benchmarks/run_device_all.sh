@@ -5,11 +5,7 @@
 # Logs go to $OUT; the summary is printed last. Usage, from the repo root:
 #   bash benchmarks/run_device_all.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export MAX_JOBS=16 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-( time python3 -m pip install --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-echo "built at ${SECONDS}s"
+source "$(dirname "$0")/device_build.sh"
 timeout ${TEST_S:-240} python3 -m pytest tests -q -n 4 -p no:cacheprovider -k cuda > "$OUT/pytest.log" 2>&1
 echo "pytest (cuda) exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20; tail -2 "$OUT/pytest.log"
 timeout 90 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_torchrec.py -q -x -p no:cacheprovider -k cuda \

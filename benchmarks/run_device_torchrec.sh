@@ -4,11 +4,7 @@
 # (table-batched, per-table and static in one run). Logs go to $OUT; the table is printed last.
 #   bash benchmarks/run_device_torchrec.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export MAX_JOBS=16 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-( time python3 -m pip install --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-echo "built at ${SECONDS}s"
+source "$(dirname "$0")/device_build.sh"
 timeout 150 python3 -m pytest tests/test_dynamic_embedding.py tests/test_torchrec.py -q -n 4 -p no:cacheprovider -k cuda \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20; tail -1 "$OUT/pytest.log"
