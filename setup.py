@@ -1,7 +1,9 @@
 """Build torchfuse._C: one abi3 extension from csrc/ (glue) and kernels/ (C and CUDA compute).
 
 Environment:
-  TORCH_CUDA_ARCH_LIST  GPU architectures to build for; default: the local GPU's, else 9.0 (never all).
+  TORCH_CUDA_ARCH_LIST  GPU architectures to build for; default: the local GPU's, else 9.0 (never all);
+                        9.0 is built as 9.0a (Hopper's wgmma kernels included). An explicit "9.0" builds
+                        without them (the mma.sync kernels run instead).
   TORCHFUSE_NO_CUDA=1   build the CPU paths only (also the default when no CUDA toolkit is found).
   CUDA_HOME             the CUDA toolkit; default: found from nvcc on PATH or /usr/local/cuda.
 """
@@ -50,9 +52,12 @@ def _default_arch_list():
         return
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+        arch = f"{major}.{minor}"
     else:
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        arch = "9.0"
+    # 9.0a: Hopper with its arch-specific instructions (wgmma), which the HSTU forward uses; code built
+    # for it runs on compute capability 9.0 only, as sm_90 code would on any GPU this build targets
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a" if arch == "9.0" else arch
 
 
 def _sources(pattern):
@@ -102,6 +107,8 @@ extra_link_args = _shared_libstdcxx_link_args()
 if with_cuda:
     _default_arch_list()
     extra_compile_args["nvcc"] = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
+    if any(a.split("+")[0] == "9.0a" for a in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")):
+        extra_compile_args["nvcc"].append("-DTF_BUILT_SM90A")  # host code may dispatch to the sm_90a kernels
     ext = CUDAExtension(
         "torchfuse._C",
         cpu_sources + cuda_sources,

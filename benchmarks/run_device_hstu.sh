@@ -11,16 +11,16 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "
 ( time python3 -m pip install --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 tail -3 "$OUT/build.log"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider -k cuda > "$OUT/pytest.log" 2>&1
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider -k "cuda or kernel_choice" > "$OUT/pytest.log" 2>&1
   echo "pytest exit $?"; grep -E "passed|failed|Error|error" "$OUT/pytest.log" | tail -25
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
-  SEL="cuda and ((bfloat16 and (plain_h2_d64 or targets_groups_context or d256_dv32 or window_minfull or bias_1_head or test_cached)) or (float32 and (plain_h2_d64 or bias_1_head)))"
+  SEL="cuda and ((bfloat16 and (plain_h2_d64 or targets_groups_context or d256_dv32 or window_minfull or bias_1_head or long_d256 or test_cached)) or (float32 and (plain_h2_d64 or bias_1_head)))"
   timeout ${MEMCHECK_TIMEOUT:-120} compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_hstu.py -q -x -p no:cacheprovider \
     -k "$SEL" > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
   timeout ${RACECHECK_TIMEOUT:-90} compute-sanitizer --tool racecheck --print-limit 5 python3 -m pytest tests/test_hstu.py -q -x -p no:cacheprovider \
-    -k "cuda and bfloat16 and (test_forward and targets_groups_context or test_backward and d256_dv32 or test_backward and plain_h2)" > "$OUT/racecheck.log" 2>&1
+    -k "cuda and bfloat16 and (test_forward and (targets_groups_context or long_d128) or test_backward and d256_dv32 or test_backward and plain_h2)" > "$OUT/racecheck.log" 2>&1
   echo "racecheck exit $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -3
 fi
 case "${BENCH:-quick}" in

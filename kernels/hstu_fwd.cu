@@ -221,6 +221,8 @@ cudaError_t dispatch_fwd(const tf_hstu_params &p, cudaStream_t stream) {
 
 extern "C" int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
+    const int sm90 = tf_hstu_fwd_sm90(p, stream_);
+    if (sm90 >= 0) return sm90;
     if (p->dtype == TF_BF16) return (int)dispatch_fwd<__nv_bfloat16>(*p, stream);
     if (p->dtype == TF_F16) return (int)dispatch_fwd<__half>(*p, stream);
     const int64_t q_rows = p->delta > 0 ? p->B * p->delta : p->L;

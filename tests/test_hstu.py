@@ -123,7 +123,16 @@ CASES = {
     "bias_1_head_targets_window": (4, 2, 128, 64, 120, {"bias_heads": 1, "targets": True, "max_seq_len": 130},
                                    {"max_attn_len": 25, "contextual_seq_len": 2}),
     "strided_qkv": (4, 2, 64, 64, 100, {"strided": True}, {"contextual_seq_len": 3}),
+    # many key tiles per query tile (the K/V double buffer turns over several times), lengths not tile multiples
+    "long_d128_targets": (3, 2, 128, 128, 700, {"targets": True}, {}),
+    "long_d256_window": (3, 1, 256, 256, 450, {}, {"max_attn_len": 150}),
 }
+
+# Forward targets: "cuda-wgmma" forces the sm_90a wgmma kernel (TORCHFUSE_HSTU_SM90=1; on other GPUs
+# or builds the mma.sync one runs), "cuda-mma" the mma.sync kernel (=0): these small cases would
+# otherwise all take mma.sync, the faster one at short sequences.
+FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-mma"] if torch.cuda.is_available() else [])
+SM90_ENV = {"cuda-wgmma": "1", "cuda-mma": "0"}
 
 
 def run_case(device, dtype, case, grad):
@@ -166,10 +175,33 @@ def check(name, got, ref, lp, factor, dtype):
     assert err <= factor * err_lp + floor, f"{name}: error {err:.3g} > {factor} x PyTorch's {err_lp:.3g} + {floor:.3g}"
 
 
+@pytest.mark.parametrize("target", FWD_TARGETS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_forward(device, dtype, case):
-    run_case(device, dtype, case, grad=False)
+def test_forward(target, dtype, case, monkeypatch):
+    if target in SM90_ENV:
+        monkeypatch.setenv("TORCHFUSE_HSTU_SM90", SM90_ENV[target])
+    run_case(target.split("-")[0], dtype, case, grad=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma forward runs on compute capability 9.0 only")
+@pytest.mark.parametrize("env, d, n, want", [
+    ("1", 64, 90, "hstu_fwd_wgmma"), ("0", 256, 90, "hstu_fwd_mma"),  # the switch, both ways
+    (None, 128, 2048, "hstu_fwd_wgmma"), (None, 256, 90, "hstu_fwd_wgmma"), (None, 64, 90, "hstu_fwd_mma")])
+def test_forward_kernel_choice(env, d, n, want, monkeypatch):
+    """On a Hopper GPU the forward really runs the kernel the dispatch rule names (wgmma for long
+    sequences or wide heads) and the TORCHFUSE_HSTU_SM90 switch really forces one or the other."""
+    if env is not None:
+        monkeypatch.setenv("TORCHFUSE_HSTU_SM90", env)
+    else:
+        monkeypatch.delenv("TORCHFUSE_HSTU_SM90", raising=False)
+    q, k, v, offsets, msl, _, _ = make_inputs("cuda", torch.bfloat16, 1, 1, d, d, n)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any(want in n for n in names), f"expected a {want} kernel (torchfuse built for 9.0a?), ran {names}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
