@@ -125,9 +125,10 @@ void tf_hstu_bwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1);
 
 /* ---- CUDA (kernels/hstu_*.cu); return a cudaError_t as int ---- */
 int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream);
-/* The sm_90a (wgmma) forward, 16-bit dtypes: -1 when it does not apply (not built for sm_90a, the
- * device is not compute capability 9.0, dtype, a shape where mma.sync is faster, or
- * TORCHFUSE_HSTU_SM90=0; =1 takes it wherever it can run); tf_hstu_fwd_cuda tries it first. */
+/* The sm_90a (TMA + wgmma) forward, 16-bit dtypes: -1 when it does not apply (not built for sm_90a,
+ * the device is not compute capability 9.0, dtype, strides the copy engine cannot address, a shape
+ * where mma.sync is faster, or TORCHFUSE_HSTU_SM90=0; =1 takes it wherever it can run);
+ * tf_hstu_fwd_cuda tries it first. */
 int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream);
 /* Needs p->dq_acc (fp32, zeroed) and, with a bias gradient, p->dbias (fp32, zeroed). */
 int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream);

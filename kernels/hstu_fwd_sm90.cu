@@ -1,22 +1,29 @@
-/* HSTU attention forward on Hopper (sm_90a): warpgroup MMA (wgmma) instead of mma.sync.
+/* HSTU attention forward on Hopper (sm_90a): warp-specialized, TMA loads, warpgroup MMA (wgmma).
  *
- * Same semantics and scheduling as hstu_fwd_mma (hstu_fwd.cu): one block per (query tile of BM = 128
- * rows, sequence, head), highest tile first; the block walks the key tiles tf_hstu_col_range() allows.
- * Differences, all for the tensor cores' sake:
- *   - two warpgroups of 64 query rows each; S = Q K^T is one wgmma m64nBNk16 per 16 head dims with Q and
- *     K read by the tensor cores straight from shared memory (no ldmatrix); O += P V takes P from
- *     registers (the fp32 accumulators of S repacked to 16 bits, same fragment shape as mma.sync's A)
- *     and V from shared memory through the MN-major ("transposed") descriptor;
- *   - tiles are stored 128-byte swizzled (rows of 64 elements; the 16-byte chunk index XORed with the
- *     row index mod 8), the layout the wgmma descriptors describe; cp.async writes them there, so
- *     the writes are made visible to the tensor cores' (async) proxy with fence.proxy.async;
- *   - a warpgroup skips the MMAs of a key tile its own 64 rows cannot reach (the causal diagonal at
- *     D = 256, where key tiles are 64 wide; rows past the sequence's end).
- * K/V tiles go through a ring of 2-4 buffers (one barrier per tile); blocks are ordered so that those
- * sharing a (sequence, head)'s K and V run together (L2 reuse), longest tiles first within.
- * Built only for sm_90a (the `a` target: wgmma is not in plain sm_90); elsewhere the entry point
- * declines and hstu_fwd.cu's mma.sync kernel runs; it also declines where that one is faster (see
- * tf_hstu_fwd_sm90). TORCHFUSE_HSTU_SM90=0 / 1 forces the choice (A/B runs, tests). */
+ * Same semantics and block scheduling as hstu_fwd_mma (hstu_fwd.cu): one block per (query tile of
+ * BM = 128 rows, sequence, head); the block walks the key tiles tf_hstu_col_range() allows. Per block:
+ *   - warpgroup 0 produces: one thread issues the copy engine's (TMA) tile loads, the Q tile once and
+ *     each K/V tile into a ring of ST stages, each completing on the stage's `full` mbarrier; the
+ *     warpgroup hands most of its registers to the consumers (setmaxnreg);
+ *   - warpgroups 1 and 2 consume 64 query rows each: S = Q K^T by wgmma m64nBNk16 with Q and K read
+ *     by the tensor cores from shared memory, P = SiLU(...) masked in registers, O += P V with P from
+ *     registers (S's fp32 accumulators repacked to 16 bits: mma.sync's A fragment shape) and V through
+ *     the MN-major ("transposed") descriptor; then free the stage on its `empty` mbarrier. With no
+ *     block-wide barrier in the loop the two drift apart, so one's SiLU overlaps the other's MMAs
+ *     (the same kernel with all 256 threads loading by cp.async and a __syncthreads per tile ran
+ *     both SiLUs at once with the tensor cores idle: 302 against 358 TFLOP/s at 16x4096x128);
+ *   - tiles are 128-byte swizzled in shared memory (rows of 64 elements, 16-byte chunk index XOR row
+ *     mod 8): what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and what the wgmma descriptors read;
+ *   - a warpgroup skips the MMAs of a key tile its own rows cannot reach (the causal diagonal at
+ *     D = 256, where key tiles are 64 wide; rows past the sequence's end);
+ *   - blocks are ordered so that those sharing a (sequence, head)'s K and V run together (L2 reuse),
+ *     longest tiles first within.
+ * Built only for sm_90a (wgmma and setmaxnreg are not in plain sm_90). The entry point declines (and
+ * hstu_fwd.cu's mma.sync kernel runs) off compute capability 9.0, where the copy engine cannot address
+ * the tensors (strides not multiples of 16 bytes), and where mma.sync is faster (tf_hstu_fwd_sm90).
+ * TORCHFUSE_HSTU_SM90=0 / 1 forces the choice (A/B runs, tests). */
+#include <cuda.h>  // CUtensorMap (the encoder is fetched from the driver at run time: no libcuda link)
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <stdlib.h>
 
@@ -25,39 +32,18 @@
 
 namespace {
 
-constexpr int kWarpgroups = 2, kThreads = 128 * kWarpgroups, kBM = 64 * kWarpgroups;
+constexpr int kBM = 128;  // query rows per block: two consumer warpgroups of 64
 
 template <int D>
 struct Sm90Cfg {
     static constexpr int BN = D >= 256 ? 64 : 128;
-    // K/V tiles in flight: as many as 227 KB of shared memory allows (one block per SM: nothing else
-    // to switch to while a load is outstanding)
+    // K/V ring stages: as many as 227 KB of shared memory allows (one block per SM)
     static constexpr int ST = D <= 64 ? 4 : D <= 128 ? 3 : 2;
     static constexpr int Q_BYTES = kBM * D * 2, KV_BYTES = BN * D * 2;
     // Q, then the K and V rings; +1024: the swizzle pattern repeats every 1024 bytes, so tiles start on
     // a 1024-byte boundary
     static constexpr int SMEM = Q_BYTES + 2 * ST * KV_BYTES + 1024;
 };
-
-/* Byte offset of 16-byte chunk `c` of row `r` in a 128-byte-swizzled tile of ROWS rows: the row's
- * chunks 0-7 in panel 0 (ROWS x 128 bytes), 8-15 in panel 1, ... */
-template <int ROWS>
-__device__ __forceinline__ uint32_t sw128(int r, int c) {
-    return (uint32_t)((c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-
-/* Tile row r <- global row base + r for r_lo <= r < nrows (columns below d); zeros elsewhere. */
-template <int ROWS, int D>
-__device__ __forceinline__ void load_tile_sw(uint8_t *smem, const void *g, int64_t sr, int64_t sh, int64_t base,
-                                             int r_lo, int nrows, int h, int d) {
-    constexpr int CH = D / 8;
-    for (int i = threadIdx.x; i < ROWS * CH; i += kThreads) {
-        const int r = i / CH, c = i % CH;
-        const bool ok = r >= r_lo && r < nrows && c * 8 < d;
-        const uint16_t *src = (const uint16_t *)g + (ok ? (base + r) * sr + (int64_t)h * sh + c * 8 : 0);
-        cp_async16(smem + sw128<ROWS>(r, c), src, ok);
-    }
-}
 
 /* Validity of this thread's accumulator elements in a key tile: bit 2 j + e of bits[h] is row p + 8 h,
  * column key0 + 8 j + e (j < BN / 8, e < 2; key0 includes the thread's 2 t offset). A rolled loop:
@@ -72,195 +58,260 @@ __device__ __forceinline__ void mask_bits(const tf_hstu_mask &m, int p, int key0
         if (pos >= 0 && pos < m.n && key < m.n && tf_hstu_valid(&m, pos, key)) bits[h] |= 1u << c;
     }
 }
-__device__ __forceinline__ float silu_hx(float x, float c_h, float c_t) {
+__device__ __forceinline__ __attribute__((unused)) float silu_hx(float x, float c_h, float c_t) {
     const float hx = x * c_h;
     return fmaf(hx, tanh_approx(x * c_t), hx);
 }
 /* accumulator element i (= 4 j + 2 h + e) -> its bit */
-__device__ __forceinline__ bool pair_bit(const uint32_t (&bits)[2], int i) {
+__device__ __forceinline__ __attribute__((unused)) bool pair_bit(const uint32_t (&bits)[2], int i) {
     return (bits[(i >> 1) & 1] >> (2 * (i >> 2) + (i & 1))) & 1u;
 }
 /* out of line: called from an unrolled loop, so the dtype switch is not copied per element */
-__device__ __noinline__ float bias_at(const tf_hstu_params &p, int64_t b, int h, int pos, int key) {
+__device__ __noinline__ __attribute__((unused)) float bias_at(const tf_hstu_params &p, int64_t b, int h, int pos, int key) {
     return tf_bias_load(p.bias, p.bias_dtype, b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+/* ---- mbarriers and the tensor-memory-access (TMA) copy engine, for the warp-specialized kernel ---- */
+__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred P1;\nLAB_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(smem_u32(bar)),
+        "r"(parity)
+        : "memory");
+}
+/* box {64 columns, 1 head, rows} of a (rows, H, d) tensor at (c0, c1, c2) -> smem (128-byte swizzled rows) */
+__device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *map, int c0, int c1, int c2, uint64_t *bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+            smem_u32(dst)),
+        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+        : "memory");
+}
 #endif
 
+/* ---- a consumer warpgroup's share of a key tile (64 query rows) ---- */
+
+/* S = Q K^T for one key tile, issued (not waited for). All D / 16 steps even when Dqk < D (the padding
+ * is zeros): a branch between two wgmmas makes the compiler wait for the first. */
+template <typename T, int D, int BM_ROWS, int BN>
+__device__ __forceinline__ void gemm_s(float (&sacc)[BN / 2], uint32_t q_addr, uint32_t k_addr) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        // 16 head dims: panel kk / 4 (64 dims each), 32 bytes into its rows per step
+        const uint32_t koff = (kk % 4) * 32;
+        wgmma_ss<T, BN>(sacc, tf_wgmma_desc(q_addr + (kk / 4) * BM_ROWS * 128 + koff, 0),
+                        tf_wgmma_desc(k_addr + (kk / 4) * BN * 128 + koff, 0), kk > 0);
+    }
+}
+/* O += P V for one key tile, P from registers, issued (not waited for) */
+template <typename T, int D, int BN>
+__device__ __forceinline__ void gemm_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t v_addr) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)  // 16 keys (two 8-row groups) per step; LBO: panel stride
+        wgmma_rs<T, D>(o, pa[kk], tf_wgmma_desc(v_addr + kk * 16 * 128, BN * 128), 1);
+}
+/* P = SiLU(alpha (S + bias)) / S_norm, masked, from sacc into pa (16-bit A fragments). Interior tiles
+ * skip the mask; boundary tiles get it as bits from a rolled loop (the mask and bias code unrolled over
+ * every element made the kernel too big for the instruction cache: half its stalls were fetches).
+ * wpos0: the warpgroup's first row position; k0: the tile's first key. */
+template <typename T, int BN>
+__device__ __forceinline__ void elementwise(float (&sacc)[BN / 2], uint32_t (&pa)[BN / 16][4], const tf_hstu_params &p,
+                                            const tf_hstu_mask &mask, int64_t b, int h, int wpos0, int k0, float c_h,
+                                            float c_t) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+    const int prow = wpos0 + 16 * ((threadIdx.x / 32) % 4) + g;  // this thread's rows: prow, prow + 8
+    if (tf_hstu_tile_full(&mask, wpos0, wpos0 + 64, k0, k0 + BN) && !p.bias) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) sacc[i] = silu_hx(sacc[i], c_h, c_t);
+    } else {
+        uint32_t bits[2];
+        mask_bits<BN>(mask, prow, k0 + 2 * t4, bits);
+        if (p.bias) {
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i)
+                if (pair_bit(bits, i))
+                    sacc[i] += bias_at(p, b, h, prow + ((i & 2) ? 8 : 0), k0 + (i / 4) * 8 + 2 * t4 + (i & 1));
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) sacc[i] = pair_bit(bits, i) ? silu_hx(sacc[i], c_h, c_t) : 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        const float *c0 = sacc + 8 * kk;  // accumulator chunks 2 kk (keys +0..7), 2 kk + 1 (+8..15)
+        pa[kk][0] = pack2<T>(c0[0], c0[1]);
+        pa[kk][1] = pack2<T>(c0[2], c0[3]);
+        pa[kk][2] = pack2<T>(c0[4], c0[5]);
+        pa[kk][3] = pack2<T>(c0[6], c0[7]);
+    }
+}
+/* this thread's O rows (tile rows r0 + 16 warp + g (+ 8)) -> out, those below rows_here */
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 1) hstu_fwd_wgmma(const tf_hstu_params p, int q_tiles, int section) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Cfg = Sm90Cfg<D>;
-    constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, ST = Cfg::ST;
-    extern __shared__ uint8_t smem_raw[];
-    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-    uint8_t *Qs = smem, *Ks = smem + Cfg::Q_BYTES, *Vs = Ks + ST * KV_BYTES;
-
-    // Block order: (sequence, head) pairs in sections of `section` pairs whose K and V fit in L2 together;
-    // within a section the query tiles with the most keys first (load balance), all pairs of the
-    // section side by side, so the blocks reading one pair's K/V run at about the same time.
-    const int64_t BH = p.B * p.H, per = (int64_t)q_tiles * section;
-    const int64_t sec = blockIdx.x / per, r = blockIdx.x % per;
-    const int64_t in_sec = min((int64_t)section, BH - sec * section);
-    const int tile = q_tiles - 1 - (int)(r / in_sec);
-    const int64_t bh = sec * section + r % in_sec;
-    const int64_t b = bh / p.H;
-    const int h = (int)(bh % p.H);
-    const HstuSeq s = hstu_seq(p, b);
-    const int i0 = tile * kBM;
-    if (i0 >= s.nq) return;
-    const int pos0 = s.n - s.nq + i0;
-    const int p0 = pos0 > 0 ? pos0 : 0, p1 = min(pos0 + kBM, s.n);
-    const int wg = threadIdx.x / 128;
-    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    const int g = lane / 4, t4 = lane % 4;
-    const int rows_here = min(kBM, s.nq - i0);
-    const int dqk = (int)p.dqk, dv = (int)p.dv;
-    // SiLU(alpha x) / S_norm = h (1 + tanh(t)) with h = x alpha / (2 S_norm), t = x alpha / 2
-    const float c_h = 0.5f * (float)p.alpha * (float)p.inv_scale, c_t = 0.5f * (float)p.alpha;
-    const int wpos0 = pos0 + 64 * wg;  // this warpgroup's first row position
-
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-
-    int kt_lo = 0, kt_hi = -1;
-    if (p0 < p1) {
-        int lo, hi;
-        tf_hstu_col_range(&s.mask, p0, p1, &lo, &hi);
-        kt_lo = lo / BN;
-        kt_hi = hi / BN;
-    }
-    // the key columns this warpgroup's rows can reach ([wlo, whi]; empty when its rows lie outside)
-    int wlo = 1 << 30, whi = -1;
-    {
-        const int a = max(wpos0, 0), z = min(wpos0 + 64, s.n);
-        if (a < z) tf_hstu_col_range(&s.mask, a, z, &wlo, &whi);
-    }
-    if (kt_lo <= kt_hi) {
-        load_tile_sw<kBM, D>(Qs, p.q, p.q_sr, p.q_sh, s.q_start + i0, -min(pos0, 0), rows_here, h, dqk);
-        // K/V tile loads: every tile, a thread copies the same 16-byte column chunk `lc` of rows lr,
-        // lr + RSTEP, ...: the pointers and the swizzled offsets are worked out once here (RSTEP is a
-        // multiple of 8, so the swizzle term is the same for all of a thread's rows)
-        constexpr int CH = D / 8, RSTEP = kThreads / CH, NLD = BN / RSTEP;
-        const int lc = threadIdx.x % CH, lr = threadIdx.x / CH;
-        const bool k_col = lc * 8 < dqk, v_col = lc * 8 < dv;
-        const uint32_t ld_off = (lc >> 3) * (BN * 128) + lr * 128 + (((lc & 7) ^ (lr & 7)) << 4);
-        const uint16_t *k_src = (const uint16_t *)p.k + (s.start + lr) * p.k_sr + (int64_t)h * p.k_sh + lc * 8;
-        const uint16_t *v_src = (const uint16_t *)p.v + (s.start + lr) * p.v_sr + (int64_t)h * p.v_sh + lc * 8;
-        const int64_t k_step = RSTEP * p.k_sr, v_step = RSTEP * p.v_sr;
-        auto load_kv = [&](int kt) {
-            const int k0 = kt * BN, nk = min(BN, s.n - k0);
-            const uint16_t *kp = k_src + k0 * p.k_sr, *vp = v_src + k0 * p.v_sr;
-            const int buf = (kt - kt_lo) % ST;
-            uint8_t *kd = Ks + buf * KV_BYTES + ld_off, *vd = Vs + buf * KV_BYTES + ld_off;
-#pragma unroll
-            for (int j = 0; j < NLD; ++j) {
-                const bool row = lr + j * RSTEP < nk;
-                cp_async16(kd + j * RSTEP * 128, row && k_col ? kp + j * k_step : (const uint16_t *)p.k, row && k_col);
-                cp_async16(vd + j * RSTEP * 128, row && v_col ? vp + j * v_step : (const uint16_t *)p.v, row && v_col);
-            }
-        };
-        const uint32_t q_addr = smem_u32(Qs) + wg * 64 * 128;  // the warpgroup's 64 rows of each panel
-        float sacc[BN / 2];
-        uint32_t pa[BN / 16][4];
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) sacc[i] = 0.f;
-        auto reach = [&](int kt) { return kt * BN <= whi && kt * BN + BN - 1 >= wlo; };  // uniform per warpgroup
-        // S = Q K^T for key tile kt (issued, not waited for). All D / 16 steps even when Dqk < D (the
-        // padding is zeros): a branch between two wgmmas makes the compiler wait for the first.
-        auto gemm_s = [&](int kt) {
-            const uint32_t k_addr = smem_u32(Ks + ((kt - kt_lo) % ST) * KV_BYTES);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                // 16 head dims: panel kk / 4 (64 dims each), 32 bytes into its rows per step
-                const uint32_t koff = (kk % 4) * 32;
-                wgmma_ss<T, BN>(sacc, tf_wgmma_desc(q_addr + (kk / 4) * kBM * 128 + koff, 0),
-                                tf_wgmma_desc(k_addr + (kk / 4) * BN * 128 + koff, 0), kk > 0);
-            }
-        };
-        // O += P V for key tile kt, P from the registers pa (issued, not waited for)
-        auto gemm_pv = [&](int kt) {
-            const uint32_t v_addr = smem_u32(Vs + ((kt - kt_lo) % ST) * KV_BYTES);
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)  // 16 keys (two 8-row groups) per step; LBO: panel stride
-                wgmma_rs<T, D>(o, pa[kk], tf_wgmma_desc(v_addr + kk * 16 * 128, BN * 128), 1);
-        };
-        // P = SiLU(alpha (S + bias)) / S_norm, masked, into pa. Interior tiles skip the mask; boundary
-        // tiles get it as bits from a rolled loop (the mask and bias code unrolled over every element
-        // made the kernel too big for the instruction cache: half its stalls were fetches).
-        auto elementwise = [&](int kt) {
-            const int k0 = kt * BN, prow = wpos0 + 16 * warp + g;  // this thread's rows: prow, prow + 8
-            if (tf_hstu_tile_full(&s.mask, wpos0, wpos0 + 64, k0, k0 + BN) && !p.bias) {
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) sacc[i] = silu_hx(sacc[i], c_h, c_t);
-            } else {
-                uint32_t bits[2];
-                mask_bits<BN>(s.mask, prow, k0 + 2 * t4, bits);
-                if (p.bias) {
-#pragma unroll
-                    for (int i = 0; i < BN / 2; ++i)
-                        if (pair_bit(bits, i))
-                            sacc[i] += bias_at(p, b, h, prow + ((i & 2) ? 8 : 0), k0 + (i / 4) * 8 + 2 * t4 + (i & 1));
-                }
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) sacc[i] = pair_bit(bits, i) ? silu_hx(sacc[i], c_h, c_t) : 0.f;
-            }
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                const float *c0 = sacc + 8 * kk;  // accumulator chunks 2 kk (keys +0..7), 2 kk + 1 (+8..15)
-                pa[kk][0] = pack2<T>(c0[0], c0[1]);
-                pa[kk][1] = pack2<T>(c0[2], c0[3]);
-                pa[kk][2] = pack2<T>(c0[4], c0[5]);
-                pa[kk][3] = pack2<T>(c0[6], c0[7]);
-            }
-        };
-        // Per tile, both warpgroups: S, SiLU, P V; loads run ST - 1 tiles ahead. (A ping-pong order, one
-        // warpgroup's SiLU beside the other's MMAs, measured slower: its role branches made the compiler
-        // serialize the wgmmas, C7520.)
-#pragma unroll
-        for (int i = 0; i < ST - 1; ++i) {  // Q rides in the first group
-            if (kt_lo + i <= kt_hi) load_kv(kt_lo + i);
-            cp_async_commit();
-        }
-        for (int kt = kt_lo; kt <= kt_hi; ++kt) {
-            cp_async_wait<ST - 2>();  // tile kt has landed (ST - 2 younger groups may be in flight)
-            fence_proxy_async();      // this thread's cp.async writes -> the tensor cores' reads
-            __syncthreads();          // ... everyone's; and every warpgroup is done with tile kt - 1
-            if (kt + ST - 1 <= kt_hi) load_kv(kt + ST - 1);  // into tile kt - 1's buffers
-            cp_async_commit();
-            if (reach(kt)) {
-                tf_wgmma_fence();
-                gemm_s(kt);
-                tf_wgmma_commit();
-                tf_wgmma_wait<0>();
-                tf_wgmma_reg_fence(sacc);
-                elementwise(kt);
-                tf_wgmma_fence();
-                gemm_pv(kt);
-                tf_wgmma_commit();
-                tf_wgmma_wait<0>();
-                tf_wgmma_reg_fence(o);
-            }
-        }
-    }
-    T *out = (T *)p.o;
+__device__ __forceinline__ void store_o(const float (&o)[D / 2], const tf_hstu_params &p, int64_t row0, int h,
+                                        int r0, int rows_here) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4, dv = (int)p.dv;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int r = 64 * wg + 16 * warp + g + 8 * half;
+        const int r = r0 + 16 * ((threadIdx.x / 32) % 4) + g + 8 * half;
         if (r >= rows_here) continue;
-        T *orow = out + ((s.q_start + i0 + r) * p.H + h) * (int64_t)dv;
+        T *orow = (T *)p.o + ((row0 + r) * p.H + h) * (int64_t)dv;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             const int col = 8 * j + 2 * t4;
             if (col < dv) *(uint32_t *)(orow + col) = pack2<T>(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
         }
     }
+}
+
+/* A block's work: which (sequence, head, query tile) and its key-tile range.
+ * Block order: (sequence, head) pairs in sections of `section` pairs whose K and V fit in L2 together;
+ * within a section the query tiles with the most keys first (load balance), all pairs of the section
+ * side by side, so the blocks reading one pair's K/V run at about the same time. */
+struct BlockWork {
+    HstuSeq s;
+    int64_t b;
+    int h, i0, pos0, rows_here, kt_lo, kt_hi;
+    bool active;  // false: this block's query tile lies past its sequence's end
+};
+template <int BN>
+__device__ __forceinline__ BlockWork block_work(const tf_hstu_params &p, int q_tiles, int section) {
+    BlockWork w;
+    const int64_t BH = p.B * p.H, per = (int64_t)q_tiles * section;
+    const int64_t sec = blockIdx.x / per, r = blockIdx.x % per;
+    const int64_t in_sec = min((int64_t)section, BH - sec * section);
+    const int tile = q_tiles - 1 - (int)(r / in_sec);
+    const int64_t bh = sec * section + r % in_sec;
+    w.b = bh / p.H;
+    w.h = (int)(bh % p.H);
+    w.s = hstu_seq(p, w.b);
+    w.i0 = tile * kBM;
+    w.active = w.i0 < w.s.nq;
+    w.pos0 = w.s.n - w.s.nq + w.i0;
+    w.rows_here = min(kBM, w.s.nq - w.i0);
+    const int p0 = w.pos0 > 0 ? w.pos0 : 0, p1 = min(w.pos0 + kBM, w.s.n);
+    w.kt_lo = 0;
+    w.kt_hi = -1;
+    if (p0 < p1) {
+        int lo, hi;
+        tf_hstu_col_range(&w.s.mask, p0, p1, &lo, &hi);
+        w.kt_lo = lo / BN;
+        w.kt_hi = hi / BN;
+    }
+    return w;
+}
+/* Can the warpgroup whose first row is at position wpos0 reach key tile kt? (uniform per warpgroup) */
+struct Reach {
+    int lo = 1 << 30, hi = -1;
+    __device__ __forceinline__ Reach(const tf_hstu_mask &m, int wpos0) {
+        const int a = max(wpos0, 0), z = min(wpos0 + 64, m.n);
+        if (a < z) tf_hstu_col_range(&m, a, z, &lo, &hi);
+    }
+    template <int BN>
+    __device__ __forceinline__ bool tile(int kt) const { return kt * BN <= hi && kt * BN + BN - 1 >= lo; }
+};
+
+/* The kernel (see the top of the file). TMA reads whole tiles: rows past a sequence's end come from the
+ * next one (masked to P = 0; past the tensor's end they are zeros), columns past Dqk / Dv are zeros. */
+constexpr int kWsThreads = 384;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                const __grid_constant__ CUtensorMap tm_v, const tf_hstu_params p, int q_tiles, int section) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Cfg = Sm90Cfg<D>;
+    constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, ST = Cfg::ST;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    uint8_t *Qs = smem, *Ks = smem + Cfg::Q_BYTES, *Vs = Ks + ST * KV_BYTES;
+    __shared__ __align__(8) uint64_t full_bar[ST], empty_bar[ST], q_bar;
+
+    const BlockWork w = block_work<BN>(p, q_tiles, section);
+    if (!w.active) return;  // uniform over the block
+    const HstuSeq &s = w.s;
+    const int wg = threadIdx.x / 128;
+    const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < ST; ++i) {
+            mbar_init(&full_bar[i], 1);
+            mbar_init(&empty_bar[i], 8);  // the 8 consumer warps
+        }
+        mbar_init(&q_bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == 0 && kt_lo <= kt_hi) {
+            mbar_expect_tx(&q_bar, Cfg::Q_BYTES);
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c)
+                tma_load(Qs + c * kBM * 128, &tm_q, 64 * c, w.h, (int)(s.q_start + w.i0), &q_bar);
+            for (int kt = kt_lo; kt <= kt_hi; ++kt) {
+                const int i = kt - kt_lo, st = i % ST;
+                if (i >= ST) mbar_wait(&empty_bar[st], (i / ST - 1) & 1);
+                mbar_expect_tx(&full_bar[st], 2 * KV_BYTES);
+                const int row = (int)(s.start + kt * BN);
+#pragma unroll
+                for (int c = 0; c < D / 64; ++c) {
+                    tma_load(Ks + st * KV_BYTES + c * BN * 128, &tm_k, 64 * c, w.h, row, &full_bar[st]);
+                    tma_load(Vs + st * KV_BYTES + c * BN * 128, &tm_v, 64 * c, w.h, row, &full_bar[st]);
+                }
+            }
+        }
+    } else {  // consumers: warpgroups 1, 2 take tile rows 0-63, 64-127
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+        const int cw = wg - 1;
+        const float c_h = 0.5f * (float)p.alpha * (float)p.inv_scale, c_t = 0.5f * (float)p.alpha;
+        const int wpos0 = w.pos0 + 64 * cw;
+        float o[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+        if (kt_lo <= kt_hi) {
+            const uint32_t q_addr = smem_u32(Qs) + cw * 64 * 128;
+            const Reach reach(s.mask, wpos0);
+            float sacc[BN / 2];
+            uint32_t pa[BN / 16][4];
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) sacc[i] = 0.f;
+            mbar_wait(&q_bar, 0);
+            for (int kt = kt_lo; kt <= kt_hi; ++kt) {
+                const int i = kt - kt_lo, st = i % ST;
+                mbar_wait(&full_bar[st], (i / ST) & 1);
+                if (reach.tile<BN>(kt)) {
+                    tf_wgmma_fence();
+                    gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + st * KV_BYTES));
+                    tf_wgmma_commit();
+                    tf_wgmma_wait<0>();
+                    tf_wgmma_reg_fence(sacc);
+                    elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt * BN, c_h, c_t);
+                    tf_wgmma_fence();
+                    gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                    tf_wgmma_commit();
+                    tf_wgmma_wait<0>();
+                    tf_wgmma_reg_fence(o);
+                }
+                __syncwarp();
+                if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);
+            }
+        }
+        store_o<T, D>(o, p, s.q_start + w.i0, w.h, 64 * cw, w.rows_here);
+    }
 #endif
 }
 
+#if defined(TF_BUILT_SM90A)  // the host side of the sm_90a kernel
 /* (sequence, head) pairs per scheduling section: as many as have their K and V (at max_seq_len) in half
  * the L2 cache, and enough to fill the GPU. */
 int section_size(const tf_hstu_params &p, int q_tiles) {
@@ -277,29 +328,68 @@ int section_size(const tf_hstu_params &p, int q_tiles) {
     return (int)(sec > 0 ? sec : 1);
 }
 
+/* The driver's tensor-map encoder, fetched once through the runtime (no link against libcuda). */
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+    static bool tried = false;
+    if (!tried) {
+        void *f = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)f;
+        tried = true;
+    }
+    return fn;
+}
+
+/* TMA map of a (rows, H, d) 16-bit tensor read in boxes of {64 columns, 1 head, box_rows rows} into
+ * 128-byte-swizzled shared memory. False when the copy engine cannot address it (strides or base not
+ * 16-byte aligned, no rows). */
+bool tensor_map(CUtensorMap *m, int dtype, const void *base, int64_t rows, int64_t H, int64_t d, int64_t sr,
+                int64_t sh, int box_rows) {
+    PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
+    if (!enc || rows <= 0 || ((uintptr_t)base & 15) != 0) return false;
+    const int64_t sr_b = sr * 2, sh_b = H > 1 ? sh * 2 : sr_b;  // one head: its stride is never stepped
+    if (sr_b % 16 != 0 || sh_b % 16 != 0 || sr_b <= 0 || sh_b <= 0) return false;
+    const cuuint64_t dims[3] = {(cuuint64_t)d, (cuuint64_t)H, (cuuint64_t)rows};
+    const cuuint64_t strides[2] = {(cuuint64_t)sh_b, (cuuint64_t)sr_b};
+    const cuuint32_t box[3] = {64, 1, (cuuint32_t)box_rows}, elem[3] = {1, 1, 1};
+    return enc(m, dtype == TF_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+               const_cast<void *>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
 template <typename T, int D>
-cudaError_t launch(const tf_hstu_params &p, cudaStream_t stream) {
+int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const int64_t nq = p.delta > 0 ? p.delta : p.max_seq_len;
     const int q_tiles = (int)((nq + kBM - 1) / kBM);
     const int64_t blocks = (int64_t)q_tiles * p.B * p.H;
     if (blocks == 0) return cudaSuccess;
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    CUtensorMap tq, tk, tv;
+    const int64_t q_rows = p.delta > 0 ? p.B * p.delta : p.L;
+    if (!tensor_map(&tq, p.dtype, p.q, q_rows, p.H, p.dqk, p.q_sr, p.q_sh, kBM) ||
+        !tensor_map(&tk, p.dtype, p.k, p.L, p.H, p.dqk, p.k_sr, p.k_sh, Sm90Cfg<D>::BN) ||
+        !tensor_map(&tv, p.dtype, p.v, p.L, p.H, p.dv, p.v_sr, p.v_sh, Sm90Cfg<D>::BN))
+        return -1;
     constexpr int smem = Sm90Cfg<D>::SMEM;
-    cudaError_t err = cudaFuncSetAttribute(hstu_fwd_wgmma<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t err = cudaFuncSetAttribute(hstu_fwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    hstu_fwd_wgmma<T, D><<<(unsigned)blocks, kThreads, smem, stream>>>(p, q_tiles, section_size(p, q_tiles));
+    hstu_fwd_ws<T, D><<<(unsigned)blocks, kWsThreads, smem, stream>>>(tq, tk, tv, p, q_tiles, section_size(p, q_tiles));
     return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t dispatch(const tf_hstu_params &p, cudaStream_t stream) {
+int dispatch(const tf_hstu_params &p, cudaStream_t stream) {
     const int64_t d = p.dqk > p.dv ? p.dqk : p.dv;
     if (d <= 64) return launch<T, 64>(p, stream);
     if (d <= 128) return launch<T, 128>(p, stream);
     return launch<T, 256>(p, stream);
 }
 
-#if defined(TF_BUILT_SM90A)
 /* The current device is compute capability 9.0 exactly (sm_90a code runs nowhere else). */
 bool device_is_sm90() {
     static int cached[64];  // 0 unknown, 1 yes, 2 no (benign race: every writer stores the same value)
@@ -326,15 +416,15 @@ extern "C" int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream) {
     if (!device_is_sm90()) return -1;
     if (!(env && env[0] == '1')) {
         // Measured on an H100 (benchmarks/results/hstu_h100.md): ahead of mma.sync at head dims above 128
-        // (1.7-2.3x, full and jagged lengths); at 128 ahead on long full-length sequences (1.4x at 4096)
-        // but 5-12% behind at 1024, on jagged lengths and with windows (one block per SM here against two:
-        // the per-block setup and the tail show); level at 64.
+        // (2.0-2.8x) and at 128 on 4096-long sequences (1.04-1.66x); at 128 x 1024 level on full lengths
+        // and ~10% behind on jagged ones; behind with a window (0.8x at 256: 128-key tiles waste more of
+        // a short window than mma.sync's 64) and at 64 on jagged lengths (0.74x).
         const int64_t d = p->dqk > p->dv ? p->dqk : p->dv;
         const int64_t n = p->delta > 0 ? p->delta : p->max_seq_len;
-        if (!(d > 128 || (d > 64 && n >= 2048 && p->max_attn_len == 0))) return -1;
+        if (!(d > 128 || (d > 64 && n >= 2048)) || p->max_attn_len > 0) return -1;
     }
-    if (p->dtype == TF_BF16) return (int)dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream);
-    return (int)dispatch<__half>(*p, (cudaStream_t)stream);
+    if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream);
+    return dispatch<__half>(*p, (cudaStream_t)stream);
 #else
     (void)p;
     (void)stream;

@@ -129,8 +129,8 @@ CASES = {
 }
 
 # Forward targets: "cuda-wgmma" forces the sm_90a wgmma kernel (TORCHFUSE_HSTU_SM90=1; on other GPUs
-# or builds the mma.sync one runs), "cuda-mma" the mma.sync kernel (=0): these small cases would
-# otherwise all take mma.sync, the faster one at short sequences.
+# or builds the mma.sync one runs), "cuda-mma" the mma.sync kernel (=0), so a Hopper GPU checks both
+# on every case (by default the head-dim-64 and windowed ones would take mma.sync only).
 FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-mma"] if torch.cuda.is_available() else [])
 SM90_ENV = {"cuda-wgmma": "1", "cuda-mma": "0"}
 
@@ -187,11 +187,13 @@ def test_forward(target, dtype, case, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the wgmma forward runs on compute capability 9.0 only")
 @pytest.mark.parametrize("env, d, n, want", [
-    ("1", 64, 90, "hstu_fwd_wgmma"), ("0", 256, 90, "hstu_fwd_mma"),  # the switch, both ways
-    (None, 128, 2048, "hstu_fwd_wgmma"), (None, 256, 90, "hstu_fwd_wgmma"), (None, 64, 90, "hstu_fwd_mma")])
+    ("1", 64, 90, "hstu_fwd_ws"), ("0", 256, 90, "hstu_fwd_mma"),  # the switch, both ways
+    (None, 128, 2048, "hstu_fwd_ws"), (None, 256, 90, "hstu_fwd_ws"), (None, 128, 1000, "hstu_fwd_mma"),
+    (None, 64, 2048, "hstu_fwd_mma")])
 def test_forward_kernel_choice(env, d, n, want, monkeypatch):
-    """On a Hopper GPU the forward really runs the kernel the dispatch rule names (wgmma for long
-    sequences or wide heads) and the TORCHFUSE_HSTU_SM90 switch really forces one or the other."""
+    """On a Hopper GPU the forward really runs the kernel the dispatch rule names (the warp-specialized
+    wgmma one above head dim 128, and at 96-128 from 2048-long sequences) and the TORCHFUSE_HSTU_SM90
+    switch really forces one or the other."""
     if env is not None:
         monkeypatch.setenv("TORCHFUSE_HSTU_SM90", env)
     else:
