@@ -358,10 +358,7 @@ cudaError_t launch_bwd(const tf_hstu_params &p, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t dispatch_bwd(const tf_hstu_params &p, cudaStream_t stream) {
-    const int64_t d = p.dqk > p.dv ? p.dqk : p.dv;
-    if (d <= 64) return launch_bwd<T, 64>(p, stream);
-    if (d <= 128) return launch_bwd<T, 128>(p, stream);
-    return launch_bwd<T, 256>(p, stream);
+    return hstu_with_head_dim(p, [&](auto D) { return launch_bwd<T, decltype(D)::value>(p, stream); });
 }
 
 }  // namespace

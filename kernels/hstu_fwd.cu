@@ -197,24 +197,18 @@ __global__ void hstu_fwd_f32(const tf_hstu_params p, int64_t q_rows) {
 
 template <typename T, int D>
 cudaError_t launch_fwd(const tf_hstu_params &p, cudaStream_t stream) {
-    const int64_t nq = p.delta > 0 ? p.delta : p.max_seq_len;
-    const int q_tiles = (int)((nq + kFwdBM - 1) / kFwdBM);
-    const int64_t blocks = (int64_t)q_tiles * p.B * p.H;
-    if (blocks == 0) return cudaSuccess;
-    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    const HstuFwdGrid g = hstu_fwd_grid(p, kFwdBM);
+    if (g.err != cudaSuccess || g.blocks == 0) return g.err;
     constexpr int smem = FwdCfg<D>::SMEM;
     cudaError_t err = cudaFuncSetAttribute(hstu_fwd_mma<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    hstu_fwd_mma<T, D><<<(unsigned)blocks, kFwdThreads, smem, stream>>>(p, q_tiles);
+    hstu_fwd_mma<T, D><<<(unsigned)g.blocks, kFwdThreads, smem, stream>>>(p, g.q_tiles);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t dispatch_fwd(const tf_hstu_params &p, cudaStream_t stream) {
-    const int64_t d = p.dqk > p.dv ? p.dqk : p.dv;
-    if (d <= 64) return launch_fwd<T, 64>(p, stream);
-    if (d <= 128) return launch_fwd<T, 128>(p, stream);
-    return launch_fwd<T, 256>(p, stream);
+    return hstu_with_head_dim(p, [&](auto D) { return launch_fwd<T, decltype(D)::value>(p, stream); });
 }
 
 }  // namespace

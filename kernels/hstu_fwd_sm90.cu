@@ -364,11 +364,8 @@ bool tensor_map(CUtensorMap *m, int dtype, const void *base, int64_t rows, int64
 /* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
 template <typename T, int D>
 int launch(const tf_hstu_params &p, cudaStream_t stream) {
-    const int64_t nq = p.delta > 0 ? p.delta : p.max_seq_len;
-    const int q_tiles = (int)((nq + kBM - 1) / kBM);
-    const int64_t blocks = (int64_t)q_tiles * p.B * p.H;
-    if (blocks == 0) return cudaSuccess;
-    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    const HstuFwdGrid g = hstu_fwd_grid(p, kBM);
+    if (g.err != cudaSuccess || g.blocks == 0) return g.err;
     CUtensorMap tq, tk, tv;
     const int64_t q_rows = p.delta > 0 ? p.B * p.delta : p.L;
     if (!tensor_map(&tq, p.dtype, p.q, q_rows, p.H, p.dqk, p.q_sr, p.q_sh, kBM) ||
@@ -378,16 +375,14 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     constexpr int smem = Sm90Cfg<D>::SMEM;
     cudaError_t err = cudaFuncSetAttribute(hstu_fwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    hstu_fwd_ws<T, D><<<(unsigned)blocks, kWsThreads, smem, stream>>>(tq, tk, tv, p, q_tiles, section_size(p, q_tiles));
+    hstu_fwd_ws<T, D><<<(unsigned)g.blocks, kWsThreads, smem, stream>>>(tq, tk, tv, p, g.q_tiles,
+                                                                       section_size(p, g.q_tiles));
     return cudaGetLastError();
 }
 
 template <typename T>
 int dispatch(const tf_hstu_params &p, cudaStream_t stream) {
-    const int64_t d = p.dqk > p.dv ? p.dqk : p.dv;
-    if (d <= 64) return launch<T, 64>(p, stream);
-    if (d <= 128) return launch<T, 128>(p, stream);
-    return launch<T, 256>(p, stream);
+    return hstu_with_head_dim(p, [&](auto D) { return launch<T, decltype(D)::value>(p, stream); });
 }
 
 /* The current device is compute capability 9.0 exactly (sm_90a code runs nowhere else). */

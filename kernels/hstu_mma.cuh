@@ -11,7 +11,10 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "hstu.h"
 
@@ -35,6 +38,32 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* The forward grid: one block per (query tile of bm rows, sequence, head); err is
+ * cudaErrorInvalidConfiguration past the grid's limit, blocks 0 when there is nothing to do. */
+struct HstuFwdGrid {
+    int q_tiles;
+    int64_t blocks;
+    cudaError_t err;
+};
+static inline HstuFwdGrid hstu_fwd_grid(const tf_hstu_params &p, int bm) {
+    const int64_t nq = p.delta > 0 ? p.delta : p.max_seq_len;
+    HstuFwdGrid g;
+    g.q_tiles = (int)((nq + bm - 1) / bm);
+    g.blocks = (int64_t)g.q_tiles * p.B * p.H;
+    g.err = g.blocks > 0x7fffffff ? cudaErrorInvalidConfiguration : cudaSuccess;
+    return g;
+}
+
+/* Runs f(std::integral_constant<int, D>) with D the head-dim template (64, 128, 256) that covers
+ * max(Dqk, Dv): the one place the launchers map a run-time head dim to their instantiations. */
+template <typename F>
+auto hstu_with_head_dim(const tf_hstu_params &p, F &&f) {
+    const int64_t d = p.dqk > p.dv ? p.dqk : p.dv;
+    if (d <= 64) return f(std::integral_constant<int, 64>{});
+    if (d <= 128) return f(std::integral_constant<int, 128>{});
+    return f(std::integral_constant<int, 256>{});
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
