@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build, then where the HSTU forward kernels spend their time: ncu (speed of light, warp
-# stall reasons) on one call per head dim, and the SASS of the bf16 wgmma kernels (instruction mix;
+# stall reasons) on one call per head dim, and the SASS of the bf16 sm_90a kernels (instruction mix;
 # the D = 128 kernel in full in $OUT/k128.sass).   bash benchmarks/run_device_hstu_profile.sh [N]
 source benchmarks/device_build.sh
 N=${1:-1024}
@@ -11,7 +11,7 @@ import os, re, collections
 s = open("/tmp/all.sass").read()
 for f in re.split(r"\n\s+Function : ", s):
     name = f.split("\n", 1)[0]
-    if "hstu_fwd_wgmma" not in name or "bfloat16" not in name: continue
+    if "hstu_fwd_ws" not in name or "bfloat16" not in name: continue
     ops = collections.Counter(re.findall(r"\b(HGMMA\S*|WARPGROUP\S*|BAR\.\S+|LDGSTS\S*|MUFU\.\S+|STL\S*|LDL\S*|DEPBAR\S*|CALL\S*)", f))
     print(name[-40:], "instructions:", f.count(";"), dict(ops))
     if "Li128E" in name:
