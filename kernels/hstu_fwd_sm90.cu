@@ -90,6 +90,18 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, int parity) {
         "r"(parity)
         : "memory");
 }
+/* Zero rows [r0, BN) of a V tile (all panels) in shared memory, by one warpgroup, and make the zeros
+ * visible to its wgmmas: TMA filled them from the next sequence, where P is 0 but 0 x inf is not. */
+template <int D, int BN>
+__device__ __forceinline__ void zero_tail_rows(uint8_t *tile, int r0, int cw) {
+    const int chunks = (BN - r0) * 8;  // 16-byte chunks per panel
+    for (int i = threadIdx.x % 128; i < chunks * (D / 64); i += 128) {
+        const int c = i / chunks, x = i % chunks;
+        *(uint4 *)(tile + c * BN * 128 + (r0 + x / 8) * 128 + (x % 8) * 16) = make_uint4(0, 0, 0, 0);
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(3 + cw) : "memory");  // this warpgroup only (ids 1-2: free)
+}
 /* box {64 columns, 1 head, rows} of a (rows, H, d) tensor at (c0, c1, c2) -> smem (128-byte swizzled rows) */
 __device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *map, int c0, int c1, int c2, uint64_t *bar) {
     asm volatile(
@@ -221,7 +233,8 @@ struct Reach {
 };
 
 /* The kernel (see the top of the file). TMA reads whole tiles: rows past a sequence's end come from the
- * next one (masked to P = 0; past the tensor's end they are zeros), columns past Dqk / Dv are zeros. */
+ * next one (masked to P = 0, and V's zeroed in shared memory since 0 x inf is NaN; past the tensor's
+ * end they are zeros), columns past Dqk / Dv are zeros. */
 constexpr int kWsThreads = 384;
 
 template <typename T, int D>
@@ -289,6 +302,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             for (int kt = kt_lo; kt <= kt_hi; ++kt) {
                 const int i = kt - kt_lo, st = i % ST;
                 mbar_wait(&full_bar[st], (i / ST) & 1);
+                if (kt * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt * BN, cw);
                 if (reach.tile<BN>(kt)) {
                     tf_wgmma_fence();
                     gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + st * KV_BYTES));

@@ -282,6 +282,22 @@ def test_cached_equals_full_rows(device, dtype, D):
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
 
 
+def test_sequences_are_isolated_from_nonfinite_neighbours(device):
+    """inf / nan in one sequence's rows must not reach another sequence's output (a kernel that reads
+    whole tiles past a sequence's end multiplies those rows by P = 0, and 0 x inf is nan)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for d in (64, 128, 256):
+        offsets = torch.tensor([0, 300, 305, 565], device=device)
+        q, k, v = (torch.randn(565, 2, d, device=device, dtype=dtype) for _ in range(3))
+        k[300:305] = float("inf")  # sequence 1, rows 300-304: all bad
+        v[300:303] = float("nan")
+        v[303:305] = float("inf")
+        out = torchfuse.hstu_attention(q, k, v, offsets, 300, 0.1)
+        for b in (0, 2):  # the neighbours of the bad sequence stay finite
+            s, e = int(offsets[b]), int(offsets[b + 1])
+            assert torch.isfinite(out[s:e]).all(), (d, b)
+
+
 def test_validate_false_same_result(device):
     q, k, v, offsets, msl, nt, _ = make_inputs(device, torch.bfloat16, 5, 2, 64, 64, 150, targets=True)
     kw = dict(num_targets=nt, contextual_seq_len=3, max_attn_len=30)
