@@ -102,6 +102,9 @@ __device__ __forceinline__ void zero_tail_rows(uint8_t *tile, int r0, int cw) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(3 + cw) : "memory");  // this warpgroup only (ids 1-2: free)
 }
+/* named barrier `id` over the two consumer warpgroups (256 threads): wait for it / arrive without waiting */
+__device__ __forceinline__ void named_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 /* box {64 columns, 1 head, rows} of a (rows, H, d) tensor at (c0, c1, c2) -> smem (128-byte swizzled rows) */
 __device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *map, int c0, int c1, int c2, uint64_t *bar) {
     asm volatile(
@@ -237,7 +240,7 @@ struct Reach {
  * end they are zeros), columns past Dqk / Dv are zeros. */
 constexpr int kWsThreads = 384;
 
-template <typename T, int D>
+template <typename T, int D, bool PP>
 __global__ void __launch_bounds__(kWsThreads, 1)
     hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const tf_hstu_params p, int q_tiles, int section) {
@@ -299,25 +302,72 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) sacc[i] = 0.f;
             mbar_wait(&q_bar, 0);
-            for (int kt = kt_lo; kt <= kt_hi; ++kt) {
-                const int i = kt - kt_lo, st = i % ST;
-                mbar_wait(&full_bar[st], (i / ST) & 1);
-                if (kt * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt * BN, cw);
-                if (reach.tile<BN>(kt)) {
+            if constexpr (!PP) {
+                for (int kt = kt_lo; kt <= kt_hi; ++kt) {
+                    const int i = kt - kt_lo, st = i % ST;
+                    mbar_wait(&full_bar[st], (i / ST) & 1);
+                    if (kt * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt * BN, cw);
+                    if (reach.tile<BN>(kt)) {
+                        tf_wgmma_fence();
+                        gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + st * KV_BYTES));
+                        tf_wgmma_commit();
+                        tf_wgmma_wait<0>();
+                        tf_wgmma_reg_fence(sacc);
+                        elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt * BN, c_h, c_t);
+                        tf_wgmma_fence();
+                        gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                        tf_wgmma_commit();
+                        tf_wgmma_wait<0>();
+                        tf_wgmma_reg_fence(o);
+                    }
+                    __syncwarp();
+                    if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);
+                }
+            } else {
+                // Ping-pong: after the SiLU of tile j, one batch issues P V of tile j and S of tile j + 1,
+                // in turns with the other consumer (named barriers 1 + cw: sync on mine before issuing,
+                // arrive on the other's after), so one's SiLU runs while the other's MMAs do. No
+                // warpgroup skips a tile here (the mask zeroes P where its rows cannot reach): a branch
+                // around the MMAs or the code defining P makes ptxas serialize the wgmmas (C7520).
+                const int mine = 1 + cw, other = 2 - cw;
+                if (cw == 1) named_bar_arrive(1);  // consumer 0 goes first
+                mbar_wait(&full_bar[0], 0);
+                named_bar_sync(mine);
+                tf_wgmma_fence();
+                gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks));
+                tf_wgmma_commit();
+                named_bar_arrive(other);
+                tf_wgmma_wait<0>();
+                tf_wgmma_reg_fence(sacc);
+                for (int j = kt_lo; j < kt_hi; ++j) {
+                    const int i = j - kt_lo, st = i % ST, nst = (i + 1) % ST;
+                    elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, j * BN, c_h, c_t);
+                    mbar_wait(&full_bar[nst], ((i + 1) / ST) & 1);
+                    named_bar_sync(mine);
                     tf_wgmma_fence();
-                    gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + st * KV_BYTES));
+                    gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                    gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + nst * KV_BYTES));
                     tf_wgmma_commit();
+                    named_bar_arrive(other);
                     tf_wgmma_wait<0>();
                     tf_wgmma_reg_fence(sacc);
-                    elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt * BN, c_h, c_t);
+                    tf_wgmma_reg_fence(o);
+                    __syncwarp();
+                    if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);  // tile j is done with
+                }
+                {  // the last tile: its P V alone
+                    const int st = (kt_hi - kt_lo) % ST;
+                    elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt_hi * BN, c_h, c_t);
+                    // only the last tile can run past the sequence's end
+                    if (kt_hi * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt_hi * BN, cw);
+                    named_bar_sync(mine);
                     tf_wgmma_fence();
                     gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
                     tf_wgmma_commit();
+                    if (cw == 0) named_bar_arrive(other);  // every sync gets exactly one arrival
                     tf_wgmma_wait<0>();
                     tf_wgmma_reg_fence(o);
                 }
-                __syncwarp();
-                if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);
             }
         }
         store_o<T, D>(o, p, s.q_start + w.i0, w.h, 64 * cw, w.rows_here);
@@ -376,7 +426,7 @@ bool tensor_map(CUtensorMap *m, int dtype, const void *base, int64_t rows, int64
 }
 
 /* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
-template <typename T, int D>
+template <typename T, int D, bool PP>
 int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const HstuFwdGrid g = hstu_fwd_grid(p, kBM);
     if (g.err != cudaSuccess || g.blocks == 0) return g.err;
@@ -387,16 +437,18 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
         !tensor_map(&tv, p.dtype, p.v, p.L, p.H, p.dv, p.v_sr, p.v_sh, Sm90Cfg<D>::BN))
         return -1;
     constexpr int smem = Sm90Cfg<D>::SMEM;
-    cudaError_t err = cudaFuncSetAttribute(hstu_fwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t err = cudaFuncSetAttribute(hstu_fwd_ws<T, D, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    hstu_fwd_ws<T, D><<<(unsigned)g.blocks, kWsThreads, smem, stream>>>(tq, tk, tv, p, g.q_tiles,
+    hstu_fwd_ws<T, D, PP><<<(unsigned)g.blocks, kWsThreads, smem, stream>>>(tq, tk, tv, p, g.q_tiles,
                                                                        section_size(p, g.q_tiles));
     return cudaGetLastError();
 }
 
 template <typename T>
-int dispatch(const tf_hstu_params &p, cudaStream_t stream) {
-    return hstu_with_head_dim(p, [&](auto D) { return launch<T, decltype(D)::value>(p, stream); });
+int dispatch(const tf_hstu_params &p, cudaStream_t stream, bool pp) {
+    return hstu_with_head_dim(p, [&](auto D) {
+        return pp ? launch<T, decltype(D)::value, true>(p, stream) : launch<T, decltype(D)::value, false>(p, stream);
+    });
 }
 
 /* The current device is compute capability 9.0 exactly (sm_90a code runs nowhere else). */
@@ -423,7 +475,7 @@ extern "C" int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream) {
     const char *env = getenv("TORCHFUSE_HSTU_SM90");  // 0: never, 1: always, unset: where it is faster
     if (env && env[0] == '0') return -1;
     if (!device_is_sm90()) return -1;
-    if (!(env && env[0] == '1')) {
+    if (!(env && (env[0] == '1' || env[0] == '2'))) {
         // Measured on an H100 (benchmarks/results/hstu_h100.md): ahead of mma.sync at head dims above 128
         // (2.0-2.8x) and at 128 on 4096-long sequences (1.04-1.66x); at 128 x 1024 level on full lengths
         // and ~10% behind on jagged ones; behind with a window (0.8x at 256: 128-key tiles waste more of
@@ -432,8 +484,9 @@ extern "C" int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream) {
         const int64_t n = p->delta > 0 ? p->delta : p->max_seq_len;
         if (!(d > 128 || (d > 64 && n >= 2048)) || p->max_attn_len > 0) return -1;
     }
-    if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream);
-    return dispatch<__half>(*p, (cudaStream_t)stream);
+    const bool pp = !(env && env[0] == '2');  // TEMPORARY A/B: 2 = no ping-pong
+    if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream, pp);
+    return dispatch<__half>(*p, (cudaStream_t)stream, pp);
 #else
     (void)p;
     (void)stream;
