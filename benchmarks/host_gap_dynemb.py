@@ -11,11 +11,14 @@ sees the same load factor. Per call, median / min over the calls, in us:
   host_op   host time inside the raw op call (dispatch, checks, allocations, launches)
 
 op - gpu is the host time before the first kernel; +tolist - op and +pinned - op the sync's tail;
-api - +pinned the Python wrapper's share. --trace writes a torch.profiler Chrome trace of one api call.
+api - +pinned the Python wrapper's share. --trace writes a torch.profiler Chrome trace of one api call
+and prints its timeline (CPU ops and CUDA runtime calls, kernels, copies and memsets on the GPU; the
+profiler adds its own host time to each call).
 
     python benchmarks/host_gap_dynemb.py [--dim 8] [--lf 0.5] [--calls 9] [--trace t.json]
 """
 import argparse
+import json
 import statistics
 import time
 
@@ -26,6 +29,22 @@ import torchfuse
 import bench_dynamic_embedding as bd
 
 M = bd.M
+_TIMELINE_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "kernel", "gpu_memcpy", "gpu_memset")
+
+
+def timeline(path, limit=80):
+    """One line per event of the trace: start (us from the first event), duration, category, name."""
+    with open(path) as f:
+        evs = [e for e in json.load(f).get("traceEvents", [])
+               if e.get("ph") == "X" and e.get("cat") in _TIMELINE_CATS]
+    if not evs:
+        return
+    evs.sort(key=lambda e: e["ts"])
+    t0 = evs[0]["ts"]
+    for e in evs[:limit]:
+        print(f"  {e['ts'] - t0:9.1f} {e.get('dur', 0):8.1f}  {e['cat']:12s} {e['name'][:70]}")
+    if len(evs) > limit:
+        print(f"  ... {len(evs) - limit} more")
 
 
 def main():
@@ -123,7 +142,8 @@ def main():
             t.find_or_insert(q, unique=True)
             torch.cuda.synchronize()
         p.export_chrome_trace(a.trace)
-        print(f"trace: {a.trace}")
+        print(f"trace: {a.trace} (start us, duration us, category, name)")
+        timeline(a.trace)
 
 
 if __name__ == "__main__":
