@@ -135,6 +135,10 @@ def main():
           "median / min us")
     for k, v in res.items():
         print(f"  {k:8s} {statistics.median(v):8.1f} / {min(v):8.1f}")
+    md = {k: statistics.median(v) for k, v in res.items()}
+    print(f"  medians: host before the first kernel (op - gpu) {md['op'] - md['gpu']:.1f}; sync tail: tolist "
+          f"{md['+tolist'] - md['op']:.1f}, pinned {md['+pinned'] - md['op']:.1f}; Python wrapper (api - +pinned) "
+          f"{md['api'] - md['+pinned']:.1f}; api - gpu {md['api'] - md['gpu']:.1f}")
     if a.trace:
         q, new = query()
         torch.cuda.synchronize()
