@@ -282,21 +282,36 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     TORCH_CHECK(policy >= -1 && policy <= TF_DYNEMB_LFU, op, ": policy must be -1 (no touch), 0 (LRU) or 1 (LFU)");
     TORCH_CHECK(epoch > 0, op, ": epoch must be > 0 (found keys are marked with it)");
     DynembFoi f{};
-    check_index(query, keys, op, "query");
-    f.slots = at::empty({query.numel()}, query.options());  // the probe writes every entry
-    f.ins = prepare_dynemb_insert(query, f.slots, keys, digests, scores, marks, locks, bucket_size, epoch, allow_evict,
-                                  filled);
-    f.p.p = f.ins.p;
+    f.t = dynemb_table(query, keys, digests, &scores, marks, locks, bucket_size, op);
+    const int64_t n = query.numel();
+    const at::TensorOptions o = query.options();
+    f.slots = at::empty({n}, o);  // the probe writes every entry
+    // entries past the evicted count hold -1 (defined contents: the op is then a function of its inputs);
+    // !filled: the caller's first kernel writes these contents (one launch instead of three fills)
+    f.is_new = filled ? at::zeros({n}, o.dtype(at::kByte)) : at::empty({n}, o.dtype(at::kByte));
+    f.evicted = filled ? at::full({4, n}, -1, o) : at::empty({4, n}, o);
+    f.counts = filled ? at::zeros({3}, o) : at::empty({3}, o);
+    tf_dynemb_probe &p = f.p.p;
+    p.n = n;
+    p.query = query.data_ptr<int64_t>();
+    p.slots = f.slots.data_ptr<int64_t>();
+    p.epoch = (int32_t)epoch;
+    p.allow_evict = allow_evict;
+    p.is_new = f.is_new.data_ptr<uint8_t>();
+    int64_t *ev = f.evicted.data_ptr<int64_t>();
+    p.evicted_keys = ev;
+    p.evicted_slots = ev + n;
+    p.evicted_scores = ev + 2 * n;
+    f.p.evicted_new = ev + 3 * n;
+    p.counts = f.counts.data_ptr<int64_t>();
     f.p.init = dynemb_init_params(f.slots, query, std::nullopt, values, values_host, state, state_host, init_kind, a,
                                   b, seed);
     TORCH_CHECK(values.size(0) + values_host.size(0) == keys.numel(), op, ": values must hold one row per slot (",
                 keys.numel(), ")");
     f.p.policy = static_cast<int>(policy);
     f.p.clock = clock;
-    f.rows = at::empty(row_shape(values, with_rows ? query.numel() : 0), values.options());
+    f.rows = at::empty(row_shape(values, with_rows ? n : 0), values.options());
     f.p.out = with_rows ? f.rows.data_ptr() : nullptr;
-    f.ev_new = filled ? at::full({query.numel()}, -1, query.options()) : at::empty({query.numel()}, query.options());
-    f.p.evicted_new = f.ev_new.data_ptr<int64_t>();
     return f;
 }
 
@@ -430,19 +445,19 @@ DynembFoiResult find_or_insert_cpu(const at::Tensor &query, at::Tensor &keys, at
                                          state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b,
                                          seed, with_rows);
     const int64_t n = query.numel();
-    tf_dynemb_lookup_cpu(&f.ins.t, &f.p.p, 0, n);
-    tf_dynemb_insert_cpu(&f.ins.t, &f.p.p);
+    tf_dynemb_lookup_cpu(&f.t, &f.p.p, 0, n);
+    tf_dynemb_insert_cpu(&f.t, &f.p.p);
     // which key took each evicted slot; those rows wait for the caller
-    const int64_t n_ev = f.ins.counts.data_ptr<int64_t>()[1];
-    at::Tensor mask = f.ins.is_new.clone();
+    const int64_t n_ev = f.p.p.counts[1];
+    at::Tensor mask = f.is_new.clone();
     if (n_ev) {
         std::unordered_map<int64_t, int64_t> key_of_slot;
         const int64_t *sl = f.slots.data_ptr<int64_t>();
-        const uint8_t *nw = f.ins.is_new.data_ptr<uint8_t>();
+        const uint8_t *nw = f.is_new.data_ptr<uint8_t>();
         for (int64_t i = 0; i < n; ++i)
             if (nw[i]) key_of_slot[sl[i]] = i;
         for (int64_t e = 0; e < n_ev; ++e) {
-            const int64_t i = key_of_slot.at(f.ins.ev_slots.data_ptr<int64_t>()[e]);
+            const int64_t i = key_of_slot.at(f.p.p.evicted_slots[e]);
             f.p.evicted_new[e] = i;
             mask.data_ptr<uint8_t>()[i] = 0;
         }

@@ -56,16 +56,15 @@ tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::T
                                              const std::optional<at::Tensor> &bag_of,
                                              const std::optional<at::Tensor> &scale, at::Tensor *out);
 
-// find-or-insert with the row work folded in: parameters and outputs (shared by CPU and CUDA).
-using DynembFoiResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                   at::Tensor>;
+// find-or-insert with the row work folded in: parameters and outputs (shared by CPU and CUDA). The
+// four evicted arrays are the rows of one (4, n) int64 tensor (keys, slots, scores, new index): one
+// allocation ahead of the first launch and one free after the caller's host sync, not four of each.
+using DynembFoiResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 struct DynembFoi {
-    DynembInsert ins;
+    tf_dynemb_table t;
     tf_dynemb_foi_params p;
-    at::Tensor slots, rows, ev_new;
-    DynembFoiResult result() const {
-        return {slots, rows, ins.is_new, ins.ev_keys, ins.ev_slots, ins.ev_scores, ev_new, ins.counts};
-    }
+    at::Tensor slots, rows, is_new, evicted, counts;
+    DynembFoiResult result() const { return {slots, rows, is_new, evicted, counts}; }
 };
 // dynemb_evict_rows' checks and parameters; old_values / old_state are allocated here.
 tf_dynemb_evict_params dynemb_evict_params(const at::Tensor &slots, const at::Tensor &new_index, const at::Tensor &keys,

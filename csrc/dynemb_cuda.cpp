@@ -219,7 +219,7 @@ DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, a
         miss = at::empty({tf_dynemb_foi_miss_bytes(query.numel())}, query.options().dtype(at::kByte));
         f.p.miss = miss.data_ptr<uint8_t>();
     }
-    check_launch(tf_dynemb_find_or_insert_cuda(&f.ins.t, &f.p, stream()), "dynemb find-or-insert kernels");
+    check_launch(tf_dynemb_find_or_insert_cuda(&f.t, &f.p, stream()), "dynemb find-or-insert kernels");
     return f.result();
 }
 

@@ -104,15 +104,15 @@ TORCH_LIBRARY(torchfuse, m) {
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");
     // find-or-insert of distinct keys (required) with the row work folded in (kernels/dynemb.h,
-    // tf_dynemb_foi_params): returns (slots, rows (n or 0 x dim), is_new, evicted_keys, evicted_slots,
-    // evicted_scores, evicted_new, counts); for e < counts[1] the key query[evicted_new[e]] took slot
-    // evicted_slots[e] and its row is neither initialized nor in rows yet (the caller saves the
-    // evicted row first). policy -1: no touch.
+    // tf_dynemb_foi_params): returns (slots, rows (n or 0 x dim), is_new, evicted (4, n): rows
+    // evicted_keys, evicted_slots, evicted_scores, evicted_new; counts); for e < counts[1] the key
+    // query[evicted_new[e]] took slot evicted_slots[e] and its row is neither initialized nor in rows
+    // yet (the caller saves the evicted row first); entries past counts[1] hold -1. policy -1: no touch.
     m.def("dynemb_find_or_insert(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
           "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
           "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
           "int init_kind, float a, float b, int seed, bool with_rows) "
-          "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+          "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
     // find_or_insert's eviction row work (tf_dynemb_evict_params): returns the victims' (values,
     // state); their slots get the new keys' initial rows, copied into rows (n or 0 x dim) too.
     m.def("dynemb_evict_rows(Tensor slots, Tensor new_index, Tensor keys, Tensor(a!) values, "

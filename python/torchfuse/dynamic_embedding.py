@@ -16,6 +16,7 @@ from . import optim as _optim
 from ._stats import count
 
 _ops = torch.ops.torchfuse
+_find_or_insert_op = _ops.dynemb_find_or_insert.default  # the overload itself: called ahead of every launch
 _EVICTIONS = ("lru", "lfu", "none")
 _INIT_KINDS = {"normal": 1, "uniform": 2, "constant": 3}
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -166,6 +167,8 @@ class DynamicEmbedding(torch.nn.Module):
         self._evicted: List[Tuple[Tensor, Tensor, Tensor, Tensor]] = []
         self._evicted_count = 0
         self.evicted_dropped = 0
+        self._counts_host: Optional[Tensor] = None  # _host_counts' pinned buffer (CUDA tables)
+        self._init_cache = None                     # _init_args' (initializer, args)
         self._device = torch.device(device)
         self._allocate(cap, self._device)
 
@@ -285,10 +288,31 @@ class DynamicEmbedding(torch.nn.Module):
                                   self.bucket_size, epoch, allow_evict)
 
     def _init_args(self) -> Tuple[int, float, float]:
-        """The initializer as the kernels take it: (init_kind code, a, b); b is 0 for a constant."""
-        kind, *nums = self.initializer
+        """The initializer as the kernels take it: (init_kind code, a, b); b is 0 for a constant. Kept
+        while self.initializer compares equal (it is read on every inserting call)."""
+        init = self.initializer
+        c = self.__dict__.get("_init_cache")
+        if c is not None and c[0] == init:
+            return c[1]
+        kind, *nums = init
         a, b = (list(nums) + [0.0, 0.0])[:2]
-        return _INIT_KINDS[kind], float(a), float(b)
+        args = (_INIT_KINDS[kind], float(a), float(b))
+        self.__dict__["_init_cache"] = (tuple(init), args)
+        return args
+
+    def _host_counts(self, counts: Tensor) -> List[int]:
+        """An insert's counts [inserted, evicted, failed] on the host: the call's host sync. On the GPU
+        the copy goes, queued behind the kernels, into a pinned buffer of the table's, and the host
+        waits on the stream: tolist() on the device tensor would copy into pageable memory, which the
+        driver stages and copies again once the kernels are done."""
+        if not counts.is_cuda:
+            return counts.tolist()
+        h = self.__dict__.get("_counts_host")
+        if h is None:
+            h = self.__dict__["_counts_host"] = torch.empty(3, dtype=torch.int64, pin_memory=True)
+        h.copy_(counts, non_blocking=True)
+        torch.cuda.current_stream(counts.device).synchronize()
+        return h.tolist()
 
     def _init_rows(self, slots: Tensor, keys: Tensor, mask: Optional[Tensor]):
         _ops.dynemb_init(slots, keys, mask, self._values, self._values_host, self._state, self._state_host,
@@ -297,26 +321,32 @@ class DynamicEmbedding(torch.nn.Module):
     def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool):
         """_find_or_insert at full capacity (no growth to decide first) in one op, two kernels on the
         GPU (dynemb_find_or_insert: probe, insert, init, touch and the rows out). Returns (slots,
-        is_new, evicted or None, rows or None)."""
+        is_new, evicted or None, rows or None); with_rows (find_or_insert: the rows only) returns
+        slots and is_new as None. The host waits once, on the counts: the GPU idles for what the
+        host does before the kernels are launched and after that wait (until the eviction kernel's
+        launch, when there is one), so both stay short."""
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
         init = self._init_args()
-        slots, rows, is_new, ev_keys, ev_slots, ev_scores, ev_new, counts = _ops.dynemb_find_or_insert(
+        slots, rows, is_new, evicted, counts = _find_or_insert_op(
             keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values, self._values_host,
             self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none", policy, clock,
             *init, self.seed, with_rows)
-        inserted, n_ev, failed = counts.tolist()
+        if with_rows:  # freed while the kernels run rather than after the wait
+            slots = is_new = None
+        inserted, n_ev, failed = self._host_counts(counts)
         self._bump("_size", inserted - n_ev)
-        evicted = None
+        saved = None
         if n_ev:  # one kernel: the victims' rows and state out, the new keys' rows in (and into rows)
+            ev_slots = evicted[1, :n_ev]
             old_values, old_state = _ops.dynemb_evict_rows(
-                ev_slots[:n_ev], ev_new[:n_ev], keys, self._values, self._values_host, self._state, self._state_host,
+                ev_slots, evicted[3, :n_ev], keys, self._values, self._values_host, self._state, self._state_host,
                 rows, *init, self.seed)
-            evicted = self._save_evicted(ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev], old_values, old_state)
+            saved = self._save_evicted(evicted[0, :n_ev], ev_slots, evicted[2, :n_ev], old_values, old_state)
         if failed:
             raise RuntimeError(self._full_message(failed))
-        return slots, is_new, evicted, rows if with_rows else None
+        return slots, is_new, saved, rows if with_rows else None
 
     def _save_evicted(self, keys: Tensor, slots: Tensor, scores: Tensor, values: Optional[Tensor] = None,
                       state: Optional[Tensor] = None):
@@ -354,7 +384,7 @@ class DynamicEmbedding(torch.nn.Module):
                     continue
             allow_evict = self.capacity >= self.max_capacity and self.eviction != "none"
             is_new, ev_keys, ev_slots, ev_scores, counts = self._insert_slots(keys, slots, epoch, allow_evict)
-            inserted, n_ev, failed = counts.tolist()
+            inserted, n_ev, failed = self._host_counts(counts)
             self._size += inserted - n_ev
             if n_ev:
                 evicted = self._save_evicted(ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
@@ -453,6 +483,8 @@ class DynamicEmbedding(torch.nn.Module):
             raise TypeError(f"torchfuse.{name}: {what} must be an integer tensor (int64 keys), got {keys.dtype}")
         if keys.device != self.device:
             raise ValueError(f"torchfuse.{name}: {what} must be on the table's device {self.device}, got {keys.device}")
+        if keys.dtype == torch.int64 and keys.dim() == 1 and keys.is_contiguous():
+            return keys  # what the line below returns (as a view): ahead of every launch, so kept short
         return keys.reshape(-1).to(torch.int64).contiguous()
 
     # ---- public table API ----
@@ -480,6 +512,8 @@ class DynamicEmbedding(torch.nn.Module):
             rows = self._gather(self._find_or_insert(uniq)[0], self._values, self._values_host)
         if inv is not None:
             rows = rows[inv]
+        if keys.dim() == 1:  # rows are (n, dim) already; this runs after the host sync
+            return rows
         return rows.reshape(*keys.shape, self.embedding_dim)
 
     def insert(self, keys: Tensor, values: Tensor, scores: Optional[Tensor] = None, return_evicted: bool = False,
@@ -514,8 +548,9 @@ class DynamicEmbedding(torch.nn.Module):
         else:
             values = values[torch.argsort(inv)] if n else values
             scores = scores[torch.argsort(inv)] if scores is not None and n else scores
+        values = values.contiguous()  # here, not between the insert's host sync and the scatter's launch
         slots, _, evicted = self._find_or_insert(uniq, touch=scores is None)
-        _ops.dynemb_scatter(slots, values.contiguous(), self._values, self._values_host)
+        _ops.dynemb_scatter(slots, values, self._values, self._values_host)
         if scores is not None:
             self._scores.index_copy_(0, slots, scores)
         if return_evicted:
@@ -794,8 +829,7 @@ def _find_or_insert_fake(query, keys, digests, scores, marks, locks, values, val
                          bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows):
     n = query.shape[0]
     return (query.new_empty((n,)), values.new_empty((n if with_rows else 0, values.shape[1])),
-            query.new_empty((n,), dtype=torch.uint8), query.new_empty((n,)), query.new_empty((n,)),
-            query.new_empty((n,)), query.new_empty((n,)), query.new_empty((3,)))
+            query.new_empty((n,), dtype=torch.uint8), query.new_empty((4, n)), query.new_empty((3,)))
 
 
 @torch.library.register_fake("torchfuse::dynemb_touch")
