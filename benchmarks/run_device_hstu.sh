@@ -15,7 +15,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "pytest exit $?"; grep -E "passed|failed|Error|error" "$OUT/pytest.log" | tail -25
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
-  SEL="cuda and ((bfloat16 and (plain_h2_d64 or targets_groups_context or d256_dv32 or window_minfull or bias_1_head or long_d256 or test_cached)) or (float32 and (plain_h2_d64 or bias_1_head)))"
+  SEL="${MEMCHECK_SEL:-cuda and ((bfloat16 and (plain_h2_d64 or targets_groups_context or d256_dv32 or window_minfull or bias_1_head or long_d256 or test_cached)) or (float32 and (plain_h2_d64 or bias_1_head)))}"
   timeout ${MEMCHECK_TIMEOUT:-120} compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_hstu.py -q -x -p no:cacheprovider \
     -k "$SEL" > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3

@@ -131,8 +131,8 @@ CASES = {
 # Forward targets: "cuda-wgmma" forces the sm_90a wgmma kernel (TORCHFUSE_HSTU_SM90=1; on other GPUs
 # or builds the mma.sync one runs), "cuda-mma" the mma.sync kernel (=0), so a Hopper GPU checks both
 # on every case (by default the head-dim-64 and windowed ones would take mma.sync only).
-FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-mma"] if torch.cuda.is_available() else [])
-SM90_ENV = {"cuda-wgmma": "1", "cuda-mma": "0"}
+FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmaplain", "cuda-mma"] if torch.cuda.is_available() else [])
+SM90_ENV = {"cuda-wgmma": "1", "cuda-wgmmaplain": "2", "cuda-mma": "0"}  # wgmmaplain: no ping-pong (A/B)
 
 
 def run_case(device, dtype, case, grad):
@@ -282,9 +282,13 @@ def test_cached_equals_full_rows(device, dtype, D):
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
 
 
-def test_sequences_are_isolated_from_nonfinite_neighbours(device):
+@pytest.mark.parametrize("target", FWD_TARGETS)
+def test_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
     """inf / nan in one sequence's rows must not reach another sequence's output (a kernel that reads
     whole tiles past a sequence's end multiplies those rows by P = 0, and 0 x inf is nan)."""
+    if target in SM90_ENV:
+        monkeypatch.setenv("TORCHFUSE_HSTU_SM90", SM90_ENV[target])
+    device = target.split("-")[0]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for d in (64, 128, 256):
         offsets = torch.tensor([0, 300, 305, 565], device=device)
