@@ -1,7 +1,7 @@
 /* HSTU attention on the CPU: the reference path, plain C, all arithmetic in double.
  * Semantics are those of hstu.h. One sequence at a time: its q, k, v (and dO) rows of one head are
  * widened to double once, then each query row walks the columns tf_hstu_col_range() allows, testing
- * tf_hstu_valid() only in 16-column blocks that tf_hstu_tile_full() does not clear, exactly the
+ * the row's spans (tf_hstu_row_spans()) only in 16-column blocks that tf_hstu_tile_full() does not clear, the
  * decisions the CUDA kernels make per tile (so these tests exercise them too). The backward makes two
  * passes: by rows for dQ, by columns (over tf_hstu_row_range()) for dK, dV and dbias. */
 #include <math.h>
@@ -61,13 +61,23 @@ static double z_of(const tf_hstu_params *p, int64_t b, int64_t h, int64_t pos, i
     return p->alpha * s;
 }
 
+/* tf_hstu_valid() through the row's spans: the row passes (forward, dQ) use them, as the GPU forwards do;
+ * the column pass (dK, dV) tf_hstu_valid() itself, so the tests hold each against the reference. */
+static int in_spans(const tf_hstu_mask *mk, int pos, int col) {
+    int lo[4], hi[4];
+    tf_hstu_row_spans(mk, pos, lo, hi);
+    for (int i = 0; i < 4; ++i)
+        if (col >= lo[i] && col < hi[i]) return 1;
+    return 0;
+}
+
 /* Visits the valid columns of row `pos` in increasing order. */
 #define FOR_VALID_COLS(mk, pos, col)                                                           \
     for (int lo_, hi_, blk_ = (tf_hstu_col_range(mk, (int)(pos), (int)(pos) + 1, &lo_, &hi_), lo_ / 16 * 16); \
          blk_ <= hi_; blk_ += 16)                                                              \
         for (int full_ = tf_hstu_tile_full(mk, (int)(pos), (int)(pos) + 1, blk_, blk_ + 16), col = blk_; \
              col < blk_ + 16 && col <= hi_; ++col)                                             \
-            if (col >= lo_ && (full_ || tf_hstu_valid(mk, (int)(pos), col)))
+            if (col >= lo_ && (full_ || in_spans(mk, (int)(pos), col)))
 
 void tf_hstu_fwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1) {
     const int64_t dqk = p->dqk, dv = p->dv;

@@ -104,12 +104,14 @@ __global__ void __launch_bounds__(kFwdThreads, FwdCfg<D>::MIN_BLOCKS) hstu_fwd_m
 #pragma unroll
                     for (int e = 0; e < 4; ++e) sacc[nt][e] = silu_scaled(alpha * sacc[nt][e], inv_scale);
             } else {
+                const uint32_t rows_in[2] = {hstu_row_bits<BN / 8>(s.mask, pos0 + qrow + g, k0 + 2 * t4),
+                                             hstu_row_bits<BN / 8>(s.mask, pos0 + qrow + g + 8, k0 + 2 * t4)};
 #pragma unroll
                 for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int pos = pos0 + qrow + g + (e >= 2 ? 8 : 0), key = k0 + nt * 8 + 2 * t4 + (e & 1);
-                        const bool in = pos >= 0 && pos < s.n && key < s.n && tf_hstu_valid(&s.mask, pos, key);
+                        const bool in = (rows_in[e >> 1] >> (2 * nt + (e & 1))) & 1u;
                         float x = sacc[nt][e];
                         if (p.bias && in)
                             x += tf_bias_load(p.bias, p.bias_dtype,

@@ -8,10 +8,11 @@
  *   - warpgroups 1 and 2 consume 64 query rows each: S = Q K^T by wgmma m64nBNk16 with Q and K read
  *     by the tensor cores from shared memory, P = SiLU(...) masked in registers, O += P V with P from
  *     registers (S's fp32 accumulators repacked to 16 bits: mma.sync's A fragment shape) and V through
- *     the MN-major ("transposed") descriptor; then free the stage on its `empty` mbarrier. With no
- *     block-wide barrier in the loop the two drift apart, so one's SiLU overlaps the other's MMAs
- *     (the same kernel with all 256 threads loading by cp.async and a __syncthreads per tile ran
- *     both SiLUs at once with the tensor cores idle: 302 against 358 TFLOP/s at 16x4096x128);
+ *     the MN-major ("transposed") descriptor; then free the stage on its `empty` mbarrier. At head
+ *     dims up to 128 the two take turns (ping-pong, named barriers): one issues P V of tile j and S
+ *     of tile j + 1 while the other runs its SiLU; at 256 they run free and drift apart (with all
+ *     256 threads loading by cp.async and a __syncthreads per tile both SiLUs ran at once with the
+ *     tensor cores idle: 302 against 358 TFLOP/s at 16x4096x128);
  *   - tiles are 128-byte swizzled in shared memory (rows of 64 elements, 16-byte chunk index XOR row
  *     mod 8): what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and what the wgmma descriptors read;
  *   - a warpgroup skips the MMAs of a key tile its own rows cannot reach (the causal diagonal at
@@ -21,7 +22,7 @@
  * Built only for sm_90a (wgmma and setmaxnreg are not in plain sm_90). The entry point declines (and
  * hstu_fwd.cu's mma.sync kernel runs) off compute capability 9.0, where the copy engine cannot address
  * the tensors (strides not multiples of 16 bytes), and where mma.sync is faster (tf_hstu_fwd_sm90).
- * TORCHFUSE_HSTU_SM90=0 / 1 forces the choice (A/B runs, tests). */
+ * TORCHFUSE_HSTU_SM90=0 / 1 forces the choice (A/B runs, tests); 2 the wgmma kernel without ping-pong. */
 #include <cuda.h>  // CUtensorMap (the encoder is fetched from the driver at run time: no libcuda link)
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -46,17 +47,13 @@ struct Sm90Cfg {
 };
 
 /* Validity of this thread's accumulator elements in a key tile: bit 2 j + e of bits[h] is row p + 8 h,
- * column key0 + 8 j + e (j < BN / 8, e < 2; key0 includes the thread's 2 t offset). A rolled loop:
- * boundary tiles are few, and code size matters more than their speed. */
+ * column key0 + 8 j + e (j < BN / 8, e < 2; key0 includes the thread's 2 t offset). From the rows'
+ * spans: small code (a per-element mask test unrolled over a tile overflowed the instruction cache)
+ * and cheap (the per-element test in a rolled loop made a boundary tile ~5x an interior one). */
 template <int BN>
 __device__ __forceinline__ void mask_bits(const tf_hstu_mask &m, int p, int key0, uint32_t (&bits)[2]) {
-    bits[0] = bits[1] = 0;
-#pragma unroll 1
-    for (int x = 0; x < BN / 2; ++x) {
-        const int h = x / (BN / 4), c = x % (BN / 4);
-        const int pos = p + 8 * h, key = key0 + (c / 2) * 8 + (c & 1);
-        if (pos >= 0 && pos < m.n && key < m.n && tf_hstu_valid(&m, pos, key)) bits[h] |= 1u << c;
-    }
+    bits[0] = hstu_row_bits<BN / 8>(m, p, key0);
+    bits[1] = hstu_row_bits<BN / 8>(m, p + 8, key0);
 }
 __device__ __forceinline__ __attribute__((unused)) float silu_hx(float x, float c_h, float c_t) {
     const float hx = x * c_h;
@@ -447,7 +444,13 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
 template <typename T>
 int dispatch(const tf_hstu_params &p, cudaStream_t stream, bool pp) {
     return hstu_with_head_dim(p, [&](auto D) {
-        return pp ? launch<T, decltype(D)::value, true>(p, stream) : launch<T, decltype(D)::value, false>(p, stream);
+        constexpr int d = decltype(D)::value;
+        // Ping-pong only up to 128: at 256 its extra live registers spill and it measured 0.86x the plain
+        // loop (16 x 4096, H100); at 128 1.05x, at 64 level.
+        if constexpr (d <= 128) {
+            if (pp) return launch<T, d, true>(p, stream);
+        }
+        return launch<T, d, false>(p, stream);
     });
 }
 
@@ -484,7 +487,7 @@ extern "C" int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream) {
         const int64_t n = p->delta > 0 ? p->delta : p->max_seq_len;
         if (!(d > 128 || (d > 64 && n >= 2048)) || p->max_attn_len > 0) return -1;
     }
-    const bool pp = !(env && env[0] == '2');  // TEMPORARY A/B: 2 = no ping-pong
+    const bool pp = !(env && env[0] == '2');  // 2: the wgmma kernel without ping-pong (A/B runs, tests)
     if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream, pp);
     return dispatch<__half>(*p, (cudaStream_t)stream, pp);
 #else

@@ -153,6 +153,37 @@ __device__ __forceinline__ float tanh_approx(float x) {
 /* sigmoid(z) = (1 + tanh(z / 2)) / 2: one special-function op (exp + reciprocal would be two). */
 __device__ __forceinline__ float sigmoid_fast(float z) { return fmaf(0.5f, tanh_approx(0.5f * z), 0.5f); }
 /* SiLU(z) * scale */
+/* 16 bits -> the even bits of 32 (bit j -> bit 2 j) */
+__device__ __forceinline__ uint32_t spread_even(uint32_t x) {
+    x &= 0xffffu;
+    x = (x | (x << 8)) & 0x00ff00ffu;
+    x = (x | (x << 4)) & 0x0f0f0f0fu;
+    x = (x | (x << 2)) & 0x33333333u;
+    return (x | (x << 1)) & 0x55555555u;
+}
+
+/* The mask of query row `pos` over the columns key0 + 8 j + e (j < J <= 16, e < 2), at bit 2 j + e: the
+ * columns one thread holds in an mma.sync / wgmma accumulator (key0 = the tile's first key + 2 (lane % 4)).
+ * From the row's spans (tf_hstu_row_spans), a few integer ops per span, not a mask test per element.
+ * Rows outside [0, n) get 0. */
+template <int J>
+__device__ __forceinline__ uint32_t hstu_row_bits(const tf_hstu_mask &m, int pos, int key0) {
+    static_assert(J >= 1 && J <= 16, "32 bits per row");
+    if (pos < 0 || pos >= m.n) return 0;
+    int lo[4], hi[4];
+    tf_hstu_row_spans(&m, pos, lo, hi);
+    uint32_t je[2] = {0u, 0u};  // per e: bit j set when column key0 + 8 j + e lies in a span
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int a = min(max(lo[i] - key0 - e, 0), 8 * J), z = min(max(hi[i] - key0 - e, 0), 8 * J);
+            const int j0 = (a + 7) >> 3, j1 = (z + 7) >> 3;  // j in [j0, j1)
+            je[e] |= ((1u << j1) - 1u) & ~((1u << j0) - 1u);
+        }
+    return spread_even(je[0]) | (spread_even(je[1]) << 1);
+}
+
 __device__ __forceinline__ float silu_scaled(float z, float scale) {
     const float hz = 0.5f * z * scale;
     return fmaf(hz, tanh_approx(0.5f * z), hz);
