@@ -151,7 +151,7 @@ def main():
     dev = torch.cuda.get_device_name()
     lines = [f"# HSTU attention, bf16, causal, H={H}, {dev}, torch {torch.__version__}", "",
              f"Triton: generative-recommenders triton_hstu_mha ({note}). TFLOP/s by the issue's FLOP count.", "",
-             "| B, N, D | lengths | ours fwd | ours bwd | fwd: mma.sync / wgmma kernel | Triton fwd | Triton bwd | fwd x Triton | bwd x Triton "
+             "| B, N, D | lengths | ours fwd | ours bwd | fwd: mma.sync / wgmma ping-pong / wgmma plain | Triton fwd | Triton bwd | fwd x Triton | bwd x Triton "
              "| SDPA fwd | fwd x SDPA | eager fwd/bwd | compile fwd/bwd | max abs diff vs Triton |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
@@ -164,11 +164,11 @@ def main():
         ours = lambda: torchfuse.hstu_attention(q, k, v, offsets, N, alpha, num_targets=nt,  # noqa: E731
                                                 max_attn_len=window, validate=False)
         t_o = bench(ours, [q, k, v], dout)
-        # the same op with each forward kernel forced (0: mma.sync, 1: the sm_90a wgmma one), whichever
+        # the same op with each forward kernel forced (0: mma.sync, 1 / 2: the sm_90a wgmma one with / without ping-pong), whichever
         # the dispatch rule picks by default
         saved = os.environ.get("TORCHFUSE_HSTU_SM90")
         t_k = {}
-        for env in ("0", "1"):
+        for env in ("0", "1", "2"):
             os.environ["TORCHFUSE_HSTU_SM90"] = env
             t_k[env], _ = bench(ours, [], None, fwd_only=True)
         if saved is None:
@@ -220,7 +220,7 @@ def main():
                 torch.cuda.empty_cache()
         t_t = row.get("triton", (None, None))
         ratio = lambda a, b: "-" if a is None or b is None else f"{b / a:.2f}"  # noqa: E731
-        line = (f"| {B}, {N}, {D} | {label} | {tf(t_o[0])} | {tf(t_o[1], 2.5)} | {tf(t_k['0'])} / {tf(t_k['1'])} | {tf(t_t[0])} | {tf(t_t[1], 2.5)} | "
+        line = (f"| {B}, {N}, {D} | {label} | {tf(t_o[0])} | {tf(t_o[1], 2.5)} | {tf(t_k['0'])} / {tf(t_k['1'])} / {tf(t_k['2'])} | {tf(t_t[0])} | {tf(t_t[1], 2.5)} | "
                 f"{ratio(t_o[0], t_t[0])} | {ratio(t_o[1], t_t[1])} | {sd} | "
                 f"{ratio(t_o[0], row['sdpa'][0]) if 'sdpa' in row else '-'} | {eg} | {cp} | {diff} |")
         print(line, flush=True)

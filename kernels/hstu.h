@@ -117,6 +117,38 @@ TF_HSTU_HD void tf_hstu_row_spans(const tf_hstu_mask *k, int p, int lo[4], int h
     }
 }
 
+/* Column q's valid rows (0 <= q < n) as five half-open spans [lo[i], hi[i]) within [0, n): exactly the p
+ * with tf_hstu_valid(k, p, q), the transpose of tf_hstu_row_spans for the backward's key-major tiles.
+ * They are q itself, the rows numbered above q (within the window, and from the exempt rows on), the
+ * context rows when q is not a target, and the later targets of q's group. */
+TF_HSTU_HD void tf_hstu_col_spans(const tf_hstu_mask *k, int q, int lo[5], int hi[5]) {
+    const int iq = tf_hstu_id(k, q);
+    lo[0] = q;
+    hi[0] = q + 1;
+    lo[1] = tf_hstu_first_id_ge(k, iq + 1);
+    hi[1] = k->m > 0 ? tf_hstu_first_id_ge(k, iq + k->m + 1) : k->n;
+    lo[2] = 0;
+    hi[2] = 0;
+    if (k->m > 0 && k->f > 0) {
+        const int e = tf_hstu_first_id_ge(k, k->max_id - k->f);
+        lo[2] = lo[1] > e ? lo[1] : e;
+        hi[2] = k->n;
+    }
+    lo[3] = 0;
+    hi[3] = 0;
+    if (k->c > 0 && iq < k->max_id) {
+        lo[3] = tf_hstu_first_id_ge(k, 0);
+        hi[3] = tf_hstu_first_id_ge(k, 1);
+    }
+    lo[4] = 0;
+    hi[4] = 0;
+    if (k->g > 1 && k->t > 0 && q >= k->u) {
+        const int end = k->u + ((q - k->u) / k->g + 1) * k->g;
+        lo[4] = q + 1;
+        hi[4] = end < k->n ? end : k->n;
+    }
+}
+
 /* Columns that rows [p0, p1) can attend lie in [*lo, *hi] (conservative; 0 <= p0 < p1 <= n). */
 TF_HSTU_HD void tf_hstu_col_range(const tf_hstu_mask *k, int p0, int p1, int *lo, int *hi) {
     *hi = p0 < k->c ? k->n - 1 : (p1 - 1 < k->n - 1 ? p1 - 1 : k->n - 1);
@@ -161,7 +193,8 @@ void tf_hstu_bwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1);
 int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream);
 /* The sm_90a (TMA + wgmma) forward, 16-bit dtypes: -1 when it does not apply (not built for sm_90a,
  * the device is not compute capability 9.0, dtype, strides the copy engine cannot address, a shape
- * where mma.sync is faster, or TORCHFUSE_HSTU_SM90=0; =1 takes it wherever it can run);
+ * cached inference at head dims up to 128 (measured slower there), or TORCHFUSE_HSTU_SM90=0; =1 takes it
+ * wherever it can run, with ping-pong, =2 without);
  * tf_hstu_fwd_cuda tries it first. */
 int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream);
 /* Needs p->dq_acc (fp32, zeroed) and, with a bias gradient, p->dbias (fp32, zeroed). */

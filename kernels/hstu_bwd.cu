@@ -141,12 +141,14 @@ __global__ void __launch_bounds__(32 * BwdCfg<D>::NW) hstu_bwd_mma(const tf_hstu
                 }
         } else {
             float *dbias = (float *)p.dbias;
+            const uint32_t keys_in[2] = {hstu_col_bits<BM / 8>(s.mask, k0 + ks * 16 + g, q0 + 2 * t4),
+                                         hstu_col_bits<BM / 8>(s.mask, k0 + ks * 16 + g + 8, q0 + 2 * t4)};
 #pragma unroll
             for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = k0 + ks * 16 + g + (e >= 2 ? 8 : 0), pos = q0 + nt * 8 + 2 * t4 + (e & 1);
-                    const bool in = pos < s.n && key < s.n && tf_hstu_valid(&s.mask, pos, key);
+                    const bool in = (keys_in[e >> 1] >> (2 * nt + (e & 1))) & 1u;
                     const int64_t bidx = b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key;
                     float x = st[nt][e];
                     if (p.bias && in) x += tf_bias_load(p.bias, p.bias_dtype, bidx);

@@ -3,7 +3,8 @@
  * widened to double once, then each query row walks the columns tf_hstu_col_range() allows, testing
  * the row's spans (tf_hstu_row_spans()) only in 16-column blocks that tf_hstu_tile_full() does not clear, the
  * decisions the CUDA kernels make per tile (so these tests exercise them too). The backward makes two
- * passes: by rows for dQ, by columns (over tf_hstu_row_range()) for dK, dV and dbias. */
+ * passes: by rows for dQ, by columns (over tf_hstu_row_range(), testing the column's spans) for dK, dV
+ * and dbias. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -61,13 +62,22 @@ static double z_of(const tf_hstu_params *p, int64_t b, int64_t h, int64_t pos, i
     return p->alpha * s;
 }
 
-/* tf_hstu_valid() through the row's spans: the row passes (forward, dQ) use them, as the GPU forwards do;
- * the column pass (dK, dV) tf_hstu_valid() itself, so the tests hold each against the reference. */
+/* tf_hstu_valid() through the row's spans: the row passes (forward, dQ) use them, as the GPU forwards do,
+ * so the tests hold them against the reference (and the column spans through the dK / dV pass). */
 static int in_spans(const tf_hstu_mask *mk, int pos, int col) {
     int lo[4], hi[4];
     tf_hstu_row_spans(mk, pos, lo, hi);
     for (int i = 0; i < 4; ++i)
         if (col >= lo[i] && col < hi[i]) return 1;
+    return 0;
+}
+
+/* tf_hstu_valid() through the column's spans (the backward's column pass, as the GPU backward does). */
+static int in_col_spans(const tf_hstu_mask *mk, int pos, int col) {
+    int lo[5], hi[5];
+    tf_hstu_col_spans(mk, col, lo, hi);
+    for (int i = 0; i < 5; ++i)
+        if (pos >= lo[i] && pos < hi[i]) return 1;
     return 0;
 }
 
@@ -143,7 +153,7 @@ void tf_hstu_bwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1) {
                 tf_hstu_row_range(&s.mask, col, col + 1, &ctx_end, &lo, &hi);
                 for (int pos = 0; pos <= hi; ++pos) {
                     if (pos >= ctx_end && pos < lo) pos = lo;
-                    if (!tf_hstu_valid(&s.mask, pos, col)) continue;
+                    if (!in_col_spans(&s.mask, pos, col)) continue;
                     const double z = z_of(p, b, h, pos, col, Q + pos * dqk, K + col * dqk);
                     const double sg = 1.0 / (1.0 + exp(-z));
                     const double pw = z * sg * p->inv_scale;

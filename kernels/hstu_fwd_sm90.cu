@@ -21,8 +21,8 @@
  *     longest tiles first within.
  * Built only for sm_90a (wgmma and setmaxnreg are not in plain sm_90). The entry point declines (and
  * hstu_fwd.cu's mma.sync kernel runs) off compute capability 9.0, where the copy engine cannot address
- * the tensors (strides not multiples of 16 bytes), and where mma.sync is faster (tf_hstu_fwd_sm90).
- * TORCHFUSE_HSTU_SM90=0 / 1 forces the choice (A/B runs, tests); 2 the wgmma kernel without ping-pong. */
+ * the tensors (strides not multiples of 16 bytes), and for cached inference at head dims up to 128.
+ * TORCHFUSE_HSTU_SM90=0 / 1 forces the choice (A/B runs, tests); 1 with ping-pong, 2 without. */
 #include <cuda.h>  // CUtensorMap (the encoder is fetched from the driver at run time: no libcuda link)
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -478,16 +478,19 @@ extern "C" int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream) {
     const char *env = getenv("TORCHFUSE_HSTU_SM90");  // 0: never, 1: always, unset: where it is faster
     if (env && env[0] == '0') return -1;
     if (!device_is_sm90()) return -1;
+    const int64_t d = p->dqk > p->dv ? p->dqk : p->dv;
     if (!(env && (env[0] == '1' || env[0] == '2'))) {
-        // Measured on an H100 (benchmarks/results/hstu_h100.md): ahead of mma.sync at head dims above 128
-        // (2.0-2.8x) and at 128 on 4096-long sequences (1.04-1.66x); at 128 x 1024 level on full lengths
-        // and ~10% behind on jagged ones; behind with a window (0.8x at 256: 128-key tiles waste more of
-        // a short window than mma.sync's 64) and at 64 on jagged lengths (0.74x).
-        const int64_t d = p->dqk > p->dv ? p->dqk : p->dv;
-        const int64_t n = p->delta > 0 ? p->delta : p->max_seq_len;
-        if (!(d > 128 || (d > 64 && n >= 2048)) || p->max_attn_len > 0) return -1;
+        // Measured on an H100 (benchmarks/results/hstu_h100.md, session 6): 1.14-2.8x mma.sync at every
+        // benchmark shape, jagged, targets and window included. Cached inference (delta query rows per
+        // sequence) keeps the earlier rule, measured before: above head dim 128 only.
+        if (p->delta > 0 && d <= 128) return -1;
     }
-    const bool pp = !(env && env[0] == '2');  // 2: the wgmma kernel without ping-pong (A/B runs, tests)
+    // Ping-pong from 2048-long sequences without a window: 1.05-1.08x there, 0.93-0.97x on 1024-long ones
+    // and with a window of 256. The switch forces it (1: always, 2: never; head dims up to 128) for the
+    // A/B runs and the tests, whose sequences are short.
+    const bool pp = env && env[0] == '1'   ? true
+                    : env && env[0] == '2' ? false
+                                           : p->max_seq_len >= 2048 && p->max_attn_len == 0;
     if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream, pp);
     return dispatch<__half>(*p, (cudaStream_t)stream, pp);
 #else

@@ -166,22 +166,34 @@ __device__ __forceinline__ uint32_t spread_even(uint32_t x) {
  * columns one thread holds in an mma.sync / wgmma accumulator (key0 = the tile's first key + 2 (lane % 4)).
  * From the row's spans (tf_hstu_row_spans), a few integer ops per span, not a mask test per element.
  * Rows outside [0, n) get 0. */
-template <int J>
-__device__ __forceinline__ uint32_t hstu_row_bits(const tf_hstu_mask &m, int pos, int key0) {
-    static_assert(J >= 1 && J <= 16, "32 bits per row");
-    if (pos < 0 || pos >= m.n) return 0;
-    int lo[4], hi[4];
-    tf_hstu_row_spans(&m, pos, lo, hi);
-    uint32_t je[2] = {0u, 0u};  // per e: bit j set when column key0 + 8 j + e lies in a span
+template <int J, int NS>
+__device__ __forceinline__ uint32_t hstu_span_bits(const int (&lo)[NS], const int (&hi)[NS], int x0) {
+    static_assert(J >= 1 && J <= 16, "32 bits");
+    uint32_t je[2] = {0u, 0u};  // per e: bit j set when x0 + 8 j + e lies in a span
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < NS; ++i)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int a = min(max(lo[i] - key0 - e, 0), 8 * J), z = min(max(hi[i] - key0 - e, 0), 8 * J);
+            const int a = min(max(lo[i] - x0 - e, 0), 8 * J), z = min(max(hi[i] - x0 - e, 0), 8 * J);
             const int j0 = (a + 7) >> 3, j1 = (z + 7) >> 3;  // j in [j0, j1)
             je[e] |= ((1u << j1) - 1u) & ~((1u << j0) - 1u);
         }
     return spread_even(je[0]) | (spread_even(je[1]) << 1);
+}
+template <int J>
+__device__ __forceinline__ uint32_t hstu_row_bits(const tf_hstu_mask &m, int pos, int key0) {
+    if (pos < 0 || pos >= m.n) return 0;
+    int lo[4], hi[4];
+    tf_hstu_row_spans(&m, pos, lo, hi);
+    return hstu_span_bits<J>(lo, hi, key0);
+}
+/* The transpose, for key-major tiles: key `key`'s mask over the rows row0 + 8 j + e at bit 2 j + e. */
+template <int J>
+__device__ __forceinline__ uint32_t hstu_col_bits(const tf_hstu_mask &m, int key, int row0) {
+    if (key < 0 || key >= m.n) return 0;
+    int lo[5], hi[5];
+    tf_hstu_col_spans(&m, key, lo, hi);
+    return hstu_span_bits<J>(lo, hi, row0);
 }
 
 __device__ __forceinline__ float silu_scaled(float z, float scale) {

@@ -188,12 +188,12 @@ def test_forward(target, dtype, case, monkeypatch):
                     reason="the wgmma forward runs on compute capability 9.0 only")
 @pytest.mark.parametrize("env, d, n, want", [
     ("1", 64, 90, "hstu_fwd_ws"), ("0", 256, 90, "hstu_fwd_mma"),  # the switch, both ways
-    (None, 128, 2048, "hstu_fwd_ws"), (None, 256, 90, "hstu_fwd_ws"), (None, 128, 1000, "hstu_fwd_mma"),
-    (None, 64, 2048, "hstu_fwd_mma")])
+    (None, 128, 2048, "hstu_fwd_ws"), (None, 256, 90, "hstu_fwd_ws"), (None, 128, 1000, "hstu_fwd_ws"),
+    (None, 64, 2048, "hstu_fwd_ws"), (None, 32, 90, "hstu_fwd_ws")])
 def test_forward_kernel_choice(env, d, n, want, monkeypatch):
     """On a Hopper GPU the forward really runs the kernel the dispatch rule names (the warp-specialized
-    wgmma one above head dim 128, and at 96-128 from 2048-long sequences) and the TORCHFUSE_HSTU_SM90
-    switch really forces one or the other."""
+    wgmma one, but for cached inference at head dims up to 128) and the TORCHFUSE_HSTU_SM90 switch
+    really forces one or the other."""
     if env is not None:
         monkeypatch.setenv("TORCHFUSE_HSTU_SM90", env)
     else:
