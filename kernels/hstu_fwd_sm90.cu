@@ -196,10 +196,10 @@ struct BlockWork {
     bool active;  // false: this block's query tile lies past its sequence's end
 };
 template <int BN>
-__device__ __forceinline__ BlockWork block_work(const tf_hstu_params &p, int q_tiles, int section) {
+__device__ __forceinline__ BlockWork block_work(const tf_hstu_params &p, int q_tiles, int section, int64_t item) {
     BlockWork w;
     const int64_t BH = p.B * p.H, per = (int64_t)q_tiles * section;
-    const int64_t sec = blockIdx.x / per, r = blockIdx.x % per;
+    const int64_t sec = item / per, r = item % per;
     const int64_t in_sec = min((int64_t)section, BH - sec * section);
     const int tile = q_tiles - 1 - (int)(r / in_sec);
     const int64_t bh = sec * section + r % in_sec;
@@ -240,46 +240,56 @@ constexpr int kWsThreads = 384;
 template <typename T, int D, bool PP>
 __global__ void __launch_bounds__(kWsThreads, 1)
     hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                const __grid_constant__ CUtensorMap tm_v, const tf_hstu_params p, int q_tiles, int section) {
+                const __grid_constant__ CUtensorMap tm_v, const tf_hstu_params p, int q_tiles, int section,
+                int64_t items) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Cfg = Sm90Cfg<D>;
     constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, ST = Cfg::ST;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Qs = smem, *Ks = smem + Cfg::Q_BYTES, *Vs = Ks + ST * KV_BYTES;
-    __shared__ __align__(8) uint64_t full_bar[ST], empty_bar[ST], q_bar;
+    // full / empty: the K/V ring; q_full / q_empty: the one Q buffer, refilled per work item once
+    // both consumers' S = Q K^T are done with it
+    __shared__ __align__(8) uint64_t full_bar[ST], empty_bar[ST], q_full, q_empty;
 
-    const BlockWork w = block_work<BN>(p, q_tiles, section);
-    if (!w.active) return;  // uniform over the block
-    const HstuSeq &s = w.s;
     const int wg = threadIdx.x / 128;
-    const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
     if (threadIdx.x == 0) {
         for (int i = 0; i < ST; ++i) {
             mbar_init(&full_bar[i], 1);
             mbar_init(&empty_bar[i], 8);  // the 8 consumer warps
         }
-        mbar_init(&q_bar, 1);
+        mbar_init(&q_full, 1);
+        mbar_init(&q_empty, 8);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
+    // Persistent: each block walks the work items blockIdx.x, + gridDim.x, ... (longest first within
+    // an L2 section). The ring position g (K/V tiles so far) and the Q count qn run on across items,
+    // so the producer loads the next item's Q and first K/V tiles while the consumers finish this one.
     if (wg == 0) {  // producer
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-        if (threadIdx.x == 0 && kt_lo <= kt_hi) {
-            mbar_expect_tx(&q_bar, Cfg::Q_BYTES);
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n");
+        if (threadIdx.x == 0) {
+            int g = 0, qn = 0;
+            for (int item = blockIdx.x; item < items; item += gridDim.x) {
+                const BlockWork w = block_work<BN>(p, q_tiles, section, item);
+                if (!w.active || w.kt_lo > w.kt_hi) continue;
+                if (qn > 0) mbar_wait(&q_empty, (qn - 1) & 1);
+                ++qn;
+                mbar_expect_tx(&q_full, Cfg::Q_BYTES);
 #pragma unroll
-            for (int c = 0; c < D / 64; ++c)
-                tma_load(Qs + c * kBM * 128, &tm_q, 64 * c, w.h, (int)(s.q_start + w.i0), &q_bar);
-            for (int kt = kt_lo; kt <= kt_hi; ++kt) {
-                const int i = kt - kt_lo, st = i % ST;
-                if (i >= ST) mbar_wait(&empty_bar[st], (i / ST - 1) & 1);
-                mbar_expect_tx(&full_bar[st], 2 * KV_BYTES);
-                const int row = (int)(s.start + kt * BN);
+                for (int c = 0; c < D / 64; ++c)
+                    tma_load(Qs + c * kBM * 128, &tm_q, 64 * c, w.h, (int)(w.s.q_start + w.i0), &q_full);
+                for (int kt = w.kt_lo; kt <= w.kt_hi; ++kt, ++g) {
+                    const int st = g % ST;
+                    if (g >= ST) mbar_wait(&empty_bar[st], (g / ST - 1) & 1);
+                    mbar_expect_tx(&full_bar[st], 2 * KV_BYTES);
+                    const int row = (int)(w.s.start + kt * BN);
 #pragma unroll
-                for (int c = 0; c < D / 64; ++c) {
-                    tma_load(Ks + st * KV_BYTES + c * BN * 128, &tm_k, 64 * c, w.h, row, &full_bar[st]);
-                    tma_load(Vs + st * KV_BYTES + c * BN * 128, &tm_v, 64 * c, w.h, row, &full_bar[st]);
+                    for (int c = 0; c < D / 64; ++c) {
+                        tma_load(Ks + st * KV_BYTES + c * BN * 128, &tm_k, 64 * c, w.h, row, &full_bar[st]);
+                        tma_load(Vs + st * KV_BYTES + c * BN * 128, &tm_v, 64 * c, w.h, row, &full_bar[st]);
+                    }
                 }
             }
         }
@@ -287,87 +297,103 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
         const int cw = wg - 1;
         const float c_h = 0.5f * (float)p.alpha * (float)p.inv_scale, c_t = 0.5f * (float)p.alpha;
-        const int wpos0 = w.pos0 + 64 * cw;
-        float o[D / 2];
+        const uint32_t q_addr = smem_u32(Qs) + cw * 64 * 128;
+        int g = 0, qn = 0;
+        for (int item = blockIdx.x; item < items; item += gridDim.x) {
+            const BlockWork w = block_work<BN>(p, q_tiles, section, item);
+            if (!w.active) continue;  // uniform over the block
+            const HstuSeq &s = w.s;
+            const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
+            const int wpos0 = w.pos0 + 64 * cw;
+            float o[D / 2];
 #pragma unroll
-        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-        if (kt_lo <= kt_hi) {
-            const uint32_t q_addr = smem_u32(Qs) + cw * 64 * 128;
-            const Reach reach(s.mask, wpos0);
-            float sacc[BN / 2];
-            uint32_t pa[BN / 16][4];
+            for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+            if (kt_lo <= kt_hi) {
+                const Reach reach(s.mask, wpos0);
+                float sacc[BN / 2];
+                uint32_t pa[BN / 16][4];
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) sacc[i] = 0.f;
-            mbar_wait(&q_bar, 0);
-            if constexpr (!PP) {
-                for (int kt = kt_lo; kt <= kt_hi; ++kt) {
-                    const int i = kt - kt_lo, st = i % ST;
-                    mbar_wait(&full_bar[st], (i / ST) & 1);
-                    if (kt * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt * BN, cw);
-                    if (reach.tile<BN>(kt)) {
-                        tf_wgmma_fence();
-                        gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + st * KV_BYTES));
-                        tf_wgmma_commit();
-                        tf_wgmma_wait<0>();
-                        tf_wgmma_reg_fence(sacc);
-                        elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt * BN, c_h, c_t);
-                        tf_wgmma_fence();
-                        gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
-                        tf_wgmma_commit();
-                        tf_wgmma_wait<0>();
-                        tf_wgmma_reg_fence(o);
+                for (int i = 0; i < BN / 2; ++i) sacc[i] = 0.f;
+                mbar_wait(&q_full, qn & 1);
+                ++qn;
+                if constexpr (!PP) {
+                    for (int kt = kt_lo; kt <= kt_hi; ++kt) {
+                        const int gi = g + kt - kt_lo, st = gi % ST;
+                        mbar_wait(&full_bar[st], (gi / ST) & 1);
+                        if (kt * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt * BN, cw);
+                        if (reach.tile<BN>(kt)) {
+                            tf_wgmma_fence();
+                            gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + st * KV_BYTES));
+                            tf_wgmma_commit();
+                            tf_wgmma_wait<0>();
+                            tf_wgmma_reg_fence(sacc);
+                            elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt * BN, c_h, c_t);
+                            tf_wgmma_fence();
+                            gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                            tf_wgmma_commit();
+                            tf_wgmma_wait<0>();
+                            tf_wgmma_reg_fence(o);
+                        }
+                        __syncwarp();
+                        if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);
                     }
-                    __syncwarp();
-                    if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);
-                }
-            } else {
-                // Ping-pong: after the SiLU of tile j, one batch issues P V of tile j and S of tile j + 1,
-                // in turns with the other consumer (named barriers 1 + cw: sync on mine before issuing,
-                // arrive on the other's after), so one's SiLU runs while the other's MMAs do. No
-                // warpgroup skips a tile here (the mask zeroes P where its rows cannot reach): a branch
-                // around the MMAs or the code defining P makes ptxas serialize the wgmmas (C7520).
-                const int mine = 1 + cw, other = 2 - cw;
-                if (cw == 1) named_bar_arrive(1);  // consumer 0 goes first
-                mbar_wait(&full_bar[0], 0);
-                named_bar_sync(mine);
-                tf_wgmma_fence();
-                gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks));
-                tf_wgmma_commit();
-                named_bar_arrive(other);
-                tf_wgmma_wait<0>();
-                tf_wgmma_reg_fence(sacc);
-                for (int j = kt_lo; j < kt_hi; ++j) {
-                    const int i = j - kt_lo, st = i % ST, nst = (i + 1) % ST;
-                    elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, j * BN, c_h, c_t);
-                    mbar_wait(&full_bar[nst], ((i + 1) / ST) & 1);
+                    if (threadIdx.x % 32 == 0) mbar_arrive(&q_empty);  // this warp is done with Q
+                } else {
+                    // Ping-pong: after the SiLU of tile j, one batch issues P V of tile j and S of tile
+                    // j + 1, in turns with the other consumer (named barriers 1 + cw: sync on mine before
+                    // issuing, arrive on the other's after), so one's SiLU runs while the other's MMAs
+                    // do. No warpgroup skips a tile here (the mask zeroes P where its rows cannot
+                    // reach): a branch around the MMAs or the code defining P makes ptxas serialize the
+                    // wgmmas (C7520). Each item's turns balance (every sync gets exactly one arrival),
+                    // and neither consumer can start the next item's turns before the other has taken
+                    // its last one of this item.
+                    const int mine = 1 + cw, other = 2 - cw;
+                    if (cw == 1) named_bar_arrive(1);  // consumer 0 goes first
+                    mbar_wait(&full_bar[g % ST], (g / ST) & 1);
                     named_bar_sync(mine);
                     tf_wgmma_fence();
-                    gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
-                    gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + nst * KV_BYTES));
+                    gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + (g % ST) * KV_BYTES));
                     tf_wgmma_commit();
                     named_bar_arrive(other);
                     tf_wgmma_wait<0>();
                     tf_wgmma_reg_fence(sacc);
-                    tf_wgmma_reg_fence(o);
-                    __syncwarp();
-                    if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);  // tile j is done with
+                    for (int j = kt_lo; j < kt_hi; ++j) {
+                        const int gi = g + j - kt_lo, st = gi % ST, nst = (gi + 1) % ST;
+                        elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, j * BN, c_h, c_t);
+                        mbar_wait(&full_bar[nst], ((gi + 1) / ST) & 1);
+                        named_bar_sync(mine);
+                        tf_wgmma_fence();
+                        gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                        gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + nst * KV_BYTES));
+                        tf_wgmma_commit();
+                        named_bar_arrive(other);
+                        tf_wgmma_wait<0>();
+                        tf_wgmma_reg_fence(sacc);
+                        tf_wgmma_reg_fence(o);
+                        __syncwarp();
+                        if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);  // tile j is done with
+                    }
+                    if (threadIdx.x % 32 == 0) mbar_arrive(&q_empty);  // every S of this item is done
+                    {  // the last tile: its P V alone
+                        const int st = (g + kt_hi - kt_lo) % ST;
+                        elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt_hi * BN, c_h, c_t);
+                        // only the last tile can run past the sequence's end
+                        if (kt_hi * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt_hi * BN, cw);
+                        named_bar_sync(mine);
+                        tf_wgmma_fence();
+                        gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                        tf_wgmma_commit();
+                        if (cw == 0) named_bar_arrive(other);  // every sync gets exactly one arrival
+                        tf_wgmma_wait<0>();
+                        tf_wgmma_reg_fence(o);
+                        __syncwarp();
+                        if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);
+                    }
                 }
-                {  // the last tile: its P V alone
-                    const int st = (kt_hi - kt_lo) % ST;
-                    elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt_hi * BN, c_h, c_t);
-                    // only the last tile can run past the sequence's end
-                    if (kt_hi * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt_hi * BN, cw);
-                    named_bar_sync(mine);
-                    tf_wgmma_fence();
-                    gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
-                    tf_wgmma_commit();
-                    if (cw == 0) named_bar_arrive(other);  // every sync gets exactly one arrival
-                    tf_wgmma_wait<0>();
-                    tf_wgmma_reg_fence(o);
-                }
+                g += kt_hi - kt_lo + 1;
             }
+            store_o<T, D>(o, p, s.q_start + w.i0, w.h, 64 * cw, w.rows_here);
         }
-        store_o<T, D>(o, p, s.q_start + w.i0, w.h, 64 * cw, w.rows_here);
     }
 #endif
 }
@@ -375,11 +401,28 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #if defined(TF_BUILT_SM90A)  // the host side of the sm_90a kernel
 /* (sequence, head) pairs per scheduling section: as many as have their K and V (at max_seq_len) in half
  * the L2 cache, and enough to fill the GPU. */
-int section_size(const tf_hstu_params &p, int q_tiles) {
-    int dev = 0, l2 = 0, sms = 0;
+/* The current device's L2 size and SM count, queried once per device (benign race: every writer
+ * stores the same values). */
+struct DeviceSizes {
+    int l2, sms;
+};
+DeviceSizes device_sizes() {
+    static DeviceSizes cached[64];
+    int dev = 0;
     cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (dev < 0 || dev >= 64) dev = 0;
+    if (cached[dev].sms == 0) {
+        DeviceSizes d{0, 0};
+        cudaDeviceGetAttribute(&d.l2, cudaDevAttrL2CacheSize, dev);
+        cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
+        if (d.sms <= 0) d.sms = 1;
+        cached[dev] = d;
+    }
+    return cached[dev];
+}
+
+int section_size(const tf_hstu_params &p, int q_tiles) {
+    const int l2 = device_sizes().l2, sms = device_sizes().sms;
     const int64_t pair_bytes = p.max_seq_len * (p.dqk + p.dv) * 2;
     int64_t sec = pair_bytes > 0 ? (int64_t)l2 / 2 / pair_bytes : 1;
     const int64_t fill = (sms + q_tiles - 1) / q_tiles;
@@ -436,8 +479,10 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     constexpr int smem = Sm90Cfg<D>::SMEM;
     cudaError_t err = cudaFuncSetAttribute(hstu_fwd_ws<T, D, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    hstu_fwd_ws<T, D, PP><<<(unsigned)g.blocks, kWsThreads, smem, stream>>>(tq, tk, tv, p, g.q_tiles,
-                                                                       section_size(p, g.q_tiles));
+    // persistent: one block per SM (one fits: shared memory), each walking the items
+    const int64_t grid = g.blocks < device_sizes().sms ? g.blocks : device_sizes().sms;
+    hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(tq, tk, tv, p, g.q_tiles,
+                                                                    section_size(p, g.q_tiles), (int)g.blocks);
     return cudaGetLastError();
 }
 
