@@ -268,7 +268,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // an L2 section). The ring position g (K/V tiles so far) and the Q count qn run on across items,
     // so the producer loads the next item's Q and first K/V tiles while the consumers finish this one.
     if (wg == 0) {  // producer
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n");
+        // 24 here and 240 for the consumers: what this frees (144 x 128) is exactly what they take
+        // (72 x 256) of the 168 x 384 the block launched with; an increase with no freed registers
+        // to take waits forever (32 / 240 hung)
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (threadIdx.x == 0) {
             int g = 0, qn = 0;
             for (int item = blockIdx.x; item < items; item += gridDim.x) {
