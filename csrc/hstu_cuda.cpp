@@ -23,6 +23,9 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
                           HstuOpts{max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
                                    min_full_attn_seq_len, target_group_size, delta, validate},
                           true);
+    // the sm_90a kernel's work counter (it zeroes it on the stream before its launch)
+    const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
+    g.p.sched = sched.data_ptr<int>();
     check_launch(tf_hstu_fwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU forward kernel");
     return g.o;
 }

@@ -264,25 +264,43 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     __syncthreads();
 
-    // Persistent: each block walks the work items blockIdx.x, + gridDim.x, ... (longest first within
-    // an L2 section). The ring position g (K/V tiles so far) and the Q count qn run on across items,
-    // so the producer loads the next item's Q and first K/V tiles while the consumers finish this one.
+    // Persistent: one block per SM; its producer takes work items from a global counter (greedy, in
+    // the order longest first within an L2 section: a static stride per block measured 0.8x the
+    // one-block-per-item launch on jagged batches of few sequences) and hands each to the consumers
+    // through item_slot on q_full. The ring position g (K/V tiles so far) and the Q count qn run on
+    // across items, so the producer loads the next item's Q and first K/V tiles while the consumers
+    // finish this one. item_slot -1 ends the block.
+    __shared__ volatile int item_slot;
     if (wg == 0) {  // producer
         // 24 here and 240 for the consumers: what this frees (144 x 128) is exactly what they take
         // (72 x 256) of the 168 x 384 the block launched with; an increase with no freed registers
         // to take waits forever (32 / 240 hung)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (threadIdx.x == 0) {
-            int g = 0, qn = 0;
-            for (int item = blockIdx.x; item < items; item += gridDim.x) {
-                const BlockWork w = block_work<BN>(p, q_tiles, section, item);
-                if (!w.active || w.kt_lo > w.kt_hi) continue;
-                if (qn > 0) mbar_wait(&q_empty, (qn - 1) & 1);
+            int g = 0, qn = 0, item = atomicAdd(p.sched, 1);
+            for (;;) {
+                BlockWork w;
+                while (item < items && !(w = block_work<BN>(p, q_tiles, section, item)).active)
+                    item = atomicAdd(p.sched, 1);
+                if (qn > 0) mbar_wait(&q_empty, (qn - 1) & 1);  // the consumers are done with Q and the slot
                 ++qn;
-                mbar_expect_tx(&q_full, Cfg::Q_BYTES);
+                if (item >= items) {
+                    item_slot = -1;
+                    mbar_arrive(&q_full);
+                    break;
+                }
+                item_slot = item;
+                const bool keys = w.kt_lo <= w.kt_hi;
+                if (keys) {
+                    mbar_expect_tx(&q_full, Cfg::Q_BYTES);
 #pragma unroll
-                for (int c = 0; c < D / 64; ++c)
-                    tma_load(Qs + c * kBM * 128, &tm_q, 64 * c, w.h, (int)(w.s.q_start + w.i0), &q_full);
+                    for (int c = 0; c < D / 64; ++c)
+                        tma_load(Qs + c * kBM * 128, &tm_q, 64 * c, w.h, (int)(w.s.q_start + w.i0), &q_full);
+                } else {
+                    mbar_arrive(&q_full);  // nothing to load: the consumers write zeros
+                }
+                item = atomicAdd(p.sched, 1);  // the next one, fetched ahead
+                if (!keys) continue;
                 for (int kt = w.kt_lo; kt <= w.kt_hi; ++kt, ++g) {
                     const int st = g % ST;
                     if (g >= ST) mbar_wait(&empty_bar[st], (g / ST - 1) & 1);
@@ -302,23 +320,25 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const float c_h = 0.5f * (float)p.alpha * (float)p.inv_scale, c_t = 0.5f * (float)p.alpha;
         const uint32_t q_addr = smem_u32(Qs) + cw * 64 * 128;
         int g = 0, qn = 0;
-        for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        for (;;) {
+            mbar_wait(&q_full, qn & 1);
+            ++qn;
+            const int item = item_slot;
+            if (item < 0) break;
             const BlockWork w = block_work<BN>(p, q_tiles, section, item);
-            if (!w.active) continue;  // uniform over the block
             const HstuSeq &s = w.s;
             const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
             const int wpos0 = w.pos0 + 64 * cw;
             float o[D / 2];
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+            if (kt_lo > kt_hi && threadIdx.x % 32 == 0) mbar_arrive(&q_empty);  // nothing to read
             if (kt_lo <= kt_hi) {
                 const Reach reach(s.mask, wpos0);
                 float sacc[BN / 2];
                 uint32_t pa[BN / 16][4];
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i) sacc[i] = 0.f;
-                mbar_wait(&q_full, qn & 1);
-                ++qn;
                 if constexpr (!PP) {
                     for (int kt = kt_lo; kt <= kt_hi; ++kt) {
                         const int gi = g + kt - kt_lo, st = gi % ST;
@@ -482,8 +502,11 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     constexpr int smem = Sm90Cfg<D>::SMEM;
     cudaError_t err = cudaFuncSetAttribute(hstu_fwd_ws<T, D, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    // persistent: one block per SM (one fits: shared memory), each walking the items
+    // persistent: one block per SM (one fits: shared memory), each taking items from the counter
+    if (!p.sched) return -1;
     const int64_t grid = g.blocks < device_sizes().sms ? g.blocks : device_sizes().sms;
+    err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
+    if (err != cudaSuccess) return err;
     hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(tq, tk, tv, p, g.q_tiles,
                                                                     section_size(p, g.q_tiles), (int)g.blocks);
     return cudaGetLastError();
