@@ -99,6 +99,9 @@ __device__ __forceinline__ void zero_tail_rows(uint8_t *tile, int r0, int cw) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(3 + cw) : "memory");  // this warpgroup only (ids 1-2: free)
 }
+/* named barrier `id` over `n` threads (a multiple of 32): wait for it / arrive without waiting */
+__device__ __forceinline__ void named_bar_sync_n(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_bar_arrive_n(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 /* named barrier `id` over the two consumer warpgroups (256 threads): wait for it / arrive without waiting */
 __device__ __forceinline__ void named_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void named_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
@@ -264,52 +267,53 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     __syncthreads();
 
-    // Persistent: one block per SM; its producer takes work items from a global counter (greedy, in
-    // the order longest first within an L2 section: a static stride per block measured 0.8x the
+    // Persistent: one block per SM; its producer warp takes work items from a global counter (greedy,
+    // in the order longest first within an L2 section: a static stride per block measured 0.8x the
     // one-block-per-item launch on jagged batches of few sequences) and hands each to the consumers
-    // through item_slot on q_full. The ring position g (K/V tiles so far) and the Q count qn run on
-    // across items, so the producer loads the next item's Q and first K/V tiles while the consumers
-    // finish this one. item_slot -1 ends the block.
-    __shared__ volatile int item_slot;
+    // through item_slot, under named barriers 5 (written) and 6 (read) over the producer warp and the
+    // consumers (288 threads; an mbarrier would order it too, but compute-sanitizer's racecheck does
+    // not see that). The ring position g (K/V tiles so far) and the Q count qn run on across items, so
+    // the producer loads the next item's Q and first K/V tiles while the consumers finish this one.
+    // item_slot -1 ends the block.
+    __shared__ int item_slot;
     if (wg == 0) {  // producer
         // 24 here and 240 for the consumers: what this frees (144 x 128) is exactly what they take
         // (72 x 256) of the 168 x 384 the block launched with; an increase with no freed registers
         // to take waits forever (32 / 240 hung)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-        if (threadIdx.x == 0) {
-            int g = 0, qn = 0, item = atomicAdd(p.sched, 1);
+        if (threadIdx.x < 32) {  // one warp: lane 0 issues, all 32 take part in the named barriers
+            const bool leader = threadIdx.x == 0;
+            auto next_item = [&]() { return __shfl_sync(0xffffffffu, leader ? atomicAdd(p.sched, 1) : 0, 0); };
+            int g = 0, qn = 0, handed = 0, item = next_item();
             for (;;) {
                 BlockWork w;
-                while (item < items && !(w = block_work<BN>(p, q_tiles, section, item)).active)
-                    item = atomicAdd(p.sched, 1);
-                if (qn > 0) mbar_wait(&q_empty, (qn - 1) & 1);  // the consumers are done with Q and the slot
+                while (item < items && !(w = block_work<BN>(p, q_tiles, section, item)).active) item = next_item();
+                if (handed++ > 0) named_bar_sync_n(6, 288);  // the consumers have read the last slot
+                if (leader) item_slot = item < items ? item : -1;
+                __syncwarp();
+                named_bar_arrive_n(5, 288);
+                if (item >= items) break;
+                item = next_item();  // the next one, fetched ahead
+                if (w.kt_lo > w.kt_hi) continue;  // nothing to load: the consumers write zeros
+                if (qn > 0) mbar_wait(&q_empty, (qn - 1) & 1);  // both consumers are done with Q
                 ++qn;
-                if (item >= items) {
-                    item_slot = -1;
-                    mbar_arrive(&q_full);
-                    break;
-                }
-                item_slot = item;
-                const bool keys = w.kt_lo <= w.kt_hi;
-                if (keys) {
+                if (leader) {
                     mbar_expect_tx(&q_full, Cfg::Q_BYTES);
 #pragma unroll
                     for (int c = 0; c < D / 64; ++c)
                         tma_load(Qs + c * kBM * 128, &tm_q, 64 * c, w.h, (int)(w.s.q_start + w.i0), &q_full);
-                } else {
-                    mbar_arrive(&q_full);  // nothing to load: the consumers write zeros
                 }
-                item = atomicAdd(p.sched, 1);  // the next one, fetched ahead
-                if (!keys) continue;
                 for (int kt = w.kt_lo; kt <= w.kt_hi; ++kt, ++g) {
                     const int st = g % ST;
                     if (g >= ST) mbar_wait(&empty_bar[st], (g / ST - 1) & 1);
-                    mbar_expect_tx(&full_bar[st], 2 * KV_BYTES);
-                    const int row = (int)(w.s.start + kt * BN);
+                    if (leader) {
+                        mbar_expect_tx(&full_bar[st], 2 * KV_BYTES);
+                        const int row = (int)(w.s.start + kt * BN);
 #pragma unroll
-                    for (int c = 0; c < D / 64; ++c) {
-                        tma_load(Ks + st * KV_BYTES + c * BN * 128, &tm_k, 64 * c, w.h, row, &full_bar[st]);
-                        tma_load(Vs + st * KV_BYTES + c * BN * 128, &tm_v, 64 * c, w.h, row, &full_bar[st]);
+                        for (int c = 0; c < D / 64; ++c) {
+                            tma_load(Ks + st * KV_BYTES + c * BN * 128, &tm_k, 64 * c, w.h, row, &full_bar[st]);
+                            tma_load(Vs + st * KV_BYTES + c * BN * 128, &tm_v, 64 * c, w.h, row, &full_bar[st]);
+                        }
                     }
                 }
             }
@@ -321,10 +325,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const uint32_t q_addr = smem_u32(Qs) + cw * 64 * 128;
         int g = 0, qn = 0;
         for (;;) {
-            mbar_wait(&q_full, qn & 1);
-            ++qn;
+            named_bar_sync_n(5, 288);
             const int item = item_slot;
             if (item < 0) break;
+            named_bar_arrive_n(6, 288);  // read: the producer may write the next
             const BlockWork w = block_work<BN>(p, q_tiles, section, item);
             const HstuSeq &s = w.s;
             const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
@@ -332,8 +336,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             float o[D / 2];
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-            if (kt_lo > kt_hi && threadIdx.x % 32 == 0) mbar_arrive(&q_empty);  // nothing to read
             if (kt_lo <= kt_hi) {
+                mbar_wait(&q_full, qn & 1);
+                ++qn;
                 const Reach reach(s.mask, wpos0);
                 float sacc[BN / 2];
                 uint32_t pa[BN / 16][4];
