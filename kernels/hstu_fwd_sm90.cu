@@ -1,8 +1,9 @@
 /* HSTU attention forward on Hopper (sm_90a): warp-specialized, TMA loads, warpgroup MMA (wgmma).
  *
- * Same semantics and block scheduling as hstu_fwd_mma (hstu_fwd.cu): one block per (query tile of
- * BM = 128 rows, sequence, head); the block walks the key tiles tf_hstu_col_range() allows. Per block:
- *   - warpgroup 0 produces: one thread issues the copy engine's (TMA) tile loads, the Q tile once and
+ * Same semantics as hstu_fwd_mma (hstu_fwd.cu); work item = (query tile of BM = 128 rows, sequence,
+ * head), whose key tiles tf_hstu_col_range() allows. Persistent: one block per SM takes items from a
+ * global counter, longest first, and overlaps the next item's loads with this one's end. Per block:
+ *   - warpgroup 0 produces: one warp takes the items, its first lane issues the copy engine's (TMA) tile loads, the Q tile once and
  *     each K/V tile into a ring of ST stages, each completing on the stage's `full` mbarrier; the
  *     warpgroup hands most of its registers to the consumers (setmaxnreg);
  *   - warpgroups 1 and 2 consume 64 query rows each: S = Q K^T by wgmma m64nBNk16 with Q and K read
@@ -17,7 +18,7 @@
  *     mod 8): what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and what the wgmma descriptors read;
  *   - a warpgroup skips the MMAs of a key tile its own rows cannot reach (the causal diagonal at
  *     D = 256, where key tiles are 64 wide; rows past the sequence's end);
- *   - blocks are ordered so that those sharing a (sequence, head)'s K and V run together (L2 reuse),
+ *   - items are ordered so that those sharing a (sequence, head)'s K and V run together (L2 reuse),
  *     longest tiles first within.
  * Built only for sm_90a (wgmma and setmaxnreg are not in plain sm_90). The entry point declines (and
  * hstu_fwd.cu's mma.sync kernel runs) off compute capability 9.0, where the copy engine cannot address
