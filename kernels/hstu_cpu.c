@@ -62,23 +62,24 @@ static double z_of(const tf_hstu_params *p, int64_t b, int64_t h, int64_t pos, i
     return p->alpha * s;
 }
 
-/* tf_hstu_valid() through the row's spans: the row passes (forward, dQ) use them, as the GPU forwards do,
- * so the tests hold them against the reference (and the column spans through the dK / dV pass). */
-static int in_spans(const tf_hstu_mask *mk, int pos, int col) {
-    int lo[4], hi[4];
-    tf_hstu_row_spans(mk, pos, lo, hi);
-    for (int i = 0; i < 4; ++i)
-        if (col >= lo[i] && col < hi[i]) return 1;
+/* x lies in one of the n half-open spans [lo[i], hi[i]) */
+static int in_any_span(const int *lo, const int *hi, int n, int x) {
+    for (int i = 0; i < n; ++i)
+        if (x >= lo[i] && x < hi[i]) return 1;
     return 0;
 }
 
-/* tf_hstu_valid() through the column's spans (the backward's column pass, as the GPU backward does). */
+/* tf_hstu_valid() through the row's spans (the row passes: forward, dQ) or the column's (the dK / dV
+ * pass), as the GPU kernels test it, so the tests hold both against the reference. */
+static int in_spans(const tf_hstu_mask *mk, int pos, int col) {
+    int lo[4], hi[4];
+    tf_hstu_row_spans(mk, pos, lo, hi);
+    return in_any_span(lo, hi, 4, col);
+}
 static int in_col_spans(const tf_hstu_mask *mk, int pos, int col) {
     int lo[5], hi[5];
     tf_hstu_col_spans(mk, col, lo, hi);
-    for (int i = 0; i < 5; ++i)
-        if (pos >= lo[i] && pos < hi[i]) return 1;
-    return 0;
+    return in_any_span(lo, hi, 5, pos);
 }
 
 /* Visits the valid columns of row `pos` in increasing order. */
