@@ -11,7 +11,7 @@ sees the same load factor. Per call, median / min over the calls, in us:
   host_op   host time inside the raw op call (dispatch, checks, allocations, launches)
 
 op - gpu is the host time before the first kernel; +tolist - op and +pinned - op the sync's tail;
-api - +pinned the Python wrapper's share. --trace writes a torch.profiler Chrome trace of one api call
+api - +pinned what the public call adds (its Python, and at a full table the eviction kernel and record). --trace writes a torch.profiler Chrome trace of one api call
 and prints its timeline (CPU ops and CUDA runtime calls, kernels, copies and memsets on the GPU; the
 profiler adds its own host time to each call).
 
@@ -137,7 +137,7 @@ def main():
         print(f"  {k:8s} {statistics.median(v):8.1f} / {min(v):8.1f}")
     md = {k: statistics.median(v) for k, v in res.items()}
     print(f"  medians: host before the first kernel (op - gpu) {md['op'] - md['gpu']:.1f}; sync tail: tolist "
-          f"{md['+tolist'] - md['op']:.1f}, pinned {md['+pinned'] - md['op']:.1f}; Python wrapper (api - +pinned) "
+          f"{md['+tolist'] - md['op']:.1f}, pinned {md['+pinned'] - md['op']:.1f}; public call extra (api - +pinned: Python, eviction work) "
           f"{md['api'] - md['+pinned']:.1f}; api - gpu {md['api'] - md['gpu']:.1f}")
     if a.trace:
         q, new = query()
