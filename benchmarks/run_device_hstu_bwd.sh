@@ -24,5 +24,13 @@ echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.lo
 timeout ${RACECHECK_TIMEOUT:-120} compute-sanitizer --tool racecheck --print-limit 5 $T -x \
   -k "test_backward and cuda-wgmma and bfloat16 and (plain_h2_d64 or long_d128)" > "$OUT/racecheck.log" 2>&1
 echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -3; grep -m5 -E "hazard|Race" "$OUT/racecheck.log"
+# memcheck at a benchmark-sized jagged shape with targets (4 sequences of U[2048, 4096], 16 targets each)
+timeout ${MEMCHECK_BIG_TIMEOUT:-90} compute-sanitizer --tool memcheck --print-limit 5 python3 -c "
+import sys, torch, torchfuse; sys.path.insert(0, 'benchmarks'); import bench_hstu as bh
+c = bh.make_case(4, 4096, 128, varied=True, targets=16)
+g = torch.ops.torchfuse.hstu_bwd(torch.randn_like(c['v']), c['q'], c['k'], c['v'], c['offsets'], c['nt'], None, 4096,
+                                 c['alpha'], None, 0, 0, 0, 1, False)
+torch.cuda.synchronize(); print('big memcheck ran', [tuple(x.shape) for x in g[:3]])" > "$OUT/memcheck_big.log" 2>&1
+echo "memcheck (4x4096x128, targets) exit $?"; grep -E "ERROR SUMMARY|big memcheck ran" "$OUT/memcheck_big.log"
 timeout ${AB_TIMEOUT:-200} python3 benchmarks/ab_hstu_bwd.py --out "$OUT/ab_hstu_bwd.md" > "$OUT/ab_bwd.log" 2>&1
 echo "ab exit $?"; grep -v "^|" "$OUT/ab_bwd.log" | tail -5; cat "$OUT/ab_hstu_bwd.md"

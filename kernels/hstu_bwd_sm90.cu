@@ -1,8 +1,8 @@
 /* HSTU attention backward on Hopper (sm_90a): warp-specialized, TMA loads, warpgroup MMA (wgmma).
  *
  * Same semantics as hstu_bwd_mma (hstu_bwd.cu), FlashAttention-2's backward order: one block per (key
- * tile of kBN = 128 keys, sequence, head), blocks of the lowest key tiles first (they see the most query
- * tiles). Per block:
+ * tile of kBN = 128 keys, sequence, head); (sequence, head) pairs in sections whose Q and dO fit in L2,
+ * within a section the lowest key tiles (they see the most query tiles) first. Per block:
  *   - warpgroup 0 produces: its first thread loads the K and V tiles once (TMA, on kv_full), then the
  *     query tiles tf_hstu_row_range() allows (kBQ = 64 rows of Q and dO each) through a ring of ST
  *     stages (full / empty mbarriers); the warpgroup hands most of its registers to the consumers;
@@ -74,7 +74,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
-                const tf_hstu_params p) {
+                const tf_hstu_params p, int k_tiles, int section) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
     constexpr int ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
@@ -83,10 +83,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
     __shared__ __align__(8) uint64_t kv_full, full_bar[ST], empty_bar[ST];
 
-    const int64_t BH = p.B * p.H;
-    const int kt = (int)(blockIdx.x / BH);
-    const int64_t b = (blockIdx.x % BH) / p.H;
-    const int h = (int)(blockIdx.x % p.H);
+    // block -> (key tile, sequence, head): (sequence, head) pairs in sections whose Q and dO fit in L2
+    // together, within a section the lowest key tiles (the most query tiles) first, pairs side by side
+    const int64_t BH = p.B * p.H, per = (int64_t)k_tiles * section, sec = blockIdx.x / per, r = blockIdx.x % per;
+    const int64_t in_sec = min((int64_t)section, BH - sec * section);
+    const int kt = (int)(r / in_sec);
+    const int64_t bh = sec * section + r % in_sec, b = bh / p.H;
+    const int h = (int)(bh % p.H);
     const HstuSeq s = hstu_seq(p, b);
     const int k0 = kt * kBN;
     if (k0 >= s.n) return;  // the whole block: no barrier is used yet
@@ -282,7 +285,11 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     constexpr int smem = BwdSm90Cfg<D>::SMEM;
     cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    hstu_bwd_ws<T, D><<<(unsigned)blocks, kThreads, smem, stream>>>(tq, tk, tv, tdo, p);
+    // TORCHFUSE_HSTU_BWD_SECTION=0: one section of every pair (the A/B of the L2 sections)
+    const char *env = getenv("TORCHFUSE_HSTU_BWD_SECTION");
+    const int section = env && env[0] == '0' ? (int)(p.B * p.H)
+                                            : l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, (int)k_tiles);
+    hstu_bwd_ws<T, D><<<(unsigned)blocks, kThreads, smem, stream>>>(tq, tk, tv, tdo, p, (int)k_tiles, section);
     return cudaGetLastError();
 }
 

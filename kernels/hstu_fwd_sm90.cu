@@ -374,18 +374,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 }
 
 #if defined(TF_BUILT_SM90A)  // the host side of the sm_90a kernel
-/* (sequence, head) pairs per scheduling section: as many as have their K and V (at max_seq_len) in half
- * the L2 cache, and enough to fill the GPU. */
-int section_size(const tf_hstu_params &p, int q_tiles) {
-    const int l2 = device_sizes().l2, sms = device_sizes().sms;
-    const int64_t pair_bytes = p.max_seq_len * (p.dqk + p.dv) * 2;
-    int64_t sec = pair_bytes > 0 ? (int64_t)l2 / 2 / pair_bytes : 1;
-    const int64_t fill = (sms + q_tiles - 1) / q_tiles;
-    if (sec < fill) sec = fill;
-    const int64_t bh = p.B * p.H;
-    if (sec > bh) sec = bh;
-    return (int)(sec > 0 ? sec : 1);
-}
 
 
 /* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
@@ -408,7 +396,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
     if (err != cudaSuccess) return err;
     hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(tq, tk, tv, p, g.q_tiles,
-                                                                    section_size(p, g.q_tiles), (int)g.blocks);
+                                                                    l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles), (int)g.blocks);
     return cudaGetLastError();
 }
 

@@ -70,6 +70,18 @@ static inline DeviceSizes device_sizes() {
     return cached[dev];
 }
 
+/* Scheduling sections: how many of `units` work units (e.g. (sequence, head) pairs) of `unit_bytes` each
+ * (what their blocks read repeatedly) fit in half the L2 cache together, but at least enough to fill
+ * the GPU with `blocks_per_unit` blocks each. Blocks ordered section by section keep their reads in L2. */
+static inline int l2_section(int64_t unit_bytes, int64_t units, int blocks_per_unit) {
+    const int l2 = device_sizes().l2, sms = device_sizes().sms;
+    int64_t sec = unit_bytes > 0 ? (int64_t)l2 / 2 / unit_bytes : 1;
+    const int64_t fill = (sms + blocks_per_unit - 1) / blocks_per_unit;
+    if (sec < fill) sec = fill;
+    if (sec > units) sec = units;
+    return (int)(sec > 0 ? sec : 1);
+}
+
 /* The driver's tensor-map encoder, fetched once through the runtime (no link against libcuda). */
 static inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
