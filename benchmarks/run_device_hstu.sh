@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One device call for HSTU attention: build, GPU tests, compute-sanitizer (memcheck + racecheck) on a few
 # small HSTU tests, benchmark. Logs go to $OUT (fetched back); the table is printed last.
-#   PEERS=<dir with generative_recommenders> SANITIZE=0|1 BENCH=none|quick|full TESTS=0|1 \
+#   BUILD=0|1 PEERS=<dir with generative_recommenders> SANITIZE=0|1 BENCH=none|quick|full TESTS=0|1 \
 #     bash benchmarks/run_device_hstu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-( time python3 -m pip install --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-tail -3 "$OUT/build.log"
+if [ "${BUILD:-1}" = 1 ]; then
+  ( time python3 -m pip install --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  tail -3 "$OUT/build.log"
+fi
 if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider -k "cuda or kernel_choice" > "$OUT/pytest.log" 2>&1
   echo "pytest exit $?"; grep -E "passed|failed|Error|error" "$OUT/pytest.log" | tail -25

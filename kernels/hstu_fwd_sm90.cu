@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "hstu_mma.cuh"
+#include "tf_sm90.cuh"
 #include "tf_wgmma.cuh"
 
 namespace {
@@ -60,34 +61,12 @@ __device__ __forceinline__ __attribute__((unused)) float silu_hx(float x, float 
     const float hx = x * c_h;
     return fmaf(hx, tanh_approx(x * c_t), hx);
 }
-/* accumulator element i (= 4 j + 2 h + e) -> its bit */
-__device__ __forceinline__ __attribute__((unused)) bool pair_bit(const uint32_t (&bits)[2], int i) {
-    return (bits[(i >> 1) & 1] >> (2 * (i >> 2) + (i & 1))) & 1u;
-}
 /* out of line: called from an unrolled loop, so the dtype switch is not copied per element */
 __device__ __noinline__ __attribute__((unused)) float bias_at(const tf_hstu_params &p, int64_t b, int h, int pos, int key) {
     return tf_bias_load(p.bias, p.bias_dtype, b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* ---- mbarriers and the tensor-memory-access (TMA) copy engine, for the warp-specialized kernel ---- */
-__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, int parity) {
-    asm volatile(
-        "{\n.reg .pred P1;\nLAB_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(smem_u32(bar)),
-        "r"(parity)
-        : "memory");
-}
 /* Zero rows [r0, BN) of a V tile (all panels) in shared memory, by one warpgroup, and make the zeros
  * visible to its wgmmas: TMA filled them from the next sequence, where P is 0 but 0 x inf is not. */
 template <int D, int BN>
@@ -100,43 +79,10 @@ __device__ __forceinline__ void zero_tail_rows(uint8_t *tile, int r0, int cw) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(3 + cw) : "memory");  // this warpgroup only (ids 1-2: free)
 }
-/* named barrier `id` over `n` threads (a multiple of 32): wait for it / arrive without waiting */
-__device__ __forceinline__ void named_bar_sync_n(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void named_bar_arrive_n(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-/* named barrier `id` over the two consumer warpgroups (256 threads): wait for it / arrive without waiting */
-__device__ __forceinline__ void named_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void named_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
-/* box {64 columns, 1 head, rows} of a (rows, H, d) tensor at (c0, c1, c2) -> smem (128-byte swizzled rows) */
-__device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *map, int c0, int c1, int c2, uint64_t *bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
-            smem_u32(dst)),
-        "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
-        : "memory");
-}
 #endif
 
 /* ---- a consumer warpgroup's share of a key tile (64 query rows) ---- */
 
-/* S = Q K^T for one key tile, issued (not waited for). All D / 16 steps even when Dqk < D (the padding
- * is zeros): a branch between two wgmmas makes the compiler wait for the first. */
-template <typename T, int D, int BM_ROWS, int BN>
-__device__ __forceinline__ void gemm_s(float (&sacc)[BN / 2], uint32_t q_addr, uint32_t k_addr) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        // 16 head dims: panel kk / 4 (64 dims each), 32 bytes into its rows per step
-        const uint32_t koff = (kk % 4) * 32;
-        wgmma_ss<T, BN>(sacc, tf_wgmma_desc(q_addr + (kk / 4) * BM_ROWS * 128 + koff, 0),
-                        tf_wgmma_desc(k_addr + (kk / 4) * BN * 128 + koff, 0), kk > 0);
-    }
-}
-/* O += P V for one key tile, P from registers, issued (not waited for) */
-template <typename T, int D, int BN>
-__device__ __forceinline__ void gemm_pv(float (&o)[D / 2], const uint32_t (&pa)[BN / 16][4], uint32_t v_addr) {
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)  // 16 keys (two 8-row groups) per step; LBO: panel stride
-        wgmma_rs<T, D>(o, pa[kk], tf_wgmma_desc(v_addr + kk * 16 * 128, BN * 128), 1);
-}
 /* P = SiLU(alpha (S + bias)) / S_norm, masked, from sacc into pa (16-bit A fragments). Interior tiles
  * skip the mask; boundary tiles get it as bits from a rolled loop (the mask and bias code unrolled over
  * every element made the kernel too big for the instruction cache: half its stalls were fetches).
@@ -352,13 +298,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                         if (kt * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt * BN, cw);
                         if (reach.tile<BN>(kt)) {
                             tf_wgmma_fence();
-                            gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + st * KV_BYTES));
+                            tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + st * KV_BYTES));
                             tf_wgmma_commit();
                             tf_wgmma_wait<0>();
                             tf_wgmma_reg_fence(sacc);
                             elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt * BN, c_h, c_t);
                             tf_wgmma_fence();
-                            gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                            tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
                             tf_wgmma_commit();
                             tf_wgmma_wait<0>();
                             tf_wgmma_reg_fence(o);
@@ -381,7 +327,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     mbar_wait(&full_bar[g % ST], (g / ST) & 1);
                     named_bar_sync(mine);
                     tf_wgmma_fence();
-                    gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + (g % ST) * KV_BYTES));
+                    tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + (g % ST) * KV_BYTES));
                     tf_wgmma_commit();
                     named_bar_arrive(other);
                     tf_wgmma_wait<0>();
@@ -392,8 +338,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                         mbar_wait(&full_bar[nst], ((gi + 1) / ST) & 1);
                         named_bar_sync(mine);
                         tf_wgmma_fence();
-                        gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
-                        gemm_s<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + nst * KV_BYTES));
+                        tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                        tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + nst * KV_BYTES));
                         tf_wgmma_commit();
                         named_bar_arrive(other);
                         tf_wgmma_wait<0>();
@@ -410,7 +356,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                         if (kt_hi * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt_hi * BN, cw);
                         named_bar_sync(mine);
                         tf_wgmma_fence();
-                        gemm_pv<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                        tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
                         tf_wgmma_commit();
                         if (cw == 0) named_bar_arrive(other);  // every sync gets exactly one arrival
                         tf_wgmma_wait<0>();
@@ -428,71 +374,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 }
 
 #if defined(TF_BUILT_SM90A)  // the host side of the sm_90a kernel
-/* (sequence, head) pairs per scheduling section: as many as have their K and V (at max_seq_len) in half
- * the L2 cache, and enough to fill the GPU. */
-/* The current device's L2 size and SM count, queried once per device (benign race: every writer
- * stores the same values). */
-struct DeviceSizes {
-    int l2, sms;
-};
-DeviceSizes device_sizes() {
-    static DeviceSizes cached[64];
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev < 0 || dev >= 64) dev = 0;
-    if (cached[dev].sms == 0) {
-        DeviceSizes d{0, 0};
-        cudaDeviceGetAttribute(&d.l2, cudaDevAttrL2CacheSize, dev);
-        cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
-        if (d.sms <= 0) d.sms = 1;
-        cached[dev] = d;
-    }
-    return cached[dev];
-}
 
-int section_size(const tf_hstu_params &p, int q_tiles) {
-    const int l2 = device_sizes().l2, sms = device_sizes().sms;
-    const int64_t pair_bytes = p.max_seq_len * (p.dqk + p.dv) * 2;
-    int64_t sec = pair_bytes > 0 ? (int64_t)l2 / 2 / pair_bytes : 1;
-    const int64_t fill = (sms + q_tiles - 1) / q_tiles;
-    if (sec < fill) sec = fill;
-    const int64_t bh = p.B * p.H;
-    if (sec > bh) sec = bh;
-    return (int)(sec > 0 ? sec : 1);
-}
-
-/* The driver's tensor-map encoder, fetched once through the runtime (no link against libcuda). */
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-    static bool tried = false;
-    if (!tried) {
-        void *f = nullptr;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-            q == cudaDriverEntryPointSuccess)
-            fn = (PFN_cuTensorMapEncodeTiled_v12000)f;
-        tried = true;
-    }
-    return fn;
-}
-
-/* TMA map of a (rows, H, d) 16-bit tensor read in boxes of {64 columns, 1 head, box_rows rows} into
- * 128-byte-swizzled shared memory. False when the copy engine cannot address it (strides or base not
- * 16-byte aligned, no rows). */
-bool tensor_map(CUtensorMap *m, int dtype, const void *base, int64_t rows, int64_t H, int64_t d, int64_t sr,
-                int64_t sh, int box_rows) {
-    PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
-    if (!enc || rows <= 0 || ((uintptr_t)base & 15) != 0) return false;
-    const int64_t sr_b = sr * 2, sh_b = H > 1 ? sh * 2 : sr_b;  // one head: its stride is never stepped
-    if (sr_b % 16 != 0 || sh_b % 16 != 0 || sr_b <= 0 || sh_b <= 0) return false;
-    const cuuint64_t dims[3] = {(cuuint64_t)d, (cuuint64_t)H, (cuuint64_t)rows};
-    const cuuint64_t strides[2] = {(cuuint64_t)sh_b, (cuuint64_t)sr_b};
-    const cuuint32_t box[3] = {64, 1, (cuuint32_t)box_rows}, elem[3] = {1, 1, 1};
-    return enc(m, dtype == TF_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
-               const_cast<void *>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
 
 /* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
 template <typename T, int D, bool PP>
@@ -514,7 +396,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
     if (err != cudaSuccess) return err;
     hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(tq, tk, tv, p, g.q_tiles,
-                                                                    section_size(p, g.q_tiles), (int)g.blocks);
+                                                                    l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles), (int)g.blocks);
     return cudaGetLastError();
 }
 
@@ -531,20 +413,6 @@ int dispatch(const tf_hstu_params &p, cudaStream_t stream, bool pp) {
     });
 }
 
-/* The current device is compute capability 9.0 exactly (sm_90a code runs nowhere else). */
-bool device_is_sm90() {
-    static int cached[64];  // 0 unknown, 1 yes, 2 no (benign race: every writer stores the same value)
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    if (dev < 0 || dev >= 64) return false;
-    if (!cached[dev]) {
-        int major = 0, minor = 0;
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-        cached[dev] = major == 9 && minor == 0 ? 1 : 2;
-    }
-    return cached[dev] == 1;
-}
 #endif
 
 }  // namespace

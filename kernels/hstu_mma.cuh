@@ -195,6 +195,11 @@ __device__ __forceinline__ uint32_t hstu_col_bits(const tf_hstu_mask &m, int key
     tf_hstu_col_spans(&m, key, lo, hi);
     return hstu_span_bits<J>(lo, hi, row0);
 }
+/* An mma.sync / wgmma accumulator's element i (= 4 j + 2 h + e) -> its bit in the two masks above (h: the
+ * thread's row, or key, + 8 h) */
+__device__ __forceinline__ bool pair_bit(const uint32_t (&bits)[2], int i) {
+    return (bits[(i >> 1) & 1] >> (2 * (i >> 2) + (i & 1))) & 1u;
+}
 
 __device__ __forceinline__ float silu_scaled(float z, float scale) {
     const float hz = 0.5f * z * scale;

@@ -3,6 +3,7 @@
  *
  * wgmma_ss<T, N>(d, desc_a, desc_b, accumulate): D(64 x N, fp32) (+)= A(64 x 16) B(16 x N), A and B
  *   K-major in shared memory (descriptors: tf_wgmma_desc_*).
+ * wgmma_ss_tb<T, N>(d, desc_a, desc_b, accumulate): the same with B MN-major ("transposed").
  * wgmma_rs<T, N>(d, a, desc_b, accumulate): D (+)= A B with A from registers (the mma.sync m16n8k16 A fragment of
  *   the warp's 16 rows) and B MN-major ("transposed") in shared memory.
  * Accumulator layout (per warp w of the warpgroup, lane = 4 g + t): d[4 j + e] is row 16 w + g + 8 (e / 2),
@@ -41,8 +42,36 @@ __device__ __forceinline__ uint64_t tf_wgmma_desc(uint32_t smem_addr, uint32_t l
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
 template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_tb(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
+template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int accumulate);
 
 #include "tf_wgmma_ops.cuh"
+
+/* Tile GEMMs on 128-byte-swizzled shared memory (rows of 64 16-bit elements; a tile wider than 64 is
+ * stored as panels of 64 columns, one after another). Issued, not waited for.
+ *
+ * tf_gemm_ss<T, K, A_ROWS, N>: acc (64 x N) = A B^T over K (a multiple of 16), A's 64 rows and B's N
+ *   rows both K-major; A's panels hold A_ROWS rows (A may be rows 64 r.. of a taller tile: pass its
+ *   address), B's N. All K / 16 steps even where the tail of K is zero padding: a branch between two
+ *   wgmmas makes the compiler wait for the first. */
+template <typename T, int K, int A_ROWS, int N>
+__device__ __forceinline__ void tf_gemm_ss(float (&acc)[N / 2], uint32_t a_addr, uint32_t b_addr) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        // 16 columns: panel kk / 4, 32 bytes into its rows per step
+        const uint32_t koff = (kk % 4) * 32;
+        wgmma_ss<T, N>(acc, tf_wgmma_desc(a_addr + (kk / 4) * A_ROWS * 128 + koff, 0),
+                       tf_wgmma_desc(b_addr + (kk / 4) * N * 128 + koff, 0), kk > 0);
+    }
+}
+/* tf_gemm_rs<T, N, K>: acc (64 x N) += A B, A from registers (K / 16 mma.sync A fragments), B's K rows
+ *   of N columns MN-major (panels of 64 columns, K rows each). */
+template <typename T, int N, int K>
+__device__ __forceinline__ void tf_gemm_rs(float (&acc)[N / 2], const uint32_t (&a)[K / 16][4], uint32_t b_addr) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)  // 16 rows of B (two 8-row groups) per step; LBO: panel stride
+        wgmma_rs<T, N>(acc, a[kk], tf_wgmma_desc(b_addr + kk * 16 * 128, K * 128), 1);
+}
 
 #endif /* TF_WGMMA_CUH */

@@ -132,7 +132,17 @@ CASES = {
 # or builds the mma.sync one runs), "cuda-mma" the mma.sync kernel (=0), so a Hopper GPU checks both
 # on every case (by default the head-dim-64 and windowed ones would take mma.sync only).
 FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmaplain", "cuda-mma"] if torch.cuda.is_available() else [])
-SM90_ENV = {"cuda-wgmma": "1", "cuda-wgmmaplain": "2", "cuda-mma": "0"}  # wgmmaplain: no ping-pong (A/B)
+SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1"}, "cuda-wgmmaplain": {"TORCHFUSE_HSTU_SM90": "2"},
+            "cuda-mma": {"TORCHFUSE_HSTU_SM90": "0"}}  # wgmmaplain: no ping-pong (A/B)
+# Backward targets: "cuda-wgmma" lets the sm_90a wgmma backward run where it applies (bf16 / fp16, head
+# dims up to 128, no attn_bias: the other cases still take mma.sync), "cuda-mma" forces mma.sync.
+BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-mma"] if torch.cuda.is_available() else [])
+SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1"}, "cuda-mma": {"TORCHFUSE_HSTU_SM90_BWD": "0"}}
+
+
+def set_kernel_env(monkeypatch, target, table):
+    for k, v in table.get(target, {}).items():
+        monkeypatch.setenv(k, v)
 
 
 def run_case(device, dtype, case, grad):
@@ -179,8 +189,7 @@ def check(name, got, ref, lp, factor, dtype):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_forward(target, dtype, case, monkeypatch):
-    if target in SM90_ENV:
-        monkeypatch.setenv("TORCHFUSE_HSTU_SM90", SM90_ENV[target])
+    set_kernel_env(monkeypatch, target, SM90_ENV)
     run_case(target.split("-")[0], dtype, case, grad=False)
 
 
@@ -206,10 +215,34 @@ def test_forward_kernel_choice(env, d, n, want, monkeypatch):
     assert any(want in n for n in names), f"expected a {want} kernel (torchfuse built for 9.0a?), ran {names}"
 
 
+@pytest.mark.parametrize("target", BWD_TARGETS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_backward(device, dtype, case):
-    run_case(device, dtype, case, grad=True)
+def test_backward(target, dtype, case, monkeypatch):
+    set_kernel_env(monkeypatch, target, SM90_BWD_ENV)
+    run_case(target.split("-")[0], dtype, case, grad=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma backward runs on compute capability 9.0 only")
+@pytest.mark.parametrize("env, d, bias, want", [
+    (None, 128, False, "hstu_bwd_ws"), (None, 64, False, "hstu_bwd_ws"), (None, 96, False, "hstu_bwd_ws"),
+    ("0", 128, False, "hstu_bwd_mma"), (None, 256, False, "hstu_bwd_mma"), (None, 64, True, "hstu_bwd_mma")])
+def test_backward_kernel_choice(env, d, bias, want, monkeypatch):
+    """On a Hopper GPU the backward really runs the wgmma kernel where it applies (16-bit, head dims up
+    to 128, no attn_bias) and TORCHFUSE_HSTU_SM90_BWD=0 really forces mma.sync."""
+    if env is not None:
+        monkeypatch.setenv("TORCHFUSE_HSTU_SM90_BWD", env)
+    else:
+        monkeypatch.delenv("TORCHFUSE_HSTU_SM90_BWD", raising=False)
+    q, k, v, offsets, msl, _, b = make_inputs("cuda", torch.bfloat16, 2, 1, d, d, 90, bias_heads=1 if bias else 0)
+    q.requires_grad_(True)
+    out = torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2, attn_bias=b)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out.sum().backward()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any(want in n for n in names), f"expected a {want} kernel (torchfuse built for 9.0a?), ran {names}"
 
 
 def test_float64_cpu_matches_reference_tightly():
@@ -286,8 +319,7 @@ def test_cached_equals_full_rows(device, dtype, D):
 def test_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
     """inf / nan in one sequence's rows must not reach another sequence's output (a kernel that reads
     whole tiles past a sequence's end multiplies those rows by P = 0, and 0 x inf is nan)."""
-    if target in SM90_ENV:
-        monkeypatch.setenv("TORCHFUSE_HSTU_SM90", SM90_ENV[target])
+    set_kernel_env(monkeypatch, target, SM90_ENV)
     device = target.split("-")[0]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for d in (64, 128, 256):
@@ -300,6 +332,28 @@ def test_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
         for b in (0, 2):  # the neighbours of the bad sequence stay finite
             s, e = int(offsets[b]), int(offsets[b + 1])
             assert torch.isfinite(out[s:e]).all(), (d, b)
+
+
+@pytest.mark.parametrize("target", BWD_TARGETS)
+def test_backward_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
+    """The backward reads whole tiles of K, V, Q and dO past a sequence's end too: inf / nan in one
+    sequence (inputs and output gradient) must not reach another sequence's gradients."""
+    set_kernel_env(monkeypatch, target, SM90_BWD_ENV)
+    device = target.split("-")[0]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for d in (64, 128):
+        offsets = torch.tensor([0, 300, 305, 565], device=device)
+        q, k, v, dout = (torch.randn(565, 2, d, device=device, dtype=dtype) for _ in range(4))
+        for t in (q, k, v, dout):
+            t[300:303] = float("inf")  # sequence 1, rows 300-304: all bad
+            t[303:305] = float("nan")
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+        out = torchfuse.hstu_attention(q, k, v, offsets, 300, 0.1)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        for b in (0, 2):  # the neighbours of the bad sequence stay finite
+            s, e = int(offsets[b]), int(offsets[b + 1])
+            for name, gr_ in (("dq", dq), ("dk", dk), ("dv", dv)):
+                assert torch.isfinite(gr_[s:e]).all(), (d, b, name)
 
 
 def test_validate_false_same_result(device):

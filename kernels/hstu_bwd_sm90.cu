@@ -1,0 +1,322 @@
+/* HSTU attention backward on Hopper (sm_90a): warp-specialized, TMA loads, warpgroup MMA (wgmma).
+ *
+ * Same semantics as hstu_bwd_mma (hstu_bwd.cu), FlashAttention-2's backward order: one block per (key
+ * tile of kBN = 128 keys, sequence, head); (sequence, head) pairs in sections whose Q and dO fit in L2,
+ * within a section the lowest key tiles (they see the most query tiles) first. Per block:
+ *   - warpgroup 0 produces: its first thread loads the K and V tiles once (TMA, on kv_full), then the
+ *     query tiles tf_hstu_row_range() allows (kBQ = 64 rows of Q and dO each) through a ring of ST
+ *     stages (full / empty mbarriers); the warpgroup hands most of its registers to the consumers;
+ *   - warpgroups 1 and 2 own 64 keys each and, per query tile, compute with keys as accumulator rows:
+ *       S^T = K Q^T, dP^T = V dO^T              wgmma, both operands in shared memory
+ *       P^T = SiLU(alpha S^T) / S_norm, dZ^T = dP^T alpha / S_norm . s (1 + z (1 - s)), masked
+ *       dV += P^T dO, dK += dZ^T Q              wgmma, P^T / dZ^T from registers, dO / Q transposed
+ *       dQ  = dZ K                              wgmma from shared memory: dZ^T is stored transposed
+ *                                               (stmatrix) into a 128-byte-swizzled tile, double-buffered
+ *     and add dQ into the fp32 buffer p.dq_acc (vector red.global.add; the caller casts it). At head
+ *     dim 128 the two warpgroups split dQ's columns (each reads both halves of dZ: one named barrier
+ *     per tile); at 64 they split its keys (each adds its own partial: no barrier between them).
+ *     dK and dV stay in registers (2 x 64 per thread at 128) and are written once at the end.
+ *   - the mask comes as bits from the keys' spans (tf_hstu_col_spans via hstu_col_bits), tiles inside
+ *     it skip it;
+ *   - TMA reads whole tiles: rows past the sequence's end come from the next sequence (past the
+ *     tensor's end they are zeros), so the tail rows of K (first tile) and of Q and dO (the last query
+ *     tile) are zeroed in shared memory before use: masked elements are 0, but 0 x inf is not.
+ * Head dims up to 128, bf16 / fp16, no attn_bias: otherwise (and off compute capability 9.0, or where
+ * the copy engine cannot address the tensors) the entry point declines and hstu_bwd.cu's mma.sync
+ * kernel runs. TORCHFUSE_HSTU_SM90_BWD=0 forces that (A/B runs, tests). */
+#include <cuda_runtime.h>
+#include <stdlib.h>
+
+#include "hstu_mma.cuh"
+#include "tf_sm90.cuh"
+#include "tf_wgmma.cuh"
+
+namespace {
+
+constexpr int kBN = 128;  // keys per block: two consumer warpgroups of 64
+constexpr int kBQ = 64;   // query rows per step
+constexpr int kThreads = 384;
+
+template <int D>
+struct BwdSm90Cfg {
+    static constexpr int ST = D <= 64 ? 4 : 3;  // Q / dO ring stages
+    static constexpr int KV_BYTES = kBN * D * 2, QO_BYTES = kBQ * D * 2, Z_BYTES = kBQ * kBN * 2;
+    // dQ's columns split between the consumers (else its keys: two partial sums added)
+    static constexpr bool DQ_SPLIT_N = D >= 128;
+    // K, V, the Q and dO rings, dZ twice; +1024: tiles start on the swizzle pattern's 1024-byte period
+    static constexpr int SMEM = 2 * KV_BYTES + 2 * ST * QO_BYTES + 2 * Z_BYTES + 1024;
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* Zero rows [r0, ROWS) of a tile (all D / 64 panels) in shared memory, by one warpgroup; the caller
+ * fences (fence_proxy_async) and synchronizes before the wgmmas read it. */
+template <int D, int ROWS>
+__device__ __forceinline__ void zero_rows(uint8_t *tile, int r0) {
+    const int chunks = (ROWS - r0) * 8;  // 16-byte chunks per panel
+    for (int i = threadIdx.x % 128; i < chunks * (D / 64); i += 128) {
+        const int c = i / chunks, x = i % chunks;
+        *(uint4 *)(tile + c * ROWS * 128 + (r0 + x / 8) * 128 + (x % 8) * 16) = make_uint4(0, 0, 0, 0);
+    }
+}
+/* four 8 x 8 16-bit matrices (mma.sync fragment layout) stored transposed: lane 8 m + i gives the
+ * address of row i of matrix m as stored */
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+__device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+#endif
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1)
+    hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
+                const tf_hstu_params p, int k_tiles, int section) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = BwdSm90Cfg<D>;
+    constexpr int ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
+    __shared__ __align__(8) uint64_t kv_full, full_bar[ST], empty_bar[ST];
+
+    // block -> (key tile, sequence, head): (sequence, head) pairs in sections whose Q and dO fit in L2
+    // together, within a section the lowest key tiles (the most query tiles) first, pairs side by side
+    const int64_t BH = p.B * p.H, per = (int64_t)k_tiles * section, sec = blockIdx.x / per, r = blockIdx.x % per;
+    const int64_t in_sec = min((int64_t)section, BH - sec * section);
+    const int kt = (int)(r / in_sec);
+    const int64_t bh = sec * section + r % in_sec, b = bh / p.H;
+    const int h = (int)(bh % p.H);
+    const HstuSeq s = hstu_seq(p, b);
+    const int k0 = kt * kBN;
+    if (k0 >= s.n) return;  // the whole block: no barrier is used yet
+
+    // the query tiles that can see these keys: context rows first, then the causal (or windowed) range
+    int ctx_end, lo, hi;
+    tf_hstu_row_range(&s.mask, k0, min(k0 + kBN, s.n), &ctx_end, &lo, &hi);
+    const int lo_t = lo / kBQ, hi_t = hi / kBQ;
+    const int nctx = min((ctx_end + kBQ - 1) / kBQ, lo_t);
+    const int total = nctx + max(0, hi_t - lo_t + 1);
+    auto q_tile = [&](int it) { return it < nctx ? it : lo_t + it - nctx; };
+
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        mbar_init(&kv_full, 1);
+        for (int i = 0; i < ST; ++i) {
+            mbar_init(&full_bar[i], 1);
+            mbar_init(&empty_bar[i], 8);  // the 8 consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // producer
+        // 24 + 2 x 240 = 3 x 168, the registers the block launched with (an increase that no decrease
+        // pays for waits forever)
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == 0) {
+            mbar_expect_tx(&kv_full, 2 * KV_BYTES);
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c) {
+                tma_load(Ks + c * kBN * 128, &tm_k, 64 * c, h, (int)(s.start + k0), &kv_full);
+                tma_load(Vs + c * kBN * 128, &tm_v, 64 * c, h, (int)(s.start + k0), &kv_full);
+            }
+            for (int it = 0; it < total; ++it) {
+                const int st = it % ST;
+                if (it >= ST) mbar_wait(&empty_bar[st], (it / ST - 1) & 1);
+                mbar_expect_tx(&full_bar[st], 2 * QO_BYTES);
+                const int row = (int)(s.start + q_tile(it) * kBQ);
+#pragma unroll
+                for (int c = 0; c < D / 64; ++c) {
+                    tma_load(Qs + st * QO_BYTES + c * kBQ * 128, &tm_q, 64 * c, h, row, &full_bar[st]);
+                    tma_load(Os + st * QO_BYTES + c * kBQ * 128, &tm_do, 64 * c, h, row, &full_bar[st]);
+                }
+            }
+        }
+    } else {  // consumers: warpgroups 1, 2 own keys k0 + 0-63, k0 + 64-127
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+        const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+        const int kw0 = k0 + 64 * cw;             // this warpgroup's first key
+        const int key_a = kw0 + 16 * warp + g;    // this thread's keys: key_a, key_a + 8
+        const float alpha = (float)p.alpha, inv_scale = (float)p.inv_scale, c_dz = alpha * inv_scale;
+        const uint32_t k_addr = smem_u32(Ks), v_addr = smem_u32(Vs);
+        float dk[D / 2], dv[D / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+        mbar_wait(&kv_full, 0);
+
+        for (int it = 0; it < total; ++it) {
+            const int st = it % ST, q0 = q_tile(it) * kBQ;
+            uint8_t *Qt = Qs + st * QO_BYTES, *Ot = Os + st * QO_BYTES, *Zt = Zs + (it & 1) * C::Z_BYTES;
+            mbar_wait(&full_bar[st], (it / ST) & 1);
+            // tail rows (the same decision in every thread of both consumers)
+            const bool k_tail = it == 0 && k0 + kBN > s.n, q_tail = q0 + kBQ > s.n;
+            if (k_tail || q_tail) {
+                if (k_tail && cw == 0) zero_rows<D, kBN>(Ks, s.n - k0);
+                if (q_tail) zero_rows<D, kBQ>(cw == 0 ? Qt : Ot, s.n - q0);
+                fence_proxy_async();
+                named_bar_sync(1);
+            }
+
+            float sacc[kBQ / 2], dpacc[kBQ / 2];
+            tf_wgmma_fence();
+            tf_gemm_ss<T, D, kBN, kBQ>(sacc, k_addr + cw * 64 * 128, smem_u32(Qt));
+            tf_gemm_ss<T, D, kBN, kBQ>(dpacc, v_addr + cw * 64 * 128, smem_u32(Ot));
+            tf_wgmma_commit();
+            tf_wgmma_wait<0>();
+            tf_wgmma_reg_fence(sacc);
+            tf_wgmma_reg_fence(dpacc);
+
+            // accumulator element i = 4 j + 2 hh + e: key key_a + 8 hh, query q0 + 8 j + 2 t4 + e
+            if (tf_hstu_tile_full(&s.mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
+#pragma unroll
+                for (int i = 0; i < kBQ / 2; ++i) {
+                    const float z = alpha * sacc[i], sg = sigmoid_fast(z);
+                    sacc[i] = z * sg * inv_scale;
+                    dpacc[i] *= c_dz * sg * fmaf(z, 1.f - sg, 1.f);
+                }
+            } else {
+                const uint32_t bits[2] = {hstu_col_bits<kBQ / 8>(s.mask, key_a, q0 + 2 * t4),
+                                          hstu_col_bits<kBQ / 8>(s.mask, key_a + 8, q0 + 2 * t4)};
+#pragma unroll
+                for (int i = 0; i < kBQ / 2; ++i) {
+                    const float z = alpha * sacc[i], sg = sigmoid_fast(z);
+                    const bool in = pair_bit(bits, i);
+                    sacc[i] = in ? z * sg * inv_scale : 0.f;
+                    dpacc[i] = in ? dpacc[i] * c_dz * sg * fmaf(z, 1.f - sg, 1.f) : 0.f;
+                }
+            }
+            uint32_t pp[kBQ / 16][4], pz[kBQ / 16][4];  // P^T, dZ^T as A fragments (keys x 16 queries)
+#pragma unroll
+            for (int kk = 0; kk < kBQ / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    pp[kk][r] = pack2<T>(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
+                    pz[kk][r] = pack2<T>(dpacc[8 * kk + 2 * r], dpacc[8 * kk + 2 * r + 1]);
+                }
+            // dZ^T -> Zt as dZ (query rows, keys along the row; this warpgroup's 64 keys = panel cw):
+            // fragment r of step kk is the 8 x 8 block (keys 16 warp + 8 (r & 1), queries 16 kk + 8 (r >> 1))
+            {
+                const int m = lane / 8, i = lane % 8;
+                const int kb = 16 * warp + 8 * (m & 1);  // key within the panel
+#pragma unroll
+                for (int kk = 0; kk < kBQ / 16; ++kk) {
+                    const int row = 16 * kk + 8 * (m >> 1) + i;
+                    stmatrix_x4_trans(smem_u32(Zt) + cw * kBQ * 128 + row * 128 + (((kb / 8) ^ (row % 8)) * 16), pz[kk]);
+                }
+            }
+            fence_proxy_async();
+            tf_wgmma_fence();
+            tf_gemm_rs<T, D, kBQ>(dv, pp, smem_u32(Ot));
+            tf_gemm_rs<T, D, kBQ>(dk, pz, smem_u32(Qt));
+            tf_wgmma_commit();
+            // dQ = dZ K: every warp's dZ must be in Zt first (both warpgroups' when they split the columns)
+            if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
+            float dq[32];
+            const uint32_t z_addr = smem_u32(Zt);
+            if constexpr (C::DQ_SPLIT_N) {  // columns 64 cw.., all 128 keys
+#pragma unroll
+                for (int kk = 0; kk < kBN / 16; ++kk)
+                    wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + (kk / 4) * kBQ * 128 + (kk % 4) * 32, 0),
+                                       tf_wgmma_desc(k_addr + cw * kBN * 128 + kk * 16 * 128, kBN * 128), kk > 0);
+            } else {  // all 64 columns, this warpgroup's 64 keys
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + cw * kBQ * 128 + kk * 32, 0),
+                                       tf_wgmma_desc(k_addr + (64 * cw + 16 * kk) * 128, kBN * 128), kk > 0);
+            }
+            tf_wgmma_commit();
+            tf_wgmma_wait<0>();
+            tf_wgmma_reg_fence(dq);
+            tf_wgmma_reg_fence(dk);
+            tf_wgmma_reg_fence(dv);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage's Q and dO
+
+            const int col0 = C::DQ_SPLIT_N ? 64 * cw : 0, dqk = (int)p.dqk;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int pos = q0 + 16 * warp + g + 8 * hh;
+                if (pos >= s.n) continue;
+                float *dst = p.dq_acc + ((s.start + pos) * p.H + h) * (int64_t)dqk;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int col = col0 + 8 * j + 2 * t4;
+                    if (col < dqk) red_add_v2(dst + col, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+                }
+            }
+        }
+
+        // dK, dV of this thread's keys
+        T *dkp = (T *)p.dk, *dvp = (T *)p.dvv;
+        const int dqk = (int)p.dqk, dvd = (int)p.dv;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int key = key_a + 8 * hh;
+            if (key >= s.n) continue;
+            const int64_t row = (s.start + key) * p.H + h;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                const int col = 8 * j + 2 * t4;
+                if (col < dqk) *(uint32_t *)(dkp + row * dqk + col) = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
+                if (col < dvd) *(uint32_t *)(dvp + row * dvd + col) = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+            }
+        }
+    }
+#endif
+}
+
+#if defined(TF_BUILT_SM90A)
+/* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
+template <typename T, int D>
+int launch(const tf_hstu_params &p, cudaStream_t stream) {
+    const int64_t k_tiles = (p.max_seq_len + kBN - 1) / kBN, blocks = k_tiles * p.B * p.H;
+    if (blocks == 0) return 0;
+    if (blocks > 0x7fffffff) return -1;
+    CUtensorMap tq, tk, tv, tdo;
+    if (!tensor_map(&tq, p.dtype, p.q, p.L, p.H, p.dqk, p.q_sr, p.q_sh, kBQ) ||
+        !tensor_map(&tk, p.dtype, p.k, p.L, p.H, p.dqk, p.k_sr, p.k_sh, kBN) ||
+        !tensor_map(&tv, p.dtype, p.v, p.L, p.H, p.dv, p.v_sr, p.v_sh, kBN) ||
+        !tensor_map(&tdo, p.dtype, p.dout, p.L, p.H, p.dv, p.do_sr, p.do_sh, kBQ))
+        return -1;
+    constexpr int smem = BwdSm90Cfg<D>::SMEM;
+    cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    // TORCHFUSE_HSTU_BWD_SECTION=0: one section of every pair (the A/B of the L2 sections)
+    const char *env = getenv("TORCHFUSE_HSTU_BWD_SECTION");
+    const int section = env && env[0] == '0' ? (int)(p.B * p.H)
+                                            : l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, (int)k_tiles);
+    hstu_bwd_ws<T, D><<<(unsigned)blocks, kThreads, smem, stream>>>(tq, tk, tv, tdo, p, (int)k_tiles, section);
+    return cudaGetLastError();
+}
+
+template <typename T>
+int dispatch(const tf_hstu_params &p, cudaStream_t stream) {
+    return hstu_with_head_dim(p, [&](auto D) {
+        constexpr int d = decltype(D)::value;
+        if constexpr (d <= 128) return launch<T, d>(p, stream);
+        return -1;  // head dim 256: dK and dV alone would need 256 registers per thread
+    });
+}
+#endif
+
+}  // namespace
+
+extern "C" int tf_hstu_bwd_sm90(const tf_hstu_params *p, void *stream) {
+#if defined(TF_BUILT_SM90A)
+    if (p->dtype != TF_BF16 && p->dtype != TF_F16) return -1;
+    const char *env = getenv("TORCHFUSE_HSTU_SM90_BWD");  // 0: never; unset or 1: where it applies
+    if (env && env[0] == '0') return -1;
+    if (p->bias || !p->dq_acc || p->delta > 0) return -1;
+    if ((p->dqk > p->dv ? p->dqk : p->dv) > 128 || !device_is_sm90()) return -1;
+    if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream);
+    return dispatch<__half>(*p, (cudaStream_t)stream);
+#else
+    (void)p;
+    (void)stream;
+    return -1;
+#endif
+}
