@@ -122,9 +122,9 @@ typedef struct {
                                   evicted_new to -1 and counts to 0 (the caller left them unwritten) */
 } tf_dynemb_foi_params;
 
-/* Step 1 lists the keys it missed for step 2: a count (8 bytes), then n keys (int64), n indices (int32:
- * n < 2^31) and n slot choices (bytes). */
-TF_HD int64_t tf_dynemb_foi_miss_bytes(int64_t n) { return 8 + 13 * n; }
+/* Step 1 lists the keys it left to step 2: a count and step 1's insert count (8 bytes each), then n
+ * keys (int64), n indices (int32: n < 2^31) and n slot choices (bytes). */
+TF_HD int64_t tf_dynemb_foi_miss_bytes(int64_t n) { return 16 + 13 * n; }
 
 /* The row work of find_or_insert's evictions, after the call's counts are known: per eviction e,
  * old_values[e] / old_state[e] = the victim's row and optimizer state (slot slots[e]), then the slot

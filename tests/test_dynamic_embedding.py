@@ -748,6 +748,38 @@ def test_find_or_insert_concurrent_claims(device):
     assert ev.numel() + len(t) == len(seen)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_find_or_insert_reuses_erased_slots(device, policy):
+    """On the GPU, find_or_insert's first kernel places a missing key in an empty slot of its bucket
+    while the batch's other keys are still probing. Erase leaves the old key in the slot it empties,
+    so each batch here brings erased keys back alongside new keys that may take those very slots.
+    After every batch: each key in its own slot, found keys keep their rows, new keys get the
+    initializer's, the size is the number of occupied slots, and the dict model agrees."""
+    dim = 4
+    t = DynamicEmbedding(dim, 2048, device=device, bucket_size=128, eviction=policy, initializer=("constant", 0.25))
+    model = {}
+    pool = list(set(_keys(2000)))
+    erased = []
+    for _ in range(6):
+        q = list(set(random.sample(pool, 300)) | set(erased[:150]))
+        random.shuffle(q)
+        qt = _t(q, device)
+        rows = t.find_or_insert(qt, unique=True)
+        want = torch.stack([model[k] if k in model else torch.full((dim,), 0.25) for k in q]).to(device)
+        torch.testing.assert_close(rows, want, rtol=0, atol=0)
+        vals = torch.randn(len(q), dim)
+        t.insert(qt, vals.to(device))  # distinct rows, so a key sharing another's slot shows up
+        model.update(zip(q, vals))
+        keys = t._compact()[0]
+        assert keys.numel() == torch.unique(keys).numel() == len(t)
+        _check_model(t, model, device, dim)
+        erased = random.sample(list(model), len(model) // 2)
+        assert t.erase(_t(erased, device)) == len(erased)
+        for k in erased:
+            del model[k]
+    _check_model(t, model, device, dim, extra_absent=erased)
+
+
 @pytest.mark.parametrize("bags", [False, True])
 @pytest.mark.parametrize("dim", [5, 128, 130])
 @pytest.mark.parametrize("opt", [0, 1, 2, 3])
