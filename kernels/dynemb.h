@@ -56,6 +56,11 @@ TF_HD uint64_t tf_dynemb_hash(int64_t key) { return tf_mix64((uint64_t)key); }
 TF_HD int64_t tf_dynemb_bucket(uint64_t h, int64_t num_buckets) { return (int64_t)(h & (uint64_t)(num_buckets - 1)); }
 TF_HD uint8_t tf_dynemb_digest(uint64_t h) { uint8_t d = (uint8_t)(h >> 56); return d ? d : (uint8_t)1; }
 
+/* The vacant-key rule: an empty slot (digest 0) holds a key that hashes to another bucket (the
+ * Python side writes it at allocation and erase). A probe therefore never matches an empty slot's
+ * key, even when it reads the digest of a key being placed there concurrently before that key
+ * itself: what CUDA find_or_insert relies on to insert while other keys of the batch probe (with one
+ * bucket no such key exists, and it inserts in a second kernel instead). */
 typedef struct {
     int64_t *keys;
     uint8_t *digests;

@@ -252,7 +252,7 @@ __device__ __forceinline__ int64_t quarter_probe(const tf_dynemb_table &t, int64
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
                 const int64_t j = base + 16 * ql + 4 * k + b;
-                if (((ws[k] >> (8 * b)) & 0xffu) == d && __ldcg(&t.keys[j]) == key) found = j;
+                if (((ws[k] >> (8 * b)) & 0xffu) == d && t.keys[j] == key) found = j;
             }
     }
     const unsigned m = (__ballot_sync(0xffffffffu, found >= 0) >> (8 * q)) & 0xffu;
@@ -856,14 +856,13 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
     }
 }
 
-/* A new key's table entry in a slot its quarter claimed (the mark is already the epoch): key and
- * score (new, and touched), then the digest. The fence orders them because step 1's probes run
- * alongside: a probe that sees the new digest must read the new key, not the key an erase left in
- * the empty slot (which could be the probing key itself). */
+/* A new key's table entry in a slot its quarter claimed (the mark is already the epoch): key, score
+ * (new, and touched) and digest. Step 1's probes run alongside and may see the digest before the key:
+ * no fence is needed, as the key they would read instead is the slot's vacant key (dynemb.h), which
+ * no probe of this bucket can match. */
 __device__ __forceinline__ void place_key(const tf_dynemb_table &t, int policy, int64_t clock, int64_t slot, int64_t key) {
     t.keys[slot] = key;
     t.scores[slot] = policy == TF_DYNEMB_LRU ? clock : policy == TF_DYNEMB_LFU ? 1 : 0;
-    __threadfence();
     t.digests[slot] = static_cast<uint8_t>(tf_dynemb_digest(tf_dynemb_hash(key)));
 }
 
@@ -893,8 +892,9 @@ __device__ __forceinline__ void quarter_new_row(const tf_dynemb_init_params &in,
  * has an empty slot claims it here (quarter_claim_free) and gets its row from the initializer, so
  * step 2's list holds only the keys of full buckets, the ones that evict or fail: at load factors
  * below 1 step 2 has next to nothing to do. Evictions must wait for step 2: a victim is any unmarked
- * slot, and only after this kernel are all found slots marked. claim = 0 lists every missing key (the
- * two-step form, kept for the A/B: TORCHFUSE_DYNEMB_FOI_CLAIM=0). */
+ * slot, and only after this kernel are all found slots marked. claim = 0 lists every missing key: the
+ * two-step form, for tables of one bucket (the vacant-key rule, dynemb.h) and for the A/B
+ * (TORCHFUSE_DYNEMB_FOI_CLAIM=0). */
 template <typename T>
 __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p, int claim) {
     const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
@@ -1559,7 +1559,7 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
     const bool wide = copy_unit(&p->init.values, p->out) >= 16;
     if (t->bucket_size == 128) {  // four keys per warp; step 2 over step 1's list of misses
         const char *env = getenv("TORCHFUSE_DYNEMB_FOI_CLAIM");  // 0: step 1 claims nothing (A/B)
-        const int claim = !(env && env[0] == '0');
+        const int claim = !(env && env[0] == '0') && t->num_buckets > 1;  // vacant-key rule: dynemb.h
         const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
         // step 2: one resident wave (4 blocks per SM by its launch bounds), or fewer for small batches
         const unsigned g2 = g4 < 4u * static_cast<unsigned>(sm_count()) ? g4 : 4u * static_cast<unsigned>(sm_count());

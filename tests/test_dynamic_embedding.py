@@ -58,6 +58,15 @@ def _t(keys, device):
     return torch.tensor(keys, dtype=torch.int64, device=device)
 
 
+def _check_vacant_keys(table):
+    """The vacant-key rule (kernels/dynemb.h): an empty slot's key hashes to another bucket."""
+    nb, bs = table._locks.numel(), table.bucket_size
+    empty = torch.nonzero(table._digests == 0).squeeze(1).cpu()
+    keys = table._keys.cpu()[empty]
+    bad = [(s, k) for s, k in zip(empty.tolist(), keys.tolist()) if _bucket(k, nb) == s // bs]
+    assert nb == 1 or not bad, f"empty slots holding a key of their own bucket: {bad[:5]}"
+
+
 def _check_model(table, model, device, dim, extra_absent=()):
     assert len(table) == len(model)
     assert int((table._digests != 0).sum()) == len(model)  # the size the module tracks is the real one
@@ -159,6 +168,7 @@ def test_growth_doubles(device):
         caps.append(table.capacity)
     assert len(table) == 300 and table.contains(_t(ks, device)).all()
     assert all(c & (c - 1) == 0 for c in caps) and caps == sorted(caps) and caps[-1] >= 300 / 0.75
+    _check_vacant_keys(table)  # after the rehashes
     with pytest.raises(RuntimeError, match="full"):
         small = DynamicEmbedding(2, 8, device=device, bucket_size=4, eviction="none")
         small.insert(_t(_keys(40), device), torch.ones(40, 2, device=device))
@@ -777,6 +787,7 @@ def test_find_or_insert_reuses_erased_slots(device, policy):
         assert t.erase(_t(erased, device)) == len(erased)
         for k in erased:
             del model[k]
+        _check_vacant_keys(t)
     _check_model(t, model, device, dim, extra_absent=erased)
 
 

@@ -25,6 +25,28 @@ _FUSED_FIND_MIN_ROW_BYTES = 512
 _QUARTER_FIND = True  # 128-slot buckets on the GPU: the one-kernel find at every row width (see _find)
 
 
+def _mix64(x: int) -> int:  # tf_mix64 (kernels/dynemb.h): the key hash
+    m = 2**64 - 1
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & m
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+# The key an empty slot holds: one that hashes to another bucket (tf_dynemb_table's vacant-key rule),
+# so a probe of that bucket can never match it, even against a digest being written beside it.
+# _VACANT_B's hash differs from _VACANT_A's in bit 0, so their buckets differ at every bucket count.
+_VACANT_A = 0
+_VACANT_B = next(k for k in range(1, 64) if (_mix64(k) ^ _mix64(_VACANT_A)) & 1)
+
+
+def _vacant_keys(slots: Tensor, bucket_size: int, num_buckets: int) -> Tensor:
+    """The vacant key of each slot (int64 slots -> int64 keys)."""
+    bucket_a = _mix64(_VACANT_A) & (num_buckets - 1)
+    return torch.where(slots // bucket_size == bucket_a, _VACANT_B, _VACANT_A)
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -197,7 +219,9 @@ class DynamicEmbedding(torch.nn.Module):
 
     def _allocate(self, cap: int, device: torch.device):
         nb = cap // self.bucket_size
-        self._keys = torch.zeros(cap, dtype=torch.int64, device=device)
+        self._keys = torch.full((cap,), _VACANT_A, dtype=torch.int64, device=device)
+        bucket_a = _mix64(_VACANT_A) & (nb - 1)
+        self._keys[bucket_a * self.bucket_size:(bucket_a + 1) * self.bucket_size] = _VACANT_B
         self._digests = torch.zeros(cap, dtype=torch.uint8, device=device)
         self._scores = torch.zeros(cap, dtype=torch.int64, device=device)
         self._marks = torch.zeros(cap, dtype=torch.int32, device=device)
@@ -570,6 +594,7 @@ class DynamicEmbedding(torch.nn.Module):
         found = slots[slots >= 0]
         if found.numel():
             self._digests.index_fill_(0, found, 0)
+            self._keys.index_copy_(0, found, _vacant_keys(found, self.bucket_size, self._locks.numel()))
             self._size -= found.numel()
             self._version += 1
         return found.numel()
