@@ -17,8 +17,10 @@ rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 0 ] || exit 1
 (cd benchmarks && timeout 120 python3 ab_foi.py) > "$OUT/ab_foi.txt" 2>&1; echo "ab exit $?"
 timeout 120 python3 -m pytest tests/test_dynamic_embedding.py tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest.log" 2>&1
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -8
-TORCHFUSE_DYNEMB_FOI_CLAIM=0 timeout 90 python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_twostep.log" 2>&1
-echo "pytest (two-step) exit $?"; grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/pytest_twostep.log" | tail -14
+for r in $(seq ${TWOSTEP_REPS:-1}); do
+  TORCHFUSE_DYNEMB_FOI_CLAIM=0 timeout 90 python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_twostep.log" 2>&1
+  echo "pytest (two-step) exit $?"; grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/pytest_twostep.log" | tail -14
+done
 SEL="cuda and (erased or concurrent_claims or full_table_rows or random_ops or special_keys or lru_one_bucket or (training and sgd and bag_weighted))"
 timeout 100 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q -x \
   -p no:cacheprovider -k "$SEL" > "$OUT/memcheck.log" 2>&1

@@ -895,7 +895,7 @@ __device__ __forceinline__ void quarter_new_row(const tf_dynemb_init_params &in,
  * slot, and only after this kernel are all found slots marked. claim = 0 lists every missing key: the
  * two-step form, for tables of one bucket (the vacant-key rule, dynemb.h) and for the A/B
  * (TORCHFUSE_DYNEMB_FOI_CLAIM=0). */
-template <typename T, bool kListLate>
+template <typename T>
 __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p, int claim) {
     const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
     const int64_t i = warp_index() * 4 + q;  // every thread runs on to list_misses' barriers
@@ -920,7 +920,7 @@ __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_
         }
     }
     if (p.fill_outputs && blockIdx.x == 0 && threadIdx.x < 3) p.p.counts[threadIdx.x] = 0;
-    if (!kListLate) list_misses(miss_list(p.miss, p.p.n), valid && slot < 0, inserted, key, i, order, rot);
+    list_misses(miss_list(p.miss, p.p.n), valid && slot < 0, inserted, key, i, order, rot);
     if (valid && slot >= 0) {  // else step 2 inserts it and writes its row
         char *o = p.out ? static_cast<char *>(p.out) + i * p.init.values.row_bytes : nullptr;
         if (inserted) {
@@ -936,9 +936,6 @@ __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_
                                  p.init.values.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
         }
     }
-    // Late, the list's block barriers wait only for warps that are done anyway, instead of holding
-    // every quarter's row work behind the block's slowest probe and claim.
-    if (kListLate) list_misses(miss_list(p.miss, p.p.n), valid && slot < 0, inserted, key, i, order, rot);
 }
 
 /* Step 2 for 128-slot buckets: a resident grid walks step 1's list of misses, 32 keys per block per
@@ -1563,23 +1560,19 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
     const bool wide = copy_unit(&p->init.values, p->out) >= 16;
     if (t->bucket_size == 128) {  // four keys per warp; step 2 over step 1's list of misses
         const char *env = getenv("TORCHFUSE_DYNEMB_FOI_CLAIM");
-        // bit 0: step 1 claims empty slots (not with one bucket: the vacant-key rule, dynemb.h);
-        // bit 1: it lists step 2's keys after its row work. Env (A/B): 0 two-step, 1, 3 (default)
-        int claim = env ? atoi(env) : 3;
-        if (t->num_buckets <= 1) claim = 0;
+        // step 1 claims empty slots, except with one bucket (the vacant-key rule, dynemb.h) or for
+        // the A/B (TORCHFUSE_DYNEMB_FOI_CLAIM=0: the two-step form)
+        const int claim = !(env && env[0] == '0') && t->num_buckets > 1;
         const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
         // step 2: one resident wave (4 blocks per SM by its launch bounds), or fewer for small batches
         const unsigned g2 = g4 < 4u * static_cast<unsigned>(sm_count()) ? g4 : 4u * static_cast<unsigned>(sm_count());
         cudaError_t err = cudaMemsetAsync(p->miss, 0, 16, s);  // the list's count and step 1's inserts
         if (err != cudaSuccess) return static_cast<int>(err);
-        const bool late = claim & 2;
         if (wide) {
-            if (late) foi_probe_quarter_kernel<uint4, true><<<g4, kBlock, 0, s>>>(*t, *p, claim & 1);
-            else foi_probe_quarter_kernel<uint4, false><<<g4, kBlock, 0, s>>>(*t, *p, claim & 1);
+            foi_probe_quarter_kernel<uint4><<<g4, kBlock, 0, s>>>(*t, *p, claim);
             foi_insert_quarter_kernel<uint4><<<g2, kBlock, 0, s>>>(*t, *p);
         } else {
-            if (late) foi_probe_quarter_kernel<uint16_t, true><<<g4, kBlock, 0, s>>>(*t, *p, claim & 1);
-            else foi_probe_quarter_kernel<uint16_t, false><<<g4, kBlock, 0, s>>>(*t, *p, claim & 1);
+            foi_probe_quarter_kernel<uint16_t><<<g4, kBlock, 0, s>>>(*t, *p, claim);
             foi_insert_quarter_kernel<uint16_t><<<g2, kBlock, 0, s>>>(*t, *p);
         }
         return static_cast<int>(cudaGetLastError());
