@@ -56,6 +56,11 @@ TF_HD uint64_t tf_dynemb_hash(int64_t key) { return tf_mix64((uint64_t)key); }
 TF_HD int64_t tf_dynemb_bucket(uint64_t h, int64_t num_buckets) { return (int64_t)(h & (uint64_t)(num_buckets - 1)); }
 TF_HD uint8_t tf_dynemb_digest(uint64_t h) { uint8_t d = (uint8_t)(h >> 56); return d ? d : (uint8_t)1; }
 
+/* The vacant-key rule: an empty slot (digest 0) holds a key that hashes to another bucket (the
+ * Python side writes it at allocation and erase). A probe therefore never matches an empty slot's
+ * key, even when it reads the digest of a key being placed there concurrently before that key
+ * itself: what CUDA find_or_insert relies on to insert while other keys of the batch probe (with one
+ * bucket no such key exists, and it inserts in a second kernel instead). */
 typedef struct {
     int64_t *keys;
     uint8_t *digests;
@@ -122,9 +127,9 @@ typedef struct {
                                   evicted_new to -1 and counts to 0 (the caller left them unwritten) */
 } tf_dynemb_foi_params;
 
-/* Step 1 lists the keys it missed for step 2: a count (8 bytes), then n keys (int64), n indices (int32:
- * n < 2^31) and n slot choices (bytes). */
-TF_HD int64_t tf_dynemb_foi_miss_bytes(int64_t n) { return 8 + 13 * n; }
+/* Step 1 lists the keys it left to step 2: a count and step 1's insert count (8 bytes each), then n
+ * keys (int64), n indices (int32: n < 2^31) and n slot choices (bytes). */
+TF_HD int64_t tf_dynemb_foi_miss_bytes(int64_t n) { return 16 + 13 * n; }
 
 /* The row work of find_or_insert's evictions, after the call's counts are known: per eviction e,
  * old_values[e] / old_state[e] = the victim's row and optimizer state (slot slots[e]), then the slot

@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <stdlib.h>
 
 #include "dynemb.h"
 
@@ -264,86 +265,69 @@ __device__ __forceinline__ int64_t quarter_probe(const tf_dynemb_table &t, int64
     return m ? hit : -1;
 }
 
-struct QuarterMark {  // find_or_insert's step 1: found slots are marked and touched, misses listed
-    int32_t epoch;
-    int policy;
-    int64_t clock;
-    uint8_t *miss;  // tf_dynemb_foi_params.miss
-    // fill_outputs: the outputs whose defined contents step 1 writes (is_new NULL: none)
-    uint8_t *is_new;
-    int64_t *evicted_keys, *evicted_slots, *evicted_scores, *evicted_new, *counts;
-};
-
-/* Step 1 of find_or_insert lists the keys it missed for step 2, so that step 2 runs a quarter warp
- * per missing key instead of over every key with most quarters idle. Per missing key: the key, its
- * index in the batch, and the slot within its bucket where it would go by this step's reading of the
- * digests (255: none empty), so step 2 can try that slot before reading anything. A block appends its
- * misses with one atomic on the count (the list's order is the blocks' arrival order: slot placement
- * on the GPU never was deterministic). Layout: tf_dynemb_foi_miss_bytes. */
+/* Step 1 of find_or_insert lists the keys it could not place for step 2 (their bucket was full:
+ * step 2 evicts), so that step 2 runs a quarter warp per such key instead of over every key with
+ * most quarters idle. Per key: the key, its index in the batch, and the slot within its bucket where
+ * it would go by step 1's reading of the digests (255: none empty). A block appends its keys with one
+ * atomic on the count (the list's order is the blocks' arrival order: slot placement on the GPU never
+ * was deterministic). The header's second word counts the keys step 1 inserted itself (step 2 adds
+ * it to counts[0]). Layout: tf_dynemb_foi_miss_bytes. */
 struct MissList {
-    unsigned long long *count;  // zeroed before step 1
+    unsigned long long *count;     // zeroed before step 1, with `inserted`
+    unsigned long long *inserted;
     int64_t *keys;
     int32_t *index;
     uint8_t *first;
 };
 
 __device__ __forceinline__ MissList miss_list(uint8_t *miss, int64_t n) {
-    return MissList{reinterpret_cast<unsigned long long *>(miss), reinterpret_cast<int64_t *>(miss + 8),
-                    reinterpret_cast<int32_t *>(miss + 8 + 8 * n), miss + 8 + 12 * n};
+    return MissList{reinterpret_cast<unsigned long long *>(miss), reinterpret_cast<unsigned long long *>(miss) + 1,
+                    reinterpret_cast<int64_t *>(miss + 16), reinterpret_cast<int32_t *>(miss + 16 + 8 * n),
+                    miss + 16 + 12 * n};
 }
 
-// Every thread of the block calls it; `missed` is read at the quarter leaders (lane % 8 == 0).
-__device__ __forceinline__ void list_misses(MissList ml, bool missed, int64_t key, int64_t i, int order, int rot) {
+// Every thread of the block calls it; `missed` and `inserted` are read at the quarter leaders
+// (lane % 8 == 0).
+__device__ __forceinline__ void list_misses(MissList ml, bool missed, bool inserted, int64_t key, int64_t i,
+                                            int order, int rot) {
     __shared__ unsigned bits[kWarpsPerBlock];
     __shared__ unsigned long long base;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const unsigned b = __ballot_sync(0xffffffffu, missed && (lane & 7) == 0);
-    if (lane == 0) bits[w] = b;
+    const unsigned ib = __ballot_sync(0xffffffffu, inserted && (lane & 7) == 0);
+    // 16 bits each: a warp has at most 4 quarter leaders
+    if (lane == 0) bits[w] = static_cast<unsigned>(__popc(b)) | (static_cast<unsigned>(__popc(ib)) << 16);
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned c = 0;
-        for (int x = 0; x < kWarpsPerBlock; ++x) c += __popc(bits[x]);
+        unsigned c = 0, ins = 0;
+        for (int x = 0; x < kWarpsPerBlock; ++x) {
+            c += bits[x] & 0xffffu;
+            ins += bits[x] >> 16;
+        }
         base = c ? atomicAdd(ml.count, static_cast<unsigned long long>(c)) : 0ull;
+        if (ins) atomicAdd(ml.inserted, static_cast<unsigned long long>(ins));
     }
     __syncthreads();
     if (missed && (lane & 7) == 0) {
         int64_t r = static_cast<int64_t>(base) + __popc(b & ((1u << lane) - 1u));
-        for (int x = 0; x < w; ++x) r += __popc(bits[x]);
+        for (int x = 0; x < w; ++x) r += bits[x] & 0xffffu;
         ml.keys[r] = key;
         ml.index[r] = static_cast<int32_t>(i);
         ml.first[r] = static_cast<uint8_t>(order < 128 ? (order + rot) & 127 : 255);
     }
 }
 
-template <typename T, bool kMark>
+template <typename T>
 __global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int64_t n, int64_t *slots,
-                                    tf_dynemb_rows r, char *out, QuarterMark mk) {
+                                    tf_dynemb_rows r, char *out) {
     const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
     const int64_t i = warp_index() * 4 + q;
-    if (!kMark && warp_index() * 4 >= n) return;  // uniform per warp (step 1: every thread lists misses)
+    if (warp_index() * 4 >= n) return;  // uniform per warp
     const bool valid = i < n;
     const int64_t key = valid ? query[i] : 0;
-    int order = 128;
-    const int64_t slot = quarter_probe(t, key, valid, q, ql, kMark ? &order : nullptr);
-    if (valid && ql == 0) slots[i] = slot;
-    if (kMark && mk.is_new) {  // coalesced: four consecutive keys per warp
-        if (valid && ql == 0) {
-            mk.is_new[i] = 0;
-            mk.evicted_keys[i] = mk.evicted_slots[i] = mk.evicted_scores[i] = mk.evicted_new[i] = -1;
-        }
-        if (blockIdx.x == 0 && threadIdx.x < 3) mk.counts[threadIdx.x] = 0;
-    }
-    if (kMark) {
-        list_misses(miss_list(mk.miss, n), valid && slot < 0, key, i, order, insert_rotation(tf_dynemb_hash(key)));
-        if (!valid || slot < 0) return;  // step 2 inserts it and writes its row
-        if (ql == 0) {
-            t.marks[slot] = mk.epoch;
-            if (mk.policy == TF_DYNEMB_LFU) atomicAdd(reinterpret_cast<unsigned long long *>(&t.scores[slot]), 1ull);
-            else if (mk.policy == TF_DYNEMB_LRU) t.scores[slot] = mk.clock;
-        }
-        if (!out) return;
-    }
+    const int64_t slot = quarter_probe(t, key, valid, q, ql);
     if (!valid) return;
+    if (ql == 0) slots[i] = slot;
     const T *src = slot < 0 ? nullptr : reinterpret_cast<const T *>(tf_dynemb_row(&r, slot));
     copy_units<T, 8>(reinterpret_cast<T *>(out + i * r.row_bytes), src, r.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
 }
@@ -797,8 +781,9 @@ struct Claim {
     bool evicted;
 };
 
-__device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t key,
-                                               int first, unsigned qmask, int q, int ql) {
+// The empty-slot part of quarter_claim: the claimed slot, or -1 when the bucket is full.
+__device__ __forceinline__ int64_t quarter_claim_free(const tf_dynemb_table &t, int32_t epoch, int64_t key, int first,
+                                                      unsigned qmask, int q, int ql) {
     const uint64_t h = tf_dynemb_hash(key);
     const int64_t base = tf_dynemb_bucket(h, t.num_buckets) * 128;
     const int rot = insert_rotation(h);
@@ -807,10 +792,10 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
         const int owner = first >> 4;
         bool won = false;
         if (ql == owner) {
-            won = atomicExch(&t.marks[base + first], p.epoch) != p.epoch;
+            won = atomicExch(&t.marks[base + first], epoch) != epoch;
             if (!won) lost |= 1u << (first & 15);
         }
-        if (__shfl_sync(qmask, won, 8 * q + owner)) return Claim{base + first, 0, 0, false};
+        if (__shfl_sync(qmask, won, 8 * q + owner)) return base + first;
     }
     for (;;) {
         const uint4 w4 = __ldcg(reinterpret_cast<const uint4 *>(t.digests + base) + ql);
@@ -821,15 +806,22 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
             const int s = (order + rot) & 127, owner = s >> 4;
             bool won = false;
             if (ql == owner) {
-                won = atomicExch(&t.marks[base + s], p.epoch) != p.epoch;
+                won = atomicExch(&t.marks[base + s], epoch) != epoch;
                 if (!won) lost |= 1u << (s & 15);
             }
-            if (__shfl_sync(qmask, won, 8 * q + owner)) return Claim{base + s, 0, 0, false};
+            if (__shfl_sync(qmask, won, 8 * q + owner)) return base + s;
             continue;
         }
-        if (!p.allow_evict) return Claim{-1, 0, 0, false};
-        break;  // full: no slot frees up during a call, so no need to look at the digests again
+        return -1;  // full: no slot frees up during a call
     }
+}
+
+__device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t key,
+                                               int first, unsigned qmask, int q, int ql) {
+    const int64_t free_slot = quarter_claim_free(t, p.epoch, key, first, qmask, q, ql);
+    if (free_slot >= 0) return Claim{free_slot, 0, 0, false};
+    if (!p.allow_evict) return Claim{-1, 0, 0, false};
+    const int64_t base = tf_dynemb_bucket(tf_dynemb_hash(key), t.num_buckets) * 128;
     // The unmarked slot of least (score, slot). Marks and scores are read once: the keys of a bucket
     // all want its least victim, and a quarter that loses one takes the next from what it read (a
     // stale entry only costs a lost swap), instead of reading 128 marks and scores again.
@@ -864,6 +856,88 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
     }
 }
 
+/* A new key's table entry in a slot its quarter claimed (the mark is already the epoch): key, score
+ * (new, and touched) and digest. Step 1's probes run alongside and may see the digest before the key:
+ * no fence is needed, as the key they would read instead is the slot's vacant key (dynemb.h), which
+ * no probe of this bucket can match. */
+__device__ __forceinline__ void place_key(const tf_dynemb_table &t, int policy, int64_t clock, int64_t slot, int64_t key) {
+    t.keys[slot] = key;
+    t.scores[slot] = policy == TF_DYNEMB_LRU ? clock : policy == TF_DYNEMB_LFU ? 1 : 0;
+    t.digests[slot] = static_cast<uint8_t>(tf_dynemb_digest(tf_dynemb_hash(key)));
+}
+
+// A new key's row from the initializer (and to the output `o` from registers, when not NULL), its
+// optimizer state zeroed; the 8 lanes of a quarter.
+template <typename T>
+__device__ __forceinline__ void quarter_new_row(const tf_dynemb_init_params &in, int64_t slot, int64_t key, char *o, int ql) {
+    char *row = tf_dynemb_row(&in.values, slot);
+    if (in.init_kind != TF_INIT_NONE) {
+        for (int64_t j = ql; j < in.dim; j += 8) {
+            const float v = static_cast<float>(tf_dynemb_init_value(in.init_kind, in.a, in.b, key, in.seed, j));
+            store_f32(row, in.dtype, j, v);
+            if (o) store_f32(o, in.dtype, j, v);
+        }
+    } else if (o) {  // no initializer: the slot keeps whatever row it had
+        copy_units<T, 8>(reinterpret_cast<T *>(o), reinterpret_cast<const T *>(row),
+                         in.values.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
+    }
+    if (in.state.row_bytes) {
+        float *st = reinterpret_cast<float *>(tf_dynemb_row(&in.state, slot));
+        for (int64_t j = ql; j < in.state.row_bytes / 4; j += 8) st[j] = 0.f;
+    }
+}
+
+/* Step 1 of find_or_insert for 128-slot buckets, four keys per warp (quarter q: key 4w+q). A found
+ * key's slot is marked with the epoch, touched, and its row copied out. A missing key whose bucket
+ * has an empty slot claims it here (quarter_claim_free) and gets its row from the initializer, so
+ * step 2's list holds only the keys of full buckets, the ones that evict or fail: at load factors
+ * below 1 step 2 has next to nothing to do. Evictions must wait for step 2: a victim is any unmarked
+ * slot, and only after this kernel are all found slots marked. claim = 0 lists every missing key: the
+ * two-step form, for tables of one bucket (the vacant-key rule, dynemb.h) and for the A/B
+ * (TORCHFUSE_DYNEMB_FOI_CLAIM=0). */
+template <typename T>
+__global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p, int claim) {
+    const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
+    const int64_t i = warp_index() * 4 + q;  // every thread runs on to list_misses' barriers
+    const bool valid = i < p.p.n;
+    const int64_t key = valid ? p.p.query[i] : 0;
+    int order = 128;
+    int64_t slot = quarter_probe(t, key, valid, q, ql, &order);
+    const int rot = insert_rotation(tf_dynemb_hash(key));
+    bool inserted = false;
+    if (claim && valid && slot < 0 && order < 128) {
+        slot = quarter_claim_free(t, p.p.epoch, key, (order + rot) & 127, 0xffu << (8 * q), q, ql);
+        inserted = slot >= 0;
+        order = 128;  // claimed, or the bucket filled up meanwhile: step 2 need not try a slot first
+    }
+    if (valid && ql == 0) {
+        p.p.slots[i] = slot;
+        if (p.fill_outputs) {  // coalesced: four consecutive keys per warp
+            p.p.is_new[i] = inserted ? 1 : 0;
+            p.p.evicted_keys[i] = p.p.evicted_slots[i] = p.p.evicted_scores[i] = p.evicted_new[i] = -1;
+        } else if (inserted) {
+            p.p.is_new[i] = 1;
+        }
+    }
+    if (p.fill_outputs && blockIdx.x == 0 && threadIdx.x < 3) p.p.counts[threadIdx.x] = 0;
+    list_misses(miss_list(p.miss, p.p.n), valid && slot < 0, inserted, key, i, order, rot);
+    if (valid && slot >= 0) {  // else step 2 inserts it and writes its row
+        char *o = p.out ? static_cast<char *>(p.out) + i * p.init.values.row_bytes : nullptr;
+        if (inserted) {
+            if (ql == 0) place_key(t, p.policy, p.clock, slot, key);
+            quarter_new_row<T>(p.init, slot, key, o, ql);
+        } else {
+            if (ql == 0) {
+                t.marks[slot] = p.p.epoch;
+                touch_slot(t, p.policy, p.clock, slot);
+            }
+            if (o)
+                copy_units<T, 8>(reinterpret_cast<T *>(o), reinterpret_cast<const T *>(tf_dynemb_row(&p.init.values, slot)),
+                                 p.init.values.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
+        }
+    }
+}
+
 /* Step 2 for 128-slot buckets: a resident grid walks step 1's list of misses, 32 keys per block per
  * round, a quarter warp each: quarter_claim, then the key, digest and score written, the row
  * initialized and, when asked, written out too (from registers, not read back). Evictions and the
@@ -878,6 +952,7 @@ __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb
     const MissList ml = miss_list(p.miss, p.p.n);
     const int64_t count = static_cast<int64_t>(*ml.count);
     unsigned long long *counts = reinterpret_cast<unsigned long long *>(p.p.counts);
+    if (blockIdx.x == 0 && threadIdx.x == 0 && *ml.inserted) atomicAdd(&counts[0], *ml.inserted);
     for (int64_t r0 = 32 * static_cast<int64_t>(blockIdx.x); r0 < count; r0 += 32 * static_cast<int64_t>(gridDim.x)) {
         const int64_t k = r0 + 4 * w + q;  // uniform per block: the loop and the barriers in it
         const bool valid = k < count;
@@ -923,30 +998,12 @@ __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb
                 p.p.evicted_scores[e] = c.victim_score;
                 p.evicted_new[e] = i;
             }
-            t.keys[slot] = key;
-            t.scores[slot] = p.policy == TF_DYNEMB_LRU ? p.clock : p.policy == TF_DYNEMB_LFU ? 1 : 0;  // new, touched
-            t.digests[slot] = static_cast<uint8_t>(tf_dynemb_digest(tf_dynemb_hash(key)));
+            place_key(t, p.policy, p.clock, slot, key);
             p.p.slots[i] = slot;
             p.p.is_new[i] = 1;
         }
         if (c.evicted) continue;  // the caller saves the victim's row first
-        const tf_dynemb_init_params &in = p.init;
-        char *row = tf_dynemb_row(&in.values, slot);
-        char *o = p.out ? static_cast<char *>(p.out) + i * in.values.row_bytes : nullptr;
-        if (in.init_kind != TF_INIT_NONE) {
-            for (int64_t j = ql; j < in.dim; j += 8) {
-                const float v = static_cast<float>(tf_dynemb_init_value(in.init_kind, in.a, in.b, key, in.seed, j));
-                store_f32(row, in.dtype, j, v);
-                if (o) store_f32(o, in.dtype, j, v);
-            }
-        } else if (o) {  // no initializer: the slot keeps whatever row it had
-            copy_units<T, 8>(reinterpret_cast<T *>(o), reinterpret_cast<const T *>(row),
-                             in.values.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
-        }
-        if (in.state.row_bytes) {
-            float *st = reinterpret_cast<float *>(tf_dynemb_row(&in.state, slot));
-            for (int64_t j = ql; j < in.state.row_bytes / 4; j += 8) st[j] = 0.f;
-        }
+        quarter_new_row<T>(p.init, slot, key, p.out ? static_cast<char *>(p.out) + i * p.init.values.row_bytes : nullptr, ql);
     }
 }
 
@@ -1392,8 +1449,8 @@ int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t 
     const bool wide = copy_unit(r, out) >= 16;
     if (t->bucket_size == 128) {  // four keys per warp
         const unsigned grid = grid_for_warps((n + 3) / 4);
-        if (wide) find_quarter_kernel<uint4, false><<<grid, kBlock, 0, s>>>(*t, query, n, slots, *r, o, QuarterMark{});
-        else find_quarter_kernel<uint16_t, false><<<grid, kBlock, 0, s>>>(*t, query, n, slots, *r, o, QuarterMark{});
+        if (wide) find_quarter_kernel<uint4><<<grid, kBlock, 0, s>>>(*t, query, n, slots, *r, o);
+        else find_quarter_kernel<uint16_t><<<grid, kBlock, 0, s>>>(*t, query, n, slots, *r, o);
     } else if (wide) {
         find_kernel<uint4><<<grid_for_warps(n), kBlock, 0, s>>>(*t, query, n, slots, *r, o);
     } else {
@@ -1502,26 +1559,20 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
     const unsigned grid = grid_for_warps(p->p.n);
     const bool wide = copy_unit(&p->init.values, p->out) >= 16;
     if (t->bucket_size == 128) {  // four keys per warp; step 2 over step 1's list of misses
-        QuarterMark mk{p->p.epoch, p->policy, p->clock, p->miss, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-        if (p->fill_outputs) {
-            mk.is_new = p->p.is_new;
-            mk.evicted_keys = p->p.evicted_keys;
-            mk.evicted_slots = p->p.evicted_slots;
-            mk.evicted_scores = p->p.evicted_scores;
-            mk.evicted_new = p->evicted_new;
-            mk.counts = p->p.counts;
-        }
+        const char *env = getenv("TORCHFUSE_DYNEMB_FOI_CLAIM");
+        // step 1 claims empty slots, except with one bucket (the vacant-key rule, dynemb.h) or for
+        // the A/B (TORCHFUSE_DYNEMB_FOI_CLAIM=0: the two-step form)
+        const int claim = !(env && env[0] == '0') && t->num_buckets > 1;
         const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
         // step 2: one resident wave (4 blocks per SM by its launch bounds), or fewer for small batches
         const unsigned g2 = g4 < 4u * static_cast<unsigned>(sm_count()) ? g4 : 4u * static_cast<unsigned>(sm_count());
-        char *o = static_cast<char *>(p->out);
-        cudaError_t err = cudaMemsetAsync(p->miss, 0, 8, s);  // the list's count
+        cudaError_t err = cudaMemsetAsync(p->miss, 0, 16, s);  // the list's count and step 1's inserts
         if (err != cudaSuccess) return static_cast<int>(err);
         if (wide) {
-            find_quarter_kernel<uint4, true><<<g4, kBlock, 0, s>>>(*t, p->p.query, p->p.n, p->p.slots, p->init.values, o, mk);
+            foi_probe_quarter_kernel<uint4><<<g4, kBlock, 0, s>>>(*t, *p, claim);
             foi_insert_quarter_kernel<uint4><<<g2, kBlock, 0, s>>>(*t, *p);
         } else {
-            find_quarter_kernel<uint16_t, true><<<g4, kBlock, 0, s>>>(*t, p->p.query, p->p.n, p->p.slots, p->init.values, o, mk);
+            foi_probe_quarter_kernel<uint16_t><<<g4, kBlock, 0, s>>>(*t, *p, claim);
             foi_insert_quarter_kernel<uint16_t><<<g2, kBlock, 0, s>>>(*t, *p);
         }
         return static_cast<int>(cudaGetLastError());

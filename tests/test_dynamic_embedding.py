@@ -58,6 +58,15 @@ def _t(keys, device):
     return torch.tensor(keys, dtype=torch.int64, device=device)
 
 
+def _check_vacant_keys(table):
+    """The vacant-key rule (kernels/dynemb.h): an empty slot's key hashes to another bucket."""
+    nb, bs = table._locks.numel(), table.bucket_size
+    empty = torch.nonzero(table._digests == 0).squeeze(1).cpu()
+    keys = table._keys.cpu()[empty]
+    bad = [(s, k) for s, k in zip(empty.tolist(), keys.tolist()) if _bucket(k, nb) == s // bs]
+    assert nb == 1 or not bad, f"empty slots holding a key of their own bucket: {bad[:5]}"
+
+
 def _check_model(table, model, device, dim, extra_absent=()):
     assert len(table) == len(model)
     assert int((table._digests != 0).sum()) == len(model)  # the size the module tracks is the real one
@@ -159,6 +168,7 @@ def test_growth_doubles(device):
         caps.append(table.capacity)
     assert len(table) == 300 and table.contains(_t(ks, device)).all()
     assert all(c & (c - 1) == 0 for c in caps) and caps == sorted(caps) and caps[-1] >= 300 / 0.75
+    _check_vacant_keys(table)  # after the rehashes
     with pytest.raises(RuntimeError, match="full"):
         small = DynamicEmbedding(2, 8, device=device, bucket_size=4, eviction="none")
         small.insert(_t(_keys(40), device), torch.ones(40, 2, device=device))
@@ -746,6 +756,39 @@ def test_find_or_insert_concurrent_claims(device):
     ev = t.drain_evicted()[0]
     assert set(t._compact()[0].tolist()) | set(ev.tolist()) == seen
     assert ev.numel() + len(t) == len(seen)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_find_or_insert_reuses_erased_slots(device, policy):
+    """On the GPU, find_or_insert's first kernel places a missing key in an empty slot of its bucket
+    while the batch's other keys are still probing. Erase leaves the old key in the slot it empties,
+    so each batch here brings erased keys back alongside new keys that may take those very slots.
+    After every batch: each key in its own slot, found keys keep their rows, new keys get the
+    initializer's, the size is the number of occupied slots, and the dict model agrees."""
+    dim = 4
+    t = DynamicEmbedding(dim, 2048, device=device, bucket_size=128, eviction=policy, initializer=("constant", 0.25))
+    model = {}
+    pool = list(set(_keys(2000)))
+    erased = []
+    for _ in range(6):
+        q = list(set(random.sample(pool, 300)) | set(erased[:150]))
+        random.shuffle(q)
+        qt = _t(q, device)
+        rows = t.find_or_insert(qt, unique=True)
+        want = torch.stack([model[k] if k in model else torch.full((dim,), 0.25) for k in q]).to(device)
+        torch.testing.assert_close(rows, want, rtol=0, atol=0)
+        vals = torch.randn(len(q), dim)
+        t.insert(qt, vals.to(device))  # distinct rows, so a key sharing another's slot shows up
+        model.update(zip(q, vals))
+        keys = t._compact()[0]
+        assert keys.numel() == torch.unique(keys).numel() == len(t)
+        _check_model(t, model, device, dim)
+        erased = random.sample(list(model), len(model) // 2)
+        assert t.erase(_t(erased, device)) == len(erased)
+        for k in erased:
+            del model[k]
+        _check_vacant_keys(t)
+    _check_model(t, model, device, dim, extra_absent=erased)
 
 
 @pytest.mark.parametrize("bags", [False, True])

@@ -19,10 +19,33 @@ _ops = torch.ops.torchfuse
 _find_or_insert_op = _ops.dynemb_find_or_insert.default  # the overload itself: called ahead of every launch
 _EVICTIONS = ("lru", "lfu", "none")
 _INIT_KINDS = {"normal": 1, "uniform": 2, "constant": 3}
+_NO_INIT = (0, 0.0, 0.0)  # TF_INIT_NONE: rows left as they are, optimizer state zeroed
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_EPOCH = 2**31 - 2
 _FUSED_FIND_MIN_ROW_BYTES = 512
 _QUARTER_FIND = True  # 128-slot buckets on the GPU: the one-kernel find at every row width (see _find)
+
+
+def _mix64(x: int) -> int:  # tf_mix64 (kernels/dynemb.h): the key hash
+    m = 2**64 - 1
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & m
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+# The key an empty slot holds: one that hashes to another bucket (tf_dynemb_table's vacant-key rule),
+# so a probe of that bucket can never match it, even against a digest being written beside it.
+# _VACANT_B's hash differs from _VACANT_A's in bit 0, so their buckets differ at every bucket count.
+_VACANT_A = 0
+_VACANT_B = next(k for k in range(1, 64) if (_mix64(k) ^ _mix64(_VACANT_A)) & 1)
+
+
+def _vacant_keys(slots: Tensor, bucket_size: int, num_buckets: int) -> Tensor:
+    """The vacant key of each slot (int64 slots -> int64 keys)."""
+    bucket_a = _mix64(_VACANT_A) & (num_buckets - 1)
+    return torch.where(slots // bucket_size == bucket_a, _VACANT_B, _VACANT_A)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -197,7 +220,9 @@ class DynamicEmbedding(torch.nn.Module):
 
     def _allocate(self, cap: int, device: torch.device):
         nb = cap // self.bucket_size
-        self._keys = torch.zeros(cap, dtype=torch.int64, device=device)
+        self._keys = torch.full((cap,), _VACANT_A, dtype=torch.int64, device=device)
+        bucket_a = _mix64(_VACANT_A) & (nb - 1)
+        self._keys[bucket_a * self.bucket_size:(bucket_a + 1) * self.bucket_size] = _VACANT_B
         self._digests = torch.zeros(cap, dtype=torch.uint8, device=device)
         self._scores = torch.zeros(cap, dtype=torch.int64, device=device)
         self._marks = torch.zeros(cap, dtype=torch.int32, device=device)
@@ -314,21 +339,22 @@ class DynamicEmbedding(torch.nn.Module):
         torch.cuda.current_stream(counts.device).synchronize()
         return h.tolist()
 
-    def _init_rows(self, slots: Tensor, keys: Tensor, mask: Optional[Tensor]):
+    def _init_rows(self, slots: Tensor, keys: Tensor, mask: Optional[Tensor], init: Tuple[int, float, float]):
         _ops.dynemb_init(slots, keys, mask, self._values, self._values_host, self._state, self._state_host,
-                         *self._init_args(), self.seed)
+                         *init, self.seed)
 
-    def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool):
+    def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool, init_rows: bool = True):
         """_find_or_insert at full capacity (no growth to decide first) in one op, two kernels on the
         GPU (dynemb_find_or_insert: probe, insert, init, touch and the rows out). Returns (slots,
         is_new, evicted or None, rows or None); with_rows (find_or_insert: the rows only) returns
         slots and is_new as None. The host waits once, on the counts: the GPU idles for what the
         host does before the kernels are launched and after that wait (until the eviction kernel's
-        launch, when there is one), so both stay short."""
+        launch, when there is one), so both stay short. init_rows=False leaves new rows unwritten (their
+        optimizer state is still zeroed): for callers that write them next."""
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
-        init = self._init_args()
+        init = self._init_args() if init_rows else _NO_INIT
         slots, rows, is_new, evicted, counts = _find_or_insert_op(
             keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values, self._values_host,
             self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none", policy, clock,
@@ -368,11 +394,12 @@ class DynamicEmbedding(torch.nn.Module):
                    if self.eviction == "none" else
                    " of keys used by this same batch; use smaller batches or a larger max_capacity"))
 
-    def _find_or_insert(self, keys: Tensor, touch: bool = True):
+    def _find_or_insert(self, keys: Tensor, touch: bool = True, init_rows: bool = True):
         """Slots of unique `keys`, inserting the missing ones (growing or evicting as configured).
-        Returns (slots, is_new uint8, evicted (keys, values, state, scores) or None)."""
+        Returns (slots, is_new uint8, evicted (keys, values, state, scores) or None). init_rows: as
+        _find_or_insert_fused."""
         if self.capacity >= self.max_capacity:
-            return self._find_or_insert_fused(keys, touch, False)[:3]
+            return self._find_or_insert_fused(keys, touch, False, init_rows)[:3]
         evicted = None
         while True:
             epoch = self._next_epoch()
@@ -389,7 +416,7 @@ class DynamicEmbedding(torch.nn.Module):
             if n_ev:
                 evicted = self._save_evicted(ev_keys[:n_ev], ev_slots[:n_ev], ev_scores[:n_ev])
             if inserted:
-                self._init_rows(slots, keys, is_new)
+                self._init_rows(slots, keys, is_new, self._init_args() if init_rows else _NO_INIT)
             if failed:
                 if self.capacity < self.max_capacity:
                     self._grow()
@@ -549,7 +576,8 @@ class DynamicEmbedding(torch.nn.Module):
             values = values[torch.argsort(inv)] if n else values
             scores = scores[torch.argsort(inv)] if scores is not None and n else scores
         values = values.contiguous()  # here, not between the insert's host sync and the scatter's launch
-        slots, _, evicted = self._find_or_insert(uniq, touch=scores is None)
+        # new keys' rows are written by the scatter: no initializer pass over them first
+        slots, _, evicted = self._find_or_insert(uniq, touch=scores is None, init_rows=False)
         _ops.dynemb_scatter(slots, values, self._values, self._values_host)
         if scores is not None:
             self._scores.index_copy_(0, slots, scores)
@@ -570,6 +598,7 @@ class DynamicEmbedding(torch.nn.Module):
         found = slots[slots >= 0]
         if found.numel():
             self._digests.index_fill_(0, found, 0)
+            self._keys.index_copy_(0, found, _vacant_keys(found, self.bucket_size, self._locks.numel()))
             self._size -= found.numel()
             self._version += 1
         return found.numel()
