@@ -6,12 +6,8 @@
 # ($1: the git-ignored peers folder); then bench_dynamic_embedding.py. Short table last.
 #   bash benchmarks/run_device_foi.sh [peers_dir]
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PEERS=${1:-}
-export MAX_JOBS=16 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-( time timeout 200 python3 -m pip install --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-tail -3 "$OUT/build.log"
+source "$(dirname "$0")/device_build.sh"
 timeout 60 python3 -m pytest tests/test_dynamic_embedding.py -q -x -p no:cacheprovider -k "cuda and (erased or concurrent_claims)" > "$OUT/smoke.log" 2>&1
 rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 0 ] || exit 1
 (cd benchmarks && timeout 120 python3 ab_foi.py) > "$OUT/ab_foi.txt" 2>&1; echo "ab exit $?"
@@ -32,4 +28,5 @@ if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
   timeout 100 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"; grep -E "^dim|^\| *[01]\." "$OUT/hkv.txt"
 fi
 [ "${BENCH:-1}" = 1 ] && { timeout 150 python3 benchmarks/bench_dynamic_embedding.py --out "$OUT/bench_dynemb.md" > "$OUT/bench.log" 2>&1; echo "bench exit $?"; cat "$OUT/bench_dynemb.md"; }
+echo "== two-step test runs"; grep -E "passed|failed" "$OUT/pytest_twostep.log" | tail -1
 echo "== A/B (ab_foi.py)"; tail -22 "$OUT/ab_foi.txt"
