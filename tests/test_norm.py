@@ -272,6 +272,21 @@ def test_no_stats_without_grad(device):
     assert mean.numel() == 0 and rstd.numel() == 0
 
 
+def test_registered_autograd_matches_wrapper(device):
+    """The wrappers train through their own autograd.Function (_autograd.py); norm_fwd called directly
+    trains through the op's registered autograd. Same outputs and gradients, bitwise."""
+    x, r = make((37, 96), torch.float32, device, True), make((37, 96), torch.float32, device, True)
+    w, b = make((96,), torch.float32, device, True), make((96,), torch.float32, device, True)
+    y, s = torchfuse.layer_norm(x, w, b, residual=r, eps=1e-5)
+    assert "NormFunction" in type(y.grad_fn).__name__
+    y_op, _, s_op, _, _ = torch.ops.torchfuse.norm_fwd(x, r, None, w, b, None, None, 1e-5, 0, 0.0, None, True)
+    assert torch.equal(y, y_op) and torch.equal(s, s_op)
+    dy, ds = torch.randn_like(y), torch.randn_like(s)
+    ins = (x, r, w, b)
+    for a, c in zip(torch.autograd.grad((y, s), ins, (dy, ds)), torch.autograd.grad((y_op, s_op), ins, (dy, ds))):
+        assert torch.equal(a, c)
+
+
 def test_inference_op_refuses_grad(device):
     x = make((4, 32), torch.float32, device, True)
     w = torch.ones(32, device=device)

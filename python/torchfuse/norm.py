@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
+from ._autograd import function_for
 from ._stats import count
 
 LAYER_NORM, RMS_NORM_LLAMA, RMS_NORM_GEMMA = 0, 1, 2
@@ -103,9 +104,10 @@ def _norm(x, residual, residual2, weight, bias, weight2, bias2, eps, norm_type, 
         # the inference op: same kernel, no Python autograd layer, fewer arguments (decode latency)
         y, s = _infer(x, residual, weight, bias, eps, norm_type, weight_offset)
         return y if residual is None else (y, s)
-    y, y2, s, _, _ = _fwd(
-        x, residual, residual2, weight, bias, weight2, bias2, eps, norm_type, weight_offset, residual_dtype, save_stats
-    )
+    args = (x, residual, residual2, weight, bias, weight2, bias2, eps, norm_type, weight_offset, residual_dtype,
+            save_stats)
+    # training: the op's autograd without torch.library's per-call Python layer (_autograd.py)
+    y, y2, s, _, _ = _NormFunction.apply(*args) if save_stats else _fwd(*args)
     if weight2 is None:
         return y if residual is None else (y, s)
     return (y, y2) if residual is None else (y, y2, s)
@@ -204,3 +206,4 @@ def _backward(ctx, dy, dy2, ds, _dmean, _drstd):
 
 
 torch.library.register_autograd("torchfuse::norm_fwd", _backward, setup_context=_setup_context)
+_NormFunction = function_for("NormFunction", _fwd, _setup_context, _backward)

@@ -1,0 +1,28 @@
+"""Training calls without torch.library's Python autograd layer.
+
+Ops keep their ``torch.library.register_autograd`` registration, so ``torch.ops.torchfuse.<op>`` is
+differentiable wherever it is called from. That layer, though, re-reads the op's whole schema on every
+differentiable call (``torch._library.utils.fill_defaults``): 40-60 us per call on a CPU core for
+ops of 12-15 arguments, longer than the kernels themselves at small shapes. The public wrappers
+therefore run training calls through a plain ``torch.autograd.Function`` built here from the same
+setup_context and backward, so both paths compute the same gradients.
+"""
+from typing import Callable
+
+import torch
+
+
+def function_for(name: str, op, setup_context: Callable, backward: Callable):
+    """An autograd.Function whose forward is ``op(*args)`` followed by ``setup_context(ctx, args,
+    output)`` and whose backward is ``backward(ctx, *grads)``: register_autograd's contract. Inside
+    forward grad mode is off, so the op dispatches straight to its kernels."""
+
+    def forward(ctx, *args):
+        out = op(*args)
+        setup_context(ctx, args, out)
+        return out
+
+    def bwd(ctx, *grads):
+        return backward(ctx, *grads)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(bwd)})
