@@ -481,6 +481,35 @@ def test_compat_fbgemm(device):
         fb.jagged_to_padded_dense(values, [offsets, offsets], [6, 6])
 
 
+# ---------------------------------------------------------------- the wrappers' autograd path
+
+
+def test_wrappers_train_like_registered_ops(device):
+    """The wrappers train through autograd.Functions (torchfuse/_autograd.py); the ops called directly
+    through their registered autograd. Same outputs and gradients, bitwise, for each such op."""
+    lengths = rand_lengths(7, 9, device)
+    off = offsets_of(lengths)
+    T, L = int(lengths.sum()), 9
+    v = rand_values(T, (5,), torch.float32, device).requires_grad_()
+    d = torch.randn(7, L, 5, device=device, requires_grad=True)
+    idx = torch.tensor([3, 0, 3, 6], device=device)
+    out_len = int(lengths[idx].sum())
+    ops = torch.ops.torchfuse
+    cases = [
+        (torchfuse.jagged_to_padded_dense(v, off, L, 0.5), ops.jagged_to_padded_dense(v, off, L, 0.5), (v,)),
+        (torchfuse.dense_to_jagged(d, off, T), ops.dense_to_jagged(d, off, T), (d,)),
+        (torchfuse.jagged_dense_mul(v, off, d), ops.jagged_dense_mul(v, off, d), (v, d)),
+        (torchfuse.jagged_index_select(v, lengths, idx, out_len)[0],
+         ops.jagged_index_select(v, lengths, idx, out_len)[0], (v,)),
+    ]
+    for mine, theirs, ins in cases:
+        assert type(mine.grad_fn).__name__ != type(theirs.grad_fn).__name__  # really two paths
+        assert torch.equal(mine, theirs)
+        g = torch.randn_like(mine)
+        for a, b in zip(torch.autograd.grad(mine, ins, g), torch.autograd.grad(theirs, ins, g)):
+            assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- torch.compile and meta tensors
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
+from ._autograd import function_for
 from ._stats import count
 
 _ops = torch.ops.torchfuse
@@ -34,27 +35,27 @@ def jagged_to_padded_dense(values: Tensor, offsets: Tensor, max_length: int, pad
     """(T, *D) jagged -> (B, max_length, *D) dense; rows past a sample's length are ``padding_value``.
     Rows at positions >= max_length are dropped (their gradient is 0). Differentiable in values."""
     count("jagged_to_padded_dense")
-    return _ops.jagged_to_padded_dense(values, offsets, max_length, padding_value)
+    return _call("jagged_to_padded_dense", values, offsets, max_length, padding_value)
 
 
 def dense_to_jagged(dense: Tensor, offsets: Tensor, total_length: Optional[int] = None) -> Tensor:
     """(B, L, *D) dense -> (T, *D) jagged with T = total_length (default offsets[-1], a device sync).
     Row ``offsets[b] + p`` is ``dense[b, p]``; positions p >= L give zeros. Differentiable in dense."""
     count("dense_to_jagged")
-    return _ops.dense_to_jagged(dense, offsets, total_length)
+    return _call("dense_to_jagged", dense, offsets, total_length)
 
 
 def jagged_dense_add(values: Tensor, offsets: Tensor, dense: Tensor) -> Tensor:
     """Jagged ``values[offsets[b] + p] + dense[b, p]`` (dense (B, L, *D), same dtype); positions
     p >= L keep ``values``. Float dtypes only; differentiable in values and dense."""
     count("jagged_dense_add")
-    return _ops.jagged_dense_add(values, offsets, dense)
+    return _call("jagged_dense_add", values, offsets, dense)
 
 
 def jagged_dense_mul(values: Tensor, offsets: Tensor, dense: Tensor) -> Tensor:
     """Jagged ``values[offsets[b] + p] * dense[b, p]``; positions p >= L become 0."""
     count("jagged_dense_mul")
-    return _ops.jagged_dense_mul(values, offsets, dense)
+    return _call("jagged_dense_mul", values, offsets, dense)
 
 
 def concat_2d_jagged(
@@ -74,7 +75,7 @@ def concat_2d_jagged(
     rows, not by max_len x B). Every row of each input must belong to a sample (offsets[-1] = T).
     Never syncs. Differentiable in both values."""
     count("concat_2d_jagged")
-    return _ops.concat_2d_jagged(values_left, offsets_left, values_right, offsets_right, max_len_left,
+    return _call("concat_2d_jagged", values_left, offsets_left, values_right, offsets_right, max_len_left,
                                  max_len_right, n_prefix_from_right)
 
 
@@ -92,7 +93,7 @@ def split_2d_jagged(
     With a dense side, or with total_len_left / total_len_right given, no device sync; otherwise
     offsets_left[-1] is read. Differentiable in values."""
     count("split_2d_jagged")
-    return _ops.split_2d_jagged(values, offsets_left, offsets_right, max_len_left, max_len_right,
+    return _call("split_2d_jagged", values, offsets_left, offsets_right, max_len_left, max_len_right,
                                 n_prefix_to_right, total_len_left, total_len_right)
 
 
@@ -115,7 +116,7 @@ def jagged_index_select(values: Tensor, lengths: Tensor, indices: Tensor,
     its lengths). Returns ``(values, lengths)``. total_length (the selected rows, default read from
     the device) spares a sync. Differentiable in values (repeated indices add up)."""
     count("jagged_index_select")
-    return _ops.jagged_index_select(values, lengths, indices, total_length)
+    return _call("jagged_index_select", values, lengths, indices, total_length)
 
 
 def validate_jagged(values: Tensor, offsets: Tensor, exact: bool = False) -> None:
@@ -369,6 +370,7 @@ def _bwd_index_select(ctx, grad, _glen):
     return gv, None, None, None
 
 
+_OPS, _FUNCTIONS = {}, {}
 for _name, _bwd, _setup in [
     ("jagged_to_padded_dense", _bwd_to_padded, _setup_to_padded),
     ("dense_to_jagged", _bwd_to_jagged, _setup_to_jagged),
@@ -381,3 +383,14 @@ for _name, _bwd, _setup in [
     ("jagged_index_select", _bwd_index_select, _setup_index_select),
 ]:
     torch.library.register_autograd(f"torchfuse::{_name}", _bwd, setup_context=_setup)
+    if _name not in ("jagged_concat", "jagged_split"):  # list arguments: Function.apply does not track those
+        _OPS[_name] = getattr(_ops, _name).default
+        _FUNCTIONS[_name] = function_for(_name, _OPS[_name], _setup, _bwd)
+
+
+def _call(name: str, *args):
+    """The op, through its autograd.Function when a gradient can flow (_autograd.py: the same gradients
+    as the op's registered autograd, without its per-call Python layer)."""
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        return _FUNCTIONS[name].apply(*args)
+    return _OPS[name](*args)
