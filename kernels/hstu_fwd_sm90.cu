@@ -171,6 +171,31 @@ __device__ __forceinline__ BlockWork block_work(const tf_hstu_params &p, int q_t
     }
     return w;
 }
+/* What the consumers need of an item's BlockWork, handed over by the producer in shared memory: the
+ * fields that take global loads (offsets, num_targets) or 64-bit divisions to find. The rest of the
+ * mask is kernel parameters, rebuilt by the consumers. Not the whole BlockWork: the producer writes
+ * the slot from its 24 registers, and the whole struct measured 180-188 bytes of spill stores in
+ * ptxas -v against these fields' 148-152. */
+struct WorkSlot {
+    int64_t b, q_start;
+    int h, i0, pos0, rows_here, kt_lo, kt_hi, n, t;  // n: the sequence's length, t: its targets
+    bool active;                                     // false: no more items, the block ends
+};
+__device__ __forceinline__ WorkSlot work_slot_of(const BlockWork &w) {
+    WorkSlot ws;
+    ws.b = w.b;
+    ws.q_start = w.s.q_start;
+    ws.h = w.h;
+    ws.i0 = w.i0;
+    ws.pos0 = w.pos0;
+    ws.rows_here = w.rows_here;
+    ws.kt_lo = w.kt_lo;
+    ws.kt_hi = w.kt_hi;
+    ws.n = w.s.n;
+    ws.t = w.s.mask.t;
+    ws.active = w.active;
+    return ws;
+}
 /* Can the warpgroup whose first row is at position wpos0 reach key tile kt? (uniform per warpgroup) */
 struct Reach {
     int lo = 1 << 30, hi = -1;
@@ -216,13 +241,20 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
     // Persistent: one block per SM; its producer warp takes work items from a global counter (greedy,
     // in the order longest first within an L2 section: a static stride per block measured 0.8x the
-    // one-block-per-item launch on jagged batches of few sequences) and hands each to the consumers
-    // through item_slot, under named barriers 5 (written) and 6 (read) over the producer warp and the
-    // consumers (288 threads; an mbarrier would order it too, but compute-sanitizer's racecheck does
-    // not see that). The ring position g (K/V tiles so far) and the Q count qn run on across items, so
-    // the producer loads the next item's Q and first K/V tiles while the consumers finish this one.
-    // item_slot -1 ends the block.
-    __shared__ int item_slot;
+    // one-block-per-item launch on jagged batches of few sequences) and hands each to the consumers,
+    // block_work already done (WorkSlot): computing it again after the hand-over put its global loads
+    // and divisions on the consumers' path, ~1 us per item, exposed where items are short. Hand-over k:
+    //   producer: work_slot[k % 2] = the item, bar.sync 6 (k > 0), bar.arrive 5;
+    //   consumers: bar.sync 5, copy work_slot[k % 2] to registers, bar.arrive 6 (not after the last).
+    // Named barriers 5 (written) and 6 (read) span the producer warp and the consumers (288 threads; an
+    // mbarrier would order it too, but compute-sanitizer's racecheck does not see that). Two slots so
+    // that the producer can write before its bar.sync 6, not holding the slot's fields in registers
+    // across the wait. Slot k % 2 is free by then: hand-over k - 2's readers copied it before their
+    // arrival at 6, which hand-over k - 1's bar.sync 6 waited for. The producer gets no further ahead
+    // than before: hand-over k + 1 waits for the consumers to take hand-over k. The ring position g
+    // (K/V tiles so far) and the Q count qn run on across items, so the producer loads the next item's
+    // Q and first K/V tiles while the consumers finish this one. A slot with active false ends the block.
+    __shared__ WorkSlot work_slot[2];
     if (wg == 0) {  // producer
         // 24 here and 240 for the consumers: what this frees (144 x 128) is exactly what they take
         // (72 x 256) of the 168 x 384 the block launched with; an increase with no freed registers
@@ -233,11 +265,20 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             auto next_item = [&]() { return __shfl_sync(0xffffffffu, leader ? atomicAdd(p.sched, 1) : 0, 0); };
             int g = 0, qn = 0, handed = 0, item = next_item();
             for (;;) {
+                // The next active item, written to its slot as soon as it is known: w's fields that the
+                // loads below do not use would otherwise stay live across the search loop (spills).
                 BlockWork w;
-                while (item < items && !(w = block_work<BN>(p, q_tiles, section, item)).active) item = next_item();
-                if (handed++ > 0) named_bar_sync_n(6, 288);  // the consumers have read the last slot
-                if (leader) item_slot = item < items ? item : -1;
+                for (;; item = next_item()) {
+                    if (item >= items) {
+                        if (leader) work_slot[handed & 1].active = false;
+                        break;
+                    }
+                    w = block_work<BN>(p, q_tiles, section, item);
+                    if (leader) work_slot[handed & 1] = work_slot_of(w);
+                    if (w.active) break;
+                }
                 __syncwarp();
+                if (handed++ > 0) named_bar_sync_n(6, 288);  // the consumers have taken the last hand-over
                 named_bar_arrive_n(5, 288);
                 if (item >= items) break;
                 item = next_item();  // the next one, fetched ahead
@@ -271,13 +312,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const float c_h = 0.5f * (float)p.alpha * (float)p.inv_scale, c_t = 0.5f * (float)p.alpha;
         const uint32_t q_addr = smem_u32(Qs) + cw * 64 * 128;
         int g = 0, qn = 0;
-        for (;;) {
+        for (int k = 0;; ++k) {
             named_bar_sync_n(5, 288);
-            const int item = item_slot;
-            if (item < 0) break;
-            named_bar_arrive_n(6, 288);  // read: the producer may write the next
-            const BlockWork w = block_work<BN>(p, q_tiles, section, item);
-            const HstuSeq &s = w.s;
+            // copied before arriving at 6: from then on the producer may rewrite this slot (hand-over k + 2)
+            const WorkSlot w = work_slot[k & 1];
+            if (!w.active) break;
+            named_bar_arrive_n(6, 288);
+            const tf_hstu_mask mask = tf_hstu_mask_make(w.n, w.t, p.contextual, p.max_attn_len, p.min_full, p.group);
             const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
             const int wpos0 = w.pos0 + 64 * cw;
             float o[D / 2];
@@ -286,7 +327,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             if (kt_lo <= kt_hi) {
                 mbar_wait(&q_full, qn & 1);
                 ++qn;
-                const Reach reach(s.mask, wpos0);
+                const Reach reach(mask, wpos0);
                 float sacc[BN / 2];
                 uint32_t pa[BN / 16][4];
 #pragma unroll
@@ -295,14 +336,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     for (int kt = kt_lo; kt <= kt_hi; ++kt) {
                         const int gi = g + kt - kt_lo, st = gi % ST;
                         mbar_wait(&full_bar[st], (gi / ST) & 1);
-                        if (kt * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt * BN, cw);
+                        if (kt * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, w.n - kt * BN, cw);
                         if (reach.tile<BN>(kt)) {
                             tf_wgmma_fence();
                             tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + st * KV_BYTES));
                             tf_wgmma_commit();
                             tf_wgmma_wait<0>();
                             tf_wgmma_reg_fence(sacc);
-                            elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt * BN, c_h, c_t);
+                            elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, kt * BN, c_h, c_t);
                             tf_wgmma_fence();
                             tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
                             tf_wgmma_commit();
@@ -334,7 +375,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     tf_wgmma_reg_fence(sacc);
                     for (int j = kt_lo; j < kt_hi; ++j) {
                         const int gi = g + j - kt_lo, st = gi % ST, nst = (gi + 1) % ST;
-                        elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, j * BN, c_h, c_t);
+                        elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, j * BN, c_h, c_t);
                         mbar_wait(&full_bar[nst], ((gi + 1) / ST) & 1);
                         named_bar_sync(mine);
                         tf_wgmma_fence();
@@ -351,9 +392,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     if (threadIdx.x % 32 == 0) mbar_arrive(&q_empty);  // every S of this item is done
                     {  // the last tile: its P V alone
                         const int st = (g + kt_hi - kt_lo) % ST;
-                        elementwise<T, BN>(sacc, pa, p, s.mask, w.b, w.h, wpos0, kt_hi * BN, c_h, c_t);
+                        elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, kt_hi * BN, c_h, c_t);
                         // only the last tile can run past the sequence's end
-                        if (kt_hi * BN + BN > s.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, s.n - kt_hi * BN, cw);
+                        if (kt_hi * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, w.n - kt_hi * BN, cw);
                         named_bar_sync(mine);
                         tf_wgmma_fence();
                         tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
@@ -367,7 +408,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 }
                 g += kt_hi - kt_lo + 1;
             }
-            store_o<T, D>(o, p, s.q_start + w.i0, w.h, 64 * cw, w.rows_here);
+            store_o<T, D>(o, p, w.q_start + w.i0, w.h, 64 * cw, w.rows_here);
         }
     }
 #endif
