@@ -3,7 +3,7 @@ batches, 60% present, fresh keys per call): step 1 claiming empty slots itself (
 two-step form (TORCHFUSE_DYNEMB_FOI_CLAIM=0: step 1 only probes, step 2 inserts every miss). (Session 8
 also tried step 1 listing step 2's keys after its row work: slower at 7 of 9 find_or_insert cases.) Calls of
 the two forms alternate on one table, so both see the same load factor drift (+2.5% per call).
-Usage: python benchmarks/ab_foi.py [--dims 8,64,128] [--lfs 0.5,0.75,1.0] [--reps 3]"""
+Usage: python benchmarks/ab_foi.py [--dims 8,64,128] [--lfs 0.5,0.75,1.0] [--reps 4]"""
 import argparse
 import os
 
