@@ -470,10 +470,27 @@ DynembFoiResult find_or_insert_cpu(const at::Tensor &query, at::Tensor &keys, at
     return f.result();
 }
 
+DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                            at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
+                                            at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                                            int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
+                                            int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
+                                            bool with_rows) {
+    const DynembFoiResult r = find_or_insert_cpu(query, keys, digests, scores, marks, locks, values, values_host, state,
+                                                 state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind,
+                                                 a, b, seed, with_rows);
+    const int64_t *h = std::get<4>(r).data_ptr<int64_t>();
+    const int64_t c[3] = {h[0], h[1], h[2]};
+    return finish_find_or_insert(r, c, values, state, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
+        return evict_rows_cpu(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
+    });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("dynemb_find_or_insert", &find_or_insert_cpu);
+    m.impl("dynemb_find_or_insert_sync", &find_or_insert_sync_cpu);
     m.impl("dynemb_pool", &pool_cpu);
     m.impl("dynemb_segment_sum", &segsum_cpu);
     m.impl("dynemb_lookup", &lookup_cpu);

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <tuple>
 
 #include "../kernels/dynemb.h"
@@ -77,6 +78,30 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
                                  at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
                                  bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind, double a,
                                  double b, int64_t seed, bool with_rows, bool filled = true);
+
+// dynemb_find_or_insert_sync: find_or_insert, the host's wait for its counts, and the eviction row
+// work, in one op (what a find_or_insert call must finish before it returns, without the Python of a
+// second op and two clones per call): (slots, rows, is_new, evicted (4, n_evicted): the victims' keys,
+// slots, scores and the new keys' indices; the victims' values and state; the counts (inserted,
+// n_evicted, failed) as a CPU tensor: an op's int outputs would be data-dependent symbols to tracing).
+using DynembFoiSyncResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// The part after the host has the counts c (inserted, evicted, failed): evict_rows(slots, new_index,
+// rows) is the device's dynemb_evict_rows on the table (victims' rows and state out, new rows in).
+template <typename EvictRows>
+DynembFoiSyncResult finish_find_or_insert(const DynembFoiResult &r, const int64_t (&c)[3], const at::Tensor &values,
+                                          const at::Tensor &state, EvictRows evict_rows) {
+    const auto &[slots, rows, is_new, evicted, counts] = r;
+    const int64_t n_ev = c[1];
+    at::Tensor host = at::empty({3}, evicted.options().device(at::kCPU));
+    std::copy(c, c + 3, host.data_ptr<int64_t>());
+    if (n_ev == 0)
+        return {slots, rows, is_new, at::empty({4, 0}, evicted.options()), at::empty({0, values.size(1)}, values.options()),
+                at::empty({0, state.size(1)}, state.options()), host};
+    at::Tensor ev = evicted.narrow(1, 0, n_ev).clone();  // its own storage: the (4, n) buffer is freed now
+    at::Tensor rows_out = rows;
+    auto [old_values, old_state] = evict_rows(ev.select(0, 1), ev.select(0, 3), rows_out);
+    return {slots, rows, is_new, ev, old_values, old_state, host};
+}
 
 // ---- table-batched ops (dynemb_group.cpp): per-table kernel parameters over a concatenated batch ----
 

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <unordered_map>
+
 #include "dynemb.h"
 #include "tf_check.h"
 
@@ -223,6 +225,44 @@ DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, a
     return f.result();
 }
 
+// A pinned buffer for an op's counts, per thread and device: allocated once, as the host waits on
+// it at every find_or_insert call.
+int64_t *pinned_counts() {
+    thread_local std::unordered_map<int, int64_t *> bufs;
+    int64_t *&buf = bufs[c10::cuda::current_device()];
+    if (!buf) {
+        const cudaError_t e = cudaHostAlloc(reinterpret_cast<void **>(&buf), 4 * sizeof(int64_t), cudaHostAllocPortable);
+        TORCH_CHECK(e == cudaSuccess, "torchfuse.dynemb: cudaHostAlloc of the counts buffer failed: ",
+                    cudaGetErrorString(e));
+    }
+    return buf;
+}
+
+DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                             at::Tensor &scores, at::Tensor &marks, at::Tensor &locks,
+                                             at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
+                                             at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
+                                             bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
+                                             double a, double b, int64_t seed, bool with_rows) {
+    const c10::cuda::CUDAGuard guard(keys.device());
+    const DynembFoiResult r = find_or_insert_cuda(query, keys, digests, scores, marks, locks, values, values_host, state,
+                                                  state_host, bucket_size, epoch, allow_evict, policy, clock,
+                                                  init_kind, a, b, seed, with_rows);
+    int64_t c[3] = {0, 0, 0};
+    if (query.numel() > 0) {  // the counts into pinned memory behind the kernels, then the host waits
+        int64_t *h = pinned_counts();
+        const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+        check_launch(cudaMemcpyAsync(h, std::get<4>(r).data_ptr<int64_t>(), 3 * sizeof(int64_t),
+                                     cudaMemcpyDeviceToHost, s),
+                     "dynemb find-or-insert counts copy");
+        check_launch(cudaStreamSynchronize(s), "dynemb find-or-insert kernels (at the host's wait)");
+        for (int i = 0; i < 3; ++i) c[i] = h[i];
+    }
+    return finish_find_or_insert(r, c, values, state, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
+        return evict_rows_cuda(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
+    });
+}
+
 // ---- table-batched ops (parameters: dynemb_group.cpp) ----
 
 at::Tensor group_lookup_cuda(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
@@ -310,6 +350,7 @@ at::Tensor group_pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, c
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("dynemb_find_or_insert", &find_or_insert_cuda);
+    m.impl("dynemb_find_or_insert_sync", &find_or_insert_sync_cuda);
     m.impl("dynemb_group_lookup", &group_lookup_cuda);
     m.impl("dynemb_group_insert", &group_insert_cuda);
     m.impl("dynemb_group_init", &group_init_cuda);

@@ -634,6 +634,8 @@ def test_ops_opcheck(device):
     f32 = dict(device=device, dtype=torch.float32)
     t128 = DynamicEmbedding(5, 128, device=device, bucket_size=128)  # find_or_insert's quarter-warp path on the GPU
     t128.insert(_t([3, 7], device), torch.ones(2, 5, device=device))
+    full = DynamicEmbedding(5, 16, device=device, bucket_size=16, optimizer=tfo.Adam(0.1))  # one full bucket: evicts
+    full.insert(_t(list(range(1000, 1016)), device), torch.randn(16, 5, device=device))
     cases = [
         (ops.dynemb_lookup.default, (q, t._keys, t._digests, t._marks.clone(), t.bucket_size, 0)),
         (ops.dynemb_find.default, (q, t._keys, t._digests, t._marks, t._values, t._values_host, t.bucket_size)),
@@ -657,6 +659,17 @@ def test_ops_opcheck(device):
                                              t128._scores.clone(), t128._marks.clone(), t128._locks.clone(),
                                              t128._values.clone(), t128._values_host.clone(), t128._state.clone(),
                                              t128._state_host.clone(), 128, 6, True, 0, 9, 2, -1.0, 1.0, 3, True)),
+        (ops.dynemb_find_or_insert_sync.default, (_t([3, 99, 100, 5], device), t128._keys.clone(),
+                                                  t128._digests.clone(), t128._scores.clone(), t128._marks.clone(),
+                                                  t128._locks.clone(), t128._values.clone(),
+                                                  t128._values_host.clone(), t128._state.clone(),
+                                                  t128._state_host.clone(), 128, 6, True, 0, 9, 2, -1.0, 1.0, 3, True)),
+        (ops.dynemb_find_or_insert_sync.default, (_t([3, 99, 100, 5, 6, 8], device), full._keys.clone(),
+                                                  full._digests.clone(), full._scores.clone(), full._marks.clone(),
+                                                  full._locks.clone(), full._values.clone(),
+                                                  full._values_host.clone(), full._state.clone(),
+                                                  full._state_host.clone(), 16, 6, True, 0, 9, 2, -1.0, 1.0, 3,
+                                                  False)),
         (ops.dynemb_segment_update.default, (torch.randn(4, 5, **f32), _t([1, 0, 2, 3], device),
                                              _t([0, 2, 4], device), None, None, found[:2], t._values.clone(),
                                              t._values_host.clone(), t._state.clone(), t._state_host.clone(), 3, 0.1,
@@ -737,6 +750,42 @@ def test_find_or_insert_full_table_rows(device, dtype, bucket_size, n_first, n_n
         torch.testing.assert_close(st, state_before[k], rtol=0, atol=0)
     new_slots = t._lookup(q[new])
     assert bool((t._state[new_slots] == 0).all())  # new keys start with zeroed optimizer state
+
+
+@pytest.mark.parametrize("bucket_size", [32, 128])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_find_or_insert_sync_op_matches_python_path(device, policy, bucket_size, monkeypatch):
+    """dynemb_find_or_insert_sync (the host's wait and the eviction rows inside the op) against the
+    form that does both in Python after dynemb_find_or_insert: on twin full tables (4 buckets, Adam
+    state; 128-slot buckets take the quarter-warp kernels on the GPU), batches with found, new and
+    evicting keys give the same rows, the same keys and rows in the table, the same size and the same
+    evicted keys, rows, state and scores."""
+    import torchfuse.dynamic_embedding as de
+    n_first, n_batch = 15 * bucket_size // 8, 15 * bucket_size // 16  # per bucket: ~47% and ~23% of its slots
+    tabs = [DynamicEmbedding(6, 4 * bucket_size, device=device, bucket_size=bucket_size, eviction=policy,
+                             optimizer=tfo.Adam(0.1), initializer=("uniform", -1.0, 1.0), seed=3) for _ in range(2)]
+    first = _t(_keys(n_first), device)
+    for t in tabs:
+        t.insert(first, torch.arange(n_first * 6, device=device, dtype=torch.float32).reshape(n_first, 6))
+        t._state.copy_(torch.arange(t._state.numel(), device=device, dtype=torch.float32).reshape(t._state.shape))
+    pool = first.tolist() + _keys(4 * n_first)
+    for step in range(6):
+        q = torch.unique(_t(random.sample(pool, n_batch), device))
+        out = []
+        for in_op, t in zip((True, False), tabs):
+            monkeypatch.setattr(de, "_FOI_SYNC_IN_OP", in_op)
+            out.append(t.find_or_insert(q, unique=True))
+        torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+        assert len(tabs[0]) == len(tabs[1]) == int((tabs[0]._digests != 0).sum())
+    (k0, v0, s0, sc0), (k1, v1, s1, sc1) = (t.drain_evicted() for t in tabs)
+    assert k0.numel() > 0 and sorted(k0.tolist()) == sorted(k1.tolist())
+    o0, o1 = torch.argsort(k0), torch.argsort(k1)
+    for a, b in ((v0, v1), (s0, s1), (sc0, sc1)):
+        torch.testing.assert_close(a[o0], b[o1], rtol=0, atol=0)
+    c0, c1 = tabs[0]._compact(), tabs[1]._compact()
+    o0, o1 = torch.argsort(c0[0]), torch.argsort(c1[0])
+    for a, b in zip(c0, c1):
+        torch.testing.assert_close(a[o0], b[o1], rtol=0, atol=0)
 
 
 def test_find_or_insert_concurrent_claims(device):

@@ -17,6 +17,10 @@ from ._stats import count
 
 _ops = torch.ops.torchfuse
 _find_or_insert_op = _ops.dynemb_find_or_insert.default  # the overload itself: called ahead of every launch
+_find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default
+# find_or_insert at full capacity: the host's wait and the eviction rows inside the op (True), or in
+# Python after it (False: the form before; kept for benchmarks/ab_foi.py's A/B)
+_FOI_SYNC_IN_OP = True
 _EVICTIONS = ("lru", "lfu", "none")
 _INIT_KINDS = {"normal": 1, "uniform": 2, "constant": 3}
 _NO_INIT = (0, 0.0, 0.0)  # TF_INIT_NONE: rows left as they are, optimizer state zeroed
@@ -344,17 +348,32 @@ class DynamicEmbedding(torch.nn.Module):
                          *init, self.seed)
 
     def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool, init_rows: bool = True):
-        """_find_or_insert at full capacity (no growth to decide first) in one op, two kernels on the
-        GPU (dynemb_find_or_insert: probe, insert, init, touch and the rows out). Returns (slots,
-        is_new, evicted or None, rows or None); with_rows (find_or_insert: the rows only) returns
-        slots and is_new as None. The host waits once, on the counts: the GPU idles for what the
-        host does before the kernels are launched and after that wait (until the eviction kernel's
-        launch, when there is one), so both stay short. init_rows=False leaves new rows unwritten (their
-        optimizer state is still zeroed): for callers that write them next."""
+        """_find_or_insert at full capacity (no growth to decide first) in one op: dynemb_find_or_insert_sync
+        (probe, insert, init, touch and the rows out in two kernels on the GPU, then the host's wait on
+        the counts and, when keys were evicted, the eviction-rows kernel). Returns (slots, is_new,
+        evicted or None, rows or None). The GPU idles for what the host does before the kernels are
+        launched and after that wait, so both stay in C++ but for the bookkeeping. init_rows=False
+        leaves new rows unwritten (their optimizer state is still zeroed): for callers that write them
+        next."""
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
         init = self._init_args() if init_rows else _NO_INIT
+        if _FOI_SYNC_IN_OP:
+            slots, rows, is_new, ev, old_values, old_state, counts = _find_or_insert_sync_op(
+                keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values,
+                self._values_host, self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none",
+                policy, clock, *init, self.seed, with_rows)
+            inserted, n_ev, failed = counts.tolist()
+            self._bump("_size", inserted - n_ev)
+            saved = None
+            if n_ev:  # ev: the op's own (4, n_ev) copy, so its rows are kept as they are
+                saved = (ev[0], old_values, old_state, ev[2])
+                self._record_evicted(saved)
+                self._bump("_version")
+            if failed:
+                raise RuntimeError(self._full_message(failed))
+            return slots, is_new, saved, rows if with_rows else None
         slots, rows, is_new, evicted, counts = _find_or_insert_op(
             keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values, self._values_host,
             self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none", policy, clock,
@@ -859,6 +878,17 @@ def _find_or_insert_fake(query, keys, digests, scores, marks, locks, values, val
     n = query.shape[0]
     return (query.new_empty((n,)), values.new_empty((n if with_rows else 0, values.shape[1])),
             query.new_empty((n,), dtype=torch.uint8), query.new_empty((4, n)), query.new_empty((3,)))
+
+
+@torch.library.register_fake("torchfuse::dynemb_find_or_insert_sync")
+def _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
+                              bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows):
+    n = query.shape[0]
+    n_ev = torch.library.get_ctx().new_dynamic_size()
+    return (query.new_empty((n,)), values.new_empty((n if with_rows else 0, values.shape[1])),
+            query.new_empty((n,), dtype=torch.uint8), query.new_empty((4, n_ev)),
+            values.new_empty((n_ev, values.shape[1])), state.new_empty((n_ev, state.shape[1])),
+            query.new_empty((3,), device="cpu"))
 
 
 @torch.library.register_fake("torchfuse::dynemb_touch")
