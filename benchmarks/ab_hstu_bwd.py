@@ -1,12 +1,13 @@
 """A/B of the HSTU backward kernels in one process: the same inputs, `torch.ops.torchfuse.hstu_bwd` timed
-with TORCHFUSE_HSTU_SM90_BWD=0 (the mma.sync kernel) and =1 (the sm_90a wgmma one where it applies:
-blocks in one section, TORCHFUSE_HSTU_BWD_SECTION=0, and in L2-sized sections, the default),
+with TORCHFUSE_HSTU_SM90_BWD=0 (the mma.sync kernel) and =1 (the sm_90a wgmma one where it applies, head
+dims up to 256: blocks in one section, TORCHFUSE_HSTU_BWD_SECTION=0, and in L2-sized sections, the default),
 in turns, best of `--rounds`; the two kernels' gradients compared (max abs difference, against the
 largest gradient), and, with generative-recommenders on the path, its Triton backward timed on the same
 inputs. TFLOP/s by the issue's count (2.5x bench_hstu.flops_fwd). Shapes: bench_hstu's five (full length
-and U[N/2, N]) plus its targets and window cases.
+and U[N/2, N], 16x4096x256 included) plus its targets and window cases; --shapes d256: the head-dim-256
+ones only.
 
-    python benchmarks/ab_hstu_bwd.py [--rounds 3] [--out ab_bwd.md] [--no-triton]
+    python benchmarks/ab_hstu_bwd.py [--rounds 3] [--out ab_bwd.md] [--no-triton] [--shapes all|first|d256]
 """
 import argparse
 import os
@@ -26,7 +27,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-triton", action="store_true")
-    ap.add_argument("--shapes", default="all", help="all, or 'first' (16x1024x128 full only: a smoke run)")
+    ap.add_argument("--shapes", default="all", choices=["all", "first", "d256"],
+                    help="all; 'first' (16x1024x128 full only: a smoke run); 'd256' (the head-dim-256 shapes only)")
     a = ap.parse_args()
     triton_mha = None
     if not a.no_triton:
@@ -48,6 +50,8 @@ def main():
               ((16, 4096, 128), "U[N/2,N], 16 targets", dict(varied=True, targets=16))]
     if a.shapes == "first":
         cases = cases[:1]
+    elif a.shapes == "d256":
+        cases = [c for c in cases if c[0][2] == 256]
     lines = ["| B x N x D | lengths | mma.sync | wgmma, one section | wgmma, L2 sections | best wgmma / mma.sync | Triton "
              "| best wgmma / Triton | max diff / max |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]

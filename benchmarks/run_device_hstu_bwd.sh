@@ -12,17 +12,17 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 ( time python3 -m pip install --no-build-isolation --no-deps -e . ) > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 tail -3 "$OUT/build.log"
 T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
-timeout 60 $T -x -k "test_backward and cuda-wgmma and bfloat16 and (plain_h2_d64 or d128_h4)" > "$OUT/smoke.log" 2>&1
+timeout 60 $T -x -k "test_backward and cuda-wgmma and bfloat16 and (plain_h2_d64 or d128_h4 or d256_dv32)" > "$OUT/smoke.log" 2>&1
 rc=$?; echo "smoke tests exit $rc"; tail -15 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
 timeout 60 python3 benchmarks/ab_hstu_bwd.py --shapes first --no-triton --rounds 1 2>&1 | tail -2
 echo "smoke bench exit $?"
 timeout ${TEST_TIMEOUT:-240} $T -k "cuda or kernel_choice" > "$OUT/pytest.log" 2>&1
 echo "pytest exit $?"; grep -E "passed|failed|^FAILED|Error" "$OUT/pytest.log" | head -30
-SEL="test_backward and cuda-wgmma and bfloat16 and (plain_h2_d64 or targets_groups_context or window_minfull or long_d128 or dqk32 or strided or isolated)"
+SEL="test_backward and cuda-wgmma and bfloat16 and (plain_h2_d64 or targets_groups_context or window_minfull or long_d128 or dqk32 or strided or isolated or d192_dv256 or d256_targets_context)"
 timeout ${MEMCHECK_TIMEOUT:-150} compute-sanitizer --tool memcheck --print-limit 5 $T -x -k "$SEL" > "$OUT/memcheck.log" 2>&1
 echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3; grep -m5 -E "Invalid|out of bounds" "$OUT/memcheck.log"
 timeout ${RACECHECK_TIMEOUT:-120} compute-sanitizer --tool racecheck --print-limit 5 $T -x \
-  -k "test_backward and cuda-wgmma and bfloat16 and (plain_h2_d64 or long_d128)" > "$OUT/racecheck.log" 2>&1
+  -k "test_backward and cuda-wgmma and bfloat16 and (plain_h2_d64 or long_d128 or d192_dv256)" > "$OUT/racecheck.log" 2>&1
 echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -3; grep -m5 -E "hazard|Race" "$OUT/racecheck.log"
 # memcheck at a benchmark-sized jagged shape with targets (4 sequences of U[2048, 4096], 16 targets each)
 timeout ${MEMCHECK_BIG_TIMEOUT:-90} compute-sanitizer --tool memcheck --print-limit 5 python3 -c "

@@ -200,7 +200,7 @@ int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream);
 int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream);
 /* Needs p->dq_acc (fp32, zeroed) and, with a bias gradient, p->dbias (fp32, zeroed). */
 int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream);
-/* The sm_90a (TMA + wgmma) backward, 16-bit dtypes, head dims up to 128, no attn_bias: -1 when it does
+/* The sm_90a (TMA + wgmma) backward, 16-bit dtypes, head dims up to 256, no attn_bias: -1 when it does
  * not apply (as tf_hstu_fwd_sm90, or TORCHFUSE_HSTU_SM90_BWD=0); tf_hstu_bwd_cuda tries it first. */
 int tf_hstu_bwd_sm90(const tf_hstu_params *p, void *stream);
 

@@ -1,5 +1,5 @@
 /* HSTU attention backward on CUDA (semantics: hstu.h). tf_hstu_bwd_cuda first offers the call to the
- * sm_90a wgmma kernel (hstu_bwd_sm90.cu: compute capability 9.0, 16-bit, head dims up to 128, no
+ * sm_90a wgmma kernel (hstu_bwd_sm90.cu: compute capability 9.0, 16-bit, head dims up to 256, no
  * attn_bias); the kernels here run everywhere else.
  *
  * Tensor-core kernel (bf16 / fp16), FlashAttention-2 backward structure: one block of 8 warps per

@@ -1,27 +1,36 @@
 /* HSTU attention backward on Hopper (sm_90a): warp-specialized, TMA loads, warpgroup MMA (wgmma).
  *
  * Same semantics as hstu_bwd_mma (hstu_bwd.cu), FlashAttention-2's backward order: one block per (key
- * tile of kBN = 128 keys, sequence, head); (sequence, head) pairs in sections whose Q and dO fit in L2,
+ * tile of kBN keys, sequence, head); (sequence, head) pairs in sections whose Q and dO fit in L2,
  * within a section the lowest key tiles (they see the most query tiles) first. Per block:
  *   - warpgroup 0 produces: its first thread loads the K and V tiles once (TMA, on kv_full), then the
  *     query tiles tf_hstu_row_range() allows (kBQ = 64 rows of Q and dO each) through a ring of ST
  *     stages (full / empty mbarriers); the warpgroup hands most of its registers to the consumers;
- *   - warpgroups 1 and 2 own 64 keys each and, per query tile, compute with keys as accumulator rows:
+ *   - warpgroups 1 and 2 consume: per query tile, with keys as accumulator rows (64 keys a warpgroup),
  *       S^T = K Q^T, dP^T = V dO^T              wgmma, both operands in shared memory
  *       P^T = SiLU(alpha S^T) / S_norm, dZ^T = dP^T alpha / S_norm . s (1 + z (1 - s)), masked
  *       dV += P^T dO, dK += dZ^T Q              wgmma, P^T / dZ^T from registers, dO / Q transposed
  *       dQ  = dZ K                              wgmma from shared memory: dZ^T is stored transposed
  *                                               (stmatrix) into a 128-byte-swizzled tile, double-buffered
- *     and add dQ into the fp32 buffer p.dq_acc (vector red.global.add; the caller casts it). At head
- *     dim 128 the two warpgroups split dQ's columns (each reads both halves of dZ: one named barrier
- *     per tile); at 64 they split its keys (each adds its own partial: no barrier between them).
- *     dK and dV stay in registers (2 x 64 per thread at 128) and are written once at the end.
+ *     and add dQ into the fp32 buffer p.dq_acc (vector red.global.add; the caller casts it). dK and dV
+ *     stay in registers, 64 + 64 per thread, and are written once at the end. How the two warpgroups
+ *     share the work (BwdSm90Cfg):
+ *       head dims 64, 128: kBN = 128 keys, warpgroup w owns keys 64 w.. (all D columns of dK, dV). At
+ *         128 they split dQ's columns (each reads both halves of dZ: one named barrier per tile); at 64
+ *         its keys (each adds its own partial: no barrier between them).
+ *       head dim 256 (and 192): kBN = 64 keys, BOTH warpgroups work on those 64 keys and warpgroup w owns
+ *         columns 128 w.. of dK and dV (64 keys x 128 columns: 64 + 64 registers as at 128; all 256 columns
+ *         of one warpgroup's 64 keys would be 256). Each warpgroup computes S^T and dP^T in full (K dimension
+ *         256), the same values: that duplicates those two GEMMs (5 GEMMs' work done as 7) but exchanges
+ *         nothing through shared memory before dK += dZ^T Q[:, half], dV += P^T dO[:, half]. dZ is stored
+ *         once (warpgroup w its query rows 32 w..), then dQ's columns are split (128 a warpgroup, in two
+ *         chunks of 64 so its accumulator stays at 32 registers beside dK and dV).
  *   - the mask comes as bits from the keys' spans (tf_hstu_col_spans via hstu_col_bits), tiles inside
  *     it skip it;
  *   - TMA reads whole tiles: rows past the sequence's end come from the next sequence (past the
  *     tensor's end they are zeros), so the tail rows of K (first tile) and of Q and dO (the last query
  *     tile) are zeroed in shared memory before use: masked elements are 0, but 0 x inf is not.
- * Head dims up to 128, bf16 / fp16, no attn_bias: otherwise (and off compute capability 9.0, or where
+ * Head dims up to 256, bf16 / fp16, no attn_bias: otherwise (and off compute capability 9.0, or where
  * the copy engine cannot address the tensors) the entry point declines and hstu_bwd.cu's mma.sync
  * kernel runs. TORCHFUSE_HSTU_SM90_BWD=0 forces that (A/B runs, tests). */
 #include <cuda_runtime.h>
@@ -33,18 +42,28 @@
 
 namespace {
 
-constexpr int kBN = 128;  // keys per block: two consumer warpgroups of 64
-constexpr int kBQ = 64;   // query rows per step
+constexpr int kBQ = 64;  // query rows per step
 constexpr int kThreads = 384;
 
 template <int D>
 struct BwdSm90Cfg {
-    static constexpr int ST = D <= 64 ? 4 : 3;  // Q / dO ring stages
-    static constexpr int KV_BYTES = kBN * D * 2, QO_BYTES = kBQ * D * 2, Z_BYTES = kBQ * kBN * 2;
-    // dQ's columns split between the consumers (else its keys: two partial sums added)
+    // Up to head dim 128 the two consumer warpgroups split the block's keys (64 each, all D columns of dK
+    // and dV); at 256 they share 64 keys and split dK and dV's columns (D / 2 each): 64 + 64 accumulator
+    // registers per thread either way
+    static constexpr bool COL_SPLIT = D > 128;
+    static constexpr int BN = COL_SPLIT ? 64 : 128;  // keys per block
+    static constexpr int NC = COL_SPLIT ? D / 2 : D;  // dK / dV columns per consumer warpgroup
+    static constexpr int ST = D <= 64 ? 4 : D <= 128 ? 3 : 2;  // Q / dO ring stages
+    static constexpr int KV_BYTES = BN * D * 2, QO_BYTES = kBQ * D * 2, Z_BYTES = kBQ * BN * 2;
+    // dQ's columns split between the consumers (else its keys: two partial sums added), in DQ_CHUNKS
+    // chunks of 64 columns per warpgroup
     static constexpr bool DQ_SPLIT_N = D >= 128;
+    static constexpr int DQ_CHUNKS = DQ_SPLIT_N ? D / 128 : 1;
     // K, V, the Q and dO rings, dZ twice; +1024: tiles start on the swizzle pattern's 1024-byte period
     static constexpr int SMEM = 2 * KV_BYTES + 2 * ST * QO_BYTES + 2 * Z_BYTES + 1024;
+    static_assert(SMEM + 128 <= 232448, "227 KB of shared memory per block (+ the static mbarriers)");
+    static_assert(!COL_SPLIT || (BN == 64 && NC == 128), "the column split: 64 keys, 128 columns a warpgroup");
+    static_assert(!DQ_SPLIT_N || 2 * 64 * DQ_CHUNKS == D, "the two consumers' dQ chunks cover the head dim");
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -77,7 +96,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const tf_hstu_params p, int k_tiles, int section) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
-    constexpr int ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
+    constexpr int kBN = C::BN, NC = C::NC, ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
@@ -136,16 +155,19 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
             }
         }
-    } else {  // consumers: warpgroups 1, 2 own keys k0 + 0-63, k0 + 64-127
+    } else {  // consumers: warpgroups 1, 2 own keys k0 + 0-63, k0 + 64-127 (at D = 256: the same 64 keys,
+              // columns 0-127 / 128-255 of dK and dV)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
         const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-        const int kw0 = k0 + 64 * cw;             // this warpgroup's first key
-        const int key_a = kw0 + 16 * warp + g;    // this thread's keys: key_a, key_a + 8
+        const int kr0 = C::COL_SPLIT ? 0 : 64 * cw;  // this warpgroup's first key in the tile
+        const int kw0 = k0 + kr0;                    // ... in the sequence
+        const int key_a = kw0 + 16 * warp + g;       // this thread's keys: key_a, key_a + 8
+        const int nc0 = C::COL_SPLIT ? NC * cw : 0;  // this warpgroup's first dK / dV column
         const float alpha = (float)p.alpha, inv_scale = (float)p.inv_scale, c_dz = alpha * inv_scale;
         const uint32_t k_addr = smem_u32(Ks), v_addr = smem_u32(Vs);
-        float dk[D / 2], dv[D / 2];
+        float dk[NC / 2], dv[NC / 2];
 #pragma unroll
-        for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+        for (int i = 0; i < NC / 2; ++i) dk[i] = dv[i] = 0.f;
         mbar_wait(&kv_full, 0);
 
         for (int it = 0; it < total; ++it) {
@@ -163,8 +185,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
             float sacc[kBQ / 2], dpacc[kBQ / 2];
             tf_wgmma_fence();
-            tf_gemm_ss<T, D, kBN, kBQ>(sacc, k_addr + cw * 64 * 128, smem_u32(Qt));
-            tf_gemm_ss<T, D, kBN, kBQ>(dpacc, v_addr + cw * 64 * 128, smem_u32(Ot));
+            tf_gemm_ss<T, D, kBN, kBQ>(sacc, k_addr + kr0 * 128, smem_u32(Qt));
+            tf_gemm_ss<T, D, kBN, kBQ>(dpacc, v_addr + kr0 * 128, smem_u32(Ot));
             tf_wgmma_commit();
             tf_wgmma_wait<0>();
             tf_wgmma_reg_fence(sacc);
@@ -197,60 +219,75 @@ __global__ void __launch_bounds__(kThreads, 1)
                     pp[kk][r] = pack2<T>(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
                     pz[kk][r] = pack2<T>(dpacc[8 * kk + 2 * r], dpacc[8 * kk + 2 * r + 1]);
                 }
-            // dZ^T -> Zt as dZ (query rows, keys along the row; this warpgroup's 64 keys = panel cw):
+            // dZ^T -> Zt as dZ (query rows, keys along the row; this warpgroup's 64 keys = panel cw, or at
+            // D = 256 the block's 64 keys = panel 0, which both warpgroups hold: each stores half its
+            // query rows, warpgroup cw steps kk = 2 cw, 2 cw + 1):
             // fragment r of step kk is the 8 x 8 block (keys 16 warp + 8 (r & 1), queries 16 kk + 8 (r >> 1))
             {
                 const int m = lane / 8, i = lane % 8;
                 const int kb = 16 * warp + 8 * (m & 1);  // key within the panel
+                const uint32_t zp = smem_u32(Zt) + (C::COL_SPLIT ? 0 : cw) * kBQ * 128;
 #pragma unroll
                 for (int kk = 0; kk < kBQ / 16; ++kk) {
+                    if (C::COL_SPLIT && kk / (kBQ / 32) != cw) continue;  // unrolled: pz's index stays constant
                     const int row = 16 * kk + 8 * (m >> 1) + i;
-                    stmatrix_x4_trans(smem_u32(Zt) + cw * kBQ * 128 + row * 128 + (((kb / 8) ^ (row % 8)) * 16), pz[kk]);
+                    stmatrix_x4_trans(zp + row * 128 + (((kb / 8) ^ (row % 8)) * 16), pz[kk]);
                 }
             }
             fence_proxy_async();
             tf_wgmma_fence();
-            tf_gemm_rs<T, D, kBQ>(dv, pp, smem_u32(Ot));
-            tf_gemm_rs<T, D, kBQ>(dk, pz, smem_u32(Qt));
+            // dV[:, nc0..] += P^T dO[:, nc0..], dK[:, nc0..] += dZ^T Q[:, nc0..]: a column half at D = 256 is
+            // panels 2 cw, 2 cw + 1 (kBQ rows each), contiguous
+            tf_gemm_rs<T, NC, kBQ>(dv, pp, smem_u32(Ot) + (nc0 / 64) * kBQ * 128);
+            tf_gemm_rs<T, NC, kBQ>(dk, pz, smem_u32(Qt) + (nc0 / 64) * kBQ * 128);
             tf_wgmma_commit();
             // dQ = dZ K: every warp's dZ must be in Zt first (both warpgroups' when they split the columns)
             if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
-            float dq[32];
             const uint32_t z_addr = smem_u32(Zt);
-            if constexpr (C::DQ_SPLIT_N) {  // columns 64 cw.., all 128 keys
+            const int dqk = (int)p.dqk;
 #pragma unroll
-                for (int kk = 0; kk < kBN / 16; ++kk)
-                    wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + (kk / 4) * kBQ * 128 + (kk % 4) * 32, 0),
-                                       tf_wgmma_desc(k_addr + cw * kBN * 128 + kk * 16 * 128, kBN * 128), kk > 0);
-            } else {  // all 64 columns, this warpgroup's 64 keys
+            for (int n = 0; n < C::DQ_CHUNKS; ++n) {  // D = 256: two chunks of 64 columns, 32 registers each
+                float dq[32];
+                // column panel pc of K (dQ columns 64 pc..): DQ_SPLIT_N: this warpgroup's DQ_CHUNKS panels
+                const int pc = C::DQ_CHUNKS * cw + n;
+                if (n > 0) tf_wgmma_fence();  // the previous chunk's dq registers were read since
+                if constexpr (C::DQ_SPLIT_N) {  // columns 64 pc.., all kBN keys
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-                    wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + cw * kBQ * 128 + kk * 32, 0),
-                                       tf_wgmma_desc(k_addr + (64 * cw + 16 * kk) * 128, kBN * 128), kk > 0);
-            }
-            tf_wgmma_commit();
-            tf_wgmma_wait<0>();
-            tf_wgmma_reg_fence(dq);
-            tf_wgmma_reg_fence(dk);
-            tf_wgmma_reg_fence(dv);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage's Q and dO
+                    for (int kk = 0; kk < kBN / 16; ++kk)
+                        wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + (kk / 4) * kBQ * 128 + (kk % 4) * 32, 0),
+                                           tf_wgmma_desc(k_addr + pc * kBN * 128 + kk * 16 * 128, kBN * 128), kk > 0);
+                } else {  // all 64 columns, this warpgroup's 64 keys
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk)
+                        wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + cw * kBQ * 128 + kk * 32, 0),
+                                           tf_wgmma_desc(k_addr + (64 * cw + 16 * kk) * 128, kBN * 128), kk > 0);
+                }
+                tf_wgmma_commit();
+                tf_wgmma_wait<0>();
+                tf_wgmma_reg_fence(dq);
+                if (n == 0) {  // the wait covered dK += .., dV += .. too
+                    tf_wgmma_reg_fence(dk);
+                    tf_wgmma_reg_fence(dv);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage's Q and dO
+                }
 
-            const int col0 = C::DQ_SPLIT_N ? 64 * cw : 0, dqk = (int)p.dqk;
+                const int col0 = C::DQ_SPLIT_N ? 64 * pc : 0;
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int pos = q0 + 16 * warp + g + 8 * hh;
-                if (pos >= s.n) continue;
-                float *dst = p.dq_acc + ((s.start + pos) * p.H + h) * (int64_t)dqk;
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int pos = q0 + 16 * warp + g + 8 * hh;
+                    if (pos >= s.n) continue;
+                    float *dst = p.dq_acc + ((s.start + pos) * p.H + h) * (int64_t)dqk;
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int col = col0 + 8 * j + 2 * t4;
-                    if (col < dqk) red_add_v2(dst + col, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+                    for (int j = 0; j < 8; ++j) {
+                        const int col = col0 + 8 * j + 2 * t4;
+                        if (col < dqk) red_add_v2(dst + col, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+                    }
                 }
             }
         }
 
-        // dK, dV of this thread's keys
+        // dK, dV of this thread's keys (this warpgroup's columns nc0 .. nc0 + NC - 1)
         T *dkp = (T *)p.dk, *dvp = (T *)p.dvv;
         const int dqk = (int)p.dqk, dvd = (int)p.dv;
 #pragma unroll
@@ -259,8 +296,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (key >= s.n) continue;
             const int64_t row = (s.start + key) * p.H + h;
 #pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                const int col = 8 * j + 2 * t4;
+            for (int j = 0; j < NC / 8; ++j) {
+                const int col = nc0 + 8 * j + 2 * t4;
                 if (col < dqk) *(uint32_t *)(dkp + row * dqk + col) = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
                 if (col < dvd) *(uint32_t *)(dvp + row * dvd + col) = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
             }
@@ -273,6 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 /* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
 template <typename T, int D>
 int launch(const tf_hstu_params &p, cudaStream_t stream) {
+    constexpr int kBN = BwdSm90Cfg<D>::BN;
     const int64_t k_tiles = (p.max_seq_len + kBN - 1) / kBN, blocks = k_tiles * p.B * p.H;
     if (blocks == 0) return 0;
     if (blocks > 0x7fffffff) return -1;
@@ -296,9 +334,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
 template <typename T>
 int dispatch(const tf_hstu_params &p, cudaStream_t stream) {
     return hstu_with_head_dim(p, [&](auto D) {
-        constexpr int d = decltype(D)::value;
-        if constexpr (d <= 128) return launch<T, d>(p, stream);
-        return -1;  // head dim 256: dK and dV alone would need 256 registers per thread
+        return launch<T, decltype(D)::value>(p, stream);
     });
 }
 #endif
@@ -311,7 +347,7 @@ extern "C" int tf_hstu_bwd_sm90(const tf_hstu_params *p, void *stream) {
     const char *env = getenv("TORCHFUSE_HSTU_SM90_BWD");  // 0: never; unset or 1: where it applies
     if (env && env[0] == '0') return -1;
     if (p->bias || !p->dq_acc || p->delta > 0) return -1;
-    if ((p->dqk > p->dv ? p->dqk : p->dv) > 128 || !device_is_sm90()) return -1;
+    if ((p->dqk > p->dv ? p->dqk : p->dv) > 256 || !device_is_sm90()) return -1;
     if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream);
     return dispatch<__half>(*p, (cudaStream_t)stream);
 #else

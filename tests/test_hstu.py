@@ -126,6 +126,9 @@ CASES = {
     # many key tiles per query tile (the K/V double buffer turns over several times), lengths not tile multiples
     "long_d128_targets": (3, 2, 128, 128, 700, {"targets": True}, {}),
     "long_d256_window": (3, 1, 256, 256, 450, {}, {"max_attn_len": 150}),
+    # head dim 256 (the wgmma backward's 64-key tiles): lengths 0, 1, 300 and two random (several key
+    # tiles, a tail), targets and context
+    "d256_targets_context": (5, 2, 256, 256, 300, {"targets": True}, {"contextual_seq_len": 5}),
 }
 
 # Forward targets: "cuda-wgmma" forces the sm_90a wgmma kernel (TORCHFUSE_HSTU_SM90=1; on other GPUs
@@ -135,7 +138,7 @@ FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmaplain", "cuda-mma"] if torch.
 SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1"}, "cuda-wgmmaplain": {"TORCHFUSE_HSTU_SM90": "2"},
             "cuda-mma": {"TORCHFUSE_HSTU_SM90": "0"}}  # wgmmaplain: no ping-pong (A/B)
 # Backward targets: "cuda-wgmma" lets the sm_90a wgmma backward run where it applies (bf16 / fp16, head
-# dims up to 128, no attn_bias: the other cases still take mma.sync), "cuda-mma" forces mma.sync.
+# dims up to 256, no attn_bias: the other cases still take mma.sync), "cuda-mma" forces mma.sync.
 BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-mma"] if torch.cuda.is_available() else [])
 SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1"}, "cuda-mma": {"TORCHFUSE_HSTU_SM90_BWD": "0"}}
 
@@ -227,10 +230,12 @@ def test_backward(target, dtype, case, monkeypatch):
                     reason="the wgmma backward runs on compute capability 9.0 only")
 @pytest.mark.parametrize("env, d, bias, want", [
     (None, 128, False, "hstu_bwd_ws"), (None, 64, False, "hstu_bwd_ws"), (None, 96, False, "hstu_bwd_ws"),
-    ("0", 128, False, "hstu_bwd_mma"), (None, 256, False, "hstu_bwd_mma"), (None, 64, True, "hstu_bwd_mma")])
+    (None, 256, False, "hstu_bwd_ws"), (None, 192, False, "hstu_bwd_ws"), ("1", 256, False, "hstu_bwd_ws"),
+    ("0", 128, False, "hstu_bwd_mma"), ("0", 256, False, "hstu_bwd_mma"), (None, 64, True, "hstu_bwd_mma"),
+    (None, 256, True, "hstu_bwd_mma")])
 def test_backward_kernel_choice(env, d, bias, want, monkeypatch):
     """On a Hopper GPU the backward really runs the wgmma kernel where it applies (16-bit, head dims up
-    to 128, no attn_bias) and TORCHFUSE_HSTU_SM90_BWD=0 really forces mma.sync."""
+    to 256, no attn_bias) and TORCHFUSE_HSTU_SM90_BWD=0 really forces mma.sync."""
     if env is not None:
         monkeypatch.setenv("TORCHFUSE_HSTU_SM90_BWD", env)
     else:
@@ -341,7 +346,7 @@ def test_backward_sequences_are_isolated_from_nonfinite_neighbours(target, monke
     set_kernel_env(monkeypatch, target, SM90_BWD_ENV)
     device = target.split("-")[0]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    for d in (64, 128):
+    for d in (64, 128, 256):
         offsets = torch.tensor([0, 300, 305, 565], device=device)
         q, k, v, dout = (torch.randn(565, 2, d, device=device, dtype=dtype) for _ in range(4))
         for t in (q, k, v, dout):
