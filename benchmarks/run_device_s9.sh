@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Session 9's device calls, one part per call (each under the 10-minute limit; the build is kept between
+# calls on a warm machine):
+#   hstu:   the head-dim-256 wgmma backward: smoke (a hang costs device time), every HSTU backward test
+#           on CUDA, memcheck on the 192/256 cases, the A/B against mma.sync and Triton at 16x4096x256
+#   dynemb: find_or_insert with the wait in the op: smoke, the dynamic-embedding + TorchRec GPU tests,
+#           memcheck on the find_or_insert tests, ab_foi.py --set sync, host_gap_dynemb.py at dim 8
+#   PEERS=.gl/hstu-peers bash benchmarks/run_device_s9.sh hstu
+#   bash benchmarks/run_device_s9.sh dynemb
+set -uo pipefail
+PART=${1:?part: hstu or dynemb}
+[ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/device_build.sh"
+if [ "$PART" = hstu ]; then
+  T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
+  timeout 60 $T -x -k "test_backward and cuda-wgmma and bfloat16 and (d256_dv32 or d256_targets_context)" > "$OUT/smoke.log" 2>&1
+  rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
+  timeout ${TEST_TO:-200} $T -k "(test_backward and cuda) or kernel_choice" > "$OUT/pytest.log" 2>&1
+  echo "pytest exit $?"; grep -E "passed|failed|^FAILED" "$OUT/pytest.log" | head -20
+  timeout ${MEM_TO:-120} compute-sanitizer --tool memcheck --print-limit 5 $T -x \
+    -k "test_backward and cuda-wgmma and bfloat16 and (d192_dv256 or d256_targets_context or long_d256)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+  timeout ${RACE_TO:-90} compute-sanitizer --tool racecheck --print-limit 5 $T -x \
+    -k "test_backward and cuda-wgmma and bfloat16 and d256_targets_context" > "$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -3
+  timeout ${AB_TO:-120} python3 benchmarks/ab_hstu_bwd.py --shapes d256 --out "$OUT/ab_d256.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; grep -v "^|" "$OUT/ab.log" | tail -4; cat "$OUT/ab_d256.md"
+else
+  timeout 60 python3 -m pytest tests/test_dynamic_embedding.py -q -x -p no:cacheprovider -k "cuda and (sync_op or concurrent_claims)" > "$OUT/smoke.log" 2>&1
+  rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
+  timeout 120 python3 -m pytest tests/test_dynamic_embedding.py tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest.log" 2>&1
+  echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -8
+  SEL="cuda and (sync_op or erased or concurrent_claims or full_table_rows or random_ops or opcheck)"
+  timeout 100 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q -x \
+    -p no:cacheprovider -k "$SEL" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+  (cd benchmarks && timeout ${AB_TO:-170} python3 ab_foi.py --set sync --reps ${REPS:-3}) > "$OUT/ab_foi.txt" 2>&1; echo "ab exit $?"
+  (cd benchmarks && timeout 60 python3 host_gap_dynemb.py --dim 8 --lf 0.5 --calls 7) > "$OUT/host_gap.txt" 2>&1; echo "host_gap exit $?"
+  echo "== host gap (dim 8, lf 0.5)"; tail -9 "$OUT/host_gap.txt"
+  echo "== A/B (ab_foi.py --set sync)"; tail -20 "$OUT/ab_foi.txt"
+fi
