@@ -5,6 +5,8 @@
 #           on CUDA, memcheck on the 192/256 cases, the A/B against mma.sync and Triton at 16x4096x256
 #   dynemb: find_or_insert with the wait in the op: smoke, the dynamic-embedding + TorchRec GPU tests,
 #           memcheck on the find_or_insert tests, ab_foi.py --set sync, host_gap_dynemb.py at dim 8
+#           (PROFILE=1: instead of the A/B and host gap, profile_dynemb.py: kernels at load factor 1.0,
+#           dims 8 and 128, and the host's ops at 0.5)
 #   PEERS=.gl/hstu-peers bash benchmarks/run_device_s9.sh hstu
 #   bash benchmarks/run_device_s9.sh dynemb
 set -uo pipefail
@@ -34,6 +36,13 @@ else
   timeout 100 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q -x \
     -p no:cacheprovider -k "$SEL" > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+  if [ "${PROFILE:-0}" = 1 ]; then
+    for a in "--dim 8 --lf 1.0" "--dim 128 --lf 1.0" "--dim 8 --lf 0.5 --host"; do
+      (cd benchmarks && timeout 60 python3 profile_dynemb.py $a) > "$OUT/profile.txt" 2>&1
+      echo "== profile_dynemb.py $a (exit $?)"; grep -v "^-" "$OUT/profile.txt" | cut -c1-150 | head -22
+    done
+    exit 0
+  fi
   (cd benchmarks && timeout ${AB_TO:-170} python3 ab_foi.py --set sync --reps ${REPS:-3}) > "$OUT/ab_foi.txt" 2>&1; echo "ab exit $?"
   (cd benchmarks && timeout 60 python3 host_gap_dynemb.py --dim 8 --lf 0.5 --calls 7) > "$OUT/host_gap.txt" 2>&1; echo "host_gap exit $?"
   echo "== host gap (dim 8, lf 0.5)"; tail -9 "$OUT/host_gap.txt"
