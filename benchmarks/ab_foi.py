@@ -7,6 +7,9 @@ same load factor drift (+2.5% per call). Sets of forms (--set):
   sync:  session 9: the host's wait and the eviction rows in Python after the op (before), in the op
          (dynemb_find_or_insert_sync), and that plus eviction skipping the bucket's marks (default;
          TORCHFUSE_DYNEMB_EVICT_MARKS=1 reads them).
+  step2: step 2 numbering its evictions per block and round (two block barriers a round;
+         TORCHFUSE_DYNEMB_STEP2_BLOCK=1) against per warp and round (default).
+Each call's evictions are drained after it, untimed (bench_dynamic_embedding.py does the same).
 The ratio column is the last form over the first.
 Usage: python benchmarks/ab_foi.py [--set sync] [--dims 8,64,128] [--lfs 0.5,0.75,1.0] [--reps 4]"""
 import argparse
@@ -25,6 +28,8 @@ FORM_SETS = {
     "sync": {"Python wait": ({"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"}, False),
              "wait in op": ({"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"}, True),
              "+ no marks": ({}, True)},
+    "step2": {"block rounds": ({"TORCHFUSE_DYNEMB_STEP2_BLOCK": "1"}, True),
+              "warp rounds": ({}, True)},
 }
 ENV_KEYS = {k for forms in FORM_SETS.values() for env, _ in forms.values() for k in env}
 
@@ -61,7 +66,7 @@ def main():
                     for name in names:
                         q = torch.unique(bd.batch_60(existing, "cuda"))
                         use(forms[name])
-                        best[name] = min(best[name], bd.timed(lambda: fn(q), reps=1) / q.numel())
+                        best[name] = min(best[name], bd.timed(lambda: fn(q), reps=1, after=t.drain_evicted) / q.numel())
                 use(({}, True))
                 g = {f: 1 / s / 2**30 for f, s in best.items()}
                 lines.append(f"| {dim} | {lf:.2f} | {op} | " + " | ".join(f"{v:.3f}" for v in g.values()) +
