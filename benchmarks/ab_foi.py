@@ -7,8 +7,9 @@ same load factor drift (+2.5% per call). Sets of forms (--set):
   sync:  session 9: the host's wait and the eviction rows in Python after the op (before), in the op
          (dynemb_find_or_insert_sync), and that plus eviction skipping the bucket's marks (default;
          TORCHFUSE_DYNEMB_EVICT_MARKS=1 reads them).
-  step2: step 2 numbering its evictions per block and round (two block barriers a round;
-         TORCHFUSE_DYNEMB_STEP2_BLOCK=1) against per warp and round (default).
+  (session 9 also tried step 2 numbering its evictions per warp and round instead of per block and
+  round, without block barriers: 0.62-0.73x at load factor 1.0, where every step-2 key evicts and the
+  warps' atomics meet on one counter; dropped.)
 Each call's evictions are drained after it, untimed (bench_dynamic_embedding.py does the same).
 The ratio column is the last form over the first.
 Usage: python benchmarks/ab_foi.py [--set sync] [--dims 8,64,128] [--lfs 0.5,0.75,1.0] [--reps 4]"""
@@ -28,8 +29,6 @@ FORM_SETS = {
     "sync": {"Python wait": ({"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"}, False),
              "wait in op": ({"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"}, True),
              "+ no marks": ({}, True)},
-    "step2": {"block rounds": ({"TORCHFUSE_DYNEMB_STEP2_BLOCK": "1"}, True),
-              "warp rounds": ({}, True)},
 }
 ENV_KEYS = {k for forms in FORM_SETS.values() for env, _ in forms.values() for k in env}
 

@@ -7,9 +7,9 @@
 #           memcheck on the find_or_insert tests, ab_foi.py --set sync, host_gap_dynemb.py at dim 8
 #           (PROFILE=1: instead of the A/B and host gap, profile_dynemb.py: kernels at load factor 1.0,
 #           dims 8 and 128, and the host's ops at 0.5)
-#   final:  step 2 numbering evictions per warp: the dynamic-embedding GPU tests in both forms (and
-#           memcheck), ab_foi.py --set step2, HierarchicalKV's benchmark (PEERS: its binary) and
-#           bench_dynamic_embedding.py in the same call
+#   final:  the dynamic-embedding GPU tests (and memcheck), ab_foi.py --set $AB_SET (step2 in the call
+#           that measured per-warp eviction numbering, since dropped), HierarchicalKV's benchmark
+#           (PEERS: its binary) and bench_dynamic_embedding.py in the same call
 #   PEERS=.gl/hstu-peers bash benchmarks/run_device_s9.sh hstu
 #   bash benchmarks/run_device_s9.sh dynemb
 set -uo pipefail
@@ -36,17 +36,15 @@ elif [ "$PART" = final ]; then
   rc=$?; echo "smoke exit $rc"; tail -1 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
   timeout 90 python3 -m pytest tests/test_dynamic_embedding.py tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest.log" 2>&1
   echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -6
-  TORCHFUSE_DYNEMB_STEP2_BLOCK=1 timeout 60 $P -k cuda > "$OUT/pytest_block.log" 2>&1
-  echo "pytest (block rounds) exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_block.log" | tail -4
   timeout 60 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (sync_op or erased or concurrent_claims or full_table_rows)" > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
-  (cd benchmarks && timeout 120 python3 ab_foi.py --set step2 --dims 8,128 --reps 2) > "$OUT/ab_foi.txt" 2>&1; echo "ab exit $?"
+  (cd benchmarks && timeout 120 python3 ab_foi.py --set ${AB_SET:-sync} --dims 8,128 --reps 2) > "$OUT/ab_foi.txt" 2>&1; echo "ab exit $?"
   if [ -n "${PEERS:-}" ] && [ -x "$PEERS/hkv_bench" ]; then
     timeout 110 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"; grep -E "^dim|^\| *[01]\." "$OUT/hkv.txt"
   fi
   timeout 170 python3 benchmarks/bench_dynamic_embedding.py --out "$OUT/bench_dynemb.md" > "$OUT/bench.log" 2>&1
   echo "bench exit $?"; cat "$OUT/bench_dynemb.md"
-  echo "== A/B (ab_foi.py --set step2)"; tail -10 "$OUT/ab_foi.txt"
+  echo "== A/B (ab_foi.py --set ${AB_SET:-sync})"; tail -10 "$OUT/ab_foi.txt"
 else
   timeout 60 python3 -m pytest tests/test_dynamic_embedding.py -q -x -p no:cacheprovider -k "cuda and (sync_op or concurrent_claims)" > "$OUT/smoke.log" 2>&1
   rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1

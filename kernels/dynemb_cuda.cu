@@ -940,81 +940,62 @@ __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_
     }
 }
 
-/* Step 2 for 128-slot buckets: a resident grid walks step 1's list of misses, a quarter warp per key:
- * quarter_claim, then the key, digest and score written, the row initialized and, when asked, written
- * out too (from registers, not read back). Evictions and the counts are numbered with global atomics:
- * kBlockRounds: 32 keys per block per round, one atomic per block and round (two block barriers per
- * round, so a round waits for the block's slowest key); else 4 keys per warp per round, one atomic per
- * warp and round, the warps independent (TORCHFUSE_DYNEMB_STEP2_BLOCK=1 selects the block form: the
- * A/B). An evicting key leaves its row to the caller (evicted_new). */
-template <typename T, bool kBlockRounds>
+/* Step 2 for 128-slot buckets: a resident grid walks step 1's list of misses, 32 keys per block per
+ * round, a quarter warp each: quarter_claim, then the key, digest and score written, the row
+ * initialized and, when asked, written out too (from registers, not read back). Evictions and the
+ * counts are numbered with one global atomic per block and round. An evicting key leaves its row to
+ * the caller (evicted_new). */
+template <typename T>
 __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p,
                                                                         int read_marks) {
     __shared__ int ev_prefix[kWarpsPerBlock];
     __shared__ int fail_count[kWarpsPerBlock];
-    __shared__ int64_t ev_base_block;
+    __shared__ int64_t ev_base;
     const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7, w = threadIdx.x >> 5;
     const MissList ml = miss_list(p.miss, p.p.n);
     const int64_t count = static_cast<int64_t>(*ml.count);
     unsigned long long *counts = reinterpret_cast<unsigned long long *>(p.p.counts);
     if (blockIdx.x == 0 && threadIdx.x == 0 && *ml.inserted) atomicAdd(&counts[0], *ml.inserted);
-    // the round's first key: uniform per block (kBlockRounds: the loop and the barriers in it) or per warp
-    const int64_t first = kBlockRounds ? 32 * static_cast<int64_t>(blockIdx.x)
-                                       : 4 * (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + w);
-    const int64_t stride = 32 * static_cast<int64_t>(gridDim.x);  // 4 keys per warp either way
-    for (int64_t r0 = first; r0 < count; r0 += stride) {
-        const int64_t k = r0 + (kBlockRounds ? 4 * w : 0) + q;
+    for (int64_t r0 = 32 * static_cast<int64_t>(blockIdx.x); r0 < count; r0 += 32 * static_cast<int64_t>(gridDim.x)) {
+        const int64_t k = r0 + 4 * w + q;  // uniform per block: the loop and the barriers in it
         const bool valid = k < count;
         int64_t key = 0, i = 0;
-        int first_slot = 255;
+        int first = 255;
         if (valid) {  // independent loads: one round trip
             key = ml.keys[k];
             i = ml.index[k];
-            first_slot = ml.first[k];
+            first = ml.first[k];
         }
         Claim c{-1, 0, 0, false};
-        if (valid) c = quarter_claim(t, p.p, key, first_slot, 0xffu << (8 * q), q, ql, read_marks);
+        if (valid) c = quarter_claim(t, p.p, key, first, 0xffu << (8 * q), q, ql, read_marks);
         __syncwarp();
         const unsigned eb = __ballot_sync(0xffffffffu, c.evicted && ql == 0);
         const unsigned fb = __ballot_sync(0xffffffffu, valid && c.slot < 0 && ql == 0);
         const unsigned vb = __ballot_sync(0xffffffffu, valid && ql == 0);
-        int64_t ev_base;  // this warp's first evicted entry
-        if constexpr (kBlockRounds) {
-            if (lane == 0) {
-                ev_prefix[w] = __popc(eb);
-                fail_count[w] = __popc(fb) | (__popc(vb) << 8);
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                int ne = 0, nf = 0, nv = 0;
-                for (int x = 0; x < kWarpsPerBlock; ++x) {
-                    const int c1 = ev_prefix[x];
-                    ev_prefix[x] = ne;
-                    ne += c1;
-                    nf += fail_count[x] & 0xff;
-                    nv += fail_count[x] >> 8;
-                }
-                ev_base_block = ne ? static_cast<int64_t>(atomicAdd(&counts[1], static_cast<unsigned long long>(ne))) : 0;
-                if (nv > nf) atomicAdd(&counts[0], static_cast<unsigned long long>(nv - nf));
-                if (nf) atomicAdd(&counts[2], static_cast<unsigned long long>(nf));
-            }
-            __syncthreads();
-            ev_base = ev_base_block + ev_prefix[w];
-        } else {
-            int64_t b = 0;
-            if (lane == 0) {
-                const int ne = __popc(eb), nf = __popc(fb), nv = __popc(vb);
-                if (ne) b = static_cast<int64_t>(atomicAdd(&counts[1], static_cast<unsigned long long>(ne)));
-                if (nv > nf) atomicAdd(&counts[0], static_cast<unsigned long long>(nv - nf));
-                if (nf) atomicAdd(&counts[2], static_cast<unsigned long long>(nf));
-            }
-            ev_base = __shfl_sync(0xffffffffu, b, 0);
+        if (lane == 0) {
+            ev_prefix[w] = __popc(eb);
+            fail_count[w] = __popc(fb) | (__popc(vb) << 8);
         }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int ne = 0, nf = 0, nv = 0;
+            for (int x = 0; x < kWarpsPerBlock; ++x) {
+                const int c1 = ev_prefix[x];
+                ev_prefix[x] = ne;
+                ne += c1;
+                nf += fail_count[x] & 0xff;
+                nv += fail_count[x] >> 8;
+            }
+            ev_base = ne ? static_cast<int64_t>(atomicAdd(&counts[1], static_cast<unsigned long long>(ne))) : 0;
+            if (nv > nf) atomicAdd(&counts[0], static_cast<unsigned long long>(nv - nf));
+            if (nf) atomicAdd(&counts[2], static_cast<unsigned long long>(nf));
+        }
+        __syncthreads();
         if (c.slot < 0) continue;  // invalid, or no room (counted as failed)
         const int64_t slot = c.slot;
         if (ql == 0) {
             if (c.evicted) {
-                const int64_t e = ev_base + __popc(eb & ((1u << (8 * q)) - 1u));
+                const int64_t e = ev_base + ev_prefix[w] + __popc(eb & ((1u << (8 * q)) - 1u));
                 p.p.evicted_keys[e] = c.victim_key;
                 p.p.evicted_slots[e] = slot;
                 p.p.evicted_scores[e] = c.victim_score;
@@ -1588,9 +1569,6 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
         // TORCHFUSE_DYNEMB_EVICT_MARKS=1: eviction reads the bucket's marks too (the A/B)
         const char *marks_env = getenv("TORCHFUSE_DYNEMB_EVICT_MARKS");
         const int read_marks = marks_env && marks_env[0] == '1';
-        // TORCHFUSE_DYNEMB_STEP2_BLOCK=1: step 2 numbers its evictions per block and round (the A/B)
-        const char *block_env = getenv("TORCHFUSE_DYNEMB_STEP2_BLOCK");
-        const bool block_rounds = block_env && block_env[0] == '1';
         const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
         // step 2: one resident wave (4 blocks per SM by its launch bounds), or fewer for small batches
         const unsigned g2 = g4 < 4u * static_cast<unsigned>(sm_count()) ? g4 : 4u * static_cast<unsigned>(sm_count());
@@ -1598,12 +1576,10 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
         if (err != cudaSuccess) return static_cast<int>(err);
         if (wide) {
             foi_probe_quarter_kernel<uint4><<<g4, kBlock, 0, s>>>(*t, *p, claim);
-            if (block_rounds) foi_insert_quarter_kernel<uint4, true><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
-            else foi_insert_quarter_kernel<uint4, false><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
+            foi_insert_quarter_kernel<uint4><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
         } else {
             foi_probe_quarter_kernel<uint16_t><<<g4, kBlock, 0, s>>>(*t, *p, claim);
-            if (block_rounds) foi_insert_quarter_kernel<uint16_t, true><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
-            else foi_insert_quarter_kernel<uint16_t, false><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
+            foi_insert_quarter_kernel<uint16_t><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
         }
         return static_cast<int>(cudaGetLastError());
     }
