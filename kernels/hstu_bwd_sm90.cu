@@ -1,11 +1,22 @@
 /* HSTU attention backward on Hopper (sm_90a): warp-specialized, TMA loads, warpgroup MMA (wgmma).
  *
- * Same semantics as hstu_bwd_mma (hstu_bwd.cu), FlashAttention-2's backward order: one block per (key
+ * Same semantics as hstu_bwd_mma (hstu_bwd.cu), FlashAttention-2's backward order: work item = (key
  * tile of kBN keys, sequence, head); (sequence, head) pairs in sections whose Q and dO fit in L2,
- * within a section the lowest key tiles (they see the most query tiles) first. Per block:
- *   - warpgroup 0 produces: its first thread loads the K and V tiles once (TMA, on kv_full), then the
- *     query tiles tf_hstu_row_range() allows (kBQ = 64 rows of Q and dO each) through a ring of ST
- *     stages (full / empty mbarriers); the warpgroup hands most of its registers to the consumers;
+ * within a section the lowest key tiles (they see the most query tiles) first. Persistent: one block
+ * per SM takes items in that order from a global counter (p.sched, zeroed on the stream by the launch),
+ * greedily, so that each block's fixed costs (launch, barrier setup, the K/V load before the first
+ * wgmma, the dK/dV stores at the end) are paid once or hidden behind the neighbouring items: at 128 x
+ * 1024 x 128, H = 4, the one-block-per-item launch ran 4096 blocks of ~9 query tiles each.
+ * TORCHFUSE_HSTU_BWD_PERSISTENT=0 (A/B runs, tests) launches one block per item instead, the same
+ * kernel taking item blockIdx.x and no other. Per block:
+ *   - warpgroup 0 produces, one warp of it: per item, it finds the item (skipping those whose key tile
+ *     starts past its sequence's end), hands it to the consumers through shared memory (two slots,
+ *     named barriers 5 and 6, as the forward), loads the K and V tiles (TMA, on kv_full) once the
+ *     consumers have released the previous item's (kv_empty: after their last wgmma reading them, so
+ *     the load overlaps their dK / dV stores), and the query tiles tf_hstu_row_range() allows (kBQ = 64
+ *     rows of Q and dO each) through a ring of ST stages (full / empty mbarriers) whose position runs on
+ *     across items: an item's first ST tiles load before its K and V, while the consumers finish the
+ *     previous item. The warpgroup hands most of its registers to the consumers;
  *   - warpgroups 1 and 2 consume: per query tile, with keys as accumulator rows (64 keys a warpgroup),
  *       S^T = K Q^T, dP^T = V dO^T              wgmma, both operands in shared memory
  *       P^T = SiLU(alpha S^T) / S_norm, dZ^T = dP^T alpha / S_norm . s (1 + z (1 - s)), masked
@@ -13,7 +24,7 @@
  *       dQ  = dZ K                              wgmma from shared memory: dZ^T is stored transposed
  *                                               (stmatrix) into a 128-byte-swizzled tile, double-buffered
  *     and add dQ into the fp32 buffer p.dq_acc (vector red.global.add; the caller casts it). dK and dV
- *     stay in registers, 64 + 64 per thread, and are written once at the end. How the two warpgroups
+ *     stay in registers, 64 + 64 per thread, and are written once at the item's end. How the two warpgroups
  *     share the work (BwdSm90Cfg):
  *       head dims 64, 128: kBN = 128 keys, warpgroup w owns keys 64 w.. (all D columns of dK, dV). At
  *         128 they split dQ's columns (each reads both halves of dZ: one named barrier per tile); at 64
@@ -92,7 +103,7 @@ __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
 /* A work item: key tile kt of a (sequence, head) pair. Item order: (sequence, head) pairs in sections
  * whose Q and dO fit in L2 together, within a section the lowest key tiles (the most query tiles) first,
  * the section's pairs side by side. BwdItem is what the consumers need of it, found by the producer and
- * handed over in shared memory (offsets and num_targets are global loads, the order 64-bit divisions). */
+ * handed over in shared memory (offsets and num_targets are global loads, the order divisions). */
 struct BwdItem {
     int64_t start;                  // the sequence's first row
     int h, k0, n, t, nctx, lo_t, total;  // head, first key, length, targets; the query tiles (below)
@@ -139,7 +150,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
     // kv_full / kv_empty: the one K/V buffer, phase k for the block's k-th item; full / empty: the Q/dO
-    // ring, slot gt % ST and phase gt / ST for the block's gt-th query tile (counted across items)
+    // ring, slot gt % ST and phase gt / ST for the block's gt-th query tile (counted across items, the
+    // same count on both sides: the consumers take exactly the items, and their tiles, the producer
+    // loads). Hand-over k (as the forward's):
+    //   producer: work_slot[k % 2] = the item (or active = 0: the end), bar.sync 6 (k > 0), bar.arrive 5;
+    //   consumers: bar.sync 5, copy work_slot[k % 2], bar.arrive 6 unless it was the end.
+    // Named barriers 5 and 6 span the producer warp and the consumers (288 threads); 1 (tail zeroing,
+    // 256), 2 (dZ stored, 256) and 3 + cw (dZ stored, 128, head dim 64) are the consumers' per tile.
+    // Each consumer waits at 5 for every item, so the two warpgroups enter an item together.
+    // Why nothing waits forever: the producer waits on kv_empty phase k - 1 only for an item k it
+    // handed over, and the consumers arrive on every phase of an item they took (after its tile loop,
+    // also when it has no tiles); the producer waits on empty for tile gt - ST, which the consumers
+    // finish without anything the producer has still to do (its tiles and, for ring slots of this
+    // item's own tiles, this item's K and V, are loaded first). A block that takes no item hands over
+    // the end at once: no thread waits on a barrier but 5.
+    // The Z double buffer (gt & 1): a warpgroup stores Z of tile gt + 2 after the barrier of tile
+    // gt + 1, which the other passed only after its dQ wgmma of tile gt had completed.
+    // K's tail rows, zeroed by consumer 0 at an item's first tile, are not overwritten by the next
+    // item's load before every consumer warp is done with them: that load waits for kv_empty.
     __shared__ __align__(8) uint64_t kv_full, kv_empty, full_bar[ST], empty_bar[ST];
     __shared__ BwdItem work_slot[2];
 
