@@ -1,13 +1,19 @@
 """A/B of the HSTU backward kernels in one process: the same inputs, `torch.ops.torchfuse.hstu_bwd` timed
-with TORCHFUSE_HSTU_SM90_BWD=0 (the mma.sync kernel) and =1 (the sm_90a wgmma one where it applies, head
-dims up to 256: blocks in one section, TORCHFUSE_HSTU_BWD_SECTION=0, and in L2-sized sections, the default),
-in turns, best of `--rounds`; the two kernels' gradients compared (max abs difference, against the
-largest gradient), and, with generative-recommenders on the path, its Triton backward timed on the same
-inputs. TFLOP/s by the issue's count (2.5x bench_hstu.flops_fwd). Shapes: bench_hstu's five (full length
-and U[N/2, N], 16x4096x256 included) plus its targets and window cases; --shapes d256: the head-dim-256
-ones only.
+in each of the chosen forms (`--forms`, comma-separated, in turns, best of `--rounds`):
+    mma        the mma.sync kernel (TORCHFUSE_HSTU_SM90_BWD=0)
+    1blk       the sm_90a wgmma kernel, one block per work item (TORCHFUSE_HSTU_BWD_PERSISTENT=0), L2 sections
+    1blk1sec   the same, blocks in one section (TORCHFUSE_HSTU_BWD_SECTION=0)
+    pers       the sm_90a wgmma kernel, persistent (one block per SM, items from a counter; the default)
+    pers1sec   the same, items in one section
+(wgmma where it applies: head dims up to 256). The gradients of the wgmma forms are compared with mma.sync's
+(max abs difference, against the largest gradient; `mma` in --forms) and dK / dV of `pers` with those of
+`1blk` (the same arithmetic per item: expected 0). With generative-recommenders on the path, its Triton
+backward is timed on the same inputs. TFLOP/s by the issue's count (2.5x bench_hstu.flops_fwd). Shapes:
+bench_hstu's five (full length and U[N/2, N], 16x4096x256 included) plus its targets and window cases;
+--shapes first: 16x1024x128 full only (a smoke run); d256: the head-dim-256 ones; b128: 128x1024x128 only.
 
-    python benchmarks/ab_hstu_bwd.py [--rounds 3] [--out ab_bwd.md] [--no-triton] [--shapes all|first|d256]
+    python benchmarks/ab_hstu_bwd.py [--rounds 3] [--out ab_bwd.md] [--no-triton] [--shapes all|first|d256|b128]
+                                     [--forms mma,1blk,pers]
 """
 import argparse
 import os
@@ -21,15 +27,38 @@ from torchfuse._timing import device_time_us
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_hstu as bh  # noqa: E402
 
+# form: (column title, TORCHFUSE_HSTU_SM90_BWD, TORCHFUSE_HSTU_BWD_SECTION, TORCHFUSE_HSTU_BWD_PERSISTENT)
+FORMS = {
+    "mma": ("mma.sync", "0", "", ""),
+    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0"),
+    "1blk": ("wgmma, 1 block/item", "1", "", "0"),
+    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1"),
+    "pers": ("wgmma, persistent", "1", "", "1"),
+}
+ENV_NAMES = ("TORCHFUSE_HSTU_SM90_BWD", "TORCHFUSE_HSTU_BWD_SECTION", "TORCHFUSE_HSTU_BWD_PERSISTENT")
+
+
+def set_env(form):
+    for k, v in zip(ENV_NAMES, FORMS[form][1:]):
+        os.environ[k] = v
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-triton", action="store_true")
-    ap.add_argument("--shapes", default="all", choices=["all", "first", "d256"],
-                    help="all; 'first' (16x1024x128 full only: a smoke run); 'd256' (the head-dim-256 shapes only)")
+    ap.add_argument("--shapes", default="all", choices=["all", "first", "d256", "b128"],
+                    help="all; 'first' (16x1024x128 full only: a smoke run); 'd256' (the head-dim-256 shapes "
+                         "only); 'b128' (128x1024x128 only)")
+    ap.add_argument("--forms", default="mma,1blk,pers",
+                    help="comma-separated, from: " + ", ".join(FORMS))
     a = ap.parse_args()
+    forms = [f for f in a.forms.split(",") if f]
+    bad = [f for f in forms if f not in FORMS]
+    if bad or not forms:
+        ap.error(f"unknown forms {bad}; choose from {list(FORMS)}")
+    wg = [f for f in forms if f != "mma"]
     triton_mha = None
     if not a.no_triton:
         try:
@@ -52,16 +81,16 @@ def main():
         cases = cases[:1]
     elif a.shapes == "d256":
         cases = [c for c in cases if c[0][2] == 256]
-    lines = ["| B x N x D | lengths | mma.sync | wgmma, one section | wgmma, L2 sections | best wgmma / mma.sync | Triton "
-             "| best wgmma / Triton | max diff / max |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    envs = {"0": ("0", "0"), "1": ("1", "0"), "s": ("1", "")}  # column: (TORCHFUSE_HSTU_SM90_BWD, _BWD_SECTION)
-    names = ("TORCHFUSE_HSTU_SM90_BWD", "TORCHFUSE_HSTU_BWD_SECTION")
-    saved = {k: os.environ.get(k) for k in names}
-
-    def set_env(e):
-        for k, v in zip(names, envs[e]):
-            os.environ[k] = v
+    elif a.shapes == "b128":
+        cases = [c for c in cases if c[0] == (128, 1024, 128)]
+    both = "pers" in forms and "1blk" in forms
+    head = ["B x N x D", "lengths"] + [FORMS[f][0] for f in forms]
+    head += ["pers x 1blk"] if both else []  # 1blk's time / pers's
+    head += ["Triton"] + [f"{f} x Triton" for f in wg]  # speed-ups: Triton's time / the form's
+    head += ["max diff / max (vs mma.sync)"] if "mma" in forms and wg else []
+    head += ["dK, dV: persistent - 1 block"] if both else []
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    saved = {k: os.environ.get(k) for k in ENV_NAMES}
     for (B, N, D), label, kw in cases:
         c = bh.make_case(B, N, D, **kw)
         fl = 2.5 * bh.flops_fwd(c)
@@ -71,16 +100,15 @@ def main():
         def ours():
             return torch.ops.torchfuse.hstu_bwd(dout, q, k, v, offsets, nt, None, N, alpha, None, 0, window, 0, 1,
                                                 False)
-        best, grads = {e: float("inf") for e in envs}, {}
+        best = {f: float("inf") for f in forms}
         for _ in range(a.rounds):
-            for e in envs:
-                set_env(e)
-                best[e] = min(best[e], device_time_us(ours, "cuda", warmup=2, rep=10))
-        for e in ("0", "s"):
-            set_env(e)
-            grads[e] = ours()[:3]
-        diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(grads["0"], grads["s"]))
-        top = max(x.float().abs().max().item() for x in grads["0"])
+            for f in forms:
+                set_env(f)
+                best[f] = min(best[f], device_time_us(ours, "cuda", warmup=2, rep=10))
+        grads = {}
+        for f in forms:
+            set_env(f)
+            grads[f] = ours()[:3]
         t_tri = None
         if triton_mha is not None:
             try:
@@ -92,12 +120,19 @@ def main():
                 del out
             except Exception as ex:  # a peer failure must not hide our figures
                 print(f"triton failed at {B, N, D, label}: {ex}", file=sys.stderr)
-        tf = {e: fl / (best[e] * 1e-6) / 1e12 for e in envs}
-        tri = "-" if t_tri is None else f"{fl / (t_tri * 1e-6) / 1e12:.0f}"
-        bw = min(best["1"], best["s"])
-        tri_r = "-" if t_tri is None else f"{t_tri / bw:.2f}"
-        lines.append(f"| {B}x{N}x{D} | {label} | {tf['0']:.0f} | {tf['1']:.0f} | {tf['s']:.0f} | {best['0'] / bw:.2f} "
-                     f"| {tri} | {tri_r} | {diff:.1e} / {top:.1e} |")
+        row = [f"{B}x{N}x{D}", label] + [f"{fl / (best[f] * 1e-6) / 1e12:.0f}" for f in forms]
+        if both:
+            row.append(f"{best['1blk'] / best['pers']:.2f}")
+        row.append("-" if t_tri is None else f"{fl / (t_tri * 1e-6) / 1e12:.0f}")
+        row += ["-" if t_tri is None else f"{t_tri / best[f]:.2f}" for f in wg]
+        if "mma" in forms and wg:
+            diff = max((x.float() - y.float()).abs().max().item() for f in wg for x, y in zip(grads["mma"], grads[f]))
+            top = max(x.float().abs().max().item() for x in grads["mma"])
+            row.append(f"{diff:.1e} / {top:.1e}")
+        if both:
+            d = max((x.float() - y.float()).abs().max().item() for x, y in zip(grads["pers"][1:], grads["1blk"][1:]))
+            row.append(f"{d:.1e}")
+        lines.append("| " + " | ".join(row) + " |")
         print(lines[-1], flush=True)
         del c, q, k, v, dout, grads
         torch.cuda.empty_cache()

@@ -42,6 +42,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
                                    min_full_attn_seq_len, target_group_size, 0, false},
                           true);
     prepare_hstu_bwd(g, dout, bias_grad, true);
+    // the persistent sm_90a backward's work counter, its own (zeroed by the launch on the stream)
+    const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
+    g.p.sched = sched.data_ptr<int>();
     check_launch(tf_hstu_bwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU backward kernel");
     at::Tensor dq = g.dq.to(g.q.scalar_type());
     at::Tensor db = g.dbias.defined() ? g.dbias.to(g.bias.scalar_type()) : no_output(g.o);

@@ -49,7 +49,7 @@ typedef struct {
     const void *dout; int64_t do_sr, do_sh;      /* dout, dq, dk, dv shaped like o, q, k, v; */
     void *dq, *dk, *dvv;                         /* dq/dk/dv contiguous */
     float *dq_acc;                               /* CUDA: fp32 (rows, H, dqk) zeroed, or NULL */
-    int *sched;    /* CUDA forward: one int of device scratch (the sm_90a kernel's work queue), or NULL */
+    int *sched;    /* CUDA: one int of device scratch (the sm_90a kernels' work queue), or NULL */
     void *dbias;   /* NULL: no bias gradient; else zeroed, bias's (contiguous) shape: double on the CPU, fp32 on CUDA */
 } tf_hstu_params;
 

@@ -1,11 +1,22 @@
 /* HSTU attention backward on Hopper (sm_90a): warp-specialized, TMA loads, warpgroup MMA (wgmma).
  *
- * Same semantics as hstu_bwd_mma (hstu_bwd.cu), FlashAttention-2's backward order: one block per (key
+ * Same semantics as hstu_bwd_mma (hstu_bwd.cu), FlashAttention-2's backward order: work item = (key
  * tile of kBN keys, sequence, head); (sequence, head) pairs in sections whose Q and dO fit in L2,
- * within a section the lowest key tiles (they see the most query tiles) first. Per block:
- *   - warpgroup 0 produces: its first thread loads the K and V tiles once (TMA, on kv_full), then the
- *     query tiles tf_hstu_row_range() allows (kBQ = 64 rows of Q and dO each) through a ring of ST
- *     stages (full / empty mbarriers); the warpgroup hands most of its registers to the consumers;
+ * within a section the lowest key tiles (they see the most query tiles) first. Persistent: one block
+ * per SM takes items in that order from a global counter (p.sched, zeroed on the stream by the launch),
+ * greedily, so that each block's fixed costs (launch, barrier setup, the K/V load before the first
+ * wgmma, the dK/dV stores at the end) are paid once or hidden behind the neighbouring items: at 128 x
+ * 1024 x 128, H = 4, the one-block-per-item launch ran 4096 blocks of ~9 query tiles each.
+ * TORCHFUSE_HSTU_BWD_PERSISTENT=0 (A/B runs, tests) launches one block per item instead, the same
+ * kernel taking item blockIdx.x and no other. Per block:
+ *   - warpgroup 0 produces, one warp of it: per item, it finds the item (skipping those whose key tile
+ *     starts past its sequence's end), hands it to the consumers through shared memory (two slots,
+ *     named barriers 5 and 6, as the forward), loads the K and V tiles (TMA, on kv_full) once the
+ *     consumers have released the previous item's (kv_empty: after their last wgmma reading them, so
+ *     the load overlaps their dK / dV stores), and the query tiles tf_hstu_row_range() allows (kBQ = 64
+ *     rows of Q and dO each) through a ring of ST stages (full / empty mbarriers) whose position runs on
+ *     across items: an item's first ST tiles load before its K and V, while the consumers finish the
+ *     previous item. The warpgroup hands most of its registers to the consumers;
  *   - warpgroups 1 and 2 consume: per query tile, with keys as accumulator rows (64 keys a warpgroup),
  *       S^T = K Q^T, dP^T = V dO^T              wgmma, both operands in shared memory
  *       P^T = SiLU(alpha S^T) / S_norm, dZ^T = dP^T alpha / S_norm . s (1 + z (1 - s)), masked
@@ -13,7 +24,7 @@
  *       dQ  = dZ K                              wgmma from shared memory: dZ^T is stored transposed
  *                                               (stmatrix) into a 128-byte-swizzled tile, double-buffered
  *     and add dQ into the fp32 buffer p.dq_acc (vector red.global.add; the caller casts it). dK and dV
- *     stay in registers, 64 + 64 per thread, and are written once at the end. How the two warpgroups
+ *     stay in registers, 64 + 64 per thread, and are written once at the item's end. How the two warpgroups
  *     share the work (BwdSm90Cfg):
  *       head dims 64, 128: kBN = 128 keys, warpgroup w owns keys 64 w.. (all D columns of dK, dV). At
  *         128 they split dQ's columns (each reads both halves of dZ: one named barrier per tile); at 64
@@ -61,7 +72,7 @@ struct BwdSm90Cfg {
     static constexpr int DQ_CHUNKS = DQ_SPLIT_N ? D / 128 : 1;
     // K, V, the Q and dO rings, dZ twice; +1024: tiles start on the swizzle pattern's 1024-byte period
     static constexpr int SMEM = 2 * KV_BYTES + 2 * ST * QO_BYTES + 2 * Z_BYTES + 1024;
-    static_assert(SMEM + 128 <= 232448, "227 KB of shared memory per block (+ the static mbarriers)");
+    static_assert(SMEM + 256 <= 232448, "227 KB of shared memory per block (+ the static mbarriers and work slots)");
     static_assert(!COL_SPLIT || (BN == 64 && NC == 128), "the column split: 64 keys, 128 columns a warpgroup");
     static_assert(!DQ_SPLIT_N || 2 * 64 * DQ_CHUNKS == D, "the two consumers' dQ chunks cover the head dim");
 };
@@ -89,41 +100,81 @@ __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
 }
 #endif
 
+/* A work item: key tile kt of a (sequence, head) pair. Item order: (sequence, head) pairs in sections
+ * whose Q and dO fit in L2 together, within a section the lowest key tiles (the most query tiles) first,
+ * the section's pairs side by side. BwdItem is what the consumers need of it, found by the producer and
+ * handed over in shared memory (offsets and num_targets are global loads, the order divisions). */
+struct BwdItem {
+    int64_t start;                  // the sequence's first row
+    int h, k0, n, t, nctx, lo_t, total;  // head, first key, length, targets; the query tiles (below)
+    int active;                     // 0: k0 >= n (skipped) / in the hand-over: no more items, the block ends
+};
+template <int kBN>
+__device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles, int section, int item) {
+    // 32-bit: k_tiles x B x H items fit an int (the launch checks), so do B x H and k_tiles x section
+    const int H = (int)p.H, BH = (int)(p.B * p.H), per = k_tiles * section, sec = item / per, r = item % per;
+    const int in_sec = min(section, BH - sec * section);
+    const int bh = sec * section + r % in_sec;
+    const HstuSeq s = hstu_seq(p, bh / H);
+    BwdItem w;
+    w.start = s.start;
+    w.h = bh % H;
+    w.k0 = (r / in_sec) * kBN;
+    w.n = s.n;
+    w.t = s.mask.t;
+    w.active = w.k0 < s.n;
+    w.nctx = w.lo_t = w.total = 0;
+    if (w.active) {
+        // the query tiles that can see these keys: context rows first (nctx tiles from 0), then the
+        // causal (or windowed) range from tile lo_t; query tile of step i: q_tile(w, i)
+        int ctx_end, lo, hi;
+        tf_hstu_row_range(&s.mask, w.k0, min(w.k0 + kBN, s.n), &ctx_end, &lo, &hi);
+        const int lo_t = lo / kBQ, hi_t = hi / kBQ;
+        w.lo_t = lo_t;
+        w.nctx = min((ctx_end + kBQ - 1) / kBQ, lo_t);
+        w.total = w.nctx + max(0, hi_t - lo_t + 1);
+    }
+    return w;
+}
+__device__ __forceinline__ __attribute__((unused)) int q_tile(const BwdItem &w, int i) { return i < w.nctx ? i : w.lo_t + i - w.nctx; }
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
-                const tf_hstu_params p, int k_tiles, int section) {
+                const tf_hstu_params p, int k_tiles, int section, int items) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
     constexpr int kBN = C::BN, NC = C::NC, ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
-    __shared__ __align__(8) uint64_t kv_full, full_bar[ST], empty_bar[ST];
-
-    // block -> (key tile, sequence, head): (sequence, head) pairs in sections whose Q and dO fit in L2
-    // together, within a section the lowest key tiles (the most query tiles) first, pairs side by side
-    const int64_t BH = p.B * p.H, per = (int64_t)k_tiles * section, sec = blockIdx.x / per, r = blockIdx.x % per;
-    const int64_t in_sec = min((int64_t)section, BH - sec * section);
-    const int kt = (int)(r / in_sec);
-    const int64_t bh = sec * section + r % in_sec, b = bh / p.H;
-    const int h = (int)(bh % p.H);
-    const HstuSeq s = hstu_seq(p, b);
-    const int k0 = kt * kBN;
-    if (k0 >= s.n) return;  // the whole block: no barrier is used yet
-
-    // the query tiles that can see these keys: context rows first, then the causal (or windowed) range
-    int ctx_end, lo, hi;
-    tf_hstu_row_range(&s.mask, k0, min(k0 + kBN, s.n), &ctx_end, &lo, &hi);
-    const int lo_t = lo / kBQ, hi_t = hi / kBQ;
-    const int nctx = min((ctx_end + kBQ - 1) / kBQ, lo_t);
-    const int total = nctx + max(0, hi_t - lo_t + 1);
-    auto q_tile = [&](int it) { return it < nctx ? it : lo_t + it - nctx; };
+    // kv_full / kv_empty: the one K/V buffer, phase k for the block's k-th item; full / empty: the Q/dO
+    // ring, slot gt % ST and phase gt / ST for the block's gt-th query tile (counted across items, the
+    // same count on both sides: the consumers take exactly the items, and their tiles, the producer
+    // loads). Hand-over k (as the forward's):
+    //   producer: work_slot[k % 2] = the item (or active = 0: the end), bar.sync 6 (k > 0), bar.arrive 5;
+    //   consumers: bar.sync 5, copy work_slot[k % 2], bar.arrive 6 unless it was the end.
+    // Named barriers 5 and 6 span the producer warp and the consumers (288 threads); 1 (tail zeroing,
+    // 256), 2 (dZ stored, 256) and 3 + cw (dZ stored, 128, head dim 64) are the consumers' per tile.
+    // Each consumer waits at 5 for every item, so the two warpgroups enter an item together.
+    // Why nothing waits forever: the producer waits on kv_empty phase k - 1 only for an item k it
+    // handed over, and the consumers arrive on every phase of an item they took (after its tile loop,
+    // also when it has no tiles); the producer waits on empty for tile gt - ST, which the consumers
+    // finish without anything the producer has still to do (its tiles and, for ring slots of this
+    // item's own tiles, this item's K and V, are loaded first). A block that takes no item hands over
+    // the end at once: no thread waits on a barrier but 5.
+    // The Z double buffer (gt & 1): a warpgroup stores Z of tile gt + 2 after the barrier of tile
+    // gt + 1, which the other passed only after its dQ wgmma of tile gt had completed.
+    // K's tail rows, zeroed by consumer 0 at an item's first tile, are not overwritten by the next
+    // item's load before every consumer warp is done with them: that load waits for kv_empty.
+    __shared__ __align__(8) uint64_t kv_full, kv_empty, full_bar[ST], empty_bar[ST];
+    __shared__ BwdItem work_slot[2];
 
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbar_init(&kv_full, 1);
+        mbar_init(&kv_empty, 8);  // the 8 consumer warps, after their item's last wgmma reading K or V
         for (int i = 0; i < ST; ++i) {
             mbar_init(&full_bar[i], 1);
             mbar_init(&empty_bar[i], 8);  // the 8 consumer warps
@@ -136,22 +187,66 @@ __global__ void __launch_bounds__(kThreads, 1)
         // 24 + 2 x 240 = 3 x 168, the registers the block launched with (an increase that no decrease
         // pays for waits forever)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-        if (threadIdx.x == 0) {
-            mbar_expect_tx(&kv_full, 2 * KV_BYTES);
+        if (threadIdx.x < 32) {  // one warp: lane 0 issues, all 32 take part in the named barriers
+            const bool leader = threadIdx.x == 0;
+            // persistent (p.sched set): items from the counter; else this block's one item, blockIdx.x
+            int taken = 0;
+            auto next_item = [&]() {
+                if (!p.sched) return taken++ == 0 ? (int)blockIdx.x : items;
+                return __shfl_sync(0xffffffffu, leader ? atomicAdd(p.sched, 1) : 0, 0);
+            };
+            int gt = 0;  // query tiles loaded so far (the ring position)
+            for (int k = 0;; ++k) {  // hand-over k: the block's k-th item with keys (or the end)
+                BwdItem w;
+                int item;
+                for (;;) {  // items whose key tile starts past the sequence's end are skipped here
+                    item = next_item();
+                    if (item >= items) break;
+                    w = bwd_item<kBN>(p, k_tiles, section, item);
+                    if (w.active) break;
+                }
+                if (leader) {
+                    if (item >= items) work_slot[k & 1].active = 0;
+                    else work_slot[k & 1] = w;
+                }
+                __syncwarp();
+                if (k > 0) named_bar_sync_n(6, 288);  // the consumers have taken hand-over k - 1
+                named_bar_arrive_n(5, 288);
+                if (item >= items) break;
+                // The item's fields are read back from the slot where used (the waits' memory clobbers
+                // make them reloads): the producer's 24 registers do not hold them across its waits.
+                // After the first item: its first ST query tiles (i < pre) take ring slots that earlier
+                // items' tiles free, so they load while the consumers finish the previous item; then K and
+                // V, once the consumers' last wgmma reading the previous item's has completed (kv_empty,
+                // before their dK / dV stores); then the rest (slots this item's own tiles free).
+                const BwdItem *ws = &work_slot[k & 1];
+                const int total = ws->total, pre = k > 0 ? min(ST, total) : 0;
+                for (int i = 0;; ++i, ++gt) {
+                    if (i == pre) {  // pre <= total: reached
+                        if (k > 0) mbar_wait(&kv_empty, (k - 1) & 1);
+                        if (leader) {
+                            mbar_expect_tx(&kv_full, 2 * KV_BYTES);
+                            const int row = (int)(ws->start + ws->k0);
 #pragma unroll
-            for (int c = 0; c < D / 64; ++c) {
-                tma_load(Ks + c * kBN * 128, &tm_k, 64 * c, h, (int)(s.start + k0), &kv_full);
-                tma_load(Vs + c * kBN * 128, &tm_v, 64 * c, h, (int)(s.start + k0), &kv_full);
-            }
-            for (int it = 0; it < total; ++it) {
-                const int st = it % ST;
-                if (it >= ST) mbar_wait(&empty_bar[st], (it / ST - 1) & 1);
-                mbar_expect_tx(&full_bar[st], 2 * QO_BYTES);
-                const int row = (int)(s.start + q_tile(it) * kBQ);
+                            for (int c = 0; c < D / 64; ++c) {
+                                tma_load(Ks + c * kBN * 128, &tm_k, 64 * c, ws->h, row, &kv_full);
+                                tma_load(Vs + c * kBN * 128, &tm_v, 64 * c, ws->h, row, &kv_full);
+                            }
+                        }
+                    }
+                    if (i >= total) break;
+                    // query tile i of this item into ring slot gt % ST
+                    const int st = gt % ST;
+                    if (gt >= ST) mbar_wait(&empty_bar[st], (gt / ST - 1) & 1);
+                    if (leader) {
+                        mbar_expect_tx(&full_bar[st], 2 * QO_BYTES);
+                        const int row = (int)(ws->start + q_tile(*ws, i) * kBQ);
 #pragma unroll
-                for (int c = 0; c < D / 64; ++c) {
-                    tma_load(Qs + st * QO_BYTES + c * kBQ * 128, &tm_q, 64 * c, h, row, &full_bar[st]);
-                    tma_load(Os + st * QO_BYTES + c * kBQ * 128, &tm_do, 64 * c, h, row, &full_bar[st]);
+                        for (int c = 0; c < D / 64; ++c) {
+                            tma_load(Qs + st * QO_BYTES + c * kBQ * 128, &tm_q, 64 * c, ws->h, row, &full_bar[st]);
+                            tma_load(Os + st * QO_BYTES + c * kBQ * 128, &tm_do, 64 * c, ws->h, row, &full_bar[st]);
+                        }
+                    }
                 }
             }
         }
@@ -160,146 +255,159 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
         const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
         const int kr0 = C::COL_SPLIT ? 0 : 64 * cw;  // this warpgroup's first key in the tile
-        const int kw0 = k0 + kr0;                    // ... in the sequence
-        const int key_a = kw0 + 16 * warp + g;       // this thread's keys: key_a, key_a + 8
         const int nc0 = C::COL_SPLIT ? NC * cw : 0;  // this warpgroup's first dK / dV column
         const float alpha = (float)p.alpha, inv_scale = (float)p.inv_scale, c_dz = alpha * inv_scale;
         const uint32_t k_addr = smem_u32(Ks), v_addr = smem_u32(Vs);
-        float dk[NC / 2], dv[NC / 2];
+        int gt = 0;  // query tiles consumed so far (the ring position, and the Z buffer gt & 1)
+        for (int k = 0;; ++k) {
+            named_bar_sync_n(5, 288);
+            // copied before arriving at 6: from then on the producer may rewrite this slot (hand-over k + 2)
+            const BwdItem w = work_slot[k & 1];
+            if (!w.active) break;
+            named_bar_arrive_n(6, 288);
+            const tf_hstu_mask mask = tf_hstu_mask_make(w.n, w.t, p.contextual, p.max_attn_len, p.min_full, p.group);
+            const int k0 = w.k0, len = w.n, h = w.h;
+            const int kw0 = k0 + kr0;               // this warpgroup's first key in the sequence
+            const int key_a = kw0 + 16 * warp + g;  // this thread's keys: key_a, key_a + 8
+            float dk[NC / 2], dv[NC / 2];
 #pragma unroll
-        for (int i = 0; i < NC / 2; ++i) dk[i] = dv[i] = 0.f;
-        mbar_wait(&kv_full, 0);
+            for (int i = 0; i < NC / 2; ++i) dk[i] = dv[i] = 0.f;
+            mbar_wait(&kv_full, k & 1);
 
-        for (int it = 0; it < total; ++it) {
-            const int st = it % ST, q0 = q_tile(it) * kBQ;
-            uint8_t *Qt = Qs + st * QO_BYTES, *Ot = Os + st * QO_BYTES, *Zt = Zs + (it & 1) * C::Z_BYTES;
-            mbar_wait(&full_bar[st], (it / ST) & 1);
-            // tail rows (the same decision in every thread of both consumers)
-            const bool k_tail = it == 0 && k0 + kBN > s.n, q_tail = q0 + kBQ > s.n;
-            if (k_tail || q_tail) {
-                if (k_tail && cw == 0) zero_rows<D, kBN>(Ks, s.n - k0);
-                if (q_tail) zero_rows<D, kBQ>(cw == 0 ? Qt : Ot, s.n - q0);
-                fence_proxy_async();
-                named_bar_sync(1);
-            }
-
-            float sacc[kBQ / 2], dpacc[kBQ / 2];
-            tf_wgmma_fence();
-            tf_gemm_ss<T, D, kBN, kBQ>(sacc, k_addr + kr0 * 128, smem_u32(Qt));
-            tf_gemm_ss<T, D, kBN, kBQ>(dpacc, v_addr + kr0 * 128, smem_u32(Ot));
-            tf_wgmma_commit();
-            tf_wgmma_wait<0>();
-            tf_wgmma_reg_fence(sacc);
-            tf_wgmma_reg_fence(dpacc);
-
-            // accumulator element i = 4 j + 2 hh + e: key key_a + 8 hh, query q0 + 8 j + 2 t4 + e
-            if (tf_hstu_tile_full(&s.mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
-#pragma unroll
-                for (int i = 0; i < kBQ / 2; ++i) {
-                    const float z = alpha * sacc[i], sg = sigmoid_fast(z);
-                    sacc[i] = z * sg * inv_scale;
-                    dpacc[i] *= c_dz * sg * fmaf(z, 1.f - sg, 1.f);
+            for (int it = 0; it < w.total; ++it, ++gt) {
+                const int st = gt % ST, q0 = q_tile(w, it) * kBQ;
+                uint8_t *Qt = Qs + st * QO_BYTES, *Ot = Os + st * QO_BYTES, *Zt = Zs + (gt & 1) * C::Z_BYTES;
+                mbar_wait(&full_bar[st], (gt / ST) & 1);
+                // tail rows (the same decision in every thread of both consumers)
+                const bool k_tail = it == 0 && k0 + kBN > len, q_tail = q0 + kBQ > len;
+                if (k_tail || q_tail) {
+                    if (k_tail && cw == 0) zero_rows<D, kBN>(Ks, len - k0);
+                    if (q_tail) zero_rows<D, kBQ>(cw == 0 ? Qt : Ot, len - q0);
+                    fence_proxy_async();
+                    named_bar_sync(1);
                 }
-            } else {
-                const uint32_t bits[2] = {hstu_col_bits<kBQ / 8>(s.mask, key_a, q0 + 2 * t4),
-                                          hstu_col_bits<kBQ / 8>(s.mask, key_a + 8, q0 + 2 * t4)};
-#pragma unroll
-                for (int i = 0; i < kBQ / 2; ++i) {
-                    const float z = alpha * sacc[i], sg = sigmoid_fast(z);
-                    const bool in = pair_bit(bits, i);
-                    sacc[i] = in ? z * sg * inv_scale : 0.f;
-                    dpacc[i] = in ? dpacc[i] * c_dz * sg * fmaf(z, 1.f - sg, 1.f) : 0.f;
-                }
-            }
-            uint32_t pp[kBQ / 16][4], pz[kBQ / 16][4];  // P^T, dZ^T as A fragments (keys x 16 queries)
-#pragma unroll
-            for (int kk = 0; kk < kBQ / 16; ++kk)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    pp[kk][r] = pack2<T>(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
-                    pz[kk][r] = pack2<T>(dpacc[8 * kk + 2 * r], dpacc[8 * kk + 2 * r + 1]);
-                }
-            // dZ^T -> Zt as dZ (query rows, keys along the row; this warpgroup's 64 keys = panel cw, or at
-            // D = 256 the block's 64 keys = panel 0, which both warpgroups hold: each stores half its
-            // query rows, warpgroup cw steps kk = 2 cw, 2 cw + 1):
-            // fragment r of step kk is the 8 x 8 block (keys 16 warp + 8 (r & 1), queries 16 kk + 8 (r >> 1))
-            {
-                const int m = lane / 8, i = lane % 8;
-                const int kb = 16 * warp + 8 * (m & 1);  // key within the panel
-                const uint32_t zp = smem_u32(Zt) + (C::COL_SPLIT ? 0 : cw) * kBQ * 128;
-#pragma unroll
-                for (int kk = 0; kk < kBQ / 16; ++kk) {
-                    if (C::COL_SPLIT && kk / (kBQ / 32) != cw) continue;  // unrolled: pz's index stays constant
-                    const int row = 16 * kk + 8 * (m >> 1) + i;
-                    stmatrix_x4_trans(zp + row * 128 + (((kb / 8) ^ (row % 8)) * 16), pz[kk]);
-                }
-            }
-            fence_proxy_async();
-            tf_wgmma_fence();
-            // dV[:, nc0..] += P^T dO[:, nc0..], dK[:, nc0..] += dZ^T Q[:, nc0..]: a column half at D = 256 is
-            // panels 2 cw, 2 cw + 1 (kBQ rows each), contiguous
-            tf_gemm_rs<T, NC, kBQ>(dv, pp, smem_u32(Ot) + (nc0 / 64) * kBQ * 128);
-            tf_gemm_rs<T, NC, kBQ>(dk, pz, smem_u32(Qt) + (nc0 / 64) * kBQ * 128);
-            tf_wgmma_commit();
-            // dQ = dZ K: every warp's dZ must be in Zt first (both warpgroups' when they split the columns)
-            if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
-            const uint32_t z_addr = smem_u32(Zt);
-            const int dqk = (int)p.dqk;
-#pragma unroll
-            for (int n = 0; n < C::DQ_CHUNKS; ++n) {  // D = 256: two chunks of 64 columns, 32 registers each
-                float dq[32];
-                // column panel pc of K (dQ columns 64 pc..): DQ_SPLIT_N: this warpgroup's DQ_CHUNKS panels
-                const int pc = C::DQ_CHUNKS * cw + n;
-                if (n > 0) tf_wgmma_fence();  // the previous chunk's dq registers were read since
-                if constexpr (C::DQ_SPLIT_N) {  // columns 64 pc.., all kBN keys
-#pragma unroll
-                    for (int kk = 0; kk < kBN / 16; ++kk)
-                        wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + (kk / 4) * kBQ * 128 + (kk % 4) * 32, 0),
-                                           tf_wgmma_desc(k_addr + pc * kBN * 128 + kk * 16 * 128, kBN * 128), kk > 0);
-                } else {  // all 64 columns, this warpgroup's 64 keys
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk)
-                        wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + cw * kBQ * 128 + kk * 32, 0),
-                                           tf_wgmma_desc(k_addr + (64 * cw + 16 * kk) * 128, kBN * 128), kk > 0);
-                }
+                float sacc[kBQ / 2], dpacc[kBQ / 2];
+                tf_wgmma_fence();
+                tf_gemm_ss<T, D, kBN, kBQ>(sacc, k_addr + kr0 * 128, smem_u32(Qt));
+                tf_gemm_ss<T, D, kBN, kBQ>(dpacc, v_addr + kr0 * 128, smem_u32(Ot));
                 tf_wgmma_commit();
                 tf_wgmma_wait<0>();
-                tf_wgmma_reg_fence(dq);
-                if (n == 0) {  // the wait covered dK += .., dV += .. too
-                    tf_wgmma_reg_fence(dk);
-                    tf_wgmma_reg_fence(dv);
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage's Q and dO
-                }
+                tf_wgmma_reg_fence(sacc);
+                tf_wgmma_reg_fence(dpacc);
 
-                const int col0 = C::DQ_SPLIT_N ? 64 * pc : 0;
+                // accumulator element i = 4 j + 2 hh + e: key key_a + 8 hh, query q0 + 8 j + 2 t4 + e
+                if (tf_hstu_tile_full(&mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int pos = q0 + 16 * warp + g + 8 * hh;
-                    if (pos >= s.n) continue;
-                    float *dst = p.dq_acc + ((s.start + pos) * p.H + h) * (int64_t)dqk;
+                    for (int i = 0; i < kBQ / 2; ++i) {
+                        const float z = alpha * sacc[i], sg = sigmoid_fast(z);
+                        sacc[i] = z * sg * inv_scale;
+                        dpacc[i] *= c_dz * sg * fmaf(z, 1.f - sg, 1.f);
+                    }
+                } else {
+                    const uint32_t bits[2] = {hstu_col_bits<kBQ / 8>(mask, key_a, q0 + 2 * t4),
+                                              hstu_col_bits<kBQ / 8>(mask, key_a + 8, q0 + 2 * t4)};
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const int col = col0 + 8 * j + 2 * t4;
-                        if (col < dqk) red_add_v2(dst + col, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+                    for (int i = 0; i < kBQ / 2; ++i) {
+                        const float z = alpha * sacc[i], sg = sigmoid_fast(z);
+                        const bool in = pair_bit(bits, i);
+                        sacc[i] = in ? z * sg * inv_scale : 0.f;
+                        dpacc[i] = in ? dpacc[i] * c_dz * sg * fmaf(z, 1.f - sg, 1.f) : 0.f;
+                    }
+                }
+                uint32_t pp[kBQ / 16][4], pz[kBQ / 16][4];  // P^T, dZ^T as A fragments (keys x 16 queries)
+#pragma unroll
+                for (int kk = 0; kk < kBQ / 16; ++kk)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        pp[kk][r] = pack2<T>(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
+                        pz[kk][r] = pack2<T>(dpacc[8 * kk + 2 * r], dpacc[8 * kk + 2 * r + 1]);
+                    }
+                // dZ^T -> Zt as dZ (query rows, keys along the row; this warpgroup's 64 keys = panel cw, or at
+                // D = 256 the block's 64 keys = panel 0, which both warpgroups hold: each stores half its
+                // query rows, warpgroup cw steps kk = 2 cw, 2 cw + 1):
+                // fragment r of step kk is the 8 x 8 block (keys 16 warp + 8 (r & 1), queries 16 kk + 8 (r >> 1))
+                {
+                    const int m = lane / 8, i = lane % 8;
+                    const int kb = 16 * warp + 8 * (m & 1);  // key within the panel
+                    const uint32_t zp = smem_u32(Zt) + (C::COL_SPLIT ? 0 : cw) * kBQ * 128;
+#pragma unroll
+                    for (int kk = 0; kk < kBQ / 16; ++kk) {
+                        if (C::COL_SPLIT && kk / (kBQ / 32) != cw) continue;  // unrolled: pz's index stays constant
+                        const int row = 16 * kk + 8 * (m >> 1) + i;
+                        stmatrix_x4_trans(zp + row * 128 + (((kb / 8) ^ (row % 8)) * 16), pz[kk]);
+                    }
+                }
+                fence_proxy_async();
+                tf_wgmma_fence();
+                // dV[:, nc0..] += P^T dO[:, nc0..], dK[:, nc0..] += dZ^T Q[:, nc0..]: a column half at D = 256 is
+                // panels 2 cw, 2 cw + 1 (kBQ rows each), contiguous
+                tf_gemm_rs<T, NC, kBQ>(dv, pp, smem_u32(Ot) + (nc0 / 64) * kBQ * 128);
+                tf_gemm_rs<T, NC, kBQ>(dk, pz, smem_u32(Qt) + (nc0 / 64) * kBQ * 128);
+                tf_wgmma_commit();
+                // dQ = dZ K: every warp's dZ must be in Zt first (both warpgroups' when they split the columns)
+                if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
+                const uint32_t z_addr = smem_u32(Zt);
+                const int dqk = (int)p.dqk;
+#pragma unroll
+                for (int n = 0; n < C::DQ_CHUNKS; ++n) {  // D = 256: two chunks of 64 columns, 32 registers each
+                    float dq[32];
+                    // column panel pc of K (dQ columns 64 pc..): DQ_SPLIT_N: this warpgroup's DQ_CHUNKS panels
+                    const int pc = C::DQ_CHUNKS * cw + n;
+                    if (n > 0) tf_wgmma_fence();  // the previous chunk's dq registers were read since
+                    if constexpr (C::DQ_SPLIT_N) {  // columns 64 pc.., all kBN keys
+#pragma unroll
+                        for (int kk = 0; kk < kBN / 16; ++kk)
+                            wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + (kk / 4) * kBQ * 128 + (kk % 4) * 32, 0),
+                                               tf_wgmma_desc(k_addr + pc * kBN * 128 + kk * 16 * 128, kBN * 128), kk > 0);
+                    } else {  // all 64 columns, this warpgroup's 64 keys
+#pragma unroll
+                        for (int kk = 0; kk < 4; ++kk)
+                            wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + cw * kBQ * 128 + kk * 32, 0),
+                                               tf_wgmma_desc(k_addr + (64 * cw + 16 * kk) * 128, kBN * 128), kk > 0);
+                    }
+                    tf_wgmma_commit();
+                    tf_wgmma_wait<0>();
+                    tf_wgmma_reg_fence(dq);
+                    if (n == 0) {  // the wait covered dK += .., dV += .. too
+                        tf_wgmma_reg_fence(dk);
+                        tf_wgmma_reg_fence(dv);
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage's Q and dO
+                    }
+
+                    const int col0 = C::DQ_SPLIT_N ? 64 * pc : 0;
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int pos = q0 + 16 * warp + g + 8 * hh;
+                        if (pos >= len) continue;
+                        float *dst = p.dq_acc + ((w.start + pos) * p.H + h) * (int64_t)dqk;
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            const int col = col0 + 8 * j + 2 * t4;
+                            if (col < dqk) red_add_v2(dst + col, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+                        }
                     }
                 }
             }
-        }
+            // this item's last wgmma reading K or V has completed (the last tile's dQ wait, every chunk):
+            // the producer may load the next item's K and V over them while these dK / dV are stored
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&kv_empty);
 
-        // dK, dV of this thread's keys (this warpgroup's columns nc0 .. nc0 + NC - 1)
-        T *dkp = (T *)p.dk, *dvp = (T *)p.dvv;
-        const int dqk = (int)p.dqk, dvd = (int)p.dv;
+            // dK, dV of this thread's keys (this warpgroup's columns nc0 .. nc0 + NC - 1)
+            T *dkp = (T *)p.dk, *dvp = (T *)p.dvv;
+            const int dqk = (int)p.dqk, dvd = (int)p.dv;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int key = key_a + 8 * hh;
-            if (key >= s.n) continue;
-            const int64_t row = (s.start + key) * p.H + h;
+            for (int hh = 0; hh < 2; ++hh) {
+                const int key = key_a + 8 * hh;
+                if (key >= len) continue;
+                const int64_t row = (w.start + key) * p.H + h;
 #pragma unroll
-            for (int j = 0; j < NC / 8; ++j) {
-                const int col = nc0 + 8 * j + 2 * t4;
-                if (col < dqk) *(uint32_t *)(dkp + row * dqk + col) = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
-                if (col < dvd) *(uint32_t *)(dvp + row * dvd + col) = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+                for (int j = 0; j < NC / 8; ++j) {
+                    const int col = nc0 + 8 * j + 2 * t4;
+                    if (col < dqk) *(uint32_t *)(dkp + row * dqk + col) = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
+                    if (col < dvd) *(uint32_t *)(dvp + row * dvd + col) = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+                }
             }
         }
     }
@@ -311,9 +419,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <typename T, int D>
 int launch(const tf_hstu_params &p, cudaStream_t stream) {
     constexpr int kBN = BwdSm90Cfg<D>::BN;
-    const int64_t k_tiles = (p.max_seq_len + kBN - 1) / kBN, blocks = k_tiles * p.B * p.H;
-    if (blocks == 0) return 0;
-    if (blocks > 0x7fffffff) return -1;
+    const int64_t k_tiles = (p.max_seq_len + kBN - 1) / kBN, items = k_tiles * p.B * p.H;
+    if (items == 0) return 0;
+    if (items > 0x7fff0000) return -1;  // item numbers (and the counter, up to items + grid) are ints
     CUtensorMap tq, tk, tv, tdo;
     if (!tensor_map(&tq, p.dtype, p.q, p.L, p.H, p.dqk, p.q_sr, p.q_sh, kBQ) ||
         !tensor_map(&tk, p.dtype, p.k, p.L, p.H, p.dqk, p.k_sr, p.k_sh, kBN) ||
@@ -327,7 +435,20 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const char *env = getenv("TORCHFUSE_HSTU_BWD_SECTION");
     const int section = env && env[0] == '0' ? (int)(p.B * p.H)
                                             : l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, (int)k_tiles);
-    hstu_bwd_ws<T, D><<<(unsigned)blocks, kThreads, smem, stream>>>(tq, tk, tv, tdo, p, (int)k_tiles, section);
+    // Persistent (default, where the caller gave a counter): one block per SM (one fits: shared memory),
+    // each taking items from p.sched, zeroed here on the stream. TORCHFUSE_HSTU_BWD_PERSISTENT=0: one
+    // block per item, the block's item its index (the kernel sees p.sched NULL).
+    const char *pers = getenv("TORCHFUSE_HSTU_BWD_PERSISTENT");
+    tf_hstu_params kp = p;
+    int64_t grid = items;
+    if (p.sched && !(pers && pers[0] == '0')) {
+        if (grid > device_sizes().sms) grid = device_sizes().sms;
+        err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
+        if (err != cudaSuccess) return err;
+    } else {
+        kp.sched = nullptr;
+    }
+    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, kp, (int)k_tiles, section, (int)items);
     return cudaGetLastError();
 }
 

@@ -129,7 +129,13 @@ CASES = {
     # head dim 256 (the wgmma backward's 64-key tiles): lengths 0, 1, 300 and two random (several key
     # tiles, a tail), targets and context
     "d256_targets_context": (5, 2, 256, 256, 300, {"targets": True}, {"contextual_seq_len": 5}),
+    # many more work items than SMs (the persistent wgmma backward: 2 key tiles x 600 pairs, a block runs
+    # several; the items of sequences shorter than 129 whose second key tile starts past their end are
+    # skipped): 300 lengths 0..200
+    "many_short_seqs": (300, 2, 64, 64, 200, {}, {}),
 }
+# cases for the GPU kernels' scheduling only: skipped on the CPU (the backward's reference there took 6-10 s)
+CUDA_ONLY_CASES = {"many_short_seqs"}
 
 # Forward targets: "cuda-wgmma" forces the sm_90a wgmma kernel (TORCHFUSE_HSTU_SM90=1; on other GPUs
 # or builds the mma.sync one runs), "cuda-mma" the mma.sync kernel (=0), so a Hopper GPU checks both
@@ -138,9 +144,14 @@ FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmaplain", "cuda-mma"] if torch.
 SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1"}, "cuda-wgmmaplain": {"TORCHFUSE_HSTU_SM90": "2"},
             "cuda-mma": {"TORCHFUSE_HSTU_SM90": "0"}}  # wgmmaplain: no ping-pong (A/B)
 # Backward targets: "cuda-wgmma" lets the sm_90a wgmma backward run where it applies (bf16 / fp16, head
-# dims up to 256, no attn_bias: the other cases still take mma.sync), "cuda-mma" forces mma.sync.
+# dims up to 256, no attn_bias: the other cases still take mma.sync), in its persistent form (the
+# default); "cuda-wgmma1blk" the same kernel launched one block per work item
+# (TORCHFUSE_HSTU_BWD_PERSISTENT=0: test_backward_one_block_per_item, the isolation test); "cuda-mma"
+# forces mma.sync.
 BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-mma"] if torch.cuda.is_available() else [])
-SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1"}, "cuda-mma": {"TORCHFUSE_HSTU_SM90_BWD": "0"}}
+SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1"},
+                "cuda-wgmma1blk": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "0"},
+                "cuda-mma": {"TORCHFUSE_HSTU_SM90_BWD": "0"}}
 
 
 def set_kernel_env(monkeypatch, target, table):
@@ -149,6 +160,8 @@ def set_kernel_env(monkeypatch, target, table):
 
 
 def run_case(device, dtype, case, grad):
+    if device == "cpu" and case in CUDA_ONLY_CASES:
+        pytest.skip("a GPU scheduling case")
     B, H, dqk, dv, max_len, mk, kw = CASES[case]
     q, k, v, offsets, msl, nt, bias = make_inputs(device, dtype, B, H, dqk, dv, max_len, **mk)
     alpha = 1.0 / dqk ** 0.5 * float(torch.empty(()).uniform_(0.5, 2.0))
@@ -224,6 +237,60 @@ def test_forward_kernel_choice(env, d, n, want, monkeypatch):
 def test_backward(target, dtype, case, monkeypatch):
     set_kernel_env(monkeypatch, target, SM90_BWD_ENV)
     run_case(target.split("-")[0], dtype, case, grad=True)
+
+
+# the wgmma backward launched one block per item (TORCHFUSE_HSTU_BWD_PERSISTENT=0), the A/B form: a few
+# cases (lengths 0 and 1 in each; targets, context, windows; head dims 64, 128, 192 / 256; many items)
+ONE_BLOCK_CASES = ["plain_h2_d64", "d128_h4_int64", "d192_dv256_h2", "d256_dv32_h8_msl_scaling",
+                   "targets_groups_context", "window_minfull_targets_ctx", "long_d128_targets", "long_d256_window",
+                   "d256_targets_context", "many_short_seqs"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("case", ONE_BLOCK_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).split(".")[-1])
+def test_backward_one_block_per_item(dtype, case, monkeypatch):
+    set_kernel_env(monkeypatch, "cuda-wgmma1blk", SM90_BWD_ENV)
+    run_case("cuda", dtype, case, grad=True)
+
+
+def bwd_kernel_grids(d, B, n, monkeypatch, persistent):
+    """The grids of the hstu_bwd_ws launches of one backward (B sequences of n rows, 2 heads), from the
+    profiler's trace."""
+    import json
+    import tempfile
+    monkeypatch.setenv("TORCHFUSE_HSTU_SM90_BWD", "1")
+    monkeypatch.setenv("TORCHFUSE_HSTU_BWD_PERSISTENT", persistent)
+    q, k, v = (torch.randn(B * n, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    offsets = torch.arange(0, B * n + 1, n, device="cuda")
+    q.requires_grad_(True)
+    out = torchfuse.hstu_attention(q, k, v, offsets, n, 0.2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out.sum().backward()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tmp + "/trace.json"
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if "hstu_bwd_ws" in e.get("name", "")]
+    assert kernels, "no hstu_bwd_ws kernel ran (torchfuse built for 9.0a?)"
+    if any("grid" not in e.get("args", {}) for e in kernels):
+        pytest.skip("the profiler's trace has no grid sizes")
+    return [e["args"]["grid"][0] for e in kernels]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma backward runs on compute capability 9.0 only")
+@pytest.mark.parametrize("d, key_tile", [(64, 128), (128, 128), (256, 64)])
+def test_backward_persistent_grid(d, key_tile, monkeypatch):
+    """TORCHFUSE_HSTU_BWD_PERSISTENT really switches the launch: one block per SM by default, one per
+    (key tile, sequence, head) item with =0."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B, n = 96, 512
+    items = (n // key_tile) * B * 2
+    assert bwd_kernel_grids(d, B, n, monkeypatch, "1") == [min(items, sms)]
+    assert bwd_kernel_grids(d, B, n, monkeypatch, "0") == [items]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -339,7 +406,7 @@ def test_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
             assert torch.isfinite(out[s:e]).all(), (d, b)
 
 
-@pytest.mark.parametrize("target", BWD_TARGETS)
+@pytest.mark.parametrize("target", BWD_TARGETS + (["cuda-wgmma1blk"] if torch.cuda.is_available() else []))
 def test_backward_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
     """The backward reads whole tiles of K, V, Q and dO past a sequence's end too: inf / nan in one
     sequence (inputs and output gradient) must not reach another sequence's gradients."""
