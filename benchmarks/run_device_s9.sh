@@ -10,6 +10,10 @@
 #   final:  the dynamic-embedding GPU tests (and memcheck), ab_foi.py --set $AB_SET (step2 in the call
 #           that measured per-warp eviction numbering, since dropped), HierarchicalKV's benchmark
 #           (PEERS: its binary) and bench_dynamic_embedding.py in the same call
+#   both:   the persistent HSTU backward and step 2's eviction stage in one call (device time was short):
+#           HSTU smoke (both launch forms), the backward GPU tests, memcheck on both forms, the A/B at
+#           128x1024x128 (mma.sync / one block per item / persistent / Triton); the dynamic-embedding
+#           GPU tests and ab_foi.py --set stage
 #   PEERS=.gl/hstu-peers bash benchmarks/run_device_s9.sh hstu
 #   bash benchmarks/run_device_s9.sh dynemb
 set -uo pipefail
@@ -30,6 +34,27 @@ if [ "$PART" = hstu ]; then
   echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -3
   timeout ${AB_TO:-120} python3 benchmarks/ab_hstu_bwd.py --shapes d256 --out "$OUT/ab_d256.md" > "$OUT/ab.log" 2>&1
   echo "ab exit $?"; grep -v "^|" "$OUT/ab.log" | tail -4; cat "$OUT/ab_d256.md"
+elif [ "$PART" = both ]; then
+  T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
+  timeout 60 $T -x -k "test_backward and cuda-wgmma and bfloat16 and (plain_h2_d64 or d256_dv32 or many_short_seqs)" > "$OUT/smoke.log" 2>&1
+  rc=$?; echo "smoke (persistent) exit $rc"; tail -1 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
+  timeout 40 $T -x -k "one_block_per_item and bfloat16 and (plain_h2_d64 or many_short_seqs)" > "$OUT/smoke1.log" 2>&1
+  rc=$?; echo "smoke (one block per item) exit $rc"; tail -1 "$OUT/smoke1.log"; [ $rc = 124 ] && exit 1
+  timeout 150 $T -k "(test_backward and cuda) or one_block_per_item or persistent_grid or kernel_choice or (test_forward and many_short_seqs)" -rs > "$OUT/pytest.log" 2>&1
+  echo "pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR|^SKIPPED" "$OUT/pytest.log" | head -12
+  timeout 80 compute-sanitizer --tool memcheck --print-limit 5 $T -x \
+    -k "(test_backward and cuda-wgmma and bfloat16 and (long_d128 or d256_targets_context or window_minfull or many_short_seqs)) or (one_block_per_item and bfloat16 and many_short_seqs)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  P="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
+  timeout 60 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_dynemb.log" | tail -4
+  timeout 60 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (stage_rows or sync_op)" > "$OUT/memcheck_dynemb.log" 2>&1
+  echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dynemb.log" | tail -2
+  timeout 110 python3 benchmarks/ab_hstu_bwd.py --forms mma,1blk,pers --shapes b128 --rounds 2 --out "$OUT/ab_pbwd.md" > "$OUT/ab.log" 2>&1
+  echo "hstu ab exit $?"
+  (cd benchmarks && timeout 110 python3 ab_foi.py --set stage --dims 8,128 --reps 2) > "$OUT/ab_foi.txt" 2>&1; echo "foi ab exit $?"
+  echo "== HSTU backward A/B"; cat "$OUT/ab_pbwd.md"
+  echo "== find_or_insert A/B"; grep "^|" "$OUT/ab_foi.txt" | tail -14
 elif [ "$PART" = final ]; then
   P="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
   timeout 60 $P -x -k "cuda and (sync_op or concurrent_claims)" > "$OUT/smoke.log" 2>&1
