@@ -7,14 +7,15 @@ same load factor drift (+2.5% per call). Sets of forms (--set):
   sync:  session 9: the host's wait and the eviction rows in Python after the op (before), in the op
          (dynemb_find_or_insert_sync), and that plus eviction skipping the bucket's marks (default;
          TORCHFUSE_DYNEMB_EVICT_MARKS=1 reads them).
-  stage: session 9: the victims' rows saved by step 2 itself into a stage sized by the table's previous
-         call's evictions (default), or all by the eviction-rows kernel after the host's wait.
+  (session 9 also tried step 2 saving the victims' rows itself into a stage sized by the previous call's
+  evictions, instead of the eviction-rows kernel after the wait: 0.93-1.02x at load factors 0.75 and
+  1.0, within this A/B's spread of about +-9%; reverted.)
   (session 9 also tried step 2 numbering its evictions per warp and round instead of per block and
   round, without block barriers: 0.62-0.73x at load factor 1.0, where every step-2 key evicts and the
   warps' atomics meet on one counter; dropped.)
 Each call's evictions are drained after it, untimed (bench_dynamic_embedding.py does the same).
 The ratio column is the last form over the first.
-Usage: python benchmarks/ab_foi.py [--set stage] [--dims 8,64,128] [--lfs 0.5,0.75,1.0] [--reps 4]"""
+Usage: python benchmarks/ab_foi.py [--set sync] [--dims 8,64,128] [--lfs 0.5,0.75,1.0] [--reps 4]"""
 import argparse
 import os
 
@@ -24,31 +25,28 @@ import torchfuse
 import torchfuse.dynamic_embedding as de
 import bench_dynamic_embedding as bd
 
-# form -> (environment, dynamic_embedding._FOI_SYNC_IN_OP, dynamic_embedding._FOI_STAGE)
+# form -> (environment, dynamic_embedding._FOI_SYNC_IN_OP)
 FORM_SETS = {
-    "claim": {"two-step": ({"TORCHFUSE_DYNEMB_FOI_CLAIM": "0"}, True, True),
-              "claim in step 1": ({}, True, True)},
-    "sync": {"Python wait": ({"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"}, False, False),
-             "wait in op": ({"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"}, True, False),
-             "+ no marks": ({}, True, False)},
-    "stage": {"rows after the wait": ({}, True, False),
-              "rows staged in step 2": ({}, True, True)},
+    "claim": {"two-step": ({"TORCHFUSE_DYNEMB_FOI_CLAIM": "0"}, True),
+              "claim in step 1": ({}, True)},
+    "sync": {"Python wait": ({"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"}, False),
+             "wait in op": ({"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"}, True),
+             "+ no marks": ({}, True)},
 }
-ENV_KEYS = {k for forms in FORM_SETS.values() for env, _, _ in forms.values() for k in env}
+ENV_KEYS = {k for forms in FORM_SETS.values() for env, _ in forms.values() for k in env}
 
 
 def use(form):
-    env, in_op, stage = form
+    env, in_op = form
     for k in ENV_KEYS:
         os.environ.pop(k, None)
     os.environ.update(env)
     de._FOI_SYNC_IN_OP = in_op
-    de._FOI_STAGE = stage
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--set", default="stage", choices=sorted(FORM_SETS))
+    ap.add_argument("--set", default="sync", choices=sorted(FORM_SETS))
     ap.add_argument("--dims", default="8,64,128")
     ap.add_argument("--lfs", default="0.5,0.75,1.0")
     ap.add_argument("--reps", type=int, default=4)
@@ -71,7 +69,7 @@ def main():
                         q = torch.unique(bd.batch_60(existing, "cuda"))
                         use(forms[name])
                         best[name] = min(best[name], bd.timed(lambda: fn(q), reps=1, after=t.drain_evicted) / q.numel())
-                use(({}, True, True))
+                use(({}, True))
                 g = {f: 1 / s / 2**30 for f, s in best.items()}
                 lines.append(f"| {dim} | {lf:.2f} | {op} | " + " | ".join(f"{v:.3f}" for v in g.values()) +
                              f" | {g[names[-1]] / g[names[0]]:.2f}x |")

@@ -13,7 +13,7 @@
 #   both:   the persistent HSTU backward and step 2's eviction stage in one call (device time was short):
 #           HSTU smoke (both launch forms), the backward GPU tests, memcheck on both forms, the A/B at
 #           128x1024x128 (mma.sync / one block per item / persistent / Triton); the dynamic-embedding
-#           GPU tests and ab_foi.py --set stage
+#           GPU tests and ab_foi.py --set stage (the stage was reverted after this call: 0.93-1.02x)
 #   PEERS=.gl/hstu-peers bash benchmarks/run_device_s9.sh hstu
 #   bash benchmarks/run_device_s9.sh dynemb
 set -uo pipefail

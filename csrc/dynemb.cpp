@@ -475,15 +475,13 @@ DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::Tensor 
                                             at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
                                             int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
                                             int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                            bool with_rows, int64_t stage_rows) {
-    TORCH_CHECK(stage_rows >= 0, "torchfuse.dynemb_find_or_insert_sync: stage_rows must be >= 0, got ", stage_rows);
+                                            bool with_rows) {
     const DynembFoiResult r = find_or_insert_cpu(query, keys, digests, scores, marks, locks, values, values_host, state,
                                                  state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind,
                                                  a, b, seed, with_rows);
     const int64_t *h = std::get<4>(r).data_ptr<int64_t>();
     const int64_t c[3] = {h[0], h[1], h[2]};
-    return finish_find_or_insert(r, c, values, state, DynembStage{}, [&](const at::Tensor &sl, const at::Tensor &ni,
-                                                                         at::Tensor &rows) {
+    return finish_find_or_insert(r, c, values, state, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
         return evict_rows_cpu(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
 }

@@ -85,42 +85,21 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
 // slots, scores and the new keys' indices; the victims' values and state; the counts (inserted,
 // n_evicted, failed) as a CPU tensor: an op's int outputs would be data-dependent symbols to tracing).
 using DynembFoiSyncResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-// The rows and state step 2 saved for evictions e < rows (CUDA, 128-slot buckets); undefined: none.
-struct DynembStage {
-    at::Tensor values, state;
-    int64_t rows() const { return values.defined() ? values.size(0) : 0; }
-};
 // The part after the host has the counts c (inserted, evicted, failed): evict_rows(slots, new_index,
-// rows) is the device's dynemb_evict_rows on the table (victims' rows and state out, new rows in), run
-// for the evictions the stage did not take.
+// rows) is the device's dynemb_evict_rows on the table (victims' rows and state out, new rows in).
 template <typename EvictRows>
 DynembFoiSyncResult finish_find_or_insert(const DynembFoiResult &r, const int64_t (&c)[3], const at::Tensor &values,
-                                          const at::Tensor &state, const DynembStage &stage, EvictRows evict_rows) {
+                                          const at::Tensor &state, EvictRows evict_rows) {
     const auto &[slots, rows, is_new, evicted, counts] = r;
-    const int64_t n_ev = c[1], staged = std::min(n_ev, stage.rows());
+    const int64_t n_ev = c[1];
     at::Tensor host = at::empty({3}, evicted.options().device(at::kCPU));
     std::copy(c, c + 3, host.data_ptr<int64_t>());
     if (n_ev == 0)
         return {slots, rows, is_new, at::empty({4, 0}, evicted.options()), at::empty({0, values.size(1)}, values.options()),
                 at::empty({0, state.size(1)}, state.options()), host};
     at::Tensor ev = evicted.narrow(1, 0, n_ev).clone();  // its own storage: the (4, n) buffer is freed now
-    at::Tensor old_values, old_state;
-    if (staged < n_ev) {  // the rest of the row work, after the wait
-        at::Tensor rows_out = rows;
-        std::tie(old_values, old_state) = evict_rows(ev.select(0, 1).narrow(0, staged, n_ev - staged),
-                                                     ev.select(0, 3).narrow(0, staged, n_ev - staged), rows_out);
-        if (staged) {
-            old_values = at::cat({stage.values, old_values});
-            old_state = at::cat({stage.state, old_state});
-        }
-    } else {  // all staged: the record keeps the stage itself unless that would hold twice the rows
-        old_values = stage.values.narrow(0, 0, n_ev);
-        old_state = stage.state.narrow(0, 0, n_ev);
-        if (2 * n_ev < stage.rows()) {
-            old_values = old_values.clone();
-            old_state = old_state.clone();
-        }
-    }
+    at::Tensor rows_out = rows;
+    auto [old_values, old_state] = evict_rows(ev.select(0, 1), ev.select(0, 3), rows_out);
     return {slots, rows, is_new, ev, old_values, old_state, host};
 }
 

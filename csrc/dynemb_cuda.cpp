@@ -200,15 +200,12 @@ void segment_update_cuda(const at::Tensor &grad, const at::Tensor &perm, const a
     check_launch(tf_dynemb_segsum_update_cuda(&sp, &up, stream()), "dynemb segment-sum + update kernels");
 }
 
-// find_or_insert's kernels launched; stage_rows > 0 (128-slot buckets): step 2 finishes evictions
-// e < stage_rows itself, the victims' rows and state going to *stage_values / *stage_state (allocated here).
-DynembFoiResult launch_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                      at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
-                                      at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                      int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                      int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                      bool with_rows, int64_t stage_rows = 0, at::Tensor *stage_values = nullptr,
-                                      at::Tensor *stage_state = nullptr) {
+DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                    at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
+                                    at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                                    int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
+                                    int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
+                                    bool with_rows) {
     const c10::cuda::CUDAGuard guard(keys.device());
     // 128-slot buckets: step 1 writes the outputs' defined contents itself (tf_dynemb_foi_params.fill_outputs)
     const bool kernel_fills = bucket_size == 128 && query.numel() > 0;
@@ -223,26 +220,9 @@ DynembFoiResult launch_find_or_insert(const at::Tensor &query, at::Tensor &keys,
         TORCH_CHECK(query.numel() < (int64_t{1} << 31), "torchfuse.dynemb_find_or_insert: at most 2^31 - 1 keys per call");
         miss = at::empty({tf_dynemb_foi_miss_bytes(query.numel())}, query.options().dtype(at::kByte));
         f.p.miss = miss.data_ptr<uint8_t>();
-        if (stage_rows > 0 && allow_evict && stage_values) {
-            *stage_values = at::empty({stage_rows, values.size(1)}, values.options());
-            *stage_state = at::empty({stage_rows, state.size(1)}, state.options());
-            f.p.stage_values = stage_values->data_ptr();
-            f.p.stage_state = stage_state->data_ptr<float>();
-            f.p.stage_rows = stage_rows;
-        }
     }
     check_launch(tf_dynemb_find_or_insert_cuda(&f.t, &f.p, stream()), "dynemb find-or-insert kernels");
     return f.result();
-}
-
-DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                    at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
-                                    at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                    int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                    int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                    bool with_rows) {
-    return launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                                 bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows);
 }
 
 // A pinned buffer for an op's counts, per thread and device: allocated once, as the host waits on
@@ -263,14 +243,11 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
                                              at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
                                              at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
                                              bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
-                                             double a, double b, int64_t seed, bool with_rows, int64_t stage_rows) {
+                                             double a, double b, int64_t seed, bool with_rows) {
     const c10::cuda::CUDAGuard guard(keys.device());
-    TORCH_CHECK(stage_rows >= 0, "torchfuse.dynemb_find_or_insert_sync: stage_rows must be >= 0, got ", stage_rows);
-    DynembStage stage;
-    const DynembFoiResult r = launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host,
-                                                    state, state_host, bucket_size, epoch, allow_evict, policy, clock,
-                                                    init_kind, a, b, seed, with_rows, stage_rows, &stage.values,
-                                                    &stage.state);
+    const DynembFoiResult r = find_or_insert_cuda(query, keys, digests, scores, marks, locks, values, values_host, state,
+                                                  state_host, bucket_size, epoch, allow_evict, policy, clock,
+                                                  init_kind, a, b, seed, with_rows);
     int64_t c[3] = {0, 0, 0};
     if (query.numel() > 0) {  // the counts into pinned memory behind the kernels, then the host waits
         int64_t *h = pinned_counts();
@@ -281,7 +258,7 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
         check_launch(cudaStreamSynchronize(s), "dynemb find-or-insert kernels (at the host's wait)");
         for (int i = 0; i < 3; ++i) c[i] = h[i];
     }
-    return finish_find_or_insert(r, c, values, state, stage, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
+    return finish_find_or_insert(r, c, values, state, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
         return evict_rows_cuda(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
 }

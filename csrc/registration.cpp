@@ -114,16 +114,14 @@ TORCH_LIBRARY(torchfuse, m) {
           "int init_kind, float a, float b, int seed, bool with_rows) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
     // dynemb_find_or_insert, then the host's wait for the counts and the eviction row work
-    // (dynemb_evict_rows) in the same call; on the GPU with 128-slot buckets its second kernel does the
-    // row work of the first stage_rows evictions itself (a hint: any value >= 0 gives the same results).
-    // Returns (slots, rows, is_new, evicted (4, n_evicted): the
+    // (dynemb_evict_rows) in the same call: returns (slots, rows, is_new, evicted (4, n_evicted): the
     // victims' keys, slots, scores and the indices of the keys that took their slots; the victims'
     // values; their optimizer state; the counts (inserted, n_evicted, failed) on the CPU). Every output
     // is complete when the op returns.
     m.def("dynemb_find_or_insert_sync(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
           "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
           "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
-          "int init_kind, float a, float b, int seed, bool with_rows, int stage_rows) "
+          "int init_kind, float a, float b, int seed, bool with_rows) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
     // find_or_insert's eviction row work (tf_dynemb_evict_params): returns the victims' (values,
     // state); their slots get the new keys' initial rows, copied into rows (n or 0 x dim) too.

@@ -113,7 +113,7 @@ typedef struct {
  * lookup marking found slots; insert of the missing keys; init of the new rows; touch of every key;
  * the rows copied out). Except: a key that took an evicted key's slot gets neither its row initialized
  * nor copied out: evicted_new[e] names it (e < counts[1]); the caller saves the victim's row, then
- * initializes and copies it (on the GPU only for e >= stage_rows, below). Used: the probe's query, slots, epoch, allow_evict, is_new, evicted
+ * initializes and copies it. Used: the probe's query, slots, epoch, allow_evict, is_new, evicted
  * arrays and counts; the init's values/state/dtype/dim/initializer are used (init.slots = p.slots, init.keys =
  * p.query, init.mask unused). policy: TF_DYNEMB_LRU / LFU, or -1 for no touch. */
 typedef struct {
@@ -125,13 +125,6 @@ typedef struct {
     uint8_t *miss;             /* CUDA with 128-slot buckets: scratch of tf_dynemb_foi_miss_bytes(n) */
     int fill_outputs;          /* CUDA with 128-slot buckets: step 1 sets is_new to 0, the evicted arrays and
                                   evicted_new to -1 and counts to 0 (the caller left them unwritten) */
-    /* CUDA with 128-slot buckets: evictions e < stage_rows are finished by step 2 itself: the victim's
-     * row and state copied to row e of stage_values / stage_state, then the new key's row written (and
-     * copied out) as for a key that took an empty slot; the caller's row work is left for e >= stage_rows
-     * only. stage_rows 0: none (the CPU ignores these). */
-    void *stage_values;        /* stage_rows rows of values.row_bytes */
-    float *stage_state;        /* stage_rows rows of state.row_bytes */
-    int64_t stage_rows;
 } tf_dynemb_foi_params;
 
 /* Step 1 lists the keys it left to step 2: a count and step 1's insert count (8 bytes each), then n

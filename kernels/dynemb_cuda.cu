@@ -943,9 +943,8 @@ __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_
 /* Step 2 for 128-slot buckets: a resident grid walks step 1's list of misses, 32 keys per block per
  * round, a quarter warp each: quarter_claim, then the key, digest and score written, the row
  * initialized and, when asked, written out too (from registers, not read back). Evictions and the
- * counts are numbered with one global atomic per block and round. An evicting key copies the victim's
- * row and state to the stage first (e < stage_rows: the copies overlap the other keys' probes instead
- * of waiting for the host), or else leaves its row to the caller (evicted_new). */
+ * counts are numbered with one global atomic per block and round. An evicting key leaves its row to
+ * the caller (evicted_new). */
 template <typename T>
 __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p,
                                                                         int read_marks) {
@@ -994,9 +993,9 @@ __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb
         __syncthreads();
         if (c.slot < 0) continue;  // invalid, or no room (counted as failed)
         const int64_t slot = c.slot;
-        const int64_t e = ev_base + ev_prefix[w] + __popc(eb & ((1u << (8 * q)) - 1u));  // if c.evicted
         if (ql == 0) {
             if (c.evicted) {
+                const int64_t e = ev_base + ev_prefix[w] + __popc(eb & ((1u << (8 * q)) - 1u));
                 p.p.evicted_keys[e] = c.victim_key;
                 p.p.evicted_slots[e] = slot;
                 p.p.evicted_scores[e] = c.victim_score;
@@ -1006,18 +1005,7 @@ __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb
             p.p.slots[i] = slot;
             p.p.is_new[i] = 1;
         }
-        if (c.evicted) {
-            if (e >= p.stage_rows) continue;  // the caller saves the victim's row first
-            // the victim's row and state to stage row e, read by all 8 lanes before any writes the new row
-            const int64_t vb = p.init.values.row_bytes, sb = p.init.state.row_bytes;
-            copy_units<T, 8>(reinterpret_cast<T *>(static_cast<char *>(p.stage_values) + e * vb),
-                             reinterpret_cast<const T *>(tf_dynemb_row(&p.init.values, slot)),
-                             vb / static_cast<int64_t>(sizeof(T)), ql);
-            if (sb)
-                copy_units<float, 8>(p.stage_state + e * (sb / 4),
-                                     reinterpret_cast<const float *>(tf_dynemb_row(&p.init.state, slot)), sb / 4, ql);
-            __syncwarp(0xffu << (8 * q));
-        }
+        if (c.evicted) continue;  // the caller saves the victim's row first
         quarter_new_row<T>(p.init, slot, key, p.out ? static_cast<char *>(p.out) + i * p.init.values.row_bytes : nullptr, ql);
     }
 }

@@ -21,9 +21,6 @@ _find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default
 # find_or_insert at full capacity: the host's wait and the eviction rows inside the op (True), or in
 # Python after it (False: the form before; kept for benchmarks/ab_foi.py's A/B)
 _FOI_SYNC_IN_OP = True
-# ... and on the GPU its second kernel saves the victims' rows for about as many evictions as the table's
-# previous call had (False: all after the wait, as before; for the A/B)
-_FOI_STAGE = True
 _EVICTIONS = ("lru", "lfu", "none")
 _INIT_KINDS = {"normal": 1, "uniform": 2, "constant": 3}
 _NO_INIT = (0, 0.0, 0.0)  # TF_INIT_NONE: rows left as they are, optimizer state zeroed
@@ -363,15 +360,11 @@ class DynamicEmbedding(torch.nn.Module):
         clock = self._bump("_clock") if touch else self._clock
         init = self._init_args() if init_rows else _NO_INIT
         if _FOI_SYNC_IN_OP:
-            d = self.__dict__
-            stage = d.get("_stage_rows", 0) if _FOI_STAGE else 0
             slots, rows, is_new, ev, old_values, old_state, counts = _find_or_insert_sync_op(
                 keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values,
                 self._values_host, self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none",
-                policy, clock, *init, self.seed, with_rows, stage)
+                policy, clock, *init, self.seed, with_rows)
             inserted, n_ev, failed = counts.tolist()
-            if n_ev > stage or 4 * n_ev < stage:  # the next call stages about as many evictions as this one had
-                d["_stage_rows"] = n_ev + n_ev // 4
             self._bump("_size", inserted - n_ev)
             saved = None
             if n_ev:  # ev: the op's own (4, n_ev) copy, so its rows are kept as they are
@@ -889,8 +882,7 @@ def _find_or_insert_fake(query, keys, digests, scores, marks, locks, values, val
 
 @torch.library.register_fake("torchfuse::dynemb_find_or_insert_sync")
 def _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                              bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                              stage_rows):
+                              bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows):
     n = query.shape[0]
     n_ev = torch.library.get_ctx().new_dynamic_size()
     return (query.new_empty((n,)), values.new_empty((n if with_rows else 0, values.shape[1])),
