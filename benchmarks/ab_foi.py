@@ -4,44 +4,39 @@ same load factor drift (+2.5% per call). Sets of forms (--set):
   claim: step 1 claiming empty slots itself (default) against the two-step form
          (TORCHFUSE_DYNEMB_FOI_CLAIM=0: step 1 only probes, step 2 inserts every miss). (Session 8 also
          tried step 1 listing step 2's keys after its row work: slower at 7 of 9 find_or_insert cases.)
-  sync:  session 9: the host's wait and the eviction rows in Python after the op (before), in the op
-         (dynemb_find_or_insert_sync), and that plus eviction skipping the bucket's marks (default;
-         TORCHFUSE_DYNEMB_EVICT_MARKS=1 reads them).
-  (session 9 also tried step 2 saving the victims' rows itself into a stage sized by the previous call's
-  evictions, instead of the eviction-rows kernel after the wait: 0.93-1.02x at load factors 0.75 and
-  1.0, within this A/B's spread of about +-9%; reverted.)
-  (session 9 also tried step 2 numbering its evictions per warp and round instead of per block and
-  round, without block barriers: 0.62-0.73x at load factor 1.0, where every step-2 key evicts and the
-  warps' atomics meet on one counter; dropped.)
+  marks: session 9: eviction reading the bucket's marks (TORCHFUSE_DYNEMB_EVICT_MARKS=1) or not (default:
+         the atomicExch on a victim's mark refuses one this call marked). Session 9's "sync" set also
+         had the host's wait and the eviction rows in Python after the op; that form is gone, its
+         figures are in results/dynemb_h100.md.
+  (Session 9 also tried, and dropped: step 2 saving the victims' rows itself into a stage sized by the
+  previous call's evictions, 0.93-1.02x at load factors 0.75 and 1.0, within this A/B's spread of about
+  +-9%; step 2 numbering its evictions per warp and round instead of per block and round, 0.62-0.73x at
+  load factor 1.0, where every step-2 key evicts and the warps' atomics meet on one counter.)
 Each call's evictions are drained after it, untimed (bench_dynamic_embedding.py does the same).
 The ratio column is the last form over the first.
-Usage: python benchmarks/ab_foi.py [--set sync] [--dims 8,64,128] [--lfs 0.5,0.75,1.0] [--reps 4]"""
+Usage: python benchmarks/ab_foi.py [--set marks] [--dims 8,64,128] [--lfs 0.5,0.75,1.0] [--reps 4]"""
 import argparse
 import os
 
 import torch
 
 import torchfuse
-import torchfuse.dynamic_embedding as de
 import bench_dynamic_embedding as bd
 
-# form -> (environment, dynamic_embedding._FOI_SYNC_IN_OP)
+# form -> environment
 FORM_SETS = {
-    "claim": {"two-step": ({"TORCHFUSE_DYNEMB_FOI_CLAIM": "0"}, True),
-              "claim in step 1": ({}, True)},
-    "sync": {"Python wait": ({"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"}, False),
-             "wait in op": ({"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"}, True),
-             "+ no marks": ({}, True)},
+    "claim": {"two-step": {"TORCHFUSE_DYNEMB_FOI_CLAIM": "0"},
+              "claim in step 1": {}},
+    "marks": {"eviction reads marks": {"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"},
+              "no marks": {}},
 }
-ENV_KEYS = {k for forms in FORM_SETS.values() for env, _ in forms.values() for k in env}
+ENV_KEYS = {k for forms in FORM_SETS.values() for env in forms.values() for k in env}
 
 
-def use(form):
-    env, in_op = form
+def use(env):
     for k in ENV_KEYS:
         os.environ.pop(k, None)
     os.environ.update(env)
-    de._FOI_SYNC_IN_OP = in_op
 
 
 def main():
@@ -69,7 +64,7 @@ def main():
                         q = torch.unique(bd.batch_60(existing, "cuda"))
                         use(forms[name])
                         best[name] = min(best[name], bd.timed(lambda: fn(q), reps=1, after=t.drain_evicted) / q.numel())
-                use(({}, True))
+                use({})
                 g = {f: 1 / s / 2**30 for f, s in best.items()}
                 lines.append(f"| {dim} | {lf:.2f} | {op} | " + " | ".join(f"{v:.3f}" for v in g.values()) +
                              f" | {g[names[-1]] / g[names[0]]:.2f}x |")

@@ -16,6 +16,9 @@
 #           GPU tests and ab_foi.py --set stage (the stage was reverted after this call: 0.93-1.02x)
 #   PEERS=.gl/hstu-peers bash benchmarks/run_device_s9.sh hstu
 #   bash benchmarks/run_device_s9.sh dynemb
+# The calls ran ab_foi.py's sets "sync" (the wait in Python / in the op / + no marks), "step2" and
+# "stage"; those forms are gone from the code since (results/dynemb_h100.md has their figures), so the
+# parts now run the set that remains, "marks".
 set -uo pipefail
 PART=${1:?part: hstu or dynemb}
 [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -52,7 +55,7 @@ elif [ "$PART" = both ]; then
   echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dynemb.log" | tail -2
   timeout 110 python3 benchmarks/ab_hstu_bwd.py --forms mma,1blk,pers --shapes b128 --rounds 2 --out "$OUT/ab_pbwd.md" > "$OUT/ab.log" 2>&1
   echo "hstu ab exit $?"
-  (cd benchmarks && timeout 110 python3 ab_foi.py --set stage --dims 8,128 --reps 2) > "$OUT/ab_foi.txt" 2>&1; echo "foi ab exit $?"
+  (cd benchmarks && timeout 110 python3 ab_foi.py --set marks --dims 8,128 --reps 2) > "$OUT/ab_foi.txt" 2>&1; echo "foi ab exit $?"
   echo "== HSTU backward A/B"; cat "$OUT/ab_pbwd.md"
   echo "== find_or_insert A/B"; grep "^|" "$OUT/ab_foi.txt" | tail -14
 elif [ "$PART" = final ]; then
@@ -63,13 +66,13 @@ elif [ "$PART" = final ]; then
   echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -6
   timeout 60 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (sync_op or erased or concurrent_claims or full_table_rows)" > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
-  (cd benchmarks && timeout 120 python3 ab_foi.py --set ${AB_SET:-sync} --dims 8,128 --reps 2) > "$OUT/ab_foi.txt" 2>&1; echo "ab exit $?"
+  (cd benchmarks && timeout 120 python3 ab_foi.py --set ${AB_SET:-marks} --dims 8,128 --reps 2) > "$OUT/ab_foi.txt" 2>&1; echo "ab exit $?"
   if [ -n "${PEERS:-}" ] && [ -x "$PEERS/hkv_bench" ]; then
     timeout 110 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"; grep -E "^dim|^\| *[01]\." "$OUT/hkv.txt"
   fi
   timeout 170 python3 benchmarks/bench_dynamic_embedding.py --out "$OUT/bench_dynemb.md" > "$OUT/bench.log" 2>&1
   echo "bench exit $?"; cat "$OUT/bench_dynemb.md"
-  echo "== A/B (ab_foi.py --set ${AB_SET:-sync})"; tail -10 "$OUT/ab_foi.txt"
+  echo "== A/B (ab_foi.py --set ${AB_SET:-marks})"; tail -10 "$OUT/ab_foi.txt"
 else
   timeout 60 python3 -m pytest tests/test_dynamic_embedding.py -q -x -p no:cacheprovider -k "cuda and (sync_op or concurrent_claims)" > "$OUT/smoke.log" 2>&1
   rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
@@ -86,8 +89,8 @@ else
     done
     exit 0
   fi
-  (cd benchmarks && timeout ${AB_TO:-170} python3 ab_foi.py --set sync --reps ${REPS:-3}) > "$OUT/ab_foi.txt" 2>&1; echo "ab exit $?"
+  (cd benchmarks && timeout ${AB_TO:-170} python3 ab_foi.py --set marks --reps ${REPS:-3}) > "$OUT/ab_foi.txt" 2>&1; echo "ab exit $?"
   (cd benchmarks && timeout 60 python3 host_gap_dynemb.py --dim 8 --lf 0.5 --calls 7) > "$OUT/host_gap.txt" 2>&1; echo "host_gap exit $?"
   echo "== host gap (dim 8, lf 0.5)"; tail -9 "$OUT/host_gap.txt"
-  echo "== A/B (ab_foi.py --set sync)"; tail -20 "$OUT/ab_foi.txt"
+  echo "== A/B (ab_foi.py --set marks)"; tail -20 "$OUT/ab_foi.txt"
 fi

@@ -763,41 +763,48 @@ def _sorted_by_key(keys, *cols):
 
 @pytest.mark.parametrize("bucket_size", [32, 128])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_find_or_insert_sync_op_matches_python_path(device, policy, bucket_size, monkeypatch):
-    """dynemb_find_or_insert_sync (the host's wait and the eviction rows inside the op) against the
-    form that does both in Python after dynemb_find_or_insert, on twin full tables (4 buckets, Adam
-    state; 128-slot buckets take the quarter-warp kernels on the GPU) with found, new and evicting keys.
-    Before each batch the twin takes the first table's state, so both choose the same victims (on the
-    GPU which key lands in which slot is a race, and equal scores are ranked by slot); then the rows
-    returned, the keys, rows, state and scores in the table, the size and the evicted keys, rows,
-    state and scores are the same."""
-    import torchfuse.dynamic_embedding as de
+def test_find_or_insert_sync_matches_its_parts(device, policy, bucket_size):
+    """dynemb_find_or_insert_sync (the host's wait and the eviction rows inside the op, what the table's
+    find_or_insert runs at full capacity) against its parts: dynemb_find_or_insert, the counts, then
+    dynemb_evict_rows for the evicted entries. A full table (4 buckets, Adam state; 128-slot buckets
+    take the quarter-warp kernels on the GPU) takes batches of found, new and evicting keys; before each
+    batch a copy of its tensors runs the parts, so both choose the same victims (on the GPU which key
+    lands in which slot is a race, and equal scores are ranked by slot). The rows returned, the keys,
+    rows, state and scores in the table, the counts and the evicted keys, rows, state and scores agree."""
+    ops = torch.ops.torchfuse
     n_first, n_batch = 15 * bucket_size // 8, 15 * bucket_size // 16  # per bucket: ~47% and ~23% of its slots
-    tabs = [DynamicEmbedding(6, 4 * bucket_size, device=device, bucket_size=bucket_size, eviction=policy,
-                             optimizer=tfo.Adam(0.1), initializer=("uniform", -1.0, 1.0), seed=3) for _ in range(2)]
+    t = DynamicEmbedding(6, 4 * bucket_size, device=device, bucket_size=bucket_size, eviction=policy,
+                         optimizer=tfo.Adam(0.1), initializer=("uniform", -1.0, 1.0), seed=3)
     first = _t(_keys(n_first), device)
-    a, b = tabs
-    a.insert(first, torch.arange(n_first * 6, device=device, dtype=torch.float32).reshape(n_first, 6))
-    a._state.copy_(torch.arange(a._state.numel(), device=device, dtype=torch.float32).reshape(a._state.shape))
+    t.insert(first, torch.arange(n_first * 6, device=device, dtype=torch.float32).reshape(n_first, 6))
+    t._state.copy_(torch.arange(t._state.numel(), device=device, dtype=torch.float32).reshape(t._state.shape))
     pool = first.tolist() + _keys(4 * n_first)
     n_evicted = 0
     for step in range(6):
-        for name in _TABLE_TENSORS:
-            getattr(b, name).copy_(getattr(a, name))
-        for name in ("_size", "_epoch", "_clock"):
-            b.__dict__[name] = a.__dict__[name]
+        c = {name: getattr(t, name).clone() for name in _TABLE_TENSORS}
         q = torch.unique(_t(random.sample(pool, n_batch), device))
-        out = []
-        for in_op, t in ((True, a), (False, b)):
-            monkeypatch.setattr(de, "_FOI_SYNC_IN_OP", in_op)
-            out.append(t.find_or_insert(q, unique=True))
-        torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
-        assert len(a) == len(b) == int((a._digests != 0).sum())
-        ev_a, ev_b = a.drain_evicted(), b.drain_evicted()
-        n_evicted += ev_a[0].numel()
-        for x, y in zip(_sorted_by_key(ev_a[0], *ev_a[1:]), _sorted_by_key(ev_b[0], *ev_b[1:])):
+        size, epoch, clock = len(t), t._epoch + 1, t._clock + 1
+        init = (2, -1.0, 1.0)  # the table's ("uniform", -1.0, 1.0)
+        slots, rows, is_new, evicted, counts = ops.dynemb_find_or_insert(
+            q, c["_keys"], c["_digests"], c["_scores"], c["_marks"], c["_locks"], c["_values"], c["_values_host"],
+            c["_state"], c["_state_host"], bucket_size, epoch, True, 1 if policy == "lfu" else 0, clock, *init, 3,
+            True)
+        inserted, n_ev, failed = counts.tolist()
+        old_values, old_state = ops.dynemb_evict_rows(evicted[1, :n_ev], evicted[3, :n_ev], q, c["_values"],
+                                                      c["_values_host"], c["_state"], c["_state_host"], rows,
+                                                      *init, 3)
+        got = t.find_or_insert(q, unique=True)
+        assert (t._epoch, t._clock) == (epoch, clock) and failed == 0
+        torch.testing.assert_close(got, rows, rtol=0, atol=0)
+        assert len(t) == size + inserted - n_ev == int((t._digests != 0).sum())
+        ev = t.drain_evicted()
+        n_evicted += n_ev
+        want = (evicted[0, :n_ev], old_values, old_state, evicted[2, :n_ev])
+        for x, y in zip(_sorted_by_key(ev[0], *ev[1:]), _sorted_by_key(*want)):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
-        for x, y in zip(_sorted_by_key(*a._compact()), _sorted_by_key(*b._compact())):
+        occ = torch.nonzero(c["_digests"]).squeeze(1)
+        want = (c["_keys"][occ], c["_values"][occ], c["_state"][occ], c["_scores"][occ])
+        for x, y in zip(_sorted_by_key(*t._compact()), _sorted_by_key(*want)):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert n_evicted > 0
 

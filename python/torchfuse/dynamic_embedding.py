@@ -16,11 +16,7 @@ from . import optim as _optim
 from ._stats import count
 
 _ops = torch.ops.torchfuse
-_find_or_insert_op = _ops.dynemb_find_or_insert.default  # the overload itself: called ahead of every launch
-_find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default
-# find_or_insert at full capacity: the host's wait and the eviction rows inside the op (True), or in
-# Python after it (False: the form before; kept for benchmarks/ab_foi.py's A/B)
-_FOI_SYNC_IN_OP = True
+_find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default  # the overload itself: called ahead of every launch
 _EVICTIONS = ("lru", "lfu", "none")
 _INIT_KINDS = {"normal": 1, "uniform": 2, "constant": 3}
 _NO_INIT = (0, 0.0, 0.0)  # TF_INIT_NONE: rows left as they are, optimizer state zeroed
@@ -352,55 +348,33 @@ class DynamicEmbedding(torch.nn.Module):
         (probe, insert, init, touch and the rows out in two kernels on the GPU, then the host's wait on
         the counts and, when keys were evicted, the eviction-rows kernel). Returns (slots, is_new,
         evicted or None, rows or None). The GPU idles for what the host does before the kernels are
-        launched and after that wait, so both stay in C++ but for the bookkeeping. init_rows=False
+        launched and after that wait, so all of it but this bookkeeping is in C++. init_rows=False
         leaves new rows unwritten (their optimizer state is still zeroed): for callers that write them
         next."""
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
         init = self._init_args() if init_rows else _NO_INIT
-        if _FOI_SYNC_IN_OP:
-            slots, rows, is_new, ev, old_values, old_state, counts = _find_or_insert_sync_op(
-                keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values,
-                self._values_host, self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none",
-                policy, clock, *init, self.seed, with_rows)
-            inserted, n_ev, failed = counts.tolist()
-            self._bump("_size", inserted - n_ev)
-            saved = None
-            if n_ev:  # ev: the op's own (4, n_ev) copy, so its rows are kept as they are
-                saved = (ev[0], old_values, old_state, ev[2])
-                self._record_evicted(saved)
-                self._bump("_version")
-            if failed:
-                raise RuntimeError(self._full_message(failed))
-            return slots, is_new, saved, rows if with_rows else None
-        slots, rows, is_new, evicted, counts = _find_or_insert_op(
-            keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values, self._values_host,
-            self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none", policy, clock,
-            *init, self.seed, with_rows)
-        if with_rows:  # freed while the kernels run rather than after the wait
-            slots = is_new = None
-        inserted, n_ev, failed = self._host_counts(counts)
+        slots, rows, is_new, ev, old_values, old_state, counts = _find_or_insert_sync_op(
+            keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values,
+            self._values_host, self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none",
+            policy, clock, *init, self.seed, with_rows)
+        inserted, n_ev, failed = counts.tolist()
         self._bump("_size", inserted - n_ev)
         saved = None
-        if n_ev:  # one kernel: the victims' rows and state out, the new keys' rows in (and into rows)
-            ev_slots = evicted[1, :n_ev]
-            old_values, old_state = _ops.dynemb_evict_rows(
-                ev_slots, evicted[3, :n_ev], keys, self._values, self._values_host, self._state, self._state_host,
-                rows, *init, self.seed)
-            saved = self._save_evicted(evicted[0, :n_ev], ev_slots, evicted[2, :n_ev], old_values, old_state)
+        if n_ev:  # ev: the op's own (4, n_ev) copy, so its rows are kept as they are
+            saved = (ev[0], old_values, old_state, ev[2])
+            self._record_evicted(saved)
+            self._bump("_version")
         if failed:
             raise RuntimeError(self._full_message(failed))
         return slots, is_new, saved, rows if with_rows else None
 
-    def _save_evicted(self, keys: Tensor, slots: Tensor, scores: Tensor, values: Optional[Tensor] = None,
-                      state: Optional[Tensor] = None):
+    def _save_evicted(self, keys: Tensor, slots: Tensor, scores: Tensor):
         """(keys, values, optimizer state, scores) of keys an insert evicted, read before their slots
-        are reused (unless already read: values, state), recorded for drain_evicted; bumps the
-        version (slots changed hands)."""
-        if values is None:
-            values = self._gather(slots, self._values, self._values_host)
-            state = self._gather(slots, self._state, self._state_host)
+        are reused, recorded for drain_evicted; bumps the version (slots changed hands)."""
+        values = self._gather(slots, self._values, self._values_host)
+        state = self._gather(slots, self._state, self._state_host)
         evicted = (keys.clone(), values, state, scores.clone())
         self._record_evicted(evicted)
         self._bump("_version")
