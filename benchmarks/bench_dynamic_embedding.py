@@ -160,16 +160,25 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--capacity", type=int, default=16 * M)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--parts", default="train,gather,hbm,half_host",
+                    help="comma-separated subset of train, gather, hbm, half_host")
+    ap.add_argument("--dims", default=None, help="table dims, e.g. 64,128 (default 8,64,128; --quick: fewer)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    dims = [8, 64, 128]
+    dims = [int(d) for d in args.dims.split(",")] if args.dims else [8, 64, 128]
     lfs = [0.5, 0.75, 1.0]
     ops, gathers, train = [], [], []
     t0 = time.time()
-    training(M, 4 * M, 128, train)
-    static_gather(args.capacity, [128] if args.quick else dims, gathers)
-    table_ops(args.capacity, dims, lfs, ["hbm"], ops)
-    table_ops(args.capacity, [64, 128] if args.quick else dims, [0.5] if args.quick else lfs, ["half_host"], ops)
+    if "train" in parts:
+        training(M, 4 * M, 128, train)
+    if "gather" in parts:
+        static_gather(args.capacity, [128] if args.quick and not args.dims else dims, gathers)
+    if "hbm" in parts:
+        table_ops(args.capacity, dims, lfs, ["hbm"], ops)
+    if "half_host" in parts:
+        table_ops(args.capacity, [64, 128] if args.quick and not args.dims else dims,
+                  [0.5] if args.quick else lfs, ["half_host"], ops)
     print(f"benchmark wall {time.time() - t0:.0f} s", flush=True)
     lines = ["| tier | dim | load factor | find Gi keys/s | find_or_insert | insert_or_assign |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]

@@ -1,4 +1,6 @@
 // HSTU attention: the CUDA implementation (checks and setup live in hstu.cpp).
+#include <initializer_list>
+
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -11,6 +13,23 @@ namespace {
 
 void check_launch(int err, const char *what) {
     TORCH_CHECK(err == 0, "torchfuse: ", what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+// Outputs are allocated uninitialised on CUDA (prepare_hstu): the kernels write every row inside the
+// sequences, and the rows outside them are zeroed here, when the offsets may not cover all L rows.
+void zero_uncovered_rows(const Hstu &g, std::initializer_list<at::Tensor> outs) {
+    if (g.covered || g.p.delta > 0 || g.p.L == 0) return;
+    void *rows[3];
+    int64_t bytes[3];
+    int n = 0;
+    for (const at::Tensor &t : outs) {
+        rows[n] = t.data_ptr();
+        bytes[n] = t.numel() / g.p.L * (int64_t)t.element_size();
+        ++n;
+    }
+    check_launch(tf_hstu_zero_outside(rows, bytes, n, g.p.L, g.p.offsets, g.p.offsets_i64, g.p.B,
+                                      c10::cuda::getCurrentCUDAStream().stream()),
+                 "HSTU zeroing of uncovered rows");
 }
 
 at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &seq_offsets,
@@ -26,6 +45,7 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
     // the sm_90a kernel's work counter (it zeroes it on the stream before its launch)
     const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
+    zero_uncovered_rows(g, {g.o});
     check_launch(tf_hstu_fwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU forward kernel");
     return g.o;
 }
@@ -45,6 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
     // the persistent sm_90a backward's work counter, its own (zeroed by the launch on the stream)
     const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
+    zero_uncovered_rows(g, {g.dk, g.dv});
     check_launch(tf_hstu_bwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU backward kernel");
     at::Tensor dq = g.dq.to(g.q.scalar_type());
     at::Tensor db = g.dbias.defined() ? g.dbias.to(g.bias.scalar_type()) : no_output(g.o);

@@ -198,6 +198,12 @@ int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream);
  * wherever it can run, with ping-pong, =2 without);
  * tf_hstu_fwd_cuda tries it first. */
 int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream);
+/* Zeroes rows [0, offsets[0]) and [offsets[B], L) (read on the device, clamped to [0, L]) of n
+ * contiguous (L, ...) tensors of row_bytes[i] bytes a row (a multiple of 4): the rows no sequence
+ * covers, which the kernels never write. Lets unvalidated calls allocate outputs without zeroing them
+ * whole (the kernels write every row inside [offsets[0], offsets[B])). n <= 3. */
+int tf_hstu_zero_outside(void *const *rows, const int64_t *row_bytes, int n, int64_t L, const void *offsets,
+                         int offsets_i64, int64_t B, void *stream);
 /* Needs p->dq_acc (fp32, zeroed) and, with a bias gradient, p->dbias (fp32, zeroed). */
 int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream);
 /* The sm_90a (TMA + wgmma) backward, 16-bit dtypes, head dims up to 256, no attn_bias: -1 when it does

@@ -213,6 +213,25 @@ cudaError_t dispatch_fwd(const tf_hstu_params &p, cudaStream_t stream) {
     return hstu_with_head_dim(p, [&](auto D) { return launch_fwd<T, decltype(D)::value>(p, stream); });
 }
 
+
+/* Rows outside the sequences, zeroed: one thread per 4 bytes, grid-striding over the rows before
+ * offsets[0] and from offsets[B] on, for up to three tensors (blockIdx.y). Usually both ranges are empty
+ * and every thread returns after two loads. */
+struct ZeroOutside {
+    uint32_t *rows[3];
+    int64_t words[3];  // 4-byte words per row
+};
+
+__global__ void hstu_zero_outside(ZeroOutside z, int64_t L, const void *offsets, int offsets_i64, int64_t B) {
+    int64_t a = tf_idx_load(offsets, offsets_i64, 0), e = tf_idx_load(offsets, offsets_i64, B);
+    a = a < 0 ? 0 : a > L ? L : a;
+    e = e < a ? a : e > L ? L : e;
+    const int64_t w = z.words[blockIdx.y], head = a * w, total = head + (L - e) * w;
+    uint32_t *base = z.rows[blockIdx.y];
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
+        base[i < head ? i : e * w + (i - head)] = 0u;
+}
+
 }  // namespace
 
 extern "C" int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream_) {
@@ -225,5 +244,21 @@ extern "C" int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream_) {
     if (q_rows == 0 || p->H == 0) return 0;
     const dim3 grid((unsigned)((q_rows + 3) / 4), (unsigned)p->H);
     hstu_fwd_f32<<<grid, 128, 0, stream>>>(*p, q_rows);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int tf_hstu_zero_outside(void *const *rows, const int64_t *row_bytes, int n, int64_t L, const void *offsets,
+                                    int offsets_i64, int64_t B, void *stream) {
+    if (n <= 0 || L == 0) return 0;
+    if (n > 3) return (int)cudaErrorInvalidValue;
+    ZeroOutside z = {};
+    for (int i = 0; i < n; ++i) {
+        if (row_bytes[i] % 4 != 0) return (int)cudaErrorInvalidValue;
+        z.rows[i] = (uint32_t *)rows[i];
+        z.words[i] = row_bytes[i] / 4;
+    }
+    // a small fixed grid: the common case has nothing to zero, and a launch this size costs what a
+    // memset's does; all-uncovered calls (rare) stride over their rows
+    hstu_zero_outside<<<dim3(128, (unsigned)n), 256, 0, (cudaStream_t)stream>>>(z, L, offsets, offsets_i64, B);
     return (int)cudaGetLastError();
 }
