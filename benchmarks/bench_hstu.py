@@ -106,6 +106,36 @@ def bench(fn, inputs, dout, fwd_only=False):
     return t_f, t_b
 
 
+def back_to_back_us(fn, n=10, rounds=3):
+    """Time per call of n calls between two events (best of rounds): the GPU stays busy, so host
+    dispatch hides behind it, as in a training step (and triton.testing.do_bench)."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / n)
+    return best
+
+
+def bench_b2b(fn, inputs, dout):
+    """(fwd us, bwd us), back to back."""
+    with torch.no_grad():
+        t_f = back_to_back_us(fn)
+    for x in inputs:
+        x.requires_grad_(True)
+    out = fn()
+    t_b = back_to_back_us(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+    for x in inputs:
+        x.requires_grad_(False)
+    return t_f, t_b
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="full-length shapes (and the targets / window cases) only")
@@ -117,6 +147,8 @@ def main():
                     help="leave Triton's SEQUENCE_PARALLEL backward configs out of its autotune subset")
     ap.add_argument("--cases", default="full,varied,special",
                     help="comma list of: full (full-length rows), varied (lengths ~ U[N/2, N]), special (targets, window)")
+    ap.add_argument("--b2b", action="store_true",
+                    help="also time ours and Triton back to back (10 calls between two events): kernel-bound figures")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -152,8 +184,9 @@ def main():
     lines = [f"# HSTU attention, bf16, causal, H={H}, {dev}, torch {torch.__version__}", "",
              f"Triton: generative-recommenders triton_hstu_mha ({note}). TFLOP/s by the issue's FLOP count.", "",
              "| B, N, D | lengths | ours fwd | ours bwd | fwd: mma.sync / wgmma ping-pong / wgmma plain | Triton fwd | Triton bwd | fwd x Triton | bwd x Triton "
-             "| SDPA fwd | fwd x SDPA | eager fwd/bwd | compile fwd/bwd | max abs diff vs Triton |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| SDPA fwd | fwd x SDPA | eager fwd/bwd | compile fwd/bwd | max abs diff vs Triton |"
+             + (" b2b: ours fwd/bwd | b2b: Triton fwd/bwd | b2b: x Triton fwd/bwd |" if args.b2b else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.b2b else "")]
     print("\n".join(lines), flush=True)
     for (B, N, D), label, kw in cases:
         c = make_case(B, N, D, **kw)
@@ -164,6 +197,7 @@ def main():
         ours = lambda: torchfuse.hstu_attention(q, k, v, offsets, N, alpha, num_targets=nt,  # noqa: E731
                                                 max_attn_len=window, validate=False)
         t_o = bench(ours, [q, k, v], dout)
+        t_o2 = bench_b2b(ours, [q, k, v], dout) if args.b2b else None
         # the same op with each forward kernel forced (0: mma.sync, 1 / 2: the sm_90a wgmma one with / without ping-pong), whichever
         # the dispatch rule picks by default
         saved = os.environ.get("TORCHFUSE_HSTU_SM90")
@@ -184,6 +218,8 @@ def main():
                     a, t_ = ours().float(), tri().float()
                     diff = f"{(a - t_).abs().max().item():.1e} (max {a.abs().max().item():.1e})"
                 row["triton"] = bench(tri, [q, k, v], dout)
+                if args.b2b:
+                    row["triton_b2b"] = bench_b2b(tri, [q, k, v], dout)
             except Exception as e:  # a peer failure must not hide our figures
                 print(f"triton failed at {B, N, D, label}: {e}", file=sys.stderr)
         sd = "-"
@@ -223,6 +259,10 @@ def main():
         line = (f"| {B}, {N}, {D} | {label} | {tf(t_o[0])} | {tf(t_o[1], 2.5)} | {tf(t_k['0'])} / {tf(t_k['1'])} / {tf(t_k['2'])} | {tf(t_t[0])} | {tf(t_t[1], 2.5)} | "
                 f"{ratio(t_o[0], t_t[0])} | {ratio(t_o[1], t_t[1])} | {sd} | "
                 f"{ratio(t_o[0], row['sdpa'][0]) if 'sdpa' in row else '-'} | {eg} | {cp} | {diff} |")
+        if args.b2b:
+            t_t2 = row.get("triton_b2b", (None, None))
+            line += (f" {tf(t_o2[0])}/{tf(t_o2[1], 2.5)} | {tf(t_t2[0])}/{tf(t_t2[1], 2.5)} | "
+                     f"{ratio(t_o2[0], t_t2[0])} / {ratio(t_o2[1], t_t2[1])} |")
         print(line, flush=True)
         lines.append(line)
         if args.out:  # row by row, so a run cut short keeps what it measured
