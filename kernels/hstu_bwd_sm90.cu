@@ -23,7 +23,13 @@
  *       dV += P^T dO, dK += dZ^T Q              wgmma, P^T / dZ^T from registers, dO / Q transposed
  *       dQ  = dZ K                              wgmma from shared memory: dZ^T is stored transposed
  *                                               (stmatrix) into a 128-byte-swizzled tile, double-buffered
- *     and add dQ into the fp32 buffer p.dq_acc (vector red.global.add; the caller casts it). dK and dV
+ *     and add dQ into the fp32 buffer p.dq_acc (the caller casts it). Head dims up to 128: each warpgroup
+ *     writes its 64 x 64 fp32 dQ into its own 128-byte-swizzled staging tile in shared memory, and one of
+ *     its threads adds that to p.dq_acc with TMA bulk reduce-adds (two boxes of 32 columns), as
+ *     FlashAttention-3 does; per-thread red.global.add straight from the accumulator (16 vector reductions
+ *     per thread per tile) had the consumers stalled on long_scoreboard and lg_throttle in an ncu profile.
+ *     Head dims 192 and 256 (shared memory is full there), or where p.dq_acc's map cannot be made, or with
+ *     TORCHFUSE_HSTU_BWD_DQ=red (A/B runs, tests): red.global.add from the registers. dK and dV
  *     stay in registers, 64 + 64 per thread, and are written once at the item's end. How the two warpgroups
  *     share the work (BwdSm90Cfg):
  *       head dims 64, 128: kBN = 128 keys, warpgroup w owns keys 64 w.. (all D columns of dK, dV). At
@@ -41,11 +47,14 @@
  *   - TMA reads whole tiles: rows past the sequence's end come from the next sequence (past the
  *     tensor's end they are zeros), so the tail rows of K (first tile) and of Q and dO (the last query
  *     tile) are zeroed in shared memory before use: masked elements are 0, but 0 x inf is not.
+ *     The TMA reduce-add of dQ writes whole tiles too (clipped only at L and dqk): rows past the
+ *     sequence's end are stored as 0 in the staging tile (see there why they must be).
  * Head dims up to 256, bf16 / fp16, no attn_bias: otherwise (and off compute capability 9.0, or where
  * the copy engine cannot address the tensors) the entry point declines and hstu_bwd.cu's mma.sync
  * kernel runs. TORCHFUSE_HSTU_SM90_BWD=0 forces that (A/B runs, tests). */
 #include <cuda_runtime.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "hstu_mma.cuh"
 #include "tf_sm90.cuh"
@@ -72,7 +81,15 @@ struct BwdSm90Cfg {
     static constexpr int DQ_CHUNKS = DQ_SPLIT_N ? D / 128 : 1;
     // K, V, the Q and dO rings, dZ twice; +1024: tiles start on the swizzle pattern's 1024-byte period
     static constexpr int SMEM = 2 * KV_BYTES + 2 * ST * QO_BYTES + 2 * Z_BYTES + 1024;
+    // dQ through shared memory and a TMA reduce-add (head dims up to 128; at 256 shared memory is full:
+    // red.global.add from the registers there): one fp32 staging tile of kBQ rows x 64 columns per consumer
+    // warpgroup, as two 128-byte-swizzled boxes of 32 columns (the swizzle's 128-byte row)
+    static constexpr bool DQ_TMA = !COL_SPLIT;
+    static constexpr int DQ_BOX_BYTES = kBQ * 32 * 4, DQ_WG_BYTES = 2 * DQ_BOX_BYTES;
+    static constexpr int SMEM_TMA = SMEM + (DQ_TMA ? 2 * DQ_WG_BYTES : 0);
     static_assert(SMEM + 256 <= 232448, "227 KB of shared memory per block (+ the static mbarriers and work slots)");
+    static_assert(SMEM_TMA + 256 <= 232448, "the same with the dQ staging tiles");
+    static_assert(!DQ_TMA || DQ_CHUNKS == 1, "the TMA dQ path: one 64-column chunk a warpgroup per tile");
     static_assert(!COL_SPLIT || (BN == 64 && NC == 128), "the column split: 64 keys, 128 columns a warpgroup");
     static_assert(!DQ_SPLIT_N || 2 * 64 * DQ_CHUNKS == D, "the two consumers' dQ chunks cover the head dim");
 };
@@ -94,6 +111,9 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
                  "r"(r[1]), "r"(r[2]), "r"(r[3])
                  : "memory");
+}
+__device__ __forceinline__ void st_shared_v2(uint32_t addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
 __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
@@ -142,13 +162,18 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
-                const tf_hstu_params p, int k_tiles, int section, int items) {
+                const __grid_constant__ CUtensorMap tm_dq, const tf_hstu_params p, int k_tiles, int section,
+                int items, int dq_tma_flag) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
     constexpr int kBN = C::BN, NC = C::NC, ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
+    // dQ's staging tiles (launched with SMEM_TMA bytes only when dq_tma_flag is set): consumer cw's at
+    // DQs + cw * DQ_WG_BYTES
+    uint8_t *DQs = Zs + 2 * C::Z_BYTES;
+    const bool dq_tma = C::DQ_TMA && dq_tma_flag;  // uniform over the block
     // kv_full / kv_empty: the one K/V buffer, phase k for the block's k-th item; full / empty: the Q/dO
     // ring, slot gt % ST and phase gt / ST for the block's gt-th query tile (counted across items, the
     // same count on both sides: the consumers take exactly the items, and their tiles, the producer
@@ -156,7 +181,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     //   producer: work_slot[k % 2] = the item (or active = 0: the end), bar.sync 6 (k > 0), bar.arrive 5;
     //   consumers: bar.sync 5, copy work_slot[k % 2], bar.arrive 6 unless it was the end.
     // Named barriers 5 and 6 span the producer warp and the consumers (288 threads); 1 (tail zeroing,
-    // 256), 2 (dZ stored, 256) and 3 + cw (dZ stored, 128, head dim 64) are the consumers' per tile.
+    // 256), 2 (dZ stored, 256), 3 + cw (dZ stored, 128, head dim 64) and 7 + cw (dQ staged, 128, the TMA
+    // dQ path) are the consumers' per tile.
     // Each consumer waits at 5 for every item, so the two warpgroups enter an item together.
     // Why nothing waits forever: the producer waits on kv_empty phase k - 1 only for an item k it
     // handed over, and the consumers arrive on every phase of an item they took (after its tile loop,
@@ -168,6 +194,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // gt + 1, which the other passed only after its dQ wgmma of tile gt had completed.
     // K's tail rows, zeroed by consumer 0 at an item's first tile, are not overwritten by the next
     // item's load before every consumer warp is done with them: that load waits for kv_empty.
+    // dQ's staging tile (TMA path), per consumer warpgroup, per query tile: the warpgroup's thread 0, which
+    // issued the bulk reduce of its previous tile, waits until that has read the tile
+    // (cp.async.bulk.wait_group.read) before the dZ barrier (2 or 3 + cw), which every thread of the
+    // warpgroup passes before it writes the tile (after the dQ wgmma); then fence.proxy.async, barrier
+    // 7 + cw, and thread 0 issues the reduce (one box of 32 columns, two where dqk reaches the second)
+    // and commits it. Thread 0 waits for all its bulk groups before the block ends (the reduces read
+    // shared memory until they complete).
     __shared__ __align__(8) uint64_t kv_full, kv_empty, full_bar[ST], empty_bar[ST];
     __shared__ BwdItem work_slot[2];
 
@@ -344,7 +377,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                 tf_gemm_rs<T, NC, kBQ>(dv, pp, smem_u32(Ot) + (nc0 / 64) * kBQ * 128);
                 tf_gemm_rs<T, NC, kBQ>(dk, pz, smem_u32(Qt) + (nc0 / 64) * kBQ * 128);
                 tf_wgmma_commit();
-                // dQ = dZ K: every warp's dZ must be in Zt first (both warpgroups' when they split the columns)
+                // dQ = dZ K: every warp's dZ must be in Zt first (both warpgroups' when they split the columns).
+                // TMA dQ path: the barrier also orders this warpgroup's staging writes below after the read of
+                // the previous tile's reduce, which its issuing thread waits for here (long done: a tile ago).
+                // Every thread waits (no bulk groups: at once; the red path has none): a branch between the
+                // wgmma fence above and the dQ wgmma makes ptxas inject another fence (C7519)
+                if constexpr (C::DQ_TMA) bulk_wait_group_read0();
                 if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
                 const uint32_t z_addr = smem_u32(Zt);
                 const int dqk = (int)p.dqk;
@@ -376,6 +414,50 @@ __global__ void __launch_bounds__(kThreads, 1)
                     }
 
                     const int col0 = C::DQ_SPLIT_N ? 64 * pc : 0;
+                    if constexpr (C::DQ_TMA) {
+                        if (dq_tma) {
+                            // The 64 x 64 fragment -> this warpgroup's staging tile: columns 32 b.. in box b,
+                            // rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8) (the TMA's 128-byte
+                            // swizzle); element 4 j + 2 hh + e: row 16 warp + g + 8 hh (so r % 8 = g), column
+                            // 8 j + 2 t4 + e = box j / 4, chunk 2 (j % 4) + t4 / 2, byte 8 (t4 % 2) + 4 e.
+                            // A warp's 8-byte store (fixed j, hh): the 8 rows' two chunks (2 (j % 4) + {0, 1}) ^ g
+                            // cover each of the 8 chunk positions (bank groups) twice: 256 bytes in 2 wavefronts,
+                            // no conflict beyond that.
+                            // Rows at or past the sequence's end (pos >= len) are stored as 0: the reduce adds
+                            // all 64 rows (the copy engine clips only at L), and those are the next sequence's.
+                            // The arithmetic alone gives 0 there only if this sequence's own K and V are finite:
+                            // dZ^T's columns pos >= len are 0 (Q and dO tail rows are zeroed in shared memory
+                            // above; a masked tile selects 0 for them, hstu_col_bits having no bits past len; a
+                            // tile tf_hstu_tile_full reports has keys below its first query only, so < len,
+                            // and its dP^T = V dO^T = V . 0, z = alpha K . 0 = 0 there, 0 unless V has inf /
+                            // NaN), and dQ = dZ K is then 0 x K over the tile's keys (K's rows past len zeroed,
+                            // the others this sequence's): inf / NaN in this sequence's own K or V (the
+                            // neighbour-isolation test's middle sequence) would give NaN, so the select does it.
+                            // Address: (2 (j % 4) + t4 / 2) ^ g = (32 (j % 4) ^ 16 (t4 / 2 ^ g)) / 16, the
+                            // bits of 2 (j % 4) and t4 / 2 not overlapping
+                            const uint32_t dqs = smem_u32(DQs + cw * C::DQ_WG_BYTES);
+                            const uint32_t a0 = dqs + (16 * warp + g) * 128 + 8 * (t4 & 1), x = 16 * ((t4 / 2) ^ g);
+#pragma unroll
+                            for (int hh = 0; hh < 2; ++hh) {
+                                const bool in = q0 + 16 * warp + g + 8 * hh < len;
+#pragma unroll
+                                for (int j = 0; j < 8; ++j)
+                                    st_shared_v2(a0 + ((32 * (j % 4)) ^ x) + hh * 8 * 128 + (j / 4) * C::DQ_BOX_BYTES,
+                                                 in ? dq[4 * j + 2 * hh] : 0.f, in ? dq[4 * j + 2 * hh + 1] : 0.f);
+                            }
+                            fence_proxy_async();  // the stores -> the reduce's (async proxy) reads
+                            named_bar_sync_n(7 + cw, 128);
+                            if (threadIdx.x % 128 == 0) {
+                                // rows w.start + q0.. (clipped at L), columns col0 + 32 b (clipped at dqk:
+                                // a box wholly past it is not issued)
+                                const int row = (int)(w.start + q0);
+                                if (col0 < dqk) tma_reduce_add(&tm_dq, dqs, col0, h, row);
+                                if (col0 + 32 < dqk) tma_reduce_add(&tm_dq, dqs + C::DQ_BOX_BYTES, col0 + 32, h, row);
+                                bulk_commit_group();
+                            }
+                            continue;  // n: the only chunk
+                        }
+                    }
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
                         const int pos = q0 + 16 * warp + g + 8 * hh;
@@ -410,6 +492,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
             }
         }
+        // the block's last dQ reduces: complete before it ends (they read its shared memory until then)
+        if (dq_tma && threadIdx.x % 128 == 0) bulk_wait_group0();
     }
 #endif
 }
@@ -428,7 +512,15 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
         !tensor_map(&tv, p.dtype, p.v, p.L, p.H, p.dv, p.v_sr, p.v_sh, kBN) ||
         !tensor_map(&tdo, p.dtype, p.dout, p.L, p.H, p.dv, p.do_sr, p.do_sh, kBQ))
         return -1;
-    constexpr int smem = BwdSm90Cfg<D>::SMEM;
+    // dQ: staged in shared memory and added by TMA reduce-adds (head dims up to 128, where p.dq_acc's map
+    // can be made), else red.global.add from the registers; TORCHFUSE_HSTU_BWD_DQ=red forces the latter
+    // (A/B runs, tests), unset, empty or anything else takes the former where it applies
+    const char *dq_env = getenv("TORCHFUSE_HSTU_BWD_DQ");
+    CUtensorMap tdq;
+    memset(&tdq, 0, sizeof(tdq));  // unread on the red path
+    const bool dq_tma = BwdSm90Cfg<D>::DQ_TMA && !(dq_env && strcmp(dq_env, "red") == 0) &&
+                        tensor_map_f32_reduce(&tdq, p.dq_acc, p.L, p.H, p.dqk, kBQ);
+    const int smem = dq_tma ? BwdSm90Cfg<D>::SMEM_TMA : BwdSm90Cfg<D>::SMEM;
     cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     // TORCHFUSE_HSTU_BWD_SECTION=0: one section of every pair (the A/B of the L2 sections)
@@ -448,7 +540,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     } else {
         kp.sched = nullptr;
     }
-    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, kp, (int)k_tiles, section, (int)items);
+    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
+                                                                  (int)items, dq_tma ? 1 : 0);
     return cudaGetLastError();
 }
 

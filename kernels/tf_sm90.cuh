@@ -47,6 +47,21 @@ static __device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *ma
 }
 /* generic-proxy writes to shared memory (st.shared) -> visible to the async proxy (wgmma, TMA) */
 static __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+/* smem (shared-space address src) -> global reduce-add (element-wise atomic, the map's element type) of one
+ * box at (c0, c1, c2) of a 3-d map, asynchronous: tracked by the issuing thread's bulk async-groups
+ * (commit / wait below) */
+static __device__ __forceinline__ void tma_reduce_add(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+            (uint64_t)map),
+        "r"(src), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+static __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+/* this thread's bulk groups have finished reading their shared-memory sources (which may be rewritten) */
+static __device__ __forceinline__ void bulk_wait_group_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+/* this thread's bulk groups have completed (their global writes done) */
+static __device__ __forceinline__ void bulk_wait_group0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 #endif
 
 #if defined(TF_BUILT_SM90A)
@@ -111,6 +126,23 @@ static inline bool tensor_map(CUtensorMap *m, int dtype, const void *base, int64
     const cuuint32_t box[3] = {64, 1, (cuuint32_t)box_rows}, elem[3] = {1, 1, 1};
     return enc(m, dtype == TF_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
                const_cast<void *>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* TMA map of a contiguous fp32 (rows, H, d) tensor written (reduce-add) from boxes of {32 columns, 1 head,
+ * box_rows rows} in 128-byte-swizzled shared memory (the swizzle's row is 128 bytes: 32 floats). A box
+ * reaching past d, H or rows is clipped (nothing written there). False when the copy engine cannot
+ * address it (base or strides not 16-byte aligned, no rows). */
+static inline bool tensor_map_f32_reduce(CUtensorMap *m, float *base, int64_t rows, int64_t H, int64_t d, int box_rows) {
+    PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
+    if (!enc || rows <= 0 || d <= 0 || H <= 0 || ((uintptr_t)base & 15) != 0) return false;
+    const int64_t sr_b = H * d * 4, sh_b = H > 1 ? d * 4 : sr_b;  // one head: its stride is never stepped
+    if (sr_b % 16 != 0 || sh_b % 16 != 0) return false;
+    const cuuint64_t dims[3] = {(cuuint64_t)d, (cuuint64_t)H, (cuuint64_t)rows};
+    const cuuint64_t strides[2] = {(cuuint64_t)sh_b, (cuuint64_t)sr_b};
+    const cuuint32_t box[3] = {32, 1, (cuuint32_t)box_rows}, elem[3] = {1, 1, 1};
+    return enc(m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, base, dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }

@@ -145,12 +145,19 @@ SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1"}, "cuda-wgmmaplain": {"TOR
             "cuda-mma": {"TORCHFUSE_HSTU_SM90": "0"}}  # wgmmaplain: no ping-pong (A/B)
 # Backward targets: "cuda-wgmma" lets the sm_90a wgmma backward run where it applies (bf16 / fp16, head
 # dims up to 256, no attn_bias: the other cases still take mma.sync), in its persistent form (the
-# default); "cuda-wgmma1blk" the same kernel launched one block per work item
-# (TORCHFUSE_HSTU_BWD_PERSISTENT=0: test_backward_one_block_per_item, the isolation test); "cuda-mma"
-# forces mma.sync.
-BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-mma"] if torch.cuda.is_available() else [])
-SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1"},
-                "cuda-wgmma1blk": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "0"},
+# default), dQ added by TMA bulk reduce-adds from shared memory at head dims up to 128 (the default,
+# TORCHFUSE_HSTU_BWD_DQ=tma set explicitly so an inherited =red cannot change the target);
+# "cuda-wgmmared" the same with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red,
+# the path head dims 192 / 256 always take); "cuda-wgmma1blk" the same kernel as "cuda-wgmma" launched
+# one block per work item (TORCHFUSE_HSTU_BWD_PERSISTENT=0: test_backward_one_block_per_item, the
+# isolation test); "cuda-mma" forces mma.sync.
+BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmared", "cuda-mma"] if torch.cuda.is_available() else [])
+SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
+                               "TORCHFUSE_HSTU_BWD_DQ": "tma"},
+                "cuda-wgmmared": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
+                                  "TORCHFUSE_HSTU_BWD_DQ": "red"},
+                "cuda-wgmma1blk": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "0",
+                                   "TORCHFUSE_HSTU_BWD_DQ": "tma"},
                 "cuda-mma": {"TORCHFUSE_HSTU_SM90_BWD": "0"}}
 
 
