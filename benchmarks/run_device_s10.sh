@@ -7,6 +7,9 @@
 #           L2 reduction traffic) at 16x1024x128 and 16x4096x128
 #   hybrid: half the rows in host memory, ours against HierarchicalKV's hybrid mode (PEERS_HKV: its
 #           benchmark binary, built by the git-ignored .gl/dynemb-peers/build_hkv.sh), dims 64 and 128
+#   dqtma:  the backward's dQ by TMA reduce-add (branch hstu-dq-tma): smoke (a hang costs device time),
+#           the HSTU backward GPU tests on both dQ paths, memcheck and racecheck on the TMA path, then
+#           ab_hstu_bwd.py --forms persred,pers (red.add / TMA, same process) at every shape
 #   bash benchmarks/run_device_s10.sh probe
 #   PEERS_HKV=.gl/dynemb-peers/hkv_bench bash benchmarks/run_device_s10.sh hybrid
 set -uo pipefail
@@ -32,6 +35,20 @@ if [ "$PART" = probe ]; then
     echo "== ncu backward 16x${N}x128 (exit $?)"
     grep -E "stalled|inst_executed|cycles|gmma|lts__|dram__|l1tex__|issue_active|duration" $OUT/ncu_bwd_$N.txt | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | awk '{print $1, $(NF-1), $NF}' | sort -k3 -g -r | head -26
   done
+elif [ "$PART" = dqtma ]; then
+  T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
+  timeout 60 $T -x -k "test_backward and cuda-wgmma and not wgmmared and not wgmma1blk and bfloat16 and (plain_h2_d64 or dqk32_dv96 or many_short_seqs)" > "$OUT/smoke.log" 2>&1
+  rc=$?; echo "smoke exit $rc"; tail -1 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
+  timeout 200 $T -k "(test_backward and cuda) or one_block_per_item or persistent_grid or rows_outside" -rs > "$OUT/pytest.log" 2>&1
+  echo "pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest.log" | head -12
+  timeout 80 compute-sanitizer --tool memcheck --print-limit 5 $T -x \
+    -k "test_backward and cuda-wgmma and not wgmmared and not wgmma1blk and bfloat16 and (long_d128 or dqk32_dv96 or window_minfull or many_short_seqs or targets_groups)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  timeout 80 compute-sanitizer --tool racecheck --print-limit 5 $T -x \
+    -k "test_backward and cuda-wgmma and not wgmmared and not wgmma1blk and bfloat16 and (long_d128 or plain_h2_d64)" > "$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2
+  timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms persred,pers --rounds 2 ${AB_ARGS:-} --out "$OUT/ab_dq.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; grep -v "^|" "$OUT/ab.log" | tail -3; cat "$OUT/ab_dq.md"
 elif [ "$PART" = hybrid ]; then
   if [ -n "${PEERS_HKV:-}" ]; then
     timeout 200 "$PEERS_HKV" hybrid > "$OUT/hkv_hybrid.txt" 2>&1; echo "hkv hybrid exit $?"; cat "$OUT/hkv_hybrid.txt" | grep -v "^$" | tail -16
