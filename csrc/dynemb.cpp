@@ -49,6 +49,18 @@ tf_dynemb_table dynemb_table(const at::Tensor &query, const at::Tensor &keys, co
     return t;
 }
 
+const int64_t *dynemb_order(const std::optional<at::Tensor> &order, const at::Tensor &slots, const char *op) {
+    if (!order.has_value()) return nullptr;
+    const at::Tensor &o = *order;
+    TORCH_CHECK_TYPE(o.scalar_type() == at::kLong, op, ": order must be int64, got ", o.scalar_type());
+    TORCH_CHECK(o.dim() == 1, op, ": order must be 1-D, got shape ", o.sizes());
+    TORCH_CHECK(o.numel() == slots.numel(), op, ": order must have as many entries as slots (", slots.numel(),
+                "), got ", o.numel());
+    check_same_device(o, slots, op, "order", "slots");
+    TORCH_CHECK(o.is_contiguous(), op, ": order must be contiguous");
+    return o.data_ptr<int64_t>();
+}
+
 std::vector<int64_t> row_shape(const at::Tensor &rows, int64_t n) {
     std::vector<int64_t> s(rows.sizes().begin(), rows.sizes().end());
     s[0] = n;
@@ -345,20 +357,26 @@ void touch_cpu(at::Tensor &scores, const at::Tensor &slots, int64_t policy, int6
     tf_dynemb_touch_cpu(scores.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), slots.numel(), (int)policy, clock);
 }
 
-at::Tensor gather_cpu(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host) {
-    check_index(slots, rows, "torchfuse.dynemb_gather", "slots");
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, "torchfuse.dynemb_gather", "rows");
+at::Tensor gather_cpu(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
+                      const std::optional<at::Tensor> &order) {
+    const char *op = "torchfuse.dynemb_gather";
+    check_index(slots, rows, op, "slots");
+    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
+    const int64_t *ord = dynemb_order(order, slots, op);
     at::Tensor out = at::empty(row_shape(rows, slots.numel()), rows.options());
     if (r.row_bytes == 0) return out;
     const int64_t *s = slots.data_ptr<int64_t>();
-    at::parallel_for(0, slots.numel(), 1024, [&](int64_t b, int64_t e) { tf_dynemb_gather_cpu(&r, s, out.data_ptr(), b, e); });
+    const int64_t n = slots.numel();
+    at::parallel_for(0, n, 1024, [&](int64_t b, int64_t e) { tf_dynemb_gather_cpu(&r, s, ord, n, out.data_ptr(), b, e); });
     return out;
 }
 
-void scatter_cpu(const at::Tensor &slots, const at::Tensor &src, at::Tensor &rows, at::Tensor &rows_host) {
+void scatter_cpu(const at::Tensor &slots, const at::Tensor &src, at::Tensor &rows, at::Tensor &rows_host,
+                 const std::optional<at::Tensor> &order) {
     const char *op = "torchfuse.dynemb_scatter";
     check_index(slots, rows, op, "slots");
     tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
+    const int64_t *ord = dynemb_order(order, slots, op);
     check_same_device(src, rows, op, "src", "rows");
     TORCH_CHECK(src.dim() == 2 && src.size(0) == slots.numel() && src.size(1) == rows.size(1) &&
                     src.scalar_type() == rows.scalar_type(),
@@ -367,8 +385,9 @@ void scatter_cpu(const at::Tensor &slots, const at::Tensor &src, at::Tensor &row
     if (r.row_bytes == 0) return;
     at::Tensor s = src.contiguous();
     const int64_t *sl = slots.data_ptr<int64_t>();
+    const int64_t n = slots.numel();
     // rows are unique per call (the caller dedups), so ranges never write the same row
-    at::parallel_for(0, slots.numel(), 1024, [&](int64_t b, int64_t e) { tf_dynemb_scatter_cpu(&r, sl, s.data_ptr(), b, e); });
+    at::parallel_for(0, n, 1024, [&](int64_t b, int64_t e) { tf_dynemb_scatter_cpu(&r, sl, ord, n, s.data_ptr(), b, e); });
 }
 
 void init_cpu(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask, at::Tensor &values,
@@ -405,7 +424,7 @@ std::tuple<at::Tensor, at::Tensor> find_cpu(const at::Tensor &query, const at::T
                 "torchfuse.dynemb_find: rows must hold one row per slot (", keys.numel(), ")");
     at::Tensor m = marks;  // epoch 0: not written
     at::Tensor slots = lookup_cpu(query, keys, digests, m, bucket_size, 0);
-    return {gather_cpu(slots, rows, rows_host), slots};
+    return {gather_cpu(slots, rows, rows_host, std::nullopt), slots};
 }
 
 at::Tensor pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
@@ -466,7 +485,7 @@ DynembFoiResult find_or_insert_cpu(const at::Tensor &query, at::Tensor &keys, at
     tf_dynemb_init_cpu(&f.p.init, 0, n);
     if (policy >= 0) tf_dynemb_touch_cpu(scores.data_ptr<int64_t>(), f.slots.data_ptr<int64_t>(), n, (int)policy, clock);
     if (with_rows && f.p.init.values.row_bytes)
-        tf_dynemb_gather_cpu(&f.p.init.values, f.slots.data_ptr<int64_t>(), f.rows.data_ptr(), 0, n);
+        tf_dynemb_gather_cpu(&f.p.init.values, f.slots.data_ptr<int64_t>(), nullptr, n, f.rows.data_ptr(), 0, n);
     return f.result();
 }
 

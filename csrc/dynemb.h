@@ -33,6 +33,9 @@ tf_dynemb_table dynemb_table(const at::Tensor &query, const at::Tensor &keys, co
                              int64_t bucket_size, const char *op);
 // A 1-D int64 contiguous tensor of keys or slots on `ref`'s device.
 void check_index(const at::Tensor &t, const at::Tensor &ref, const char *op, const char *arg);
+// The optional visiting order of dynemb_gather / dynemb_scatter: int64, 1-D, contiguous, as many
+// entries as slots, on slots' device. Its data (NULL when absent: batch order).
+const int64_t *dynemb_order(const std::optional<at::Tensor> &order, const at::Tensor &slots, const char *op);
 // Two-tier rows: `rows` (n_hbm, width...) on the table's device, `rows_host` the rest with the same
 // row shape and dtype (pinned host memory for a CUDA table). host pointer filled by the caller.
 tf_dynemb_rows dynemb_rows(const at::Tensor &rows, const at::Tensor &rows_host, const at::Tensor &ref,

@@ -78,22 +78,27 @@ void touch_cuda(at::Tensor &scores, const at::Tensor &slots, int64_t policy, int
                  "dynemb touch kernel");
 }
 
-at::Tensor gather_cuda(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host) {
+at::Tensor gather_cuda(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
+                       const std::optional<at::Tensor> &order) {
+    const char *op = "torchfuse.dynemb_gather";
     const c10::cuda::CUDAGuard guard(rows.device());
-    check_index(slots, rows, "torchfuse.dynemb_gather", "slots");
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, "torchfuse.dynemb_gather", "rows");
+    check_index(slots, rows, op, "slots");
+    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
+    const int64_t *ord = dynemb_order(order, slots, op);
     map_host(r, rows_host);
     at::Tensor out = at::empty(row_shape(rows, slots.numel()), rows.options());
-    check_launch(tf_dynemb_gather_cuda(&r, slots.data_ptr<int64_t>(), slots.numel(), out.data_ptr(), stream()),
+    check_launch(tf_dynemb_gather_cuda(&r, slots.data_ptr<int64_t>(), ord, slots.numel(), out.data_ptr(), stream()),
                  "dynemb gather kernel");
     return out;
 }
 
-void scatter_cuda(const at::Tensor &slots, const at::Tensor &src, at::Tensor &rows, at::Tensor &rows_host) {
+void scatter_cuda(const at::Tensor &slots, const at::Tensor &src, at::Tensor &rows, at::Tensor &rows_host,
+                  const std::optional<at::Tensor> &order) {
     const char *op = "torchfuse.dynemb_scatter";
     const c10::cuda::CUDAGuard guard(rows.device());
     check_index(slots, rows, op, "slots");
     tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
+    const int64_t *ord = dynemb_order(order, slots, op);
     map_host(r, rows_host);
     check_same_device(src, rows, op, "src", "rows");
     TORCH_CHECK(src.dim() == 2 && src.size(0) == slots.numel() && src.size(1) == rows.size(1) &&
@@ -101,7 +106,7 @@ void scatter_cuda(const at::Tensor &slots, const at::Tensor &src, at::Tensor &ro
                 op, ": src must be (", slots.numel(), ", ", rows.size(1), ") ", rows.scalar_type(), ", got ",
                 src.scalar_type(), " ", src.sizes());
     at::Tensor s = src.contiguous();
-    check_launch(tf_dynemb_scatter_cuda(&r, slots.data_ptr<int64_t>(), slots.numel(), s.data_ptr(), stream()),
+    check_launch(tf_dynemb_scatter_cuda(&r, slots.data_ptr<int64_t>(), ord, slots.numel(), s.data_ptr(), stream()),
                  "dynemb scatter kernel");
 }
 

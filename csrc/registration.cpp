@@ -82,8 +82,11 @@ TORCH_LIBRARY(torchfuse, m) {
     // policy 0 (LRU): scores[slot] = clock; 1 (LFU): scores[slot] += 1 per occurrence.
     m.def("dynemb_touch(Tensor(a!) scores, Tensor slots, int policy, int clock) -> ()");
     // Rows by slot from two-tier storage (rows: the first rows.size(0) slots, rows_host: the rest); zeros for -1.
-    m.def("dynemb_gather(Tensor slots, Tensor rows, Tensor rows_host) -> Tensor");
-    m.def("dynemb_scatter(Tensor slots, Tensor src, Tensor(a!) rows, Tensor(b!) rows_host) -> ()");
+    // Scatter writes row slots[i] = src[i] (skipped for -1). order: a permutation of 0..n-1 (e.g.
+    // argsort(slots)): the rows are visited in that order (host rows in address order); the result is
+    // the same as without it.
+    m.def("dynemb_gather(Tensor slots, Tensor rows, Tensor rows_host, Tensor? order=None) -> Tensor");
+    m.def("dynemb_scatter(Tensor slots, Tensor src, Tensor(a!) rows, Tensor(b!) rows_host, Tensor? order=None) -> ()");
     // New rows: values from the per-key initializer (init_kind: 0 none, 1 normal(a, b), 2 uniform(a, b),
     // 3 constant a), optimizer state zeroed; only where mask != 0 when given.
     m.def("dynemb_init(Tensor slots, Tensor keys, Tensor? mask, Tensor(a!) values, Tensor(b!) values_host, "

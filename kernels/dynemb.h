@@ -217,10 +217,14 @@ void tf_dynemb_lookup_cpu(const tf_dynemb_table *t, const tf_dynemb_probe *p, in
 void tf_dynemb_insert_cpu(const tf_dynemb_table *t, const tf_dynemb_probe *p);
 /* LRU: scores[slot] = clock; LFU: scores[slot] += 1 per occurrence. Sequential. */
 void tf_dynemb_touch_cpu(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock);
-/* out[i] = row slots[i] (zeros where slots[i] < 0); rows are row_bytes wide. */
-void tf_dynemb_gather_cpu(const tf_dynemb_rows *r, const int64_t *slots, void *out, int64_t begin, int64_t end);
-/* row slots[i] = src[i] (skipped where slots[i] < 0). */
-void tf_dynemb_scatter_cpu(const tf_dynemb_rows *r, const int64_t *slots, const void *src, int64_t begin, int64_t end);
+/* out[i] = row slots[i] (zeros where slots[i] < 0); rows are row_bytes wide. order (NULL: identity;
+ * else n entries): step j of the range handles i = order[j] (skipped unless 0 <= order[j] < n), so a
+ * permutation such as argsort(slots) visits the rows in slot order (host rows in address order). */
+void tf_dynemb_gather_cpu(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n, void *out,
+                          int64_t begin, int64_t end);
+/* row slots[i] = src[i] (skipped where slots[i] < 0); order as for gather. */
+void tf_dynemb_scatter_cpu(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n,
+                           const void *src, int64_t begin, int64_t end);
 void tf_dynemb_init_cpu(const tf_dynemb_init_params *p, int64_t begin, int64_t end);
 void tf_dynemb_evict_rows_cpu(const tf_dynemb_evict_params *p, int64_t begin, int64_t end);
 void tf_dynemb_update_cpu(const tf_dynemb_update_params *p, int64_t begin, int64_t end);
@@ -234,8 +238,15 @@ int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t 
                         const tf_dynemb_rows *r, void *out, void *stream);
 int tf_dynemb_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream);
 int tf_dynemb_touch_cuda(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock, void *stream);
-int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, void *out, void *stream);
-int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, const void *src, void *stream);
+/* Gather / scatter as on the CPU; order (NULL: identity; else n entries): thread row j handles batch
+ * index order[j] (skipped unless in [0, n)). With order = argsort(slots) the rows are read / written
+ * in slot order: host rows in address order, which the GPU's translation of host pages needs (random
+ * host addresses run several times slower). The result does not depend on order when it is a
+ * permutation. */
+int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n, void *out,
+                          void *stream);
+int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n,
+                           const void *src, void *stream);
 int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream);
 int tf_dynemb_evict_rows_cuda(const tf_dynemb_evict_params *p, void *stream);
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream);

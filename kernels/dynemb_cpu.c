@@ -70,17 +70,24 @@ void tf_dynemb_touch_cpu(int64_t *scores, const int64_t *slots, int64_t n, int p
     }
 }
 
-void tf_dynemb_gather_cpu(const tf_dynemb_rows *r, const int64_t *slots, void *out, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+void tf_dynemb_gather_cpu(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n, void *out,
+                          int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+        const int64_t i = order ? order[j] : j;
+        if (i < 0 || i >= n) continue;
         char *dst = (char *)out + i * r->row_bytes;
         if (slots[i] < 0) memset(dst, 0, (size_t)r->row_bytes);
         else memcpy(dst, tf_dynemb_row(r, slots[i]), (size_t)r->row_bytes);
     }
 }
 
-void tf_dynemb_scatter_cpu(const tf_dynemb_rows *r, const int64_t *slots, const void *src, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-        if (slots[i] >= 0) memcpy(tf_dynemb_row(r, slots[i]), (const char *)src + i * r->row_bytes, (size_t)r->row_bytes);
+void tf_dynemb_scatter_cpu(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n,
+                           const void *src, int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+        const int64_t i = order ? order[j] : j;
+        if (i < 0 || i >= n || slots[i] < 0) continue;
+        memcpy(tf_dynemb_row(r, slots[i]), (const char *)src + i * r->row_bytes, (size_t)r->row_bytes);
+    }
 }
 
 void tf_dynemb_init_cpu(const tf_dynemb_init_params *p, int64_t begin, int64_t end) {

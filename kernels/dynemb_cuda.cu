@@ -428,10 +428,13 @@ __global__ void touch_kernel(const __grid_constant__ Group<TouchArgs, N> g) {
 
 // tpr threads per row (a power of two <= 32), each copying units of T strided by tpr.
 template <typename T>
-__global__ void gather_kernel(tf_dynemb_rows r, const int64_t *slots, int64_t n, char *out, int tpr) {
+__global__ void gather_kernel(tf_dynemb_rows r, const int64_t *slots, const int64_t *order, int64_t n, char *out,
+                              int tpr) {
     const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int64_t i = t / tpr;
-    if (i >= n) return;
+    const int64_t j = t / tpr;
+    if (j >= n) return;
+    const int64_t i = order ? order[j] : j;  // order: rows in slot order, host rows in address order
+    if (i < 0 || i >= n) return;
     const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));
     T *dst = reinterpret_cast<T *>(out + i * r.row_bytes);
     const int64_t slot = slots[i];
@@ -446,10 +449,13 @@ __global__ void gather_kernel(tf_dynemb_rows r, const int64_t *slots, int64_t n,
 }
 
 template <typename T>
-__global__ void scatter_kernel(tf_dynemb_rows r, const int64_t *slots, int64_t n, const char *src, int tpr) {
+__global__ void scatter_kernel(tf_dynemb_rows r, const int64_t *slots, const int64_t *order, int64_t n,
+                               const char *src, int tpr) {
     const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int64_t i = t / tpr;
-    if (i >= n || slots[i] < 0) return;
+    const int64_t j = t / tpr;
+    if (j >= n) return;
+    const int64_t i = order ? order[j] : j;
+    if (i < 0 || i >= n || slots[i] < 0) return;
     const int64_t units = r.row_bytes / static_cast<int64_t>(sizeof(T));
     const T *s = reinterpret_cast<const T *>(src + i * r.row_bytes);
     T *dst = reinterpret_cast<T *>(tf_dynemb_row(&r, slots[i]));
@@ -464,7 +470,8 @@ int copy_unit(const tf_dynemb_rows *r, const void *other) {
     return 1;
 }
 
-int launch_rows(bool gather, const tf_dynemb_rows *r, const int64_t *slots, int64_t n, void *buf, cudaStream_t s) {
+int launch_rows(bool gather, const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n, void *buf,
+                cudaStream_t s) {
     if (n == 0 || r->row_bytes == 0) return 0;
     const int unit = copy_unit(r, buf);
     const int64_t units = r->row_bytes / unit;
@@ -473,8 +480,8 @@ int launch_rows(bool gather, const tf_dynemb_rows *r, const int64_t *slots, int6
     const unsigned grid = static_cast<unsigned>((n * tpr + kBlock - 1) / kBlock);
     char *b = static_cast<char *>(buf);
 #define TF_ROWS(T)                                                                    \
-    if (gather) gather_kernel<T><<<grid, kBlock, 0, s>>>(*r, slots, n, b, tpr);      \
-    else scatter_kernel<T><<<grid, kBlock, 0, s>>>(*r, slots, n, b, tpr);
+    if (gather) gather_kernel<T><<<grid, kBlock, 0, s>>>(*r, slots, order, n, b, tpr); \
+    else scatter_kernel<T><<<grid, kBlock, 0, s>>>(*r, slots, order, n, b, tpr);
     switch (unit) {
     case 16: TF_ROWS(uint4) break;
     case 8: TF_ROWS(uint2) break;
@@ -1490,12 +1497,14 @@ int tf_dynemb_touch_cuda(int64_t *scores, const int64_t *slots, int64_t n, int p
     return tf_dynemb_group_touch_cuda(&scores, slots, start, &policy, &clock, 1, stream);
 }
 
-int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, void *out, void *stream) {
-    return launch_rows(true, r, slots, n, out, static_cast<cudaStream_t>(stream));
+int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n, void *out,
+                          void *stream) {
+    return launch_rows(true, r, slots, order, n, out, static_cast<cudaStream_t>(stream));
 }
 
-int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, int64_t n, const void *src, void *stream) {
-    return launch_rows(false, r, slots, n, const_cast<void *>(src), static_cast<cudaStream_t>(stream));
+int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n,
+                           const void *src, void *stream) {
+    return launch_rows(false, r, slots, order, n, const_cast<void *>(src), static_cast<cudaStream_t>(stream));
 }
 
 int tf_dynemb_group_init_cuda(const tf_dynemb_init_params *p, const int64_t *start, int n_tables, void *stream) {

@@ -640,11 +640,14 @@ def test_ops_opcheck(device):
         (ops.dynemb_lookup.default, (q, t._keys, t._digests, t._marks.clone(), t.bucket_size, 0)),
         (ops.dynemb_find.default, (q, t._keys, t._digests, t._marks, t._values, t._values_host, t.bucket_size)),
         (ops.dynemb_gather.default, (found, t._values, t._values_host)),
+        (ops.dynemb_gather.default, (found, t._values, t._values_host, torch.argsort(found))),
         (ops.dynemb_pool.default, (found, _t([0, 1, 4], device), None, t._values, t._values_host, False)),
         (ops.dynemb_segment_sum.default, (torch.randn(4, 5, **f32), _t([1, 0, 2, 3], device), _t([0, 2, 3, 4], device),
                                           None, None)),
         (ops.dynemb_touch.default, (t._scores.clone(), found, 0, 5)),
         (ops.dynemb_scatter.default, (found[:2], torch.randn(2, 5, **f32), t._values.clone(), t._values_host.clone())),
+        (ops.dynemb_scatter.default, (found[:2], torch.randn(2, 5, **f32), t._values.clone(), t._values_host.clone(),
+                                      _t([1, 0], device))),
         (ops.dynemb_update.default, (found[:2], torch.randn(2, 5, **f32), t._values.clone(), t._values_host.clone(),
                                      t._state.clone(), t._state_host.clone(), 3, 0.1, 1e-8, 0.9, 0.999, 0.1)),
         (ops.dynemb_init.default, (found[:2], q[:2], None, t._values.clone(), t._values_host.clone(),
@@ -913,3 +916,114 @@ def test_pool_op_layouts(device, shift, dim):
         ref = F.embedding_bag(torch.where(slots < 0, n, slots), padded, offsets[:-1], mode="mean" if mean else "sum",
                               per_sample_weights=weights)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [3, 32])
+def test_gather_scatter_order(device, dim, dtype):
+    """dynemb_gather / dynemb_scatter with a visiting order (a random permutation, argsort(slots): what a
+    table with host rows on CUDA passes) equal the calls without it: slots in both tiers, -1 slots
+    (zeros gathered, nothing scattered), an empty batch; a bad order is refused."""
+    ops = torch.ops.torchfuse
+    t = DynamicEmbedding(dim, 64, device=device, dtype=dtype, bucket_size=16, hbm_budget_bytes=20 * dim * 4)
+    assert 0 < t.hbm_rows < t.capacity and t._values_host.numel() > 0
+    rows, host = t._values, t._values_host
+    rows.copy_(torch.randn(rows.shape).to(dtype))
+    host.copy_(torch.randn(host.shape).to(dtype))
+    slots = torch.randperm(t.capacity, device=device)[:40]
+    slots[torch.randperm(40, device=device)[:7]] = -1
+    assert bool((slots < t.hbm_rows).any()) and bool((slots >= t.hbm_rows).any())
+    orders = [torch.randperm(40, device=device), torch.argsort(slots), torch.arange(40, device=device)]
+    want = ops.dynemb_gather(slots, rows, host)
+    assert bool((want[slots < 0] == 0).all())
+    for order in orders:
+        assert torch.equal(ops.dynemb_gather(slots, rows, host, order), want)
+        assert torch.equal(ops.dynemb_gather(slots, rows, host, order=order), want)
+    src = torch.randn(40, dim).to(dtype).to(device)
+    ref_rows, ref_host = rows.clone(), host.clone()
+    ops.dynemb_scatter(slots, src, ref_rows, ref_host)
+    for order in orders:
+        r, h = rows.clone(), host.clone()
+        ops.dynemb_scatter(slots, src, r, h, order)
+        assert torch.equal(r, ref_rows) and torch.equal(h, ref_host)
+    empty = _t([], device)
+    assert ops.dynemb_gather(empty, rows, host, empty).shape == (0, dim)
+    ops.dynemb_scatter(empty, src[:0], rows, host, empty)
+    with pytest.raises(TypeError, match="order must be int64"):
+        ops.dynemb_gather(slots, rows, host, orders[0].to(torch.int32))
+    with pytest.raises(RuntimeError, match="order must have as many entries as slots"):
+        ops.dynemb_gather(slots, rows, host, orders[0][:39])
+    with pytest.raises(RuntimeError, match="order must have as many entries as slots"):
+        ops.dynemb_scatter(slots, src, rows.clone(), host.clone(), _t([0, 1], device))
+    with pytest.raises(RuntimeError, match="order must be 1-D"):
+        ops.dynemb_gather(slots, rows, host, orders[0].reshape(4, 10))
+    with pytest.raises(RuntimeError, match="order must be contiguous"):
+        ops.dynemb_scatter(slots, src, rows.clone(), host.clone(), torch.arange(80, device=device)[::2])
+    if device != "cpu":
+        with pytest.raises(RuntimeError, match="order must be on the same device as slots"):
+            ops.dynemb_gather(slots, rows, host, orders[0].cpu())
+
+
+def _copy_table(dst, src):
+    """dst's keys, scores, rows and counters set to src's (one capacity, any split of hbm and host rows)."""
+    for name in ("_keys", "_digests", "_scores", "_marks", "_locks"):
+        getattr(dst, name).copy_(getattr(src, name))
+    for rows, host in (("_values", "_values_host"), ("_state", "_state_host")):
+        full = torch.cat([getattr(src, rows), getattr(src, host).to(src.device)])
+        n = getattr(dst, rows).shape[0]
+        getattr(dst, rows).copy_(full[:n])
+        getattr(dst, host).copy_(full[n:])
+    for name in ("_size", "_epoch", "_clock", "_step"):
+        setattr(dst, name, getattr(src, name))
+
+
+@pytest.mark.parametrize("slot_order", [False, True])
+@pytest.mark.parametrize("grow", [False, True])
+def test_host_tier_matches_hbm_table(device, grow, slot_order):
+    """A table with host rows (on CUDA: rows read, written and initialised in slot order) against the
+    same table all in HBM, under find_or_insert (the one-op path at full capacity, evicting; the
+    growing path), insert (with and without scores) and find. Before each call the HBM table takes
+    the tiered table's state (on the GPU which new key takes which slot is a race); the rows
+    returned, the evicted keys / rows / state / scores and the table contents then agree exactly.
+    slot_order: the tiered table takes the slot-order paths on any device (on the CPU too)."""
+    dim = 8
+    kw = dict(device=device, bucket_size=16, eviction="lru", optimizer=tfo.Adam(0.1),
+              initializer=("normal", 0.0, 1.0), seed=4)
+    cap = 16 if grow else 64
+    tiered = DynamicEmbedding(dim, cap, max_capacity=64, hbm_budget_bytes=5 * dim * 12, **kw)
+    hbm = DynamicEmbedding(dim, cap, max_capacity=64, **kw)
+    assert 0 < tiered.hbm_rows < tiered.capacity and hbm.hbm_rows == hbm.capacity
+    if slot_order:
+        tiered._host_tier_on_cuda = lambda: True
+    elif device != "cpu":
+        pytest.skip("a CUDA table with host rows always takes the slot-order paths")
+    pool = _keys(150)
+    seen_full, n_evicted = False, 0
+    for step in range(40):
+        _copy_table(hbm, tiered)
+        op = ("find_or_insert", "find_or_insert", "insert", "find")[step % 4] if step >= 4 else "find_or_insert"
+        n = random.randint(0, 12)  # distinct keys < a bucket's 16 slots: a batch always finds room
+        ks = _keys(n, pool)
+        outs = []
+        for t in (tiered, hbm):
+            torch.manual_seed(step)
+            if op == "find_or_insert":
+                outs.append((t.find_or_insert(_t(ks, device)),))
+            elif op == "insert":
+                vs = torch.randn(n, dim, device=device)
+                sc = _t([random.Random(step * 100 + i).randint(0, 99) for i in range(n)], device) if step % 8 == 2 else None
+                ev = t.insert(_t(ks, device), vs, scores=sc, return_evicted=True)
+                outs.append(_sorted_by_key(*ev))
+            else:
+                outs.append(t.find(_t(ks + pool[:3], device)))
+        for x, y in zip(*outs):
+            assert torch.equal(x, y), (step, op)
+        seen_full |= tiered.capacity == tiered.max_capacity and len(tiered) > 48
+        assert tiered.capacity == hbm.capacity and len(tiered) == len(hbm)
+        ev = tiered.drain_evicted()
+        n_evicted += ev[0].numel()
+        for x, y in zip(_sorted_by_key(*ev), _sorted_by_key(*hbm.drain_evicted())):
+            assert torch.equal(x, y), (step, op)
+        for x, y in zip(_sorted_by_key(*tiered._compact()), _sorted_by_key(*hbm._compact())):
+            assert torch.equal(x, y), (step, op)
+    assert seen_full and n_evicted > 0

@@ -291,13 +291,24 @@ class DynamicEmbedding(torch.nn.Module):
     def _lookup(self, keys: Tensor, epoch: int = 0) -> Tensor:
         return _ops.dynemb_lookup(keys, self._keys, self._digests, self._marks, self.bucket_size, epoch)
 
+    def _host_tier_on_cuda(self) -> bool:
+        """A CUDA table with rows in mapped host memory. Its row copies visit rows in slot order
+        (argsort(slots) as the gather / scatter op's order): host rows read in batch order are random
+        host addresses, which thrash the GPU's translation of host pages (measured on an H100, half
+        of 16M rows on the host: 4x slower than the same slots sorted). Pure-HBM tables skip the sort."""
+        return self._values.is_cuda and self._values_host.numel() > 0
+
     def _find(self, keys: Tensor) -> Tuple[Tensor, Tensor]:
         """(rows, slots) of keys, zeros / -1 where absent. Rows of 512 bytes or more: one kernel (probe
         and copy by the same warp); smaller rows: lookup then a gather with several rows per warp,
         which keeps more row reads in flight (measured on the H100: 1.84 against 1.73 Gi keys/s at
         dim 128 fp32, 2.17 against 2.32 at dim 64, 2.52 against 3.52 at dim 8). With 128-slot
         buckets on the GPU the one kernel probes four keys per warp and wins at every width (5.08
-        against 3.58 Gi keys/s at dim 8, 3.35 / 2.40 at 64, 2.12 / 1.75 at 128)."""
+        against 3.58 Gi keys/s at dim 8, 3.35 / 2.40 at 64, 2.12 / 1.75 at 128). A table with host
+        rows on CUDA: lookup, then a gather in slot order (see _host_tier_on_cuda)."""
+        if self._host_tier_on_cuda():
+            slots = self._lookup(keys)
+            return _ops.dynemb_gather(slots, self._values, self._values_host, torch.argsort(slots)), slots
         if (_QUARTER_FIND and self.bucket_size == 128 and self._values.is_cuda) or \
                 self._values.shape[1] * self._values.element_size() >= _FUSED_FIND_MIN_ROW_BYTES:
             return _ops.dynemb_find(keys, self._keys, self._digests, self._marks, self._values, self._values_host,
@@ -305,8 +316,19 @@ class DynamicEmbedding(torch.nn.Module):
         slots = self._lookup(keys)
         return self._gather(slots, self._values, self._values_host), slots
 
-    def _gather(self, slots: Tensor, rows: Tensor, rows_host: Tensor) -> Tensor:
+    def _gather(self, slots: Tensor, rows: Tensor, rows_host: Tensor, sorted_slots: bool = False) -> Tensor:
+        """Rows (or optimizer state) of slots; host rows on CUDA are read in slot order (sorted_slots:
+        the slots are ascending already, no sort needed)."""
+        if not sorted_slots and rows_host.numel() > 0 and self._host_tier_on_cuda():
+            return _ops.dynemb_gather(slots, rows, rows_host, torch.argsort(slots))
         return _ops.dynemb_gather(slots, rows, rows_host)
+
+    def _scatter(self, slots: Tensor, src: Tensor, rows: Tensor, rows_host: Tensor):
+        """rows[slots] = src; host rows on CUDA are written in slot order."""
+        if rows_host.numel() > 0 and self._host_tier_on_cuda():
+            _ops.dynemb_scatter(slots, src, rows, rows_host, torch.argsort(slots))
+        else:
+            _ops.dynemb_scatter(slots, src, rows, rows_host)
 
     def _insert_slots(self, keys: Tensor, slots: Tensor, epoch: int, allow_evict: bool):
         return _ops.dynemb_insert(keys, slots, self._keys, self._digests, self._scores, self._marks, self._locks,
@@ -350,15 +372,18 @@ class DynamicEmbedding(torch.nn.Module):
         evicted or None, rows or None). The GPU idles for what the host does before the kernels are
         launched and after that wait, so all of it but this bookkeeping is in C++. init_rows=False
         leaves new rows unwritten (their optimizer state is still zeroed): for callers that write them
-        next."""
+        next. A table with host rows on CUDA and with_rows: the op inserts and touches only; the new
+        rows are then initialised and all rows read in slot order (see _host_tier_on_cuda), with the
+        same results (the initializer is a function of key, seed and column)."""
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
-        init = self._init_args() if init_rows else _NO_INIT
+        by_slot = with_rows and init_rows and self._host_tier_on_cuda()
+        init = self._init_args() if init_rows and not by_slot else _NO_INIT
         slots, rows, is_new, ev, old_values, old_state, counts = _find_or_insert_sync_op(
             keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values,
             self._values_host, self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none",
-            policy, clock, *init, self.seed, with_rows)
+            policy, clock, *init, self.seed, with_rows and not by_slot)
         inserted, n_ev, failed = counts.tolist()
         self._bump("_size", inserted - n_ev)
         saved = None
@@ -366,6 +391,11 @@ class DynamicEmbedding(torch.nn.Module):
             saved = (ev[0], old_values, old_state, ev[2])
             self._record_evicted(saved)
             self._bump("_version")
+        if by_slot:  # before a failure raises, as the op's own init would have run
+            perm = torch.argsort(slots)
+            if inserted:  # is_new covers the keys that took evicted slots too (their old rows saved above)
+                self._init_rows(slots[perm], keys[perm], is_new[perm], self._init_args())
+            rows = _ops.dynemb_gather(slots, self._values, self._values_host, perm)
         if failed:
             raise RuntimeError(self._full_message(failed))
         return slots, is_new, saved, rows if with_rows else None
@@ -451,8 +481,8 @@ class DynamicEmbedding(torch.nn.Module):
     def _compact(self):
         """(keys, values, state, scores) of every occupied slot, in slot order."""
         occ = torch.nonzero(self._digests).squeeze(1)
-        return (self._keys[occ], self._gather(occ, self._values, self._values_host),
-                self._gather(occ, self._state, self._state_host), self._scores[occ])
+        return (self._keys[occ], self._gather(occ, self._values, self._values_host, True),
+                self._gather(occ, self._state, self._state_host, True), self._scores[occ])
 
     def _rebuild(self, cap: int, keys: Tensor, values: Tensor, state: Tensor, scores: Tensor):
         """A fresh table of `cap` slots holding exactly these keys (which fit: see _grow)."""
@@ -463,8 +493,8 @@ class DynamicEmbedding(torch.nn.Module):
         failed = int(counts[2])
         if failed:
             raise RuntimeError(f"torchfuse.{type(self).__name__}: {failed} keys did not fit a table of {cap} slots")
-        _ops.dynemb_scatter(slots, values, self._values, self._values_host)
-        _ops.dynemb_scatter(slots, state, self._state, self._state_host)
+        self._scatter(slots, values, self._values, self._values_host)
+        self._scatter(slots, state, self._state, self._state_host)
         self._scores.index_copy_(0, slots, scores)
         self._size = keys.numel()
         self._version += 1
@@ -571,7 +601,7 @@ class DynamicEmbedding(torch.nn.Module):
         values = values.contiguous()  # here, not between the insert's host sync and the scatter's launch
         # new keys' rows are written by the scatter: no initializer pass over them first
         slots, _, evicted = self._find_or_insert(uniq, touch=scores is None, init_rows=False)
-        _ops.dynemb_scatter(slots, values, self._values, self._values_host)
+        self._scatter(slots, values, self._values, self._values_host)
         if scores is not None:
             self._scores.index_copy_(0, slots, scores)
         if return_evicted:
@@ -605,8 +635,8 @@ class DynamicEmbedding(torch.nn.Module):
             occ = torch.nonzero(self._digests[start:start + batch_size]).squeeze(1) + start
             if occ.numel() == 0:
                 continue
-            yield (self._keys[occ], self._gather(occ, self._values, self._values_host),
-                   self._gather(occ, self._state, self._state_host), self._scores[occ])
+            yield (self._keys[occ], self._gather(occ, self._values, self._values_host, True),
+                   self._gather(occ, self._state, self._state_host, True), self._scores[occ])
 
     # ---- embedding lookup ----
 
@@ -824,7 +854,7 @@ def _find_fake(query, keys, digests, marks, rows, rows_host, bucket_size):
 
 
 @torch.library.register_fake("torchfuse::dynemb_gather")
-def _gather_fake(slots, rows, rows_host):
+def _gather_fake(slots, rows, rows_host, order=None):
     return rows.new_empty((slots.shape[0], *rows.shape[1:]))
 
 
@@ -871,7 +901,7 @@ def _touch_fake(scores, slots, policy, clock):
 
 
 @torch.library.register_fake("torchfuse::dynemb_scatter")
-def _scatter_fake(slots, src, rows, rows_host):
+def _scatter_fake(slots, src, rows, rows_host, order=None):
     return None
 
 
