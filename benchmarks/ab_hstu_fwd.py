@@ -4,9 +4,6 @@ TORCHFUSE_HSTU_SM90 (0: mma.sync, 1: the sm_90a warp-specialized wgmma kernel wi
 (bench_hstu.flops_fwd). Shapes: bench_hstu's five (full length and U[N/2, N]) plus its targets and
 window cases.
 
-An env may carry "/nopf": TORCHFUSE_HSTU_FWD_PREFETCH=0 with it (no L2 prefetch of the next item's Q;
-Q loaded before the item's first K/V tiles), e.g. --envs 1,1/nopf,2,2/nopf.
-
     python benchmarks/ab_hstu_fwd.py [--envs 0,1,2] [--rounds 3] [--out ab.md]
 """
 import argparse
@@ -36,8 +33,7 @@ def main():
     cases += [((16, 4096, 128), "U[N/2,N], 16 targets", dict(varied=True, targets=16)),
               ((16, 4096, 128), "U[N/2,N], window 256", dict(varied=True, window=256))]
     names = {"0": "mma.sync", "1": "wgmma ping-pong", "2": "wgmma plain"}
-    title = lambda e: names.get(e.split("/")[0], e) + (", no prefetch" if e.endswith("/nopf") else "")  # noqa: E731
-    lines = ["| B x N x D | lengths | " + " | ".join(title(e) for e in envs) + f" | best / {title(envs[0])} |",
+    lines = ["| B x N x D | lengths | " + " | ".join(names.get(e, e) for e in envs) + " | best / mma.sync |",
              "|---|---|" + "---:|" * (len(envs) + 1)]
     saved = os.environ.get("TORCHFUSE_HSTU_SM90")
     for (B, N, D), label, kw in cases:
@@ -49,15 +45,13 @@ def main():
         with torch.no_grad():
             for _ in range(a.rounds):
                 for e in envs:
-                    os.environ["TORCHFUSE_HSTU_SM90"] = e.split("/")[0]
-                    os.environ["TORCHFUSE_HSTU_FWD_PREFETCH"] = "0" if e.endswith("/nopf") else "1"
+                    os.environ["TORCHFUSE_HSTU_SM90"] = e
                     best[e] = min(best[e], device_time_us(fn, "cuda", warmup=3, rep=15))
         tf = {e: fl / (best[e] * 1e-6) / 1e12 for e in envs}
         ratio = max(tf.values()) / tf[envs[0]]
         lines.append(f"| {B}x{N}x{D} | {label} | " + " | ".join(f"{tf[e]:.0f}" for e in envs) + f" | {ratio:.2f} |")
         print(lines[-1], flush=True)
         del c
-    os.environ.pop("TORCHFUSE_HSTU_FWD_PREFETCH", None)
     if saved is None:
         os.environ.pop("TORCHFUSE_HSTU_SM90", None)
     else:

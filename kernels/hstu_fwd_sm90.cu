@@ -171,24 +171,6 @@ __device__ __forceinline__ BlockWork block_work(const tf_hstu_params &p, int q_t
     }
     return w;
 }
-/* The first Q row and head of item `item` (block_work's arithmetic, without the mask), for the L2
- * prefetch of its Q tile; false when its tile starts past the sequence's queries. */
-__device__ __forceinline__ bool item_q_tile(const tf_hstu_params &p, int q_tiles, int section, int item,
-                                            int64_t *row, int *h) {
-    // 32-bit: the launch passes the item count as an int (64-bit divisions cost the producer's 24
-    // registers spills)
-    const int H = (int)p.H, BH = (int)(p.B * p.H), per = q_tiles * section, it = (int)item;
-    const int sec = it / per, r = it % per;
-    const int in_sec = min(section, BH - sec * section);
-    const int tile = q_tiles - 1 - r / in_sec;
-    const int bh = sec * section + r % in_sec, b = bh / H;
-    *h = bh % H;
-    const int64_t start = tf_idx_load(p.offsets, p.offsets_i64, b);
-    const int nq = p.delta > 0 ? (int)p.delta : (int)(tf_idx_load(p.offsets, p.offsets_i64, b + 1) - start);
-    *row = (p.delta > 0 ? b * p.delta : start) + (int64_t)tile * kBM;
-    return tile * kBM < nq;
-}
-
 /* What the consumers need of an item's BlockWork, handed over by the producer in shared memory: the
  * fields that take global loads (offsets, num_targets) or 64-bit divisions to find. The rest of the
  * mask is kernel parameters, rebuilt by the consumers. Not the whole BlockWork: the producer writes
@@ -234,7 +216,7 @@ template <typename T, int D, bool PP>
 __global__ void __launch_bounds__(kWsThreads, 1)
     hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const tf_hstu_params p, int q_tiles, int section,
-                int64_t items, int prefetch) {
+                int64_t items) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Cfg = Sm90Cfg<D>;
     constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, ST = Cfg::ST;
@@ -300,32 +282,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 named_bar_arrive_n(5, 288);
                 if (item >= items) break;
                 item = next_item();  // the next one, fetched ahead
-                // prefetch: its Q tile into L2 now (Q is read once, from HBM, and its load waits until
-                // this item's last S is done: q_empty), and this item's first K/V tiles issued before that
-                // wait (into ring slots the previous item's tiles free), so that an item's start waits
-                // for neither
-                if (prefetch && leader && item < items) {
-                    int64_t qrow;
-                    int qh;
-                    if (item_q_tile(p, q_tiles, section, item, &qrow, &qh)) {
-#pragma unroll
-                        for (int c = 0; c < D / 64; ++c) tma_prefetch_l2(&tm_q, 64 * c, qh, (int)qrow);
-                    }
-                }
                 if (w.kt_lo > w.kt_hi) continue;  // nothing to load: the consumers write zeros
-                const int pre = prefetch && qn > 0 ? min(ST, w.kt_hi - w.kt_lo + 1) : 0;
-                for (int kt = w.kt_lo, i = 0;; ++kt, ++i, ++g) {
-                    if (i == pre) {  // pre <= the item's tiles: reached
-                        if (qn > 0) mbar_wait(&q_empty, (qn - 1) & 1);  // both consumers are done with Q
-                        ++qn;
-                        if (leader) {
-                            mbar_expect_tx(&q_full, Cfg::Q_BYTES);
+                if (qn > 0) mbar_wait(&q_empty, (qn - 1) & 1);  // both consumers are done with Q
+                ++qn;
+                if (leader) {
+                    mbar_expect_tx(&q_full, Cfg::Q_BYTES);
 #pragma unroll
-                            for (int c = 0; c < D / 64; ++c)
-                                tma_load(Qs + c * kBM * 128, &tm_q, 64 * c, w.h, (int)(w.s.q_start + w.i0), &q_full);
-                        }
-                    }
-                    if (kt > w.kt_hi) break;
+                    for (int c = 0; c < D / 64; ++c)
+                        tma_load(Qs + c * kBM * 128, &tm_q, 64 * c, w.h, (int)(w.s.q_start + w.i0), &q_full);
+                }
+                for (int kt = w.kt_lo; kt <= w.kt_hi; ++kt, ++g) {
                     const int st = g % ST;
                     if (g >= ST) mbar_wait(&empty_bar[st], (g / ST - 1) & 1);
                     if (leader) {
@@ -470,12 +436,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const int64_t grid = g.blocks < device_sizes().sms ? g.blocks : device_sizes().sms;
     err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
     if (err != cudaSuccess) return err;
-    // TORCHFUSE_HSTU_FWD_PREFETCH=0: no L2 prefetch of the next item's Q, Q loaded before the item's K/V (A/B)
-    const char *pf = getenv("TORCHFUSE_HSTU_FWD_PREFETCH");
-    const int prefetch = !(pf && pf[0] == '0');
     hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(tq, tk, tv, p, g.q_tiles,
-                                                                    l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles), (int)g.blocks,
-                                                                    prefetch);
+                                                                    l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles), (int)g.blocks);
     return cudaGetLastError();
 }
 
