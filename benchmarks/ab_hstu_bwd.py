@@ -5,7 +5,6 @@ in each of the chosen forms (`--forms`, comma-separated, in turns, best of `--ro
     1blk1sec   the same, blocks in one section (TORCHFUSE_HSTU_BWD_SECTION=0)
     pers       the sm_90a wgmma kernel, persistent (one block per SM, items from a counter; the default)
     pers1sec   the same, items in one section
-    persnopf   `pers` without the L2 prefetch of the next item's K and V (TORCHFUSE_HSTU_BWD_PREFETCH=0)
     persred    `pers` with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red) instead
                of TMA reduce-adds from shared memory (the other forms: the default, which head dims up to 128
                take; 192 / 256 always add with red.global.add: there `persred` is `pers`)
@@ -15,10 +14,9 @@ in each of the chosen forms (`--forms`, comma-separated, in turns, best of `--ro
 of the two (dQ: the same sums, added in another order; dK, dV: expected 0). With generative-recommenders
 on the path, its Triton backward is timed on the same inputs. TFLOP/s by the issue's count (2.5x
 bench_hstu.flops_fwd). Shapes: bench_hstu's five (full length and U[N/2, N], 16x4096x256 included) plus its targets and window cases;
---shapes first: 16x1024x128 full only (a smoke run); d256: the head-dim-256 ones; b128: 128x1024x128 only;
-short: N = 1024 and the window case (items with few query tiles).
+--shapes first: 16x1024x128 full only (a smoke run); d256: the head-dim-256 ones; b128: 128x1024x128 only.
 
-    python benchmarks/ab_hstu_bwd.py [--rounds 3] [--out ab_bwd.md] [--no-triton] [--shapes all|first|d256|b128|short]
+    python benchmarks/ab_hstu_bwd.py [--rounds 3] [--out ab_bwd.md] [--no-triton] [--shapes all|first|d256|b128]
                                      [--forms mma,1blk,pers]   (e.g. --forms persred,pers: the dQ A/B)
 """
 import argparse
@@ -34,18 +32,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_hstu as bh  # noqa: E402
 
 # form: (column title, TORCHFUSE_HSTU_SM90_BWD, TORCHFUSE_HSTU_BWD_SECTION, TORCHFUSE_HSTU_BWD_PERSISTENT,
-# TORCHFUSE_HSTU_BWD_DQ, TORCHFUSE_HSTU_BWD_PREFETCH); "" sets the variable empty, which the library reads as unset (the default)
+# TORCHFUSE_HSTU_BWD_DQ); "" sets the variable empty, which the library reads as unset (the default)
 FORMS = {
-    "mma": ("mma.sync", "0", "", "", "", ""),
-    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0", "", ""),
-    "1blk": ("wgmma, 1 block/item", "1", "", "0", "", ""),
-    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", "", ""),
-    "pers": ("wgmma, persistent", "1", "", "1", "", ""),
-    "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red", ""),
-    "persnopf": ("wgmma, persistent, no K/V prefetch", "1", "", "1", "", "0"),
+    "mma": ("mma.sync", "0", "", "", ""),
+    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0", ""),
+    "1blk": ("wgmma, 1 block/item", "1", "", "0", ""),
+    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", ""),
+    "pers": ("wgmma, persistent", "1", "", "1", ""),
+    "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red"),
 }
 ENV_NAMES = ("TORCHFUSE_HSTU_SM90_BWD", "TORCHFUSE_HSTU_BWD_SECTION", "TORCHFUSE_HSTU_BWD_PERSISTENT",
-             "TORCHFUSE_HSTU_BWD_DQ", "TORCHFUSE_HSTU_BWD_PREFETCH")
+             "TORCHFUSE_HSTU_BWD_DQ")
 assert all(len(v) == 1 + len(ENV_NAMES) for v in FORMS.values())
 
 
@@ -59,10 +56,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-triton", action="store_true")
-    ap.add_argument("--shapes", default="all", choices=["all", "first", "d256", "b128", "short"],
+    ap.add_argument("--shapes", default="all", choices=["all", "first", "d256", "b128"],
                     help="all; 'first' (16x1024x128 full only: a smoke run); 'd256' (the head-dim-256 shapes "
-                         "only); 'b128' (128x1024x128 only); 'short' (the items with few query tiles: N = 1024 "
-                         "and the window)")
+                         "only); 'b128' (128x1024x128 only)")
     ap.add_argument("--forms", default="mma,1blk,pers",
                     help="comma-separated, from: " + ", ".join(FORMS))
     a = ap.parse_args()
@@ -95,8 +91,6 @@ def main():
         cases = [c for c in cases if c[0][2] == 256]
     elif a.shapes == "b128":
         cases = [c for c in cases if c[0] == (128, 1024, 128)]
-    elif a.shapes == "short":
-        cases = [c for c in cases if c[0][1] == 1024 or "window" in c[1]]
     both = "pers" in forms and "1blk" in forms
     dq_ab = "pers" in forms and "persred" in forms
     head = ["B x N x D", "lengths"] + [FORMS[f][0] for f in forms]

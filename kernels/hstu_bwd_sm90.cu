@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
                 const __grid_constant__ CUtensorMap tm_dq, const tf_hstu_params p, int k_tiles, int section,
-                int items, int dq_tma_flag, int kv_prefetch) {
+                int items, int dq_tma_flag) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
     constexpr int kBN = C::BN, NC = C::NC, ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
@@ -228,44 +228,24 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (!p.sched) return taken++ == 0 ? (int)blockIdx.x : items;
                 return __shfl_sync(0xffffffffu, leader ? atomicAdd(p.sched, 1) : 0, 0);
             };
-            // Claims the next item with keys (skipping those whose key tile starts past the sequence's end)
-            // into `slot`, or marks the end there; returns its number (>= items: the end).
-            auto claim_into = [&](BwdItem *slot) {
+            int gt = 0;  // query tiles loaded so far (the ring position)
+            for (int k = 0;; ++k) {  // hand-over k: the block's k-th item with keys (or the end)
                 BwdItem w;
                 int item;
-                for (;;) {
+                for (;;) {  // items whose key tile starts past the sequence's end are skipped here
                     item = next_item();
                     if (item >= items) break;
                     w = bwd_item<kBN>(p, k_tiles, section, item);
                     if (w.active) break;
                 }
                 if (leader) {
-                    if (item >= items) slot->active = 0;
-                    else *slot = w;
+                    if (item >= items) work_slot[k & 1].active = 0;
+                    else work_slot[k & 1] = w;
                 }
-                return item;
-            };
-            int gt = 0;  // query tiles loaded so far (the ring position)
-            // Items are claimed one ahead: item k + 1 is found while item k loads, into the slot the
-            // consumers copied item k - 1 from (they did before bar 6 of hand-over k), and its K and V
-            // prefetched into L2 (kv_prefetch), so that their load, which must wait for this item's last
-            // wgmma (kv_empty), reads L2 instead of HBM.
-            int item = claim_into(&work_slot[0]);
-            for (int k = 0;; ++k) {  // hand-over k: the block's k-th item with keys (or the end)
                 __syncwarp();
                 if (k > 0) named_bar_sync_n(6, 288);  // the consumers have taken hand-over k - 1
                 named_bar_arrive_n(5, 288);
                 if (item >= items) break;
-                const int next = claim_into(&work_slot[(k + 1) & 1]);
-                if (kv_prefetch && leader && next < items) {
-                    const BwdItem *wn = &work_slot[(k + 1) & 1];
-                    const int row = (int)(wn->start + wn->k0);
-#pragma unroll
-                    for (int c = 0; c < D / 64; ++c) {
-                        tma_prefetch_l2(&tm_k, 64 * c, wn->h, row);
-                        tma_prefetch_l2(&tm_v, 64 * c, wn->h, row);
-                    }
-                }
                 // The item's fields are read back from the slot where used (the waits' memory clobbers
                 // make them reloads): the producer's 24 registers do not hold them across its waits.
                 // After the first item: its first ST query tiles (i < pre) take ring slots that earlier
@@ -301,7 +281,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                         }
                     }
                 }
-                item = next;
             }
         }
     } else {  // consumers: warpgroups 1, 2 own keys k0 + 0-63, k0 + 64-127 (at D = 256: the same 64 keys,
@@ -315,8 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         int gt = 0;  // query tiles consumed so far (the ring position, and the Z buffer gt & 1)
         for (int k = 0;; ++k) {
             named_bar_sync_n(5, 288);
-            // copied before arriving at 6: from then on the producer may rewrite this slot (claiming item
-            // k + 2 after hand-over k + 1)
+            // copied before arriving at 6: from then on the producer may rewrite this slot (hand-over k + 2)
             const BwdItem w = work_slot[k & 1];
             if (!w.active) break;
             named_bar_arrive_n(6, 288);
@@ -562,11 +540,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     } else {
         kp.sched = nullptr;
     }
-    // TORCHFUSE_HSTU_BWD_PREFETCH=0: no L2 prefetch of the next item's K and V (A/B runs)
-    const char *pf = getenv("TORCHFUSE_HSTU_BWD_PREFETCH");
-    const int kv_prefetch = !(pf && pf[0] == '0');
     hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
-                                                                  (int)items, dq_tma ? 1 : 0, kv_prefetch);
+                                                                  (int)items, dq_tma ? 1 : 0);
     return cudaGetLastError();
 }
 
