@@ -10,6 +10,11 @@
 #   dqtma:  the backward's dQ by TMA reduce-add (branch hstu-dq-tma): smoke (a hang costs device time),
 #           the HSTU backward GPU tests on both dQ paths, memcheck and racecheck on the TMA path, then
 #           ab_hstu_bwd.py --forms persred,pers (red.add / TMA, same process) at every shape
+#   final:  the L2 prefetches (next item's K/V in the backward, Q in the forward) and the dynamic
+#           embedding's host rows visited in slot order: HSTU smoke, GPU tests, memcheck, the A/Bs
+#           (ab_hstu_bwd.py --forms persnopf,pers --shapes short; ab_hstu_fwd.py ping-pong / plain, each
+#           with and without the prefetch); the dynamic-embedding GPU tests, memcheck on the ordered
+#           gather / scatter, HierarchicalKV's hybrid mode (PEERS_HKV) and our half_host rows
 #   bash benchmarks/run_device_s10.sh probe
 #   PEERS_HKV=.gl/dynemb-peers/hkv_bench bash benchmarks/run_device_s10.sh hybrid
 set -uo pipefail
@@ -49,6 +54,29 @@ elif [ "$PART" = dqtma ]; then
   echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2
   timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms persred,pers --rounds 2 ${AB_ARGS:-} --out "$OUT/ab_dq.md" > "$OUT/ab.log" 2>&1
   echo "ab exit $?"; grep -v "^|" "$OUT/ab.log" | tail -3; cat "$OUT/ab_dq.md"
+elif [ "$PART" = final ]; then
+  T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
+  timeout 60 $T -x -k "(test_forward and cuda-wgmma and many_short_seqs) or (test_backward and cuda-wgmma and not wgmmared and not wgmma1blk and bfloat16 and (plain_h2_d64 or many_short_seqs)) or (one_block_per_item and bfloat16 and plain_h2_d64)" > "$OUT/smoke.log" 2>&1
+  rc=$?; echo "smoke exit $rc"; tail -1 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
+  timeout 150 $T -k "cuda" > "$OUT/pytest_hstu.log" 2>&1
+  echo "hstu pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_hstu.log" | tail -6
+  timeout 70 compute-sanitizer --tool memcheck --print-limit 5 $T -x \
+    -k "(test_forward and cuda-wgmma and bfloat16 and (many_short_seqs or window_minfull or long_d128)) or (test_backward and cuda-wgmma and not wgmmared and bfloat16 and (many_short_seqs or long_d128 or targets_groups))" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  timeout 100 python3 benchmarks/ab_hstu_bwd.py --forms persnopf,pers --shapes short --rounds 2 --no-triton --out "$OUT/ab_bwd.md" > "$OUT/ab_bwd.log" 2>&1
+  echo "ab bwd exit $?"; cat "$OUT/ab_bwd.md"
+  timeout 100 python3 benchmarks/ab_hstu_fwd.py --envs 1,1/nopf,2,2/nopf --rounds 2 --out "$OUT/ab_fwd.md" > "$OUT/ab_fwd.log" 2>&1
+  echo "ab fwd exit $?"; cat "$OUT/ab_fwd.md"
+  P="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
+  timeout 90 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_dynemb.log" | tail -4
+  timeout 60 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (order or tiered or host)" > "$OUT/memcheck_dynemb.log" 2>&1
+  echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dynemb.log" | tail -2
+  if [ -n "${PEERS_HKV:-}" ]; then
+    timeout 120 "$PEERS_HKV" hybrid > "$OUT/hkv_hybrid.txt" 2>&1; echo "hkv hybrid exit $?"; grep -v "^$" "$OUT/hkv_hybrid.txt" | tail -10
+  fi
+  timeout ${OURS_TO:-150} python3 benchmarks/bench_dynamic_embedding.py --parts half_host --dims 64,128 --out "$OUT/ours_half_host.md" > "$OUT/ours.log" 2>&1
+  echo "ours exit $?"; grep "^| half_host" "$OUT/ours_half_host.md"
 elif [ "$PART" = hybrid ]; then
   if [ -n "${PEERS_HKV:-}" ]; then
     timeout 200 "$PEERS_HKV" hybrid > "$OUT/hkv_hybrid.txt" 2>&1; echo "hkv hybrid exit $?"; cat "$OUT/hkv_hybrid.txt" | grep -v "^$" | tail -16

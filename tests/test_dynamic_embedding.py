@@ -940,10 +940,18 @@ def test_gather_scatter_order(device, dim, dtype):
         assert torch.equal(ops.dynemb_gather(slots, rows, host, order), want)
         assert torch.equal(ops.dynemb_gather(slots, rows, host, order=order), want)
     src = torch.randn(40, dim).to(dtype).to(device)
-    ref_rows, ref_host = rows.clone(), host.clone()
+
+    def host_copy():  # on CUDA host rows must be mapped pinned memory (a clone is pageable)
+        if device == "cpu":
+            return host.clone()
+        h = ops.dynemb_host_rows(rows, host.shape[0], dim, dtype)
+        h.copy_(host)
+        return h
+
+    ref_rows, ref_host = rows.clone(), host_copy()
     ops.dynemb_scatter(slots, src, ref_rows, ref_host)
     for order in orders:
-        r, h = rows.clone(), host.clone()
+        r, h = rows.clone(), host_copy()
         ops.dynemb_scatter(slots, src, r, h, order)
         assert torch.equal(r, ref_rows) and torch.equal(h, ref_host)
     empty = _t([], device)
@@ -954,11 +962,11 @@ def test_gather_scatter_order(device, dim, dtype):
     with pytest.raises(RuntimeError, match="order must have as many entries as slots"):
         ops.dynemb_gather(slots, rows, host, orders[0][:39])
     with pytest.raises(RuntimeError, match="order must have as many entries as slots"):
-        ops.dynemb_scatter(slots, src, rows.clone(), host.clone(), _t([0, 1], device))
+        ops.dynemb_scatter(slots, src, rows.clone(), host_copy(), _t([0, 1], device))
     with pytest.raises(RuntimeError, match="order must be 1-D"):
         ops.dynemb_gather(slots, rows, host, orders[0].reshape(4, 10))
     with pytest.raises(RuntimeError, match="order must be contiguous"):
-        ops.dynemb_scatter(slots, src, rows.clone(), host.clone(), torch.arange(80, device=device)[::2])
+        ops.dynemb_scatter(slots, src, rows.clone(), host_copy(), torch.arange(80, device=device)[::2])
     if device != "cpu":
         with pytest.raises(RuntimeError, match="order must be on the same device as slots"):
             ops.dynemb_gather(slots, rows, host, orders[0].cpu())
