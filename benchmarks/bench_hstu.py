@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import torchfuse
-from torchfuse._timing import device_time_us
+from torchfuse._timing import back_to_back_us, device_time_us
 
 SHAPES = [(16, 1024, 128), (16, 4096, 128), (128, 1024, 128), (16, 2048, 64), (16, 4096, 256)]
 H = 4
@@ -104,23 +104,6 @@ def bench(fn, inputs, dout, fwd_only=False):
     for x in inputs:
         x.requires_grad_(False)
     return t_f, t_b
-
-
-def back_to_back_us(fn, n=10, rounds=3):
-    """Time per call of n calls between two events (best of rounds): the GPU stays busy, so host
-    dispatch hides behind it, as in a training step (and triton.testing.do_bench)."""
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / n)
-    return best
 
 
 def bench_b2b(fn, inputs, dout):

@@ -27,12 +27,13 @@ never committed); without it the Triton column is skipped.
 """
 import argparse
 import os
+import statistics
 import sys
 
 import torch
 
 import torchfuse
-from torchfuse._timing import device_time_us
+from torchfuse._timing import back_to_back_us, device_time_us
 
 DEV = "cuda"
 
@@ -118,20 +119,7 @@ def make_case(D, dtype, B=1024, lo=100, hi=3052, cand=16):
 
 def b2b_time_us(fn, rep, n=20):
     """Median over `rep` repetitions of (n back-to-back calls between two CUDA events) / n."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n)
-    times.sort()
-    return times[len(times) // 2]
+    return back_to_back_us(fn, calls=n, rounds=rep, warmup=3, stat=statistics.median_high)
 
 
 def graph_time_us(fn, rep):

@@ -9,22 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torchfuse
-from torchfuse._timing import device_time_us
-
-
-def back_to_back_us(fn, n=10, rounds=5):
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / n)
-    return best
+from torchfuse._timing import back_to_back_us, device_time_us
 
 
 def main():
@@ -45,7 +30,7 @@ def main():
         flops_f = 2 * H * 2 * D * N * N / 2 * B
         for name, fn, fl in (("fwd", fwd, flops_f), ("bwd", bwd, 2.5 * flops_f)):
             single = device_time_us(fn, "cuda", warmup=3, rep=15)
-            b2b = back_to_back_us(fn)
+            b2b = back_to_back_us(fn, rounds=5)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 fn()
                 torch.cuda.synchronize()

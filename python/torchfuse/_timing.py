@@ -28,6 +28,25 @@ def device_time_us(fn, device, warmup=10, rep=50):
     return statistics.median(times)
 
 
+def back_to_back_us(fn, calls=10, rounds=3, warmup=1, stat=min):
+    """Time per call of `calls` back-to-back calls between two CUDA events, `stat` (min, or e.g.
+    statistics.median_high) over `rounds` rounds: the GPU stays busy, so host dispatch hides behind it,
+    as in a training step (and triton.testing.do_bench)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return stat(times)
+
+
 def wall_times_us(fns, device, calls=500, rounds=20):
     """Wall time per call of back-to-back calls (what decode loops pay: host dispatch + launch), for
     several functions measured in interleaved rounds (A, B, C, A, B, C, ...), the best round of each: host-side timings drift on a shared machine, and interleaving exposes
