@@ -47,7 +47,16 @@ tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tens
                                          const std::optional<at::Tensor> &mask, const at::Tensor &values,
                                          const at::Tensor &values_host, const at::Tensor &state,
                                          const at::Tensor &state_host, int64_t init_kind, double a, double b,
-                                         int64_t seed);
+                                         int64_t seed, const char *op = "torchfuse.dynemb_init",
+                                         const char *mask_arg = "mask");
+// dynemb_init_gather's checks and parameters (mask = is_new, required); out (n, dim) is allocated
+// here; *ord is order's data (NULL: batch order).
+tf_dynemb_init_params dynemb_init_gather_params(const at::Tensor &slots, const at::Tensor &keys,
+                                                const at::Tensor &is_new, const at::Tensor &values,
+                                                const at::Tensor &values_host, const at::Tensor &state,
+                                                const at::Tensor &state_host, int64_t init_kind, double a, double b,
+                                                int64_t seed, const std::optional<at::Tensor> &order,
+                                                const int64_t **ord, at::Tensor &out);
 tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::Tensor *grad, const at::Tensor &values,
                                              const at::Tensor &values_host, const at::Tensor &state,
                                              const at::Tensor &state_host, int64_t opt, double lr, double eps,

@@ -91,6 +91,13 @@ TORCH_LIBRARY(torchfuse, m) {
     // 3 constant a), optimizer state zeroed; only where mask != 0 when given.
     m.def("dynemb_init(Tensor slots, Tensor keys, Tensor? mask, Tensor(a!) values, Tensor(b!) values_host, "
           "Tensor(c!) state, Tensor(d!) state_host, int init_kind, float a, float b, int seed) -> ()");
+    // dynemb_init(slots, keys, is_new, ...) then dynemb_gather(slots, values, values_host, order) in one
+    // pass: returns the rows (n, dim), new rows as the initializer wrote them, zeros for slot -1. order:
+    // as gather's (argsort(slots): rows initialised, read and written in slot order); the result is the
+    // same as without it. Keys distinct (no two entries share a slot).
+    m.def("dynemb_init_gather(Tensor slots, Tensor keys, Tensor is_new, Tensor(a!) values, Tensor(b!) values_host, "
+          "Tensor(c!) state, Tensor(d!) state_host, int init_kind, float a, float b, int seed, Tensor? order=None) "
+          "-> Tensor");
     // One optimizer step per (unique) slot with its gradient row (opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam).
     m.def("dynemb_update(Tensor slots, Tensor grad, Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, "
           "Tensor(d!) state_host, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");

@@ -652,6 +652,14 @@ def test_ops_opcheck(device):
                                      t._state.clone(), t._state_host.clone(), 3, 0.1, 1e-8, 0.9, 0.999, 0.1)),
         (ops.dynemb_init.default, (found[:2], q[:2], None, t._values.clone(), t._values_host.clone(),
                                    t._state.clone(), t._state_host.clone(), 1, 0.0, 1.0, 0)),
+        (ops.dynemb_init_gather.default, (torch.cat([found[:2], _t([-1], device)]), q[:3],
+                                          torch.tensor([1, 0, 1], dtype=torch.uint8, device=device),
+                                          t._values.clone(), t._values_host.clone(), t._state.clone(),
+                                          t._state_host.clone(), 1, 0.0, 1.0, 0)),
+        (ops.dynemb_init_gather.default, (torch.cat([found[:2], _t([-1], device)]), q[:3],
+                                          torch.tensor([0, 1, 1], dtype=torch.uint8, device=device),
+                                          t._values.clone(), t._values_host.clone(), t._state.clone(),
+                                          t._state_host.clone(), 2, -1.0, 1.0, 3, _t([2, 0, 1], device))),
         (ops.dynemb_insert.default, (_t([99, 100], device), _t([-1, -1], device), t._keys.clone(), t._digests.clone(),
                                      t._scores.clone(), t._marks.clone(), t._locks.clone(), t.bucket_size, 5, False)),
         (ops.dynemb_find_or_insert.default, (_t([3, 99, 100], device), t._keys.clone(), t._digests.clone(),
@@ -970,6 +978,95 @@ def test_gather_scatter_order(device, dim, dtype):
     if device != "cpu":
         with pytest.raises(RuntimeError, match="order must be on the same device as slots"):
             ops.dynemb_gather(slots, rows, host, orders[0].cpu())
+
+
+def _host_rows_like(rows, host):
+    """A copy of a table's host rows: on CUDA mapped pinned memory as the table's own (a clone would be
+    pageable, which the kernels cannot read); on the CPU a clone."""
+    if not rows.is_cuda:
+        return host.clone()
+    h = torch.ops.torchfuse.dynemb_host_rows(rows, host.shape[0], host.shape[1], host.dtype)
+    h.copy_(host)
+    return h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [3, 32, 130])
+def test_init_gather_matches_init_then_gather(device, dim, dtype):
+    """dynemb_init_gather (what a table with host rows on CUDA runs after find_or_insert's op: new rows
+    initialised and all rows read in one slot-ordered pass) against dynemb_init then dynemb_gather:
+    the rows returned and the table's values and optimizer state in both tiers agree exactly, for new
+    and old keys in both tiers, -1 slots (zeros out, nothing written), every initializer kind (none
+    included: a new row keeps its values, its state is zeroed), no order / a random order / argsort
+    order, all keys new or none, and an empty batch. Bad arguments are refused, naming the argument."""
+    ops = torch.ops.torchfuse
+    t = DynamicEmbedding(dim, 128, device=device, dtype=dtype, bucket_size=16, optimizer=tfo.Adam(0.1),
+                         hbm_budget_bytes=50 * (dim * _elem_size(dtype) + 8 * dim))
+    assert 0 < t.hbm_rows < t.capacity and t._values_host.numel() > 0 and t._state_host.numel() > 0
+    t._values.copy_(torch.randn(t._values.shape).to(dtype))
+    t._values_host.copy_(torch.randn(t._values_host.shape).to(dtype))
+    t._state.copy_(torch.randn(t._state.shape))
+    t._state_host.copy_(torch.randn(t._state_host.shape))
+    n = 60
+    slots = torch.randperm(t.capacity, device=device)[:n]
+    slots[torch.randperm(n, device=device)[:9]] = -1
+    keys = _t(_keys(n), device)
+    is_new = (torch.rand(n, device=device) < 0.5).to(torch.uint8)
+    for tier in (slots < t.hbm_rows, slots >= t.hbm_rows):  # new and old keys in both tiers
+        assert bool((tier & (is_new == 1)).any()) and bool((tier & (is_new == 0) & (slots >= 0)).any())
+
+    def tables():
+        return (t._values.clone(), _host_rows_like(t._values, t._values_host), t._state.clone(),
+                _host_rows_like(t._state, t._state_host))
+
+    orders = [None, torch.randperm(n, device=device), torch.argsort(slots)]
+    for init in ((1, 0.5, 2.0), (2, -1.0, 1.0), (3, 0.25, 0.0), (0, 0.0, 0.0)):
+        for mask in (is_new, torch.ones_like(is_new), torch.zeros_like(is_new)):
+            ref = tables()
+            ops.dynemb_init(slots, keys, mask, *ref, *init, 7)
+            want = ops.dynemb_gather(slots, ref[0], ref[1])
+            assert bool((want[slots < 0] == 0).all())
+            for order in orders:
+                got_t = tables()
+                got = ops.dynemb_init_gather(slots, keys, mask, *got_t, *init, 7, order)
+                assert got.shape == (n, dim) and got.dtype == dtype
+                assert torch.equal(got, want), (init, order)
+                for x, y in zip(got_t, ref):
+                    assert torch.equal(x, y), (init, order)
+    empty = _t([], device)
+    e8 = empty.to(torch.uint8)
+    assert ops.dynemb_init_gather(empty, empty, e8, *tables(), 1, 0.0, 1.0, 7).shape == (0, dim)
+    assert ops.dynemb_init_gather(empty, empty, e8, *tables(), 1, 0.0, 1.0, 7, empty).shape == (0, dim)
+    args = tables()
+    with pytest.raises(RuntimeError, match="dynemb_init_gather: is_new must be a contiguous uint8"):
+        ops.dynemb_init_gather(slots, keys, is_new.to(torch.int32), *args, 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match="is_new must be a contiguous uint8 tensor of 60"):
+        ops.dynemb_init_gather(slots, keys, is_new[:59], *args, 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match="is_new must be 1-D"):
+        ops.dynemb_init_gather(slots, keys, is_new.reshape(6, 10), *args, 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match="keys and slots must have the same length"):
+        ops.dynemb_init_gather(slots, keys[:59], is_new, *args, 1, 0.0, 1.0, 7)
+    with pytest.raises(TypeError, match="slots must be int64"):
+        ops.dynemb_init_gather(slots.to(torch.int32), keys, is_new, *args, 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match="bad init_kind"):
+        ops.dynemb_init_gather(slots, keys, is_new, *args, 4, 0.0, 1.0, 7)
+    with pytest.raises(TypeError, match="state must be float32"):
+        ops.dynemb_init_gather(slots, keys, is_new, args[0], args[1], args[2].double(), args[3], 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match="order must have as many entries as slots"):
+        ops.dynemb_init_gather(slots, keys, is_new, *args, 1, 0.0, 1.0, 7, orders[1][:59])
+    with pytest.raises(TypeError, match="order must be int64"):
+        ops.dynemb_init_gather(slots, keys, is_new, *args, 1, 0.0, 1.0, 7, orders[1].to(torch.int32))
+    with pytest.raises(RuntimeError, match="host part of values"):
+        ops.dynemb_init_gather(slots, keys, is_new, args[0], args[1][:, :1], *args[2:], 1, 0.0, 1.0, 7)
+    if device != "cpu":
+        with pytest.raises(RuntimeError, match="is_new must be on the same device"):
+            ops.dynemb_init_gather(slots, keys, is_new.cpu(), *args, 1, 0.0, 1.0, 7)
+        with pytest.raises(RuntimeError, match="order must be on the same device as slots"):
+            ops.dynemb_init_gather(slots, keys, is_new, *args, 1, 0.0, 1.0, 7, orders[1].cpu())
+
+
+def _elem_size(dtype):
+    return torch.tensor([], dtype=dtype).element_size()
 
 
 def _copy_table(dst, src):
