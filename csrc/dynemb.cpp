@@ -528,7 +528,7 @@ DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::Tensor 
                                                  a, b, seed, with_rows);
     const int64_t *h = std::get<4>(r).data_ptr<int64_t>();
     const int64_t c[3] = {h[0], h[1], h[2]};
-    return finish_find_or_insert(r, c, values, state, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
+    return finish_find_or_insert(r, c, values, state, dynemb_slot_order(values_host, state_host), [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
         return evict_rows_cpu(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
 }

@@ -278,7 +278,7 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
         check_launch(cudaStreamSynchronize(s), "dynemb find-or-insert kernels (at the host's wait)");
         for (int i = 0; i < 3; ++i) c[i] = h[i];
     }
-    return finish_find_or_insert(r, c, values, state, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
+    return finish_find_or_insert(r, c, values, state, dynemb_slot_order(values_host, state_host), [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
         return evict_rows_cuda(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
 }

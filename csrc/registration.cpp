@@ -127,7 +127,8 @@ TORCH_LIBRARY(torchfuse, m) {
     // (dynemb_evict_rows) in the same call: returns (slots, rows, is_new, evicted (4, n_evicted): the
     // victims' keys, slots, scores and the indices of the keys that took their slots; the victims'
     // values; their optimizer state; the counts (inserted, n_evicted, failed) on the CPU). Every output
-    // is complete when the op returns.
+    // is complete when the op returns. A table with host rows gets its evictions sorted by victim slot
+    // (the eviction rows visit host rows in address order); otherwise they are in no particular order.
     m.def("dynemb_find_or_insert_sync(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
           "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
           "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "

@@ -1103,7 +1103,7 @@ def test_host_tier_matches_hbm_table(device, grow, slot_order):
     elif device != "cpu":
         pytest.skip("a CUDA table with host rows always takes the slot-order paths")
     pool = _keys(150)
-    seen_full, n_evicted = False, 0
+    seen_full, n_evicted, most_evicted = False, 0, 0
     for step in range(40):
         _copy_table(hbm, tiered)
         op = ("find_or_insert", "find_or_insert", "insert", "find")[step % 4] if step >= 4 else "find_or_insert"
@@ -1127,8 +1127,62 @@ def test_host_tier_matches_hbm_table(device, grow, slot_order):
         assert tiered.capacity == hbm.capacity and len(tiered) == len(hbm)
         ev = tiered.drain_evicted()
         n_evicted += ev[0].numel()
+        most_evicted = max(most_evicted, ev[0].numel())
         for x, y in zip(_sorted_by_key(*ev), _sorted_by_key(*hbm.drain_evicted())):
             assert torch.equal(x, y), (step, op)
         for x, y in zip(_sorted_by_key(*tiered._compact()), _sorted_by_key(*hbm._compact())):
             assert torch.equal(x, y), (step, op)
     assert seen_full and n_evicted > 0
+    assert most_evicted >= 2  # calls with several evictions: the tiered table's are sorted by victim slot
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("host_tier", [False, True])
+def test_find_or_insert_sync_eviction_record(device, host_tier, dtype):
+    """dynemb_find_or_insert_sync on a full table taking new keys (every one evicts): the eviction
+    record is consistent entry by entry (victim key, score, row and optimizer state as they were in the
+    victim's slot; the new key now in that slot, with the initializer's row, also in the rows returned,
+    and zeroed state). A table with host rows (on CUDA: mapped pinned memory) gets its evictions sorted
+    by victim slot, so the eviction-rows kernel visits host rows in address order."""
+    ops = torch.ops.torchfuse
+    dim = 8
+    init = ("uniform", -1.0, 1.0)
+    t = DynamicEmbedding(dim, 64, device=device, dtype=dtype, bucket_size=16, eviction="lru", initializer=init,
+                         seed=3, optimizer=tfo.Adam(0.1), hbm_budget_bytes=20 * dim * 12 if host_tier else None)
+    assert (t._values_host.numel() > 0) == host_tier and (0 < t.hbm_rows < 64) == host_tier
+    def fresh(n):  # random keys (no special keys: _keys repeats those)
+        return _t([random.randint(I64_MIN, I64_MAX) for _ in range(n)], device)
+
+    for _ in range(30):  # fills every bucket (an LRU table at max capacity stays full)
+        t.insert(fresh(10), torch.randn(10, dim, device=device))
+    assert len(t) == t.capacity
+    t._values.copy_(torch.randn(t._values.shape).to(dtype))
+    t._values_host.copy_(torch.randn(t._values_host.shape).to(dtype))
+    t._state.copy_(torch.randn(t._state.shape))
+    t._state_host.copy_(torch.randn(t._state_host.shape))
+
+    def by_slot(rows, host):
+        return torch.cat([rows, host.to(device)])
+
+    keys0, scores0 = t._keys.clone(), t._scores.clone()
+    values0, state0 = by_slot(t._values, t._values_host), by_slot(t._state, t._state_host)
+    q = torch.unique(fresh(12))
+    assert not bool(t.contains(q).any())
+    slots, rows, is_new, ev, old_values, old_state, counts = ops.dynemb_find_or_insert_sync(
+        q, t._keys, t._digests, t._scores, t._marks, t._locks, t._values, t._values_host, t._state, t._state_host,
+        16, t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3, True)
+    inserted, n_ev, failed = counts.tolist()
+    assert inserted == n_ev == q.numel() >= 2 and failed == 0 and bool(is_new.all())
+    assert ev.shape == (4, n_ev) and old_values.shape == (n_ev, dim) and old_state.shape == (n_ev, 2 * dim)
+    ev_keys, ev_slots, ev_scores, ev_new = ev
+    if host_tier:
+        assert bool((ev_slots[1:] > ev_slots[:-1]).all()), ev_slots  # slot order
+    assert torch.equal(torch.sort(ev_slots).values, torch.sort(slots).values)
+    assert torch.equal(torch.sort(ev_new).values, torch.arange(n_ev, device=device))
+    assert torch.equal(ev_keys, keys0[ev_slots]) and torch.equal(ev_scores, scores0[ev_slots])
+    assert torch.equal(old_values, values0[ev_slots]) and torch.equal(old_state, state0[ev_slots])
+    assert torch.equal(slots[ev_new], ev_slots) and torch.equal(t._keys[ev_slots], q[ev_new])
+    ref = DynamicEmbedding(dim, 1024, device=device, dtype=dtype, initializer=init, seed=3)
+    assert torch.equal(rows, ref.find_or_insert(q))
+    assert torch.equal(by_slot(t._values, t._values_host)[slots], rows)
+    assert bool((by_slot(t._state, t._state_host)[slots] == 0).all())

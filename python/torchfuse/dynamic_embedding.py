@@ -375,7 +375,8 @@ class DynamicEmbedding(torch.nn.Module):
         next. A table with host rows on CUDA and with_rows: the op inserts and touches only; then one
         pass (dynemb_init_gather) initialises the new rows and reads all rows in slot order (see
         _host_tier_on_cuda), with the same results (the initializer is a function of key, seed and
-        column)."""
+        column). On a table with host rows the op sorts its evictions by victim slot before their row
+        work, so the eviction record comes out in slot order."""
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
