@@ -89,8 +89,7 @@ tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tens
                                          const std::optional<at::Tensor> &mask, const at::Tensor &values,
                                          const at::Tensor &values_host, const at::Tensor &state,
                                          const at::Tensor &state_host, int64_t init_kind, double a, double b,
-                                         int64_t seed) {
-    const char *op = "torchfuse.dynemb_init";
+                                         int64_t seed, const char *op, const char *mask_arg) {
     check_index(slots, values, op, "slots");
     check_index(keys, values, op, "keys");
     TORCH_CHECK(keys.numel() == slots.numel(), op, ": keys and slots must have the same length");
@@ -100,9 +99,10 @@ tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tens
     p.slots = slots.data_ptr<int64_t>();
     p.keys = keys.data_ptr<int64_t>();
     if (mask.has_value()) {
-        TORCH_CHECK(mask->scalar_type() == at::kByte && mask->numel() == p.n && mask->is_contiguous(), op,
-                    ": mask must be a contiguous uint8 tensor of ", p.n, " elements");
-        check_same_device(*mask, values, op, "mask", "values");
+        TORCH_CHECK(mask->scalar_type() == at::kByte && mask->numel() == p.n && mask->is_contiguous(), op, ": ",
+                    mask_arg, " must be a contiguous uint8 tensor of ", p.n, " elements, got ", mask->scalar_type(),
+                    " ", mask->sizes());
+        check_same_device(*mask, values, op, mask_arg, "values");
         p.mask = mask->data_ptr<uint8_t>();
     }
     p.values = dynemb_rows(values, values_host, values, op, "values");
@@ -115,6 +115,21 @@ tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tens
     p.a = a;
     p.b = b;
     p.seed = (uint64_t)seed;
+    return p;
+}
+
+tf_dynemb_init_params dynemb_init_gather_params(const at::Tensor &slots, const at::Tensor &keys,
+                                                const at::Tensor &is_new, const at::Tensor &values,
+                                                const at::Tensor &values_host, const at::Tensor &state,
+                                                const at::Tensor &state_host, int64_t init_kind, double a, double b,
+                                                int64_t seed, const std::optional<at::Tensor> &order,
+                                                const int64_t **ord, at::Tensor &out) {
+    const char *op = "torchfuse.dynemb_init_gather";
+    TORCH_CHECK(is_new.dim() == 1, op, ": is_new must be 1-D, got shape ", is_new.sizes());
+    tf_dynemb_init_params p = dynemb_init_params(slots, keys, is_new, values, values_host, state, state_host,
+                                                 init_kind, a, b, seed, op, "is_new");
+    *ord = dynemb_order(order, slots, op);
+    out = at::empty(row_shape(values, slots.numel()), values.options());
     return p;
 }
 
@@ -398,6 +413,19 @@ void init_cpu(const at::Tensor &slots, const at::Tensor &keys, const std::option
     at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_cpu(&p, b0, e0); });
 }
 
+at::Tensor init_gather_cpu(const at::Tensor &slots, const at::Tensor &keys, const at::Tensor &is_new,
+                           at::Tensor &values, at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                           int64_t init_kind, double a, double b, int64_t seed, const std::optional<at::Tensor> &order) {
+    const int64_t *ord = nullptr;
+    at::Tensor out;
+    tf_dynemb_init_params p = dynemb_init_gather_params(slots, keys, is_new, values, values_host, state, state_host,
+                                                        init_kind, a, b, seed, order, &ord, out);
+    void *o = out.data_ptr();
+    // rows are unique per call (the caller's keys are distinct), so ranges never write the same row
+    at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_gather_cpu(&p, ord, o, b0, e0); });
+    return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> evict_rows_cpu(const at::Tensor &slots, const at::Tensor &new_index,
                                                   const at::Tensor &keys, at::Tensor &values, at::Tensor &values_host,
                                                   at::Tensor &state, at::Tensor &state_host, at::Tensor &rows,
@@ -500,7 +528,7 @@ DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::Tensor 
                                                  a, b, seed, with_rows);
     const int64_t *h = std::get<4>(r).data_ptr<int64_t>();
     const int64_t c[3] = {h[0], h[1], h[2]};
-    return finish_find_or_insert(r, c, values, state, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
+    return finish_find_or_insert(r, c, values, state, dynemb_slot_order(values_host, state_host), [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
         return evict_rows_cpu(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
 }
@@ -519,6 +547,7 @@ TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("dynemb_gather", &gather_cpu);
     m.impl("dynemb_scatter", &scatter_cpu);
     m.impl("dynemb_init", &init_cpu);
+    m.impl("dynemb_init_gather", &init_gather_cpu);
     m.impl("dynemb_update", &update_cpu);
     m.impl("dynemb_evict_rows", &evict_rows_cpu);
     m.impl("dynemb_segment_update", &segment_update_cpu);

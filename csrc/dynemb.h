@@ -47,7 +47,16 @@ tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tens
                                          const std::optional<at::Tensor> &mask, const at::Tensor &values,
                                          const at::Tensor &values_host, const at::Tensor &state,
                                          const at::Tensor &state_host, int64_t init_kind, double a, double b,
-                                         int64_t seed);
+                                         int64_t seed, const char *op = "torchfuse.dynemb_init",
+                                         const char *mask_arg = "mask");
+// dynemb_init_gather's checks and parameters (mask = is_new, required); out (n, dim) is allocated
+// here; *ord is order's data (NULL: batch order).
+tf_dynemb_init_params dynemb_init_gather_params(const at::Tensor &slots, const at::Tensor &keys,
+                                                const at::Tensor &is_new, const at::Tensor &values,
+                                                const at::Tensor &values_host, const at::Tensor &state,
+                                                const at::Tensor &state_host, int64_t init_kind, double a, double b,
+                                                int64_t seed, const std::optional<at::Tensor> &order,
+                                                const int64_t **ord, at::Tensor &out);
 tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::Tensor *grad, const at::Tensor &values,
                                              const at::Tensor &values_host, const at::Tensor &state,
                                              const at::Tensor &state_host, int64_t opt, double lr, double eps,
@@ -90,9 +99,17 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
 using DynembFoiSyncResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // The part after the host has the counts c (inserted, evicted, failed): evict_rows(slots, new_index,
 // rows) is the device's dynemb_evict_rows on the table (victims' rows and state out, new rows in).
+// slot_order (a table with host rows): the evictions are sorted by victim slot first, so the row work
+// visits the victims in slot order (host rows in address order: random host addresses thrash the
+// GPU's translation of host pages); the record (keys, slots, scores, new indices and the victims'
+// rows and state) then comes out in that order, its entries consistent with one another. Pure-HBM
+// tables keep the list's own order (no sort).
+inline bool dynemb_slot_order(const at::Tensor &values_host, const at::Tensor &state_host) {
+    return values_host.numel() > 0 || state_host.numel() > 0;
+}
 template <typename EvictRows>
 DynembFoiSyncResult finish_find_or_insert(const DynembFoiResult &r, const int64_t (&c)[3], const at::Tensor &values,
-                                          const at::Tensor &state, EvictRows evict_rows) {
+                                          const at::Tensor &state, bool slot_order, EvictRows evict_rows) {
     const auto &[slots, rows, is_new, evicted, counts] = r;
     const int64_t n_ev = c[1];
     at::Tensor host = at::empty({3}, evicted.options().device(at::kCPU));
@@ -100,7 +117,9 @@ DynembFoiSyncResult finish_find_or_insert(const DynembFoiResult &r, const int64_
     if (n_ev == 0)
         return {slots, rows, is_new, at::empty({4, 0}, evicted.options()), at::empty({0, values.size(1)}, values.options()),
                 at::empty({0, state.size(1)}, state.options()), host};
-    at::Tensor ev = evicted.narrow(1, 0, n_ev).clone();  // its own storage: the (4, n) buffer is freed now
+    // its own storage: the (4, n) buffer is freed now
+    at::Tensor ev = evicted.narrow(1, 0, n_ev);
+    ev = slot_order && n_ev > 1 ? ev.index_select(1, at::argsort(ev.select(0, 1))).contiguous() : ev.clone();
     at::Tensor rows_out = rows;
     auto [old_values, old_state] = evict_rows(ev.select(0, 1), ev.select(0, 3), rows_out);
     return {slots, rows, is_new, ev, old_values, old_state, host};

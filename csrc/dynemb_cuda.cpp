@@ -121,6 +121,21 @@ void init_cuda(const at::Tensor &slots, const at::Tensor &keys, const std::optio
     check_launch(tf_dynemb_init_cuda(&p, stream()), "dynemb init kernel");
 }
 
+at::Tensor init_gather_cuda(const at::Tensor &slots, const at::Tensor &keys, const at::Tensor &is_new,
+                            at::Tensor &values, at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                            int64_t init_kind, double a, double b, int64_t seed,
+                            const std::optional<at::Tensor> &order) {
+    const c10::cuda::CUDAGuard guard(values.device());
+    const int64_t *ord = nullptr;
+    at::Tensor out;
+    tf_dynemb_init_params p = dynemb_init_gather_params(slots, keys, is_new, values, values_host, state, state_host,
+                                                        init_kind, a, b, seed, order, &ord, out);
+    map_host(p.values, values_host);
+    map_host(p.state, state_host);
+    check_launch(tf_dynemb_init_gather_cuda(&p, ord, out.data_ptr(), stream()), "dynemb init-gather kernel");
+    return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> evict_rows_cuda(const at::Tensor &slots, const at::Tensor &new_index,
                                                    const at::Tensor &keys, at::Tensor &values, at::Tensor &values_host,
                                                    at::Tensor &state, at::Tensor &state_host, at::Tensor &rows,
@@ -263,7 +278,7 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
         check_launch(cudaStreamSynchronize(s), "dynemb find-or-insert kernels (at the host's wait)");
         for (int i = 0; i < 3; ++i) c[i] = h[i];
     }
-    return finish_find_or_insert(r, c, values, state, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
+    return finish_find_or_insert(r, c, values, state, dynemb_slot_order(values_host, state_host), [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
         return evict_rows_cuda(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
 }
@@ -371,6 +386,7 @@ TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("dynemb_gather", &gather_cuda);
     m.impl("dynemb_scatter", &scatter_cuda);
     m.impl("dynemb_init", &init_cuda);
+    m.impl("dynemb_init_gather", &init_gather_cuda);
     m.impl("dynemb_update", &update_cuda);
     m.impl("dynemb_evict_rows", &evict_rows_cuda);
     m.impl("dynemb_segment_update", &segment_update_cuda);

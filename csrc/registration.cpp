@@ -91,6 +91,13 @@ TORCH_LIBRARY(torchfuse, m) {
     // 3 constant a), optimizer state zeroed; only where mask != 0 when given.
     m.def("dynemb_init(Tensor slots, Tensor keys, Tensor? mask, Tensor(a!) values, Tensor(b!) values_host, "
           "Tensor(c!) state, Tensor(d!) state_host, int init_kind, float a, float b, int seed) -> ()");
+    // dynemb_init(slots, keys, is_new, ...) then dynemb_gather(slots, values, values_host, order) in one
+    // pass: returns the rows (n, dim), new rows as the initializer wrote them, zeros for slot -1. order:
+    // as gather's (argsort(slots): rows initialised, read and written in slot order); the result is the
+    // same as without it. Keys distinct (no two entries share a slot).
+    m.def("dynemb_init_gather(Tensor slots, Tensor keys, Tensor is_new, Tensor(a!) values, Tensor(b!) values_host, "
+          "Tensor(c!) state, Tensor(d!) state_host, int init_kind, float a, float b, int seed, Tensor? order=None) "
+          "-> Tensor");
     // One optimizer step per (unique) slot with its gradient row (opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam).
     m.def("dynemb_update(Tensor slots, Tensor grad, Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, "
           "Tensor(d!) state_host, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");
@@ -120,7 +127,8 @@ TORCH_LIBRARY(torchfuse, m) {
     // (dynemb_evict_rows) in the same call: returns (slots, rows, is_new, evicted (4, n_evicted): the
     // victims' keys, slots, scores and the indices of the keys that took their slots; the victims'
     // values; their optimizer state; the counts (inserted, n_evicted, failed) on the CPU). Every output
-    // is complete when the op returns.
+    // is complete when the op returns. A table with host rows gets its evictions sorted by victim slot
+    // (the eviction rows visit host rows in address order); otherwise they are in no particular order.
     m.def("dynemb_find_or_insert_sync(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
           "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
           "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "

@@ -226,6 +226,13 @@ void tf_dynemb_gather_cpu(const tf_dynemb_rows *r, const int64_t *slots, const i
 void tf_dynemb_scatter_cpu(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n,
                            const void *src, int64_t begin, int64_t end);
 void tf_dynemb_init_cpu(const tf_dynemb_init_params *p, int64_t begin, int64_t end);
+/* init and gather in one pass (dynemb_init_gather): step j of the range handles i = order[j] (order
+ * NULL: i = j; skipped unless 0 <= i < n). slots[i] < 0: out[i] = zeros. Else where mask[i] != 0 (mask
+ * required: the keys' is_new) the row is initialised as tf_dynemb_init_cpu does (values from the
+ * initializer unless TF_INIT_NONE, state zeroed) and written to out[i] as well; elsewhere out[i] = the
+ * table's row. out: n rows of values.row_bytes. The same results as init, then gather. */
+void tf_dynemb_init_gather_cpu(const tf_dynemb_init_params *p, const int64_t *order, void *out, int64_t begin,
+                               int64_t end);
 void tf_dynemb_evict_rows_cpu(const tf_dynemb_evict_params *p, int64_t begin, int64_t end);
 void tf_dynemb_update_cpu(const tf_dynemb_update_params *p, int64_t begin, int64_t end);
 void tf_dynemb_pool_cpu(const tf_dynemb_pool_params *p, int64_t begin, int64_t end);
@@ -248,6 +255,10 @@ int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, const i
 int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n,
                            const void *src, void *stream);
 int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream);
+/* init + gather in one pass, as tf_dynemb_init_gather_cpu; with order = argsort(slots) the rows are
+ * initialised, read and written in slot order (host rows in address order). A new row's values go
+ * to the table and to out from registers: nothing is read back. */
+int tf_dynemb_init_gather_cuda(const tf_dynemb_init_params *p, const int64_t *order, void *out, void *stream);
 int tf_dynemb_evict_rows_cuda(const tf_dynemb_evict_params *p, void *stream);
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream);
 int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream);

@@ -103,6 +103,31 @@ void tf_dynemb_init_cpu(const tf_dynemb_init_params *p, int64_t begin, int64_t e
     }
 }
 
+void tf_dynemb_init_gather_cpu(const tf_dynemb_init_params *p, const int64_t *order, void *out, int64_t begin,
+                               int64_t end) {
+    const int64_t vb = p->values.row_bytes;
+    for (int64_t j = begin; j < end; ++j) {
+        const int64_t i = order ? order[j] : j;
+        if (i < 0 || i >= p->n) continue;
+        char *dst = (char *)out + i * vb;
+        const int64_t slot = p->slots[i];
+        if (slot < 0) {
+            memset(dst, 0, (size_t)vb);
+            continue;
+        }
+        char *row = tf_dynemb_row(&p->values, slot);
+        const int init = p->mask[i] && p->init_kind != TF_INIT_NONE;
+        if (init)
+            for (int64_t c = 0; c < p->dim; ++c) {
+                const float v = (float)tf_dynemb_init_value(p->init_kind, p->a, p->b, p->keys[i], p->seed, c);
+                tf_store_f32(row, p->dtype, c, v);
+                tf_store_f32(dst, p->dtype, c, v);
+            }
+        else memcpy(dst, row, (size_t)vb);
+        if (p->mask[i] && p->state.row_bytes) memset(tf_dynemb_row(&p->state, slot), 0, (size_t)p->state.row_bytes);
+    }
+}
+
 void tf_dynemb_evict_rows_cpu(const tf_dynemb_evict_params *p, int64_t begin, int64_t end) {
     const tf_dynemb_init_params *in = &p->init;
     const int64_t vb = in->values.row_bytes, sb = in->state.row_bytes;

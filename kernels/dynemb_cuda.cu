@@ -549,6 +549,42 @@ __global__ void init_kernel(const __grid_constant__ Group<tf_dynemb_init_params,
     warp_item(g, [](const tf_dynemb_init_params &a, int64_t i, int lane) { init_one(a, i, lane); });
 }
 
+/* init + gather in one pass (tf_dynemb_init_gather_cuda): G lanes per row (8, 16 or 32: the gather's
+ * one copy unit T per lane, up to a warp), step j of the grid handling batch index order[j]. A new
+ * row's values (init_one's) go to the table and to out from registers, its state is zeroed; any other
+ * row is copied out as the gather does (zeros for slot -1). */
+template <typename T, int G>
+__global__ void init_gather_kernel(tf_dynemb_init_params p, const int64_t *order, char *out) {
+    const int64_t j = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / G;
+    const int lane = threadIdx.x % G;
+    if (j >= p.n) return;
+    const int64_t i = order ? order[j] : j;  // order: rows in slot order, host rows in address order
+    if (i < 0 || i >= p.n) return;
+    const int64_t vb = p.values.row_bytes, units = vb / static_cast<int64_t>(sizeof(T));
+    char *o = out + i * vb;
+    const int64_t slot = p.slots[i];
+    if (slot < 0) {
+        copy_units<T, G>(reinterpret_cast<T *>(o), nullptr, units, lane);
+        return;
+    }
+    char *row = tf_dynemb_row(&p.values, slot);
+    const bool is_new = p.mask[i] != 0;
+    if (is_new && p.init_kind != TF_INIT_NONE) {
+        const int64_t key = p.keys[i];
+        for (int64_t c = lane; c < p.dim; c += G) {
+            const float v = static_cast<float>(tf_dynemb_init_value(p.init_kind, p.a, p.b, key, p.seed, c));
+            store_f32(row, p.dtype, c, v);
+            store_f32(o, p.dtype, c, v);
+        }
+    } else {  // an old row, or a new one with no initializer (it keeps the row it had)
+        copy_units<T, G>(reinterpret_cast<T *>(o), reinterpret_cast<const T *>(row), units, lane);
+    }
+    if (is_new && p.state.row_bytes) {
+        float *st = reinterpret_cast<float *>(tf_dynemb_row(&p.state, slot));
+        for (int64_t c = lane; c < p.state.row_bytes / 4; c += G) st[c] = 0.f;
+    }
+}
+
 /* The optimizer's step on one element of a row: returns the new weight; s1 / s2 are the element's
  * state (Adagrad: s1; Adam: s1, s2), updated. rw_mult: RowWiseAdagrad's step (rowwise_mult). */
 __device__ __forceinline__ float opt_step(const tf_dynemb_update_params &p, int opt, float w, float g, float &s1,
@@ -1522,6 +1558,32 @@ int tf_dynemb_evict_rows_cuda(const tf_dynemb_evict_params *p, void *stream) {
     if (wide && narrow) evict_rows_kernel<uint4, 8><<<g8, kBlock, 0, s>>>(*p);
     else if (wide) evict_rows_kernel<uint4, 32><<<grid_for_warps(p->n), kBlock, 0, s>>>(*p);
     else evict_rows_kernel<uint8_t, 32><<<grid_for_warps(p->n), kBlock, 0, s>>>(*p);
+    return static_cast<int>(cudaGetLastError());
+}
+
+int tf_dynemb_init_gather_cuda(const tf_dynemb_init_params *p, const int64_t *order, void *out, void *stream) {
+    if (p->n == 0 || p->values.row_bytes == 0) {  // no row bytes: only the new rows' state to zero
+        if (p->n == 0 || p->state.row_bytes == 0) return 0;
+        return tf_dynemb_init_cuda(p, stream);
+    }
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int unit = copy_unit(&p->values, out);
+    const int64_t units = p->values.row_bytes / unit;
+    const int g = units <= 8 ? 8 : units <= 16 ? 16 : 32;
+    const unsigned grid = static_cast<unsigned>((p->n * g + kBlock - 1) / kBlock);
+    char *o = static_cast<char *>(out);
+#define TF_INIT_GATHER(T)                                                                 \
+    if (g == 8) init_gather_kernel<T, 8><<<grid, kBlock, 0, s>>>(*p, order, o);           \
+    else if (g == 16) init_gather_kernel<T, 16><<<grid, kBlock, 0, s>>>(*p, order, o);    \
+    else init_gather_kernel<T, 32><<<grid, kBlock, 0, s>>>(*p, order, o);
+    switch (unit) {
+    case 16: TF_INIT_GATHER(uint4) break;
+    case 8: TF_INIT_GATHER(uint2) break;
+    case 4: TF_INIT_GATHER(uint32_t) break;
+    case 2: TF_INIT_GATHER(uint16_t) break;
+    default: TF_INIT_GATHER(uint8_t) break;
+    }
+#undef TF_INIT_GATHER
     return static_cast<int>(cudaGetLastError());
 }
 

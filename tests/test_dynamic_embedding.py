@@ -652,6 +652,14 @@ def test_ops_opcheck(device):
                                      t._state.clone(), t._state_host.clone(), 3, 0.1, 1e-8, 0.9, 0.999, 0.1)),
         (ops.dynemb_init.default, (found[:2], q[:2], None, t._values.clone(), t._values_host.clone(),
                                    t._state.clone(), t._state_host.clone(), 1, 0.0, 1.0, 0)),
+        (ops.dynemb_init_gather.default, (torch.cat([found[:2], _t([-1], device)]), q[:3],
+                                          torch.tensor([1, 0, 1], dtype=torch.uint8, device=device),
+                                          t._values.clone(), t._values_host.clone(), t._state.clone(),
+                                          t._state_host.clone(), 1, 0.0, 1.0, 0)),
+        (ops.dynemb_init_gather.default, (torch.cat([found[:2], _t([-1], device)]), q[:3],
+                                          torch.tensor([0, 1, 1], dtype=torch.uint8, device=device),
+                                          t._values.clone(), t._values_host.clone(), t._state.clone(),
+                                          t._state_host.clone(), 2, -1.0, 1.0, 3, _t([2, 0, 1], device))),
         (ops.dynemb_insert.default, (_t([99, 100], device), _t([-1, -1], device), t._keys.clone(), t._digests.clone(),
                                      t._scores.clone(), t._marks.clone(), t._locks.clone(), t.bucket_size, 5, False)),
         (ops.dynemb_find_or_insert.default, (_t([3, 99, 100], device), t._keys.clone(), t._digests.clone(),
@@ -972,6 +980,95 @@ def test_gather_scatter_order(device, dim, dtype):
             ops.dynemb_gather(slots, rows, host, orders[0].cpu())
 
 
+def _host_rows_like(rows, host):
+    """A copy of a table's host rows: on CUDA mapped pinned memory as the table's own (a clone would be
+    pageable, which the kernels cannot read); on the CPU a clone."""
+    if not rows.is_cuda:
+        return host.clone()
+    h = torch.ops.torchfuse.dynemb_host_rows(rows, host.shape[0], host.shape[1], host.dtype)
+    h.copy_(host)
+    return h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [3, 32, 130])
+def test_init_gather_matches_init_then_gather(device, dim, dtype):
+    """dynemb_init_gather (what a table with host rows on CUDA runs after find_or_insert's op: new rows
+    initialised and all rows read in one slot-ordered pass) against dynemb_init then dynemb_gather:
+    the rows returned and the table's values and optimizer state in both tiers agree exactly, for new
+    and old keys in both tiers, -1 slots (zeros out, nothing written), every initializer kind (none
+    included: a new row keeps its values, its state is zeroed), no order / a random order / argsort
+    order, all keys new or none, and an empty batch. Bad arguments are refused, naming the argument."""
+    ops = torch.ops.torchfuse
+    t = DynamicEmbedding(dim, 128, device=device, dtype=dtype, bucket_size=16, optimizer=tfo.Adam(0.1),
+                         hbm_budget_bytes=50 * (dim * _elem_size(dtype) + 8 * dim))
+    assert 0 < t.hbm_rows < t.capacity and t._values_host.numel() > 0 and t._state_host.numel() > 0
+    t._values.copy_(torch.randn(t._values.shape).to(dtype))
+    t._values_host.copy_(torch.randn(t._values_host.shape).to(dtype))
+    t._state.copy_(torch.randn(t._state.shape))
+    t._state_host.copy_(torch.randn(t._state_host.shape))
+    n = 60
+    slots = torch.randperm(t.capacity, device=device)[:n]
+    slots[torch.randperm(n, device=device)[:9]] = -1
+    keys = _t(_keys(n), device)
+    is_new = (torch.rand(n, device=device) < 0.5).to(torch.uint8)
+    for tier in (slots < t.hbm_rows, slots >= t.hbm_rows):  # new and old keys in both tiers
+        assert bool((tier & (is_new == 1)).any()) and bool((tier & (is_new == 0) & (slots >= 0)).any())
+
+    def tables():
+        return (t._values.clone(), _host_rows_like(t._values, t._values_host), t._state.clone(),
+                _host_rows_like(t._state, t._state_host))
+
+    orders = [None, torch.randperm(n, device=device), torch.argsort(slots)]
+    for init in ((1, 0.5, 2.0), (2, -1.0, 1.0), (3, 0.25, 0.0), (0, 0.0, 0.0)):
+        for mask in (is_new, torch.ones_like(is_new), torch.zeros_like(is_new)):
+            ref = tables()
+            ops.dynemb_init(slots, keys, mask, *ref, *init, 7)
+            want = ops.dynemb_gather(slots, ref[0], ref[1])
+            assert bool((want[slots < 0] == 0).all())
+            for order in orders:
+                got_t = tables()
+                got = ops.dynemb_init_gather(slots, keys, mask, *got_t, *init, 7, order)
+                assert got.shape == (n, dim) and got.dtype == dtype
+                assert torch.equal(got, want), (init, order)
+                for x, y in zip(got_t, ref):
+                    assert torch.equal(x, y), (init, order)
+    empty = _t([], device)
+    e8 = empty.to(torch.uint8)
+    assert ops.dynemb_init_gather(empty, empty, e8, *tables(), 1, 0.0, 1.0, 7).shape == (0, dim)
+    assert ops.dynemb_init_gather(empty, empty, e8, *tables(), 1, 0.0, 1.0, 7, empty).shape == (0, dim)
+    args = tables()
+    with pytest.raises(RuntimeError, match="dynemb_init_gather: is_new must be a contiguous uint8"):
+        ops.dynemb_init_gather(slots, keys, is_new.to(torch.int32), *args, 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match="is_new must be a contiguous uint8 tensor of 60"):
+        ops.dynemb_init_gather(slots, keys, is_new[:59], *args, 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match="is_new must be 1-D"):
+        ops.dynemb_init_gather(slots, keys, is_new.reshape(6, 10), *args, 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match="keys and slots must have the same length"):
+        ops.dynemb_init_gather(slots, keys[:59], is_new, *args, 1, 0.0, 1.0, 7)
+    with pytest.raises(TypeError, match="slots must be int64"):
+        ops.dynemb_init_gather(slots.to(torch.int32), keys, is_new, *args, 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match="bad init_kind"):
+        ops.dynemb_init_gather(slots, keys, is_new, *args, 4, 0.0, 1.0, 7)
+    with pytest.raises(TypeError, match="state must be float32"):
+        ops.dynemb_init_gather(slots, keys, is_new, args[0], args[1], args[2].double(), args[3], 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match="order must have as many entries as slots"):
+        ops.dynemb_init_gather(slots, keys, is_new, *args, 1, 0.0, 1.0, 7, orders[1][:59])
+    with pytest.raises(TypeError, match="order must be int64"):
+        ops.dynemb_init_gather(slots, keys, is_new, *args, 1, 0.0, 1.0, 7, orders[1].to(torch.int32))
+    with pytest.raises(RuntimeError, match="host part of values"):
+        ops.dynemb_init_gather(slots, keys, is_new, args[0], args[1][:, :1], *args[2:], 1, 0.0, 1.0, 7)
+    if device != "cpu":
+        with pytest.raises(RuntimeError, match="is_new must be on the same device"):
+            ops.dynemb_init_gather(slots, keys, is_new.cpu(), *args, 1, 0.0, 1.0, 7)
+        with pytest.raises(RuntimeError, match="order must be on the same device as slots"):
+            ops.dynemb_init_gather(slots, keys, is_new, *args, 1, 0.0, 1.0, 7, orders[1].cpu())
+
+
+def _elem_size(dtype):
+    return torch.tensor([], dtype=dtype).element_size()
+
+
 def _copy_table(dst, src):
     """dst's keys, scores, rows and counters set to src's (one capacity, any split of hbm and host rows)."""
     for name in ("_keys", "_digests", "_scores", "_marks", "_locks"):
@@ -1006,7 +1103,7 @@ def test_host_tier_matches_hbm_table(device, grow, slot_order):
     elif device != "cpu":
         pytest.skip("a CUDA table with host rows always takes the slot-order paths")
     pool = _keys(150)
-    seen_full, n_evicted = False, 0
+    seen_full, n_evicted, most_evicted = False, 0, 0
     for step in range(40):
         _copy_table(hbm, tiered)
         op = ("find_or_insert", "find_or_insert", "insert", "find")[step % 4] if step >= 4 else "find_or_insert"
@@ -1030,8 +1127,62 @@ def test_host_tier_matches_hbm_table(device, grow, slot_order):
         assert tiered.capacity == hbm.capacity and len(tiered) == len(hbm)
         ev = tiered.drain_evicted()
         n_evicted += ev[0].numel()
+        most_evicted = max(most_evicted, ev[0].numel())
         for x, y in zip(_sorted_by_key(*ev), _sorted_by_key(*hbm.drain_evicted())):
             assert torch.equal(x, y), (step, op)
         for x, y in zip(_sorted_by_key(*tiered._compact()), _sorted_by_key(*hbm._compact())):
             assert torch.equal(x, y), (step, op)
     assert seen_full and n_evicted > 0
+    assert most_evicted >= 2  # calls with several evictions: the tiered table's are sorted by victim slot
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("host_tier", [False, True])
+def test_find_or_insert_sync_eviction_record(device, host_tier, dtype):
+    """dynemb_find_or_insert_sync on a full table taking new keys (every one evicts): the eviction
+    record is consistent entry by entry (victim key, score, row and optimizer state as they were in the
+    victim's slot; the new key now in that slot, with the initializer's row, also in the rows returned,
+    and zeroed state). A table with host rows (on CUDA: mapped pinned memory) gets its evictions sorted
+    by victim slot, so the eviction-rows kernel visits host rows in address order."""
+    ops = torch.ops.torchfuse
+    dim = 8
+    init = ("uniform", -1.0, 1.0)
+    t = DynamicEmbedding(dim, 64, device=device, dtype=dtype, bucket_size=16, eviction="lru", initializer=init,
+                         seed=3, optimizer=tfo.Adam(0.1), hbm_budget_bytes=20 * dim * 12 if host_tier else None)
+    assert (t._values_host.numel() > 0) == host_tier and (0 < t.hbm_rows < 64) == host_tier
+    def fresh(n):  # random keys (no special keys: _keys repeats those)
+        return _t([random.randint(I64_MIN, I64_MAX) for _ in range(n)], device)
+
+    for _ in range(30):  # fills every bucket (an LRU table at max capacity stays full)
+        t.insert(fresh(10), torch.randn(10, dim, device=device))
+    assert len(t) == t.capacity
+    t._values.copy_(torch.randn(t._values.shape).to(dtype))
+    t._values_host.copy_(torch.randn(t._values_host.shape).to(dtype))
+    t._state.copy_(torch.randn(t._state.shape))
+    t._state_host.copy_(torch.randn(t._state_host.shape))
+
+    def by_slot(rows, host):
+        return torch.cat([rows, host.to(device)])
+
+    keys0, scores0 = t._keys.clone(), t._scores.clone()
+    values0, state0 = by_slot(t._values, t._values_host), by_slot(t._state, t._state_host)
+    q = torch.unique(fresh(12))
+    assert not bool(t.contains(q).any())
+    slots, rows, is_new, ev, old_values, old_state, counts = ops.dynemb_find_or_insert_sync(
+        q, t._keys, t._digests, t._scores, t._marks, t._locks, t._values, t._values_host, t._state, t._state_host,
+        16, t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3, True)
+    inserted, n_ev, failed = counts.tolist()
+    assert inserted == n_ev == q.numel() >= 2 and failed == 0 and bool(is_new.all())
+    assert ev.shape == (4, n_ev) and old_values.shape == (n_ev, dim) and old_state.shape == (n_ev, 2 * dim)
+    ev_keys, ev_slots, ev_scores, ev_new = ev
+    if host_tier:
+        assert bool((ev_slots[1:] > ev_slots[:-1]).all()), ev_slots  # slot order
+    assert torch.equal(torch.sort(ev_slots).values, torch.sort(slots).values)
+    assert torch.equal(torch.sort(ev_new).values, torch.arange(n_ev, device=device))
+    assert torch.equal(ev_keys, keys0[ev_slots]) and torch.equal(ev_scores, scores0[ev_slots])
+    assert torch.equal(old_values, values0[ev_slots]) and torch.equal(old_state, state0[ev_slots])
+    assert torch.equal(slots[ev_new], ev_slots) and torch.equal(t._keys[ev_slots], q[ev_new])
+    ref = DynamicEmbedding(dim, 1024, device=device, dtype=dtype, initializer=init, seed=3)
+    assert torch.equal(rows, ref.find_or_insert(q))
+    assert torch.equal(by_slot(t._values, t._values_host)[slots], rows)
+    assert bool((by_slot(t._state, t._state_host)[slots] == 0).all())

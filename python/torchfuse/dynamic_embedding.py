@@ -372,9 +372,11 @@ class DynamicEmbedding(torch.nn.Module):
         evicted or None, rows or None). The GPU idles for what the host does before the kernels are
         launched and after that wait, so all of it but this bookkeeping is in C++. init_rows=False
         leaves new rows unwritten (their optimizer state is still zeroed): for callers that write them
-        next. A table with host rows on CUDA and with_rows: the op inserts and touches only; the new
-        rows are then initialised and all rows read in slot order (see _host_tier_on_cuda), with the
-        same results (the initializer is a function of key, seed and column)."""
+        next. A table with host rows on CUDA and with_rows: the op inserts and touches only; then one
+        pass (dynemb_init_gather) initialises the new rows and reads all rows in slot order (see
+        _host_tier_on_cuda), with the same results (the initializer is a function of key, seed and
+        column). On a table with host rows the op sorts its evictions by victim slot before their row
+        work, so the eviction record comes out in slot order."""
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
@@ -392,10 +394,10 @@ class DynamicEmbedding(torch.nn.Module):
             self._record_evicted(saved)
             self._bump("_version")
         if by_slot:  # before a failure raises, as the op's own init would have run
-            perm = torch.argsort(slots)
-            if inserted:  # is_new covers the keys that took evicted slots too (their old rows saved above)
-                self._init_rows(slots[perm], keys[perm], is_new[perm], self._init_args())
-            rows = _ops.dynemb_gather(slots, self._values, self._values_host, perm)
+            # is_new covers the keys that took evicted slots too (their old rows saved above); new rows are
+            # written and every row read in one slot-ordered pass (nothing written, then read back)
+            rows = _ops.dynemb_init_gather(slots, keys, is_new, self._values, self._values_host, self._state,
+                                           self._state_host, *self._init_args(), self.seed, torch.argsort(slots))
         if failed:
             raise RuntimeError(self._full_message(failed))
         return slots, is_new, saved, rows if with_rows else None
@@ -908,6 +910,11 @@ def _scatter_fake(slots, src, rows, rows_host, order=None):
 @torch.library.register_fake("torchfuse::dynemb_init")
 def _init_fake(slots, keys, mask, values, values_host, state, state_host, init_kind, a, b, seed):
     return None
+
+
+@torch.library.register_fake("torchfuse::dynemb_init_gather")
+def _init_gather_fake(slots, keys, is_new, values, values_host, state, state_host, init_kind, a, b, seed, order=None):
+    return values.new_empty((slots.shape[0], *values.shape[1:]))
 
 
 @torch.library.register_fake("torchfuse::dynemb_update")
