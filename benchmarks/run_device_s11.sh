@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Session 11's device calls (each under the 10-minute limit; a warm machine keeps the build):
+#   check:  the two branches session 10 wrote without a GPU, merged for this call:
+#           hstu-bwd-masked-skip (HSTU backward GPU tests incl. cuda-wgmmanoskip, memcheck, racecheck,
+#           ab_hstu_bwd.py --forms persnoskip,pers at every shape) and dynemb-tier-init-evict (the
+#           dynamic-embedding GPU tests, memcheck on the new op), then where a training step's GPU and
+#           host time go (profile_dynemb_train.py)
+#   PEERS_HKV=.gl/dynemb-peers/hkv_bench bash benchmarks/run_device_s11.sh hybrid
+set -uo pipefail
+PART=${1:?part: check or hybrid}
+source "$(dirname "$0")/device_build.sh"
+T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
+P="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
+BWD_SEL="test_backward and cuda-wgmma and not wgmmared and not wgmmanoskip and bfloat16"
+if [ "$PART" = check ]; then
+  timeout 60 $T -x -k "$BWD_SEL and (plain_h2_d64 or many_short_seqs or targets_groups)" > "$OUT/smoke.log" 2>&1
+  rc=$?; echo "smoke exit $rc"; tail -1 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
+  timeout 200 $T -k "(test_backward and cuda) or rows_outside or tile_empty" -rs > "$OUT/pytest_hstu.log" 2>&1
+  echo "hstu pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_hstu.log" | tail -8
+  timeout 80 compute-sanitizer --tool memcheck --print-limit 5 $T -x \
+    -k "$BWD_SEL and (long_d128 or window_minfull or many_short_seqs or targets_groups or dqk32_dv96)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  timeout 60 compute-sanitizer --tool racecheck --print-limit 5 $T -x -k "$BWD_SEL and (long_d128 or targets_groups)" > "$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2
+  timeout 150 python3 benchmarks/ab_hstu_bwd.py --forms persnoskip,pers --rounds 2 --no-triton --out "$OUT/ab_skip.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; cat "$OUT/ab_skip.md"
+  timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_dynemb.log" | tail -4
+  timeout 60 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (init_gather or eviction_record or host_tier)" > "$OUT/memcheck_dynemb.log" 2>&1
+  echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dynemb.log" | tail -2
+  (cd benchmarks && timeout 90 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_train.txt" 2>&1
+  echo "profile exit $?"; grep -E "^==|Self CUDA time total|Self CPU time total" "$OUT/prof_train.txt"
+elif [ "$PART" = hybrid ]; then
+  if [ -n "${PEERS_HKV:-}" ]; then
+    timeout 200 "$PEERS_HKV" hybrid > "$OUT/hkv_hybrid.txt" 2>&1; echo "hkv hybrid exit $?"; grep -v "^$" "$OUT/hkv_hybrid.txt" | tail -16
+  fi
+  timeout ${OURS_TO:-300} python3 benchmarks/bench_dynamic_embedding.py --parts half_host --dims 64,128 --out "$OUT/ours_half_host.md" > "$OUT/ours.log" 2>&1
+  echo "ours exit $?"; grep -v "^|" "$OUT/ours.log" | tail -8; cat "$OUT/ours_half_host.md"
+fi
