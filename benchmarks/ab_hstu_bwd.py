@@ -8,21 +8,16 @@ in each of the chosen forms (`--forms`, comma-separated, in turns, best of `--ro
     persred    `pers` with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red) instead
                of TMA reduce-adds from shared memory (the other forms: the default, which head dims up to 128
                take; 192 / 256 always add with red.global.add: there `persred` is `pers`)
-    persnoskip `pers` without the masked-tile skip (TORCHFUSE_HSTU_BWD_SKIP=0): a consumer warpgroup computes
-               its 64 keys' query tiles also where no pair of them is valid (head dims up to 128; at 192 / 256
-               there is no skip: there `persnoskip` is `pers`)
 (wgmma where it applies: head dims up to 256). The gradients of the wgmma forms are compared with mma.sync's
 (max abs difference, against the largest gradient; `mma` in --forms), dK / dV of `pers` with those of
-`1blk` (the same arithmetic per item: expected 0), with `persred` in --forms beside `pers` dQ and dK / dV
-of the two (dQ: the same sums, added in another order; dK, dV: expected 0), and likewise with `persnoskip`
-(dQ: the same sums less some zeros, added in another order; dK, dV: expected 0). With generative-recommenders
+`1blk` (the same arithmetic per item: expected 0), and with `persred` in --forms beside `pers` dQ and dK / dV
+of the two (dQ: the same sums, added in another order; dK, dV: expected 0). With generative-recommenders
 on the path, its Triton backward is timed on the same inputs. TFLOP/s by the issue's count (2.5x
 bench_hstu.flops_fwd). Shapes: bench_hstu's five (full length and U[N/2, N], 16x4096x256 included) plus its targets and window cases;
 --shapes first: 16x1024x128 full only (a smoke run); d256: the head-dim-256 ones; b128: 128x1024x128 only.
 
     python benchmarks/ab_hstu_bwd.py [--rounds 3] [--out ab_bwd.md] [--no-triton] [--shapes all|first|d256|b128]
-                                     [--forms mma,1blk,pers]   (e.g. --forms persred,pers: the dQ A/B;
-                                                                --forms persnoskip,pers: the skip's)
+                                     [--forms mma,1blk,pers]   (e.g. --forms persred,pers: the dQ A/B)
 """
 import argparse
 import os
@@ -37,19 +32,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_hstu as bh  # noqa: E402
 
 # form: (column title, TORCHFUSE_HSTU_SM90_BWD, TORCHFUSE_HSTU_BWD_SECTION, TORCHFUSE_HSTU_BWD_PERSISTENT,
-# TORCHFUSE_HSTU_BWD_DQ, TORCHFUSE_HSTU_BWD_SKIP); "" sets the variable empty, which the library reads as
-# unset (the default)
+# TORCHFUSE_HSTU_BWD_DQ); "" sets the variable empty, which the library reads as unset (the default)
 FORMS = {
-    "mma": ("mma.sync", "0", "", "", "", ""),
-    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0", "", ""),
-    "1blk": ("wgmma, 1 block/item", "1", "", "0", "", ""),
-    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", "", ""),
-    "pers": ("wgmma, persistent", "1", "", "1", "", ""),
-    "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red", ""),
-    "persnoskip": ("wgmma, persistent, no masked-tile skip", "1", "", "1", "", "0"),
+    "mma": ("mma.sync", "0", "", "", ""),
+    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0", ""),
+    "1blk": ("wgmma, 1 block/item", "1", "", "0", ""),
+    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", ""),
+    "pers": ("wgmma, persistent", "1", "", "1", ""),
+    "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red"),
 }
 ENV_NAMES = ("TORCHFUSE_HSTU_SM90_BWD", "TORCHFUSE_HSTU_BWD_SECTION", "TORCHFUSE_HSTU_BWD_PERSISTENT",
-             "TORCHFUSE_HSTU_BWD_DQ", "TORCHFUSE_HSTU_BWD_SKIP")
+             "TORCHFUSE_HSTU_BWD_DQ")
 assert all(len(v) == 1 + len(ENV_NAMES) for v in FORMS.values())
 
 
@@ -100,14 +93,12 @@ def main():
         cases = [c for c in cases if c[0] == (128, 1024, 128)]
     both = "pers" in forms and "1blk" in forms
     dq_ab = "pers" in forms and "persred" in forms
-    skip_ab = "pers" in forms and "persnoskip" in forms
     head = ["B x N x D", "lengths"] + [FORMS[f][0] for f in forms]
     head += ["pers x 1blk"] if both else []  # 1blk's time / pers's
     head += ["Triton"] + [f"{f} x Triton" for f in wg]  # speed-ups: Triton's time / the form's
     head += ["max diff / max (vs mma.sync)"] if "mma" in forms and wg else []
     head += ["dK, dV: persistent - 1 block"] if both else []
     head += ["pers - persred: dQ / max; dK, dV"] if dq_ab else []
-    head += ["pers - persnoskip: dQ / max; dK, dV"] if skip_ab else []
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     saved = {k: os.environ.get(k) for k in ENV_NAMES}
     for (B, N, D), label, kw in cases:
@@ -156,11 +147,6 @@ def main():
             dq = (gt[0].float() - gr[0].float()).abs().max().item()
             dkv = max((x.float() - y.float()).abs().max().item() for x, y in zip(gt[1:], gr[1:]))
             row.append(f"{dq:.1e} / {gr[0].float().abs().max().item():.1e}; {dkv:.1e}")
-        if skip_ab:
-            gt, gn = grads["pers"], grads["persnoskip"]
-            dq = (gt[0].float() - gn[0].float()).abs().max().item()
-            dkv = max((x.float() - y.float()).abs().max().item() for x, y in zip(gt[1:], gn[1:]))
-            row.append(f"{dq:.1e} / {gn[0].float().abs().max().item():.1e}; {dkv:.1e}")
         lines.append("| " + " | ".join(row) + " |")
         print(lines[-1], flush=True)
         del c, q, k, v, dout, grads

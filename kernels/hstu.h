@@ -184,35 +184,6 @@ TF_HSTU_HD int tf_hstu_tile_full(const tf_hstu_mask *k, int p0, int p1, int q0, 
     return k->m == 0 || tf_hstu_id(k, p1 - 1) - tf_hstu_id(k, q0) <= k->m;
 }
 
-/* No (p, q) with p in [p0, p1), q in [q0, q1) is valid, so a kernel may skip the tile's products (all of
- * them masked to 0). Conservative the other way from tf_hstu_tile_full: it never calls a tile with a
- * valid pair empty, and may miss empty tiles (the rows' columns are taken as one interval). Rows and
- * columns outside [0, n) do not count (no pair there is valid, so a tile wholly past n is empty).
- * It asks whether [q0, q1) misses tf_hstu_col_range of the rows, an interval [lo, hi] that holds every
- * valid column of every row p in [p0, p1), clause by clause of tf_hstu_valid:
- *   hi: a row p >= c attends p itself, keys numbered below it (numbers are non-decreasing in the position:
- *     those keys lie before p), earlier targets of its group (q < p), and the context clause needs
- *     id(p) == 0 and id(q) < max_id, which for p >= c holds only if max_id <= 0, and then no id(q) is
- *     below max_id: so q <= p <= p1 - 1. A context row (p < c) may attend any key: hi = n - 1.
- *   lo > 0 only with a window, rows past the context (no context clause), and no row exempt (the
- *     exemption id(p) >= max_id - f is tested at p1 - 1, the largest number of the rows): a row's keys
- *     numbered below it then have numbers >= id(p) - m >= id(p0) - m = x, so positions >= the first
- *     with number x (x < max_id, so that is x + c - 1, or x without context) = lo; p itself (>= p0, whose
- *     number is above x) and its group's targets (positions >= u, numbered max_id > x) also lie at or
- *     after lo.
- * Brute-forced against tf_hstu_valid over random masks and ranges (tests/hstu_tile_empty_check.c, run by
- * tests/test_hstu.py). */
-TF_HSTU_HD int tf_hstu_tile_empty(const tf_hstu_mask *k, int p0, int p1, int q0, int q1) {
-    if (p0 < 0) p0 = 0;
-    if (q0 < 0) q0 = 0;
-    if (p1 > k->n) p1 = k->n;
-    if (q1 > k->n) q1 = k->n;
-    if (p0 >= p1 || q0 >= q1) return 1;
-    int lo, hi;
-    tf_hstu_col_range(k, p0, p1, &lo, &hi);
-    return q0 > hi || q1 - 1 < lo;
-}
-
 /* ---- CPU (kernels/hstu_cpu.c) ---- */
 /* Forward of sequences [b0, b1), all heads. */
 void tf_hstu_fwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1);

@@ -44,13 +44,6 @@
  *         chunks of 64 so its accumulator stays at 32 registers beside dK and dV).
  *   - the mask comes as bits from the keys' spans (tf_hstu_col_spans via hstu_col_bits), tiles inside
  *     it skip it;
- *   - head dims 64, 128: a warpgroup whose 64 keys have no valid pair with the query tile
- *     (tf_hstu_tile_empty, conservative: keys 64-127 of a key tile against its first query tile, in 8 of
- *     the 72 tiles of a causal 1024-long sequence; keys past the sequence's end; keys before a window)
- *     skips its S^T, dP^T, dV and dK GEMMs and the SiLU for it. D = 128: it stores zeros as its dZ panel,
- *     which both dQ GEMMs read (a tile with both panels empty has no dQ GEMM, no reduce); D = 64: it skips
- *     its dQ GEMM and reduce. Every barrier and mbarrier still happens in the same order.
- *     TORCHFUSE_HSTU_BWD_SKIP=0 turns it off (A/B runs, tests);
  *   - TMA reads whole tiles: rows past the sequence's end come from the next sequence (past the
  *     tensor's end they are zeros), so the tail rows of K (first tile) and of Q and dO (the last query
  *     tile) are zeroed in shared memory before use: masked elements are 0, but 0 x inf is not.
@@ -170,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
                 const __grid_constant__ CUtensorMap tm_dq, const tf_hstu_params p, int k_tiles, int section,
-                int items, int dq_tma_flag, int skip_flag) {
+                int items, int dq_tma_flag) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
     constexpr int kBN = C::BN, NC = C::NC, ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
@@ -190,10 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Named barriers 5 and 6 span the producer warp and the consumers (288 threads); 1 (tail zeroing,
     // 256), 2 (dZ stored, 256), 3 + cw (dZ stored, 128, head dim 64) and 7 + cw (dQ staged, 128, the TMA
     // dQ path) are the consumers' per tile.
-    // Each consumer waits at 5 for every item, so the two warpgroups enter an item together. A warpgroup
-    // whose keys are empty for a tile (the skip) still waits on its full barrier, takes part in 1 and in
-    // 2 / 3 + cw, and arrives on its empty barrier; it skips only 7 + cw with the reduce it precedes, which
-    // its own 128 threads decide alike.
+    // Each consumer waits at 5 for every item, so the two warpgroups enter an item together.
     // Why nothing waits forever: the producer waits on kv_empty phase k - 1 only for an item k it
     // handed over, and the consumers arrive on every phase of an item they took (after its tile loop,
     // also when it has no tiles); the producer waits on empty for tile gt - ST, which the consumers
@@ -321,28 +311,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const int st = gt % ST, q0 = q_tile(w, it) * kBQ;
                 uint8_t *Qt = Qs + st * QO_BYTES, *Ot = Os + st * QO_BYTES, *Zt = Zs + (gt & 1) * C::Z_BYTES;
                 mbar_wait(&full_bar[st], (gt / ST) & 1);
-                // the dZ panels (64 keys each) with a valid pair in this query tile: bit i for panel i (keys
-                // k0 + 64 i..), the same in every thread of both consumers (tf_hstu_tile_empty: never 0 for a
-                // panel with a valid pair). An empty panel's warpgroup skips its GEMMs and elementwise work for
-                // the tile (its dK / dV keep their values); its dZ panel is zeros (D = 128, where the other
-                // warpgroup's dQ reads it) or unread (D = 64: its dQ and reduce are skipped, as at D = 128 with
-                // both panels empty). Always both (the one panel at D = 256) with TORCHFUSE_HSTU_BWD_SKIP=0
-                int zlive = 3;
-                if constexpr (!C::COL_SPLIT) {
-                    if (skip_flag) {
-                        const int p1 = min(q0 + kBQ, len);
-                        zlive = (tf_hstu_tile_empty(&mask, q0, p1, k0, k0 + 64) ? 0 : 1) |
-                                (tf_hstu_tile_empty(&mask, q0, p1, k0 + 64, k0 + 128) ? 0 : 2);
-                    }
-                }
-                // bit 2: this warpgroup's keys take part. Broadcast from lane 0 (the same in every lane anyway):
-                // ptxas must see the branches around wgmmas below as uniform, or it serializes every wgmma of
-                // the kernel (C7520: a compiler-inserted warpgroup.arrive in a divergent path)
-                if constexpr (!C::COL_SPLIT)
-                    zlive = __shfl_sync(0xffffffffu, zlive | (((zlive >> cw) & 1) << 2), 0);
-                else
-                    zlive |= 4;
-                const bool mine = zlive & 4;
                 // tail rows (the same decision in every thread of both consumers)
                 const bool k_tail = it == 0 && k0 + kBN > len, q_tail = q0 + kBQ > len;
                 if (k_tail || q_tail) {
@@ -351,109 +319,80 @@ __global__ void __launch_bounds__(kThreads, 1)
                     fence_proxy_async();
                     named_bar_sync(1);
                 }
-                if (mine) {
-                    float sacc[kBQ / 2], dpacc[kBQ / 2];
-                    tf_wgmma_fence();
-                    tf_gemm_ss<T, D, kBN, kBQ>(sacc, k_addr + kr0 * 128, smem_u32(Qt));
-                    tf_gemm_ss<T, D, kBN, kBQ>(dpacc, v_addr + kr0 * 128, smem_u32(Ot));
-                    tf_wgmma_commit();
-                    tf_wgmma_wait<0>();
-                    tf_wgmma_reg_fence(sacc);
-                    tf_wgmma_reg_fence(dpacc);
+                float sacc[kBQ / 2], dpacc[kBQ / 2];
+                tf_wgmma_fence();
+                tf_gemm_ss<T, D, kBN, kBQ>(sacc, k_addr + kr0 * 128, smem_u32(Qt));
+                tf_gemm_ss<T, D, kBN, kBQ>(dpacc, v_addr + kr0 * 128, smem_u32(Ot));
+                tf_wgmma_commit();
+                tf_wgmma_wait<0>();
+                tf_wgmma_reg_fence(sacc);
+                tf_wgmma_reg_fence(dpacc);
 
-                    // accumulator element i = 4 j + 2 hh + e: key key_a + 8 hh, query q0 + 8 j + 2 t4 + e
-                    if (tf_hstu_tile_full(&mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
+                // accumulator element i = 4 j + 2 hh + e: key key_a + 8 hh, query q0 + 8 j + 2 t4 + e
+                if (tf_hstu_tile_full(&mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
 #pragma unroll
-                        for (int i = 0; i < kBQ / 2; ++i) {
-                            const float z = alpha * sacc[i], sg = sigmoid_fast(z);
-                            sacc[i] = z * sg * inv_scale;
-                            dpacc[i] *= c_dz * sg * fmaf(z, 1.f - sg, 1.f);
-                        }
-                    } else {
-                        const uint32_t bits[2] = {hstu_col_bits<kBQ / 8>(mask, key_a, q0 + 2 * t4),
-                                                  hstu_col_bits<kBQ / 8>(mask, key_a + 8, q0 + 2 * t4)};
-#pragma unroll
-                        for (int i = 0; i < kBQ / 2; ++i) {
-                            const float z = alpha * sacc[i], sg = sigmoid_fast(z);
-                            const bool in = pair_bit(bits, i);
-                            sacc[i] = in ? z * sg * inv_scale : 0.f;
-                            dpacc[i] = in ? dpacc[i] * c_dz * sg * fmaf(z, 1.f - sg, 1.f) : 0.f;
-                        }
+                    for (int i = 0; i < kBQ / 2; ++i) {
+                        const float z = alpha * sacc[i], sg = sigmoid_fast(z);
+                        sacc[i] = z * sg * inv_scale;
+                        dpacc[i] *= c_dz * sg * fmaf(z, 1.f - sg, 1.f);
                     }
-                    uint32_t pp[kBQ / 16][4], pz[kBQ / 16][4];  // P^T, dZ^T as A fragments (keys x 16 queries)
+                } else {
+                    const uint32_t bits[2] = {hstu_col_bits<kBQ / 8>(mask, key_a, q0 + 2 * t4),
+                                              hstu_col_bits<kBQ / 8>(mask, key_a + 8, q0 + 2 * t4)};
 #pragma unroll
-                    for (int kk = 0; kk < kBQ / 16; ++kk)
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) {
-                            pp[kk][r] = pack2<T>(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
-                            pz[kk][r] = pack2<T>(dpacc[8 * kk + 2 * r], dpacc[8 * kk + 2 * r + 1]);
-                        }
-                    // dZ^T -> Zt as dZ (query rows, keys along the row; this warpgroup's 64 keys = panel cw, or at
-                    // D = 256 the block's 64 keys = panel 0, which both warpgroups hold: each stores half its
-                    // query rows, warpgroup cw steps kk = 2 cw, 2 cw + 1):
-                    // fragment r of step kk is the 8 x 8 block (keys 16 warp + 8 (r & 1), queries 16 kk + 8 (r >> 1))
-                    {
-                        const int m = lane / 8, i = lane % 8;
-                        const int kb = 16 * warp + 8 * (m & 1);  // key within the panel
-                        const uint32_t zp = smem_u32(Zt) + (C::COL_SPLIT ? 0 : cw) * kBQ * 128;
-#pragma unroll
-                        for (int kk = 0; kk < kBQ / 16; ++kk) {
-                            if (C::COL_SPLIT && kk / (kBQ / 32) != cw) continue;  // unrolled: pz's index stays constant
-                            const int row = 16 * kk + 8 * (m >> 1) + i;
-                            stmatrix_x4_trans(zp + row * 128 + (((kb / 8) ^ (row % 8)) * 16), pz[kk]);
-                        }
+                    for (int i = 0; i < kBQ / 2; ++i) {
+                        const float z = alpha * sacc[i], sg = sigmoid_fast(z);
+                        const bool in = pair_bit(bits, i);
+                        sacc[i] = in ? z * sg * inv_scale : 0.f;
+                        dpacc[i] = in ? dpacc[i] * c_dz * sg * fmaf(z, 1.f - sg, 1.f) : 0.f;
                     }
-                    fence_proxy_async();
-                    tf_wgmma_fence();
-                    // dV[:, nc0..] += P^T dO[:, nc0..], dK[:, nc0..] += dZ^T Q[:, nc0..]: a column half at D = 256 is
-                    // panels 2 cw, 2 cw + 1 (kBQ rows each), contiguous
-                    tf_gemm_rs<T, NC, kBQ>(dv, pp, smem_u32(Ot) + (nc0 / 64) * kBQ * 128);
-                    tf_gemm_rs<T, NC, kBQ>(dk, pz, smem_u32(Qt) + (nc0 / 64) * kBQ * 128);
-                    tf_wgmma_commit();
-                } else if (C::DQ_SPLIT_N && !C::COL_SPLIT && (zlive & 3)) {
-                    // D = 128, the other warpgroup's panel live: both dQ GEMMs read all 128 keys of Zt, so this
-                    // panel is zeros (8 KB, 64 bytes a thread). Skipping its 4 k-steps instead (a branch between
-                    // 8 and 4 wgmmas) made ptxas serialize every wgmma of the kernel (C7520)
-                    uint8_t *zp = Zt + cw * kBQ * 128;
-#pragma unroll
-                    for (int i = 0; i < kBQ * 128 / (128 * 16); ++i)
-                        *(uint4 *)(zp + (i * 128 + threadIdx.x % 128) * 16) = make_uint4(0, 0, 0, 0);
-                    fence_proxy_async();  // the stores -> the dQ wgmmas' (async proxy) reads
                 }
+                uint32_t pp[kBQ / 16][4], pz[kBQ / 16][4];  // P^T, dZ^T as A fragments (keys x 16 queries)
+#pragma unroll
+                for (int kk = 0; kk < kBQ / 16; ++kk)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        pp[kk][r] = pack2<T>(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
+                        pz[kk][r] = pack2<T>(dpacc[8 * kk + 2 * r], dpacc[8 * kk + 2 * r + 1]);
+                    }
+                // dZ^T -> Zt as dZ (query rows, keys along the row; this warpgroup's 64 keys = panel cw, or at
+                // D = 256 the block's 64 keys = panel 0, which both warpgroups hold: each stores half its
+                // query rows, warpgroup cw steps kk = 2 cw, 2 cw + 1):
+                // fragment r of step kk is the 8 x 8 block (keys 16 warp + 8 (r & 1), queries 16 kk + 8 (r >> 1))
+                {
+                    const int m = lane / 8, i = lane % 8;
+                    const int kb = 16 * warp + 8 * (m & 1);  // key within the panel
+                    const uint32_t zp = smem_u32(Zt) + (C::COL_SPLIT ? 0 : cw) * kBQ * 128;
+#pragma unroll
+                    for (int kk = 0; kk < kBQ / 16; ++kk) {
+                        if (C::COL_SPLIT && kk / (kBQ / 32) != cw) continue;  // unrolled: pz's index stays constant
+                        const int row = 16 * kk + 8 * (m >> 1) + i;
+                        stmatrix_x4_trans(zp + row * 128 + (((kb / 8) ^ (row % 8)) * 16), pz[kk]);
+                    }
+                }
+                fence_proxy_async();
+                tf_wgmma_fence();
+                // dV[:, nc0..] += P^T dO[:, nc0..], dK[:, nc0..] += dZ^T Q[:, nc0..]: a column half at D = 256 is
+                // panels 2 cw, 2 cw + 1 (kBQ rows each), contiguous
+                tf_gemm_rs<T, NC, kBQ>(dv, pp, smem_u32(Ot) + (nc0 / 64) * kBQ * 128);
+                tf_gemm_rs<T, NC, kBQ>(dk, pz, smem_u32(Qt) + (nc0 / 64) * kBQ * 128);
+                tf_wgmma_commit();
                 // dQ = dZ K: every warp's dZ must be in Zt first (both warpgroups' when they split the columns).
                 // TMA dQ path: the barrier also orders this warpgroup's staging writes below after the read of
                 // the previous tile's reduce, which its issuing thread waits for here (long done: a tile ago).
                 // Every thread waits (no bulk groups: at once; the red path has none): a branch between the
-                // wgmma fence above and the dQ wgmma made ptxas inject another fence (C7519; the dQ wgmmas have
-                // their own fence since the skip, and still no branch of their own)
+                // wgmma fence above and the dQ wgmma makes ptxas inject another fence (C7519)
                 if constexpr (C::DQ_TMA) bulk_wait_group_read0();
                 if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
                 const uint32_t z_addr = smem_u32(Zt);
                 const int dqk = (int)p.dqk;
 #pragma unroll
                 for (int n = 0; n < C::DQ_CHUNKS; ++n) {  // D = 256: two chunks of 64 columns, 32 registers each
-                    // no live panel (D = 64: this warpgroup's; D = 128: neither; never at D = 256): dQ's tile is
-                    // 0, nothing is added. Nothing is outstanding either (the warpgroup skipped its GEMMs: the
-                    // wait is for form's sake); the stage is released as below. The TMA path's bulk groups stay
-                    // paired: the issuing thread commits a group only with a reduce, and its wait_group.read 0
-                    // before the next tile's barrier waits on what there is. Here, not by a branch around the
-                    // dQ wgmmas: that serialized them (C7520), and dq[] undefined on one path spilled
-                    if (C::DQ_SPLIT_N ? (zlive & 3) == 0 : !mine) {
-                        tf_wgmma_wait<0>();
-                        tf_wgmma_reg_fence(dk);
-                        tf_wgmma_reg_fence(dv);
-                        __syncwarp();
-                        if (lane == 0) mbar_arrive(&empty_bar[st]);
-                        continue;  // n: the only chunk
-                    }
                     float dq[32];
                     // column panel pc of K (dQ columns 64 pc..): DQ_SPLIT_N: this warpgroup's DQ_CHUNKS panels
                     const int pc = C::DQ_CHUNKS * cw + n;
-                    // the previous chunk's dq registers were read since; n = 0 where this warpgroup skipped
-                    // its GEMMs (D = 128, the other's panel live): the previous tile's, with no fence since.
-                    // Unconditional without the column split: a fence under `!mine` serialized the wgmmas
-                    if (n > 0 || !C::COL_SPLIT) tf_wgmma_fence();
-                    if constexpr (C::DQ_SPLIT_N) {  // columns 64 pc.., all kBN keys (D = 128: empty panels are 0)
+                    if (n > 0) tf_wgmma_fence();  // the previous chunk's dq registers were read since
+                    if constexpr (C::DQ_SPLIT_N) {  // columns 64 pc.., all kBN keys
 #pragma unroll
                         for (int kk = 0; kk < kBN / 16; ++kk)
                             wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + (kk / 4) * kBQ * 128 + (kk % 4) * 32, 0),
@@ -601,12 +540,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     } else {
         kp.sched = nullptr;
     }
-    // TORCHFUSE_HSTU_BWD_SKIP=0: a consumer warpgroup computes its keys' query tiles even where no pair of
-    // them is valid (the A/B of the skip; head dims up to 128: at 192 / 256 the kernel has no skip)
-    const char *skip_env = getenv("TORCHFUSE_HSTU_BWD_SKIP");
-    const int skip = skip_env && skip_env[0] == '0' ? 0 : 1;
     hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
-                                                                  (int)items, dq_tma ? 1 : 0, skip);
+                                                                  (int)items, dq_tma ? 1 : 0);
     return cudaGetLastError();
 }
 

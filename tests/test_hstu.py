@@ -2,10 +2,6 @@
 mask, ported literally). Pass rule (FBGEMM's and NVIDIA's): the kernel's max error against the float64
 reference is at most 2x that of the same computation done by PyTorch in the input dtype (forward), 5x
 for the gradients, plus one ulp of the output's magnitude so exact-zero budgets are not impossible."""
-import os
-import shutil
-import subprocess
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -137,17 +133,6 @@ CASES = {
     # several; the items of sequences shorter than 129 whose second key tile starts past their end are
     # skipped): 300 lengths 0..200
     "many_short_seqs": (300, 2, 64, 64, 200, {}, {}),
-    # the wgmma backward's masked-tile skip (head dims 64, 128: a consumer warpgroup whose 64 keys have no
-    # valid pair with a query tile skips it) beside context rows, windows (the window's far side: keys
-    # before it) with and without exempt rows, targets and their groups, over several key tiles. The
-    # 420-long sequence of the second (no targets) has a query tile that neither 64-key panel of its key
-    # tile can see at D = 128 (the exempt rows keep it in the key tile's row range): no dQ at all there
-    "long_d128_ctx_window_groups": (3, 2, 128, 128, 420, {"targets": True},
-                                    {"contextual_seq_len": 7, "max_attn_len": 90, "target_group_size": 3}),
-    "long_d128_ctx_window_minfull": (3, 2, 128, 128, 420, {},
-                                     {"contextual_seq_len": 7, "max_attn_len": 90, "min_full_attn_seq_len": 40}),
-    "long_d64_ctx_window_minfull": (3, 2, 64, 64, 450, {"targets": True},
-                                    {"contextual_seq_len": 9, "max_attn_len": 70, "min_full_attn_seq_len": 30}),
 }
 # cases for the GPU kernels' scheduling only: skipped on the CPU (the backward's reference there took 6-10 s)
 CUDA_ONLY_CASES = {"many_short_seqs"}
@@ -165,19 +150,14 @@ SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1"}, "cuda-wgmmaplain": {"TOR
 # "cuda-wgmmared" the same with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red,
 # the path head dims 192 / 256 always take); "cuda-wgmma1blk" the same kernel as "cuda-wgmma" launched
 # one block per work item (TORCHFUSE_HSTU_BWD_PERSISTENT=0: test_backward_one_block_per_item, the
-# isolation test); "cuda-wgmmanoskip" the same as "cuda-wgmma" without the masked-tile skip
-# (TORCHFUSE_HSTU_BWD_SKIP=0: a consumer warpgroup also computes the query tiles none of its keys can
-# see; the other wgmma targets set =1, the default, explicitly); "cuda-mma" forces mma.sync.
-BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmared", "cuda-wgmmanoskip", "cuda-mma"]
-                         if torch.cuda.is_available() else [])
+# isolation test); "cuda-mma" forces mma.sync.
+BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmared", "cuda-mma"] if torch.cuda.is_available() else [])
 SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                               "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_SKIP": "1"},
+                               "TORCHFUSE_HSTU_BWD_DQ": "tma"},
                 "cuda-wgmmared": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                                  "TORCHFUSE_HSTU_BWD_DQ": "red", "TORCHFUSE_HSTU_BWD_SKIP": "1"},
-                "cuda-wgmmanoskip": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                                     "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_SKIP": "0"},
+                                  "TORCHFUSE_HSTU_BWD_DQ": "red"},
                 "cuda-wgmma1blk": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "0",
-                                   "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_SKIP": "1"},
+                                   "TORCHFUSE_HSTU_BWD_DQ": "tma"},
                 "cuda-mma": {"TORCHFUSE_HSTU_SM90_BWD": "0"}}
 
 
@@ -355,23 +335,6 @@ def test_float64_cpu_matches_reference_tightly():
     dout = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(out, ins, dout), torch.autograd.grad(ref, ins, dout)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
-
-
-def test_tile_empty_never_hides_a_valid_pair(tmp_path):
-    """kernels/hstu.h's tf_hstu_tile_empty (the wgmma backward skips the tiles it calls empty) never calls
-    a tile with a valid pair empty: tests/hstu_tile_empty_check.c brute-forces it against tf_hstu_valid
-    over random masks (context, targets, groups, windows, exempt rows) and tiles, compiled here as C."""
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler")
-    here = os.path.dirname(os.path.abspath(__file__))
-    kernels = os.path.join(here, "..", "kernels")
-    if not os.path.exists(os.path.join(kernels, "hstu.h")):
-        pytest.skip("not run from a source checkout")
-    exe = str(tmp_path / "hstu_tile_empty_check")
-    subprocess.run([cc, "-O2", "-I", kernels, os.path.join(here, "hstu_tile_empty_check.c"), "-o", exe], check=True)
-    out = subprocess.run([exe, "3000"], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.rstrip().endswith("ok"), out.stdout
 
 
 def test_mask_prose_matches_gr_port():
