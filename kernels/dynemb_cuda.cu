@@ -1138,13 +1138,21 @@ __device__ __forceinline__ int64_t seg_chunk_end(const tf_dynemb_segsum_params &
     return q0 + TF_DYNEMB_SEG_CHUNK < p.n_occ ? q0 + TF_DYNEMB_SEG_CHUNK : p.n_occ;
 }
 
-// The id of occurrence q: the last u with seg[u] <= q.
-__device__ __forceinline__ int64_t seg_id_of(const tf_dynemb_segsum_params &p, int64_t q) {
-    int64_t lo = 0, hi = p.n_unique - 1;
+// The id of occurrence q: the last u with seg[u] <= q. Warp-collective (all 32 lanes, the same q):
+// each round the lanes probe 32 evenly spaced ids of the range left and keep the part between the
+// last probe at or below q and the next, so a million ids take 4 dependent loads, not 20 (the
+// chunk kernels' prologue, before any row is loaded, was a 20-load chain per warp).
+__device__ __forceinline__ int64_t seg_id_of(const tf_dynemb_segsum_params &p, int64_t q, int lane) {
+    int64_t lo = 0, hi = p.n_unique - 1;  // the answer lies in [lo, hi]; seg[lo] <= q
     while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) >> 1;
-        if (p.seg[mid] <= q) lo = mid;
-        else hi = mid - 1;
+        const int64_t step = (hi - lo + 32) / 32;  // ceil((hi - lo + 1) / 32) >= 1
+        const int64_t pos = lo + (lane + 1) * step;
+        // seg is non-decreasing, so the lanes whose probe is at or below q are a prefix
+        const unsigned ok = __ballot_sync(0xffffffffu, pos <= hi && p.seg[pos] <= q);
+        const int c = __popc(ok);
+        const int64_t next_lo = lo + c * step;
+        hi = next_lo + step - 1 < hi ? next_lo + step - 1 : hi;
+        lo = next_lo;
     }
     return lo;
 }
@@ -1163,8 +1171,9 @@ __device__ __forceinline__ void seg_lane_pair(const tf_dynemb_segsum_params &p, 
 
 /* The id whose run chunk k (occurrences [q0, q1)) must join, or -1: the run of its last occurrence,
  * when it begins in this chunk and goes on past it; *k1 = the chunk where that run ends. */
-__device__ __forceinline__ int64_t seg_cut_run(const tf_dynemb_segsum_params &p, int64_t q0, int64_t q1, int64_t *k1) {
-    const int64_t u = seg_id_of(p, q1 - 1);
+__device__ __forceinline__ int64_t seg_cut_run(const tf_dynemb_segsum_params &p, int64_t q0, int64_t q1, int lane,
+                                               int64_t *k1) {
+    const int64_t u = seg_id_of(p, q1 - 1, lane);
     const int64_t a = p.seg[u], b = p.seg[u + 1];
     if (a < q0 || b <= q1) return -1;  // began in an earlier chunk (joined there), or ends in this one
     *k1 = (b - 1) / TF_DYNEMB_SEG_CHUNK;
@@ -1190,7 +1199,7 @@ __global__ void segsum_chunk_kernel(tf_dynemb_segsum_params p) {
     int64_t my_src;
     float my_scale;
     seg_lane_pair(p, q0, q1, lane, my_src, my_scale);
-    const int64_t lo = seg_id_of(p, q0);
+    const int64_t lo = seg_id_of(p, q0, lane);
     for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * kSegCols) {
         float acc[kSegCols];
 #pragma unroll
@@ -1247,7 +1256,7 @@ __global__ void segsum_join_kernel(tf_dynemb_segsum_params p) {
     const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
     if (q0 >= p.n_occ) return;
     int64_t k1;
-    const int64_t u = seg_cut_run(p, q0, seg_chunk_end(p, q0), &k1);
+    const int64_t u = seg_cut_run(p, q0, seg_chunk_end(p, q0), lane, &k1);
     if (u < 0) return;
     for (int64_t c = lane; c < p.dim; c += 32) p.out[u * p.dim + c] = seg_joined(p, k, k1, c);
 }
@@ -1326,7 +1335,7 @@ __global__ void segsum_update_kernel(tf_dynemb_segsum_params p, tf_dynemb_update
     int64_t my_src;
     float my_scale;
     seg_lane_pair(p, q0, q1, lane, my_src, my_scale);
-    const int64_t lo = seg_id_of(p, q0);
+    const int64_t lo = seg_id_of(p, q0, lane);
     int64_t my_end = INT64_MAX, my_slot = -1;  // lane l: the end of the run of id lo + l, and its slot
     if (lo + lane < p.n_unique) {
         my_end = p.seg[lo + lane + 1];
@@ -1402,7 +1411,7 @@ __global__ void segsum_update_join_kernel(tf_dynemb_segsum_params p, tf_dynemb_u
     const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
     if (q0 >= p.n_occ) return;
     int64_t k1;
-    const int64_t id = seg_cut_run(p, q0, seg_chunk_end(p, q0), &k1);
+    const int64_t id = seg_cut_run(p, q0, seg_chunk_end(p, q0), lane, &k1);
     if (id < 0 || u.slots[id] < 0) return;
     const int64_t slot = u.slots[id];
     float g[kSegCols], w[kSegCols], s1[kSegCols], s2[kSegCols];
