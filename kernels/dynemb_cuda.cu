@@ -1325,8 +1325,11 @@ __device__ __forceinline__ void apply_cols(const tf_dynemb_update_params &u, int
  * gradient rows, the rows of the ids whose runs end in it, so a step waits for one round of loads,
  * not one per id (runs are mostly one occurrence long). Runs cut by the chunk's edges go to the
  * partial sums as in segsum_chunk_kernel, and segsum_update_join_kernel applies them. */
+// Registers capped so that SGD and row-wise Adagrad (no per-column state) fit 5 blocks (20 warps)
+// per SM and the others 4: the kernel waits on memory (each id's table row read, then written), and
+// uncapped SGD took 98 registers, 4 blocks. No spills (ptxas -v).
 template <int kOpt>
-__global__ void segsum_update_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
+__global__ void __launch_bounds__(128, kOpt == TF_OPT_SGD || kOpt == TF_OPT_ROWWISE_ADAGRAD ? 5 : 4) segsum_update_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
     const int64_t k = warp_index();
     const int lane = threadIdx.x & 31;
     const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
