@@ -103,6 +103,9 @@ TORCH_LIBRARY(torchfuse, m) {
           "Tensor(d!) state_host, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");
     // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb.h).
     m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean) -> Tensor");
+    // A batch sorted by id (torch.sort(ids, stable=True): sorted_ids, perm) grouped: (uniq, seg, inv),
+    // the distinct ids, their runs' bounds in sorted order (n_unique + 1) and each id's index into uniq.
+    m.def("dynemb_group_sorted(Tensor sorted_ids, Tensor perm) -> (Tensor, Tensor, Tensor)");
     // Per unique id, the sum of its occurrences' gradient rows in perm order (fp32, deterministic).
     m.def("dynemb_segment_sum(Tensor grad, Tensor perm, Tensor seg, Tensor? bag_of, Tensor? scale) -> Tensor");
     // dynemb_update(slots, dynemb_segment_sum(...)) in one: on CUDA the sums are applied as they are

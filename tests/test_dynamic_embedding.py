@@ -501,6 +501,11 @@ def test_bad_inputs(device):
         bag(_t([1, 2, 3], device), torch.tensor([0.0], device=device))
     with torch.no_grad(), pytest.raises(ValueError, match="offsets"):
         bag(_t([1, 2, 3], device), _t([0, 2, 1], device))
+    mean_bag = DynamicEmbeddingBag(3, 8, device=device, bucket_size=8, mode="mean")
+    for bad in ([0, 7, 2], [0, -5, 3], [2, 3]):  # the bags' layout is launched before the check reads the device
+        with pytest.raises(ValueError, match="offsets"):
+            mean_bag(_t([1, 2, 3], device), _t(bad, device))
+    assert len(mean_bag) == 0
     assert len(bag) == 0  # refused before any id was inserted
     with pytest.raises(ValueError, match="per_sample_weights"):
         DynamicEmbeddingBag(3, 8, device=device, mode="mean")(_t([1], device), _t([0], device),
@@ -520,6 +525,32 @@ def test_bad_inputs(device):
     with pytest.raises(TypeError, match="int64"):  # the raw ops check their arguments too
         torch.ops.torchfuse.dynemb_lookup(torch.ones(2, dtype=torch.int32, device=device), table._keys,
                                           table._digests, table._marks, 8, 0)
+
+
+@pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (7, 3), (1000, 37), (4097, 100000)])
+def test_group_sorted(device, n, universe):
+    """dynemb_group_sorted (the training paths' grouping of a batch) against torch.unique: the
+    distinct ids, the runs' bounds in the stable sort's order, and each id's index."""
+    base = torch.randint(-2**62, 2**62, (universe,), dtype=torch.int64)
+    base[0] = -2**63  # the extreme keys are ordinary ids
+    if universe > 1:
+        base[1] = 2**63 - 1
+    ids = base[torch.randint(0, universe, (n,))].to(device)
+    sorted_ids, perm = torch.sort(ids, stable=True)
+    uniq, seg, inv = torch.ops.torchfuse.dynemb_group_sorted(sorted_ids, perm)
+    ref_u, ref_inv, ref_counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    assert torch.equal(uniq, ref_u)
+    assert torch.equal(inv, ref_inv)
+    assert seg.dtype == torch.int64 and seg.numel() == ref_u.numel() + 1 and int(seg[0]) == 0
+    assert torch.equal(seg[1:] - seg[:-1], ref_counts)
+    for u in range(0, ref_u.numel(), max(1, ref_u.numel() // 50)):  # each run holds exactly that id's occurrences
+        occ = perm[seg[u]:seg[u + 1]]
+        assert torch.equal(ids[occ], uniq[u].expand(occ.numel()))
+        assert torch.equal(occ, torch.sort(occ).values)  # stable: batch order within a run
+    with pytest.raises(TypeError, match="int64"):
+        torch.ops.torchfuse.dynemb_group_sorted(sorted_ids.int(), perm)
+    with pytest.raises(RuntimeError, match="one length"):
+        torch.ops.torchfuse.dynemb_group_sorted(sorted_ids, torch.cat([perm, perm[:1]]) if n else perm[:0].view(1, 0))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -686,6 +717,8 @@ def test_ops_opcheck(device):
                                              _t([0, 2, 4], device), None, None, found[:2], t._values.clone(),
                                              t._values_host.clone(), t._state.clone(), t._state_host.clone(), 3, 0.1,
                                              1e-8, 0.9, 0.999, 0.1)),
+        (ops.dynemb_group_sorted.default, torch.sort(_t([5, -1, 5, 2**62, 0, -1, 5], device), stable=True)),
+        (ops.dynemb_group_sorted.default, torch.sort(_t([], device), stable=True)),
         (ops.dynemb_evict_rows.default, (found[:2], _t([2, 0], device), q, t._values.clone(), t._values_host.clone(),
                                          t._state.clone(), t._state_host.clone(), torch.zeros(4, 5, **f32), 2,
                                          -1.0, 1.0, 3)),

@@ -657,20 +657,19 @@ class DynamicEmbedding(torch.nn.Module):
             rows = self._gather(slots, self._values, self._values_host)
         return rows, inv
 
-    def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None):
+    def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None, sorted_perm=None):
         """One stable sort of the batch: (perm, seg, slots_u, uniq, slots_id). perm lists the ids
         grouped by unique id, seg the group bounds, slots_u the unique ids' slots (inserted in
         training mode), slots_id each id's slot. check (if given) runs before the table is touched,
-        right after unique_consecutive's host sync, so a check that reads the device waits on nothing."""
-        sorted_ids, perm = torch.sort(flat, stable=True)
-        uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        right after the grouping's host sync, so a check that reads the device waits on nothing.
+        sorted_perm: torch.sort(flat, stable=True) when the caller launched it already (so that its
+        own host work overlaps the sort on the GPU)."""
+        sorted_ids, perm = sorted_perm if sorted_perm is not None else torch.sort(flat, stable=True)
+        uniq, seg, inv = _ops.dynemb_group_sorted(sorted_ids, perm)
         if check is not None:
             check()
-        seg = F.pad(torch.cumsum(counts, 0), (1, 0))
         slots_u = self._find_or_insert(uniq)[0] if self.training else self._lookup(uniq)
-        slots_id = torch.empty_like(flat)
-        slots_id[perm] = torch.repeat_interleave(slots_u, counts, output_size=flat.numel())
-        return perm, seg, slots_u, uniq, slots_id
+        return perm, seg, slots_u, uniq, slots_u[inv]
 
     def _need_grad(self) -> bool:
         return torch.is_grad_enabled() and self._trainable
@@ -789,7 +788,18 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             raise TypeError(f"{name}: offsets must be a 1-D int32 or int64 tensor")
         if offsets.device != self.device:
             raise ValueError(f"{name}: offsets must be on {self.device}, got {offsets.device}")
+        if per_sample_weights is not None:
+            if self.mode != "sum":
+                raise ValueError(f"{name}: per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
+            if per_sample_weights.shape != ids.shape or per_sample_weights.device != self.device:
+                raise ValueError(f"{name}: per_sample_weights must have the shape {tuple(ids.shape)} and device of ids")
+            per_sample_weights = per_sample_weights.reshape(-1)
         n = flat.numel()
+        weights_grad = per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled()
+        need_grad = self._need_grad()
+        # The training paths' sort goes first: the host work below (the offsets' checks, the bags'
+        # layout) is then launched while the GPU sorts, not before it starts.
+        sorted_perm = torch.sort(flat, stable=True) if (self.training or need_grad) and not weights_grad else None
         offsets = offsets.to(torch.int64)
         bad = None  # offsets checked on the device; read (a host sync) before anything uses them
         if offsets.numel():
@@ -803,13 +813,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             if bad is not None and bool(bad):
                 raise ValueError(f"{name}: offsets must start at 0, be non-decreasing and end at most at "
                                  f"len(ids) = {n}" + (" (exactly, with include_last_offset)" if incl else ""))
-        if per_sample_weights is not None:
-            if self.mode != "sum":
-                raise ValueError(f"{name}: per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
-            if per_sample_weights.shape != ids.shape or per_sample_weights.device != self.device:
-                raise ValueError(f"{name}: per_sample_weights must have the shape {tuple(ids.shape)} and device of ids")
-            per_sample_weights = per_sample_weights.reshape(-1)
-        if per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled():
+        if weights_grad:
             check_offsets()
             # gradients for the weights too: PyTorch's embedding_bag on the batch's unique rows
             rows, inv = self._embed(flat)
@@ -820,19 +824,29 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         full = offsets if incl else torch.cat([offsets, offsets.new_full((1,), n)])
         mean = self.mode == "mean"
         w = per_sample_weights.float().contiguous() if per_sample_weights is not None else None
-        if not self._need_grad():
+        if not need_grad:
             if self.training:
-                slots = self._group(flat, check_offsets)[4]
+                slots = self._group(flat, check_offsets, sorted_perm)[4]
             else:
                 check_offsets()
                 slots = self._lookup(flat)
             return _ops.dynemb_pool(slots, full, w, self._values, self._values_host, mean)
-        perm, seg, slots_u, uniq, slots_id = self._group(flat, check_offsets)
+        # Each id's bag, launched before the check has read the device: a binary search, which cannot
+        # fault on bad offsets (repeat_interleave asserts on the device), clamped into range; the
+        # check raises before anything reads it.
         lengths = full[1:] - full[:-1]
-        bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=self.device), lengths, output_size=n)
+        bag_of = (torch.searchsorted(full, torch.arange(n, device=self.device), right=True) - 1).clamp_(
+            0, max(lengths.numel() - 1, 0))
         scale = w if w is not None else ((1.0 / lengths.clamp(min=1).float())[bag_of] if mean else None)
+        perm, seg, slots_u, uniq, slots_id = self._group(flat, check_offsets, sorted_perm)
         anchor = torch.empty(0, device=self.device, requires_grad=True)
         return _Fused.apply(anchor, self, slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale)
+
+
+@torch.library.register_fake("torchfuse::dynemb_group_sorted")
+def _group_sorted_fake(sorted_ids, perm):
+    n_unique = torch.library.get_ctx().new_dynamic_size()
+    return sorted_ids.new_empty(n_unique), sorted_ids.new_empty(n_unique + 1), perm.new_empty(perm.shape)
 
 
 @torch.library.register_fake("torchfuse::dynemb_lookup")
