@@ -5,6 +5,10 @@
 #           ab_hstu_bwd.py --forms persnoskip,pers at every shape) and dynemb-tier-init-evict (the
 #           dynamic-embedding GPU tests, memcheck on the new op), then where a training step's GPU and
 #           host time go (profile_dynemb_train.py)
+#   train:  the dynamic-embedding GPU tests, memcheck on the segment / grouping / bag tests, the TorchRec
+#           GPU tests, then the training step (profile and bench_dynamic_embedding.py --parts train)
+#   hybrid: half the rows in host memory, ours against HierarchicalKV's hybrid mode (branch
+#           dynemb-tier-init-evict's change, merged after the check)
 #   PEERS_HKV=.gl/dynemb-peers/hkv_bench bash benchmarks/run_device_s11.sh hybrid
 set -uo pipefail
 PART=${1:?part: check or hybrid}
@@ -30,6 +34,20 @@ if [ "$PART" = check ]; then
   echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dynemb.log" | tail -2
   (cd benchmarks && timeout 90 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_train.txt" 2>&1
   echo "profile exit $?"; grep -E "^==|Self CUDA time total|Self CPU time total" "$OUT/prof_train.txt"
+elif [ "$PART" = train ]; then
+  # the training step after the segment kernels' 32-way search and register cap, and the forward's
+  # grouping in one C++ op (dynemb_group_sorted) with the sort launched first
+  timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_dynemb.log" | tail -4
+  timeout 90 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (segment or group_sorted or bad_inputs or training or duplicates or bag)" > "$OUT/memcheck_dynemb.log" 2>&1
+  echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dynemb.log" | tail -2
+  timeout 60 python3 -m pytest tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_torchrec.log" 2>&1
+  echo "torchrec pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_torchrec.log" | tail -3
+  (cd benchmarks && timeout 90 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_train.txt" 2>&1
+  echo "profile exit $?"; grep -E "^==|Self CUDA time total|Self CPU time total" "$OUT/prof_train.txt"
+  grep -E "segsum|pool_kernel|probe|RadixSort|cudaStreamSynchronize|cudaLaunchKernel" "$OUT/prof_train.txt" | awk '{$2=""; print substr($0,1,60), $(NF-5), $(NF-4), $(NF-1), $NF}' | head -14
+  timeout 150 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train.md" > "$OUT/train.log" 2>&1
+  echo "train bench exit $?"; grep "training step" "$OUT/train.log"
 elif [ "$PART" = hybrid ]; then
   if [ -n "${PEERS_HKV:-}" ]; then
     timeout 200 "$PEERS_HKV" hybrid > "$OUT/hkv_hybrid.txt" 2>&1; echo "hkv hybrid exit $?"; grep -v "^$" "$OUT/hkv_hybrid.txt" | tail -16
