@@ -90,25 +90,31 @@ class _Rows(torch.autograd.Function):
 
 class _Fused(torch.autograd.Function):
     """Per-id rows (offsets None) or bags pooled straight from the table; backward sums each unique
-    id's gradient in a fixed order (dynemb_segment_sum) and applies the optimizer to its row."""
+    id's gradient in a fixed order (dynemb_segment_sum) and applies the optimizer to its row.
+    The batch's layout comes as one tuple, kept on ctx (none of its tensors is an input that
+    requires grad or an output): autograd.Function's per-call cost grows with the number of
+    arguments (each is inspected in apply and answered in backward), and a training step from an
+    idle GPU waits for that host time. batch: (slots_id, offsets, weights, mean, perm, seg,
+    slots_u, uniq, bag_of, scale)."""
 
     @staticmethod
-    def forward(ctx, anchor, table, slots_id, offsets, weights, mean, perm, seg, slots_u, uniq, bag_of, scale):
+    def forward(ctx, anchor, table, batch):
+        slots_id, offsets, weights, mean = batch[:4]
         ctx.table = table
         ctx.version = table._version
-        ctx.save_for_backward(perm, seg, slots_u, uniq, bag_of, scale)
+        ctx.batch = batch
         if offsets is None:
             return table._gather(slots_id, table._values, table._values_host)
         return _ops.dynemb_pool(slots_id, offsets, weights, table._values, table._values_host, mean)
 
     @staticmethod
     def backward(ctx, grad):
-        perm, seg, slots_u, uniq, bag_of, scale = ctx.saved_tensors
+        perm, seg, slots_u, uniq, bag_of, scale = ctx.batch[4:]
         table = ctx.table
         if table._version != ctx.version:  # rehashed, evicted or erased since the forward
             slots_u = table._lookup(uniq)
         table._apply_segment_gradient(slots_u, grad.contiguous(), perm, seg, bag_of, scale)
-        return (None,) * 12
+        return None, None, None
 
 
 class DynamicEmbedding(torch.nn.Module):
@@ -683,7 +689,7 @@ class DynamicEmbedding(torch.nn.Module):
         else:
             perm, seg, slots_u, uniq, slots_id = self._group(flat)
             anchor = torch.empty(0, device=self.device, requires_grad=True)
-            out = _Fused.apply(anchor, self, slots_id, None, None, False, perm, seg, slots_u, uniq, None, None)
+            out = _Fused.apply(anchor, self, (slots_id, None, None, False, perm, seg, slots_u, uniq, None, None))
         return out.reshape(*ids.shape, self.embedding_dim)
 
     # ---- state_dict ----
@@ -840,7 +846,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         scale = w if w is not None else ((1.0 / lengths.clamp(min=1).float())[bag_of] if mean else None)
         perm, seg, slots_u, uniq, slots_id = self._group(flat, check_offsets, sorted_perm)
         anchor = torch.empty(0, device=self.device, requires_grad=True)
-        return _Fused.apply(anchor, self, slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale)
+        return _Fused.apply(anchor, self, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale))
 
 
 @torch.library.register_fake("torchfuse::dynemb_group_sorted")
