@@ -48,6 +48,30 @@ elif [ "$PART" = train ]; then
   grep -E "segsum|pool_kernel|probe|RadixSort|cudaStreamSynchronize|cudaLaunchKernel" "$OUT/prof_train.txt" | awk '{$2=""; print substr($0,1,60), $(NF-5), $(NF-4), $(NF-1), $NF}' | head -14
   timeout 150 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train.md" > "$OUT/train.log" 2>&1
   echo "train bench exit $?"; grep "training step" "$OUT/train.log"
+elif [ "$PART" = pf ]; then
+  # the segment update's L2 prefetch of the chunk's rows: tests, memcheck, then the A/B (GPU time of a
+  # training step and the step itself, prefetch off then on, in turns)
+  timeout 100 $P -x -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_dynemb.log" | tail -4
+  timeout 60 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (segment or training or host)" > "$OUT/memcheck_dynemb.log" 2>&1
+  echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dynemb.log" | tail -2
+  for round in 1 2; do for pf in 0 1; do
+    (cd benchmarks && TORCHFUSE_DYNEMB_SEG_PREFETCH=$pf timeout 60 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_pf$pf.txt" 2>&1
+    echo "round $round prefetch $pf: $(grep -E "segsum_update_kernel|Self CUDA time total" "$OUT/prof_pf$pf.txt" | head -2 | awk '{print $(NF-3)}' | tr '\n' ' ')"
+  done; done
+  (cd benchmarks && TORCHFUSE_DYNEMB_SEG_PREFETCH=1 timeout 60 python3 profile_dynemb_train.py --opt adam) > "$OUT/prof_adam.txt" 2>&1
+  echo "adam: $(grep -E "segsum_update_kernel|Self CUDA time total" "$OUT/prof_adam.txt" | head -2 | awk '{print $(NF-3)}' | tr '\n' ' ')"
+  for pf in 0 1; do
+    TORCHFUSE_DYNEMB_SEG_PREFETCH=$pf timeout 100 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train_pf$pf.md" > "$OUT/train_pf$pf.log" 2>&1
+    echo "prefetch $pf: $(grep "training step" "$OUT/train_pf$pf.log" | tr '\n' ' ')"
+  done
+elif [ "$PART" = hstu ]; then
+  # the full HSTU table (ping-pong forward at every shape since session 10), one process
+  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  timeout 60 $T -x -k "test_forward and cuda-wgmma and bfloat16 and (many_short_seqs or long_d128)" > "$OUT/smoke.log" 2>&1
+  echo "smoke exit $?"; tail -1 "$OUT/smoke.log"
+  timeout ${BENCH_TO:-420} python3 benchmarks/bench_hstu.py --cases full,special --compile --b2b --out "$OUT/bench_full.md" 2>"$OUT/bench_full.err"
+  echo "bench exit $?"; tail -3 "$OUT/bench_full.err"; cat "$OUT/bench_full.md"
 elif [ "$PART" = hybrid ]; then
   if [ -n "${PEERS_HKV:-}" ]; then
     timeout 200 "$PEERS_HKV" hybrid > "$OUT/hkv_hybrid.txt" 2>&1; echo "hkv hybrid exit $?"; grep -v "^$" "$OUT/hkv_hybrid.txt" | tail -16
