@@ -57,10 +57,10 @@ elif [ "$PART" = pf ]; then
   echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dynemb.log" | tail -2
   for round in 1 2; do for pf in 0 1; do
     (cd benchmarks && TORCHFUSE_DYNEMB_SEG_PREFETCH=$pf timeout 60 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_pf$pf.txt" 2>&1
-    echo "round $round prefetch $pf: $(grep -E "segsum_update_kernel|Self CUDA time total" "$OUT/prof_pf$pf.txt" | head -2 | awk '{print $(NF-3)}' | tr '\n' ' ')"
+    echo "round $round prefetch $pf: segsum_update $(grep -m1 segsum_update_kernel "$OUT/prof_pf$pf.txt" | awk '{print $(NF-4)}'), $(grep -m1 "Self CUDA time total" "$OUT/prof_pf$pf.txt")"
   done; done
   (cd benchmarks && TORCHFUSE_DYNEMB_SEG_PREFETCH=1 timeout 60 python3 profile_dynemb_train.py --opt adam) > "$OUT/prof_adam.txt" 2>&1
-  echo "adam: $(grep -E "segsum_update_kernel|Self CUDA time total" "$OUT/prof_adam.txt" | head -2 | awk '{print $(NF-3)}' | tr '\n' ' ')"
+  echo "adam: segsum_update $(grep -m1 segsum_update_kernel "$OUT/prof_adam.txt" | awk '{print $(NF-4)}'), $(grep -m1 "Self CUDA time total" "$OUT/prof_adam.txt")"
   for pf in 0 1; do
     TORCHFUSE_DYNEMB_SEG_PREFETCH=$pf timeout 100 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train_pf$pf.md" > "$OUT/train_pf$pf.log" 2>&1
     echo "prefetch $pf: $(grep "training step" "$OUT/train_pf$pf.log" | tr '\n' ' ')"
