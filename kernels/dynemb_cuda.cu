@@ -1271,14 +1271,6 @@ __global__ void segsum_empty_kernel(tf_dynemb_segsum_params p) {
 
 // ---- segment sum fused with the optimizer update (rows of at most 32 kSegCols columns) ----
 
-// Asks L2 for the HBM row `slot` of r (every 128-byte line of it); host rows are left alone.
-__device__ __forceinline__ void prefetch_row_l2(const tf_dynemb_rows &r, int64_t slot) {
-    if (slot < 0 || slot >= r.n_hbm || !r.row_bytes) return;
-    const uintptr_t first = reinterpret_cast<uintptr_t>(r.hbm + slot * r.row_bytes);
-    for (uintptr_t a = first & ~uintptr_t(127); a < first + r.row_bytes; a += 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-}
-
 // Row `slot`'s weights and state at this lane's columns lane + 32 k (zeros past the row).
 template <int kOpt>
 __device__ __forceinline__ void load_cols(const tf_dynemb_update_params &u, int64_t slot, int lane,
@@ -1338,7 +1330,7 @@ __device__ __forceinline__ void apply_cols(const tf_dynemb_update_params &u, int
 // uncapped SGD took 98 registers, 4 blocks. No spills (ptxas -v).
 template <int kOpt>
 __global__ void __launch_bounds__(128, kOpt == TF_OPT_SGD || kOpt == TF_OPT_ROWWISE_ADAGRAD ? 5 : 4)
-    segsum_update_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u, int prefetch) {
+    segsum_update_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
     const int64_t k = warp_index();
     const int lane = threadIdx.x & 31;
     const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
@@ -1352,12 +1344,6 @@ __global__ void __launch_bounds__(128, kOpt == TF_OPT_SGD || kOpt == TF_OPT_ROWW
     if (lo + lane < p.n_unique) {
         my_end = p.seg[lo + lane + 1];
         my_slot = u.slots[lo + lane];
-    }
-    // The rows (and state) of the ids that end in this chunk, asked of L2 at once: the steps below
-    // load at most four ids' rows at a time, so without it a warp waits on HBM once per step.
-    if (prefetch && my_end <= q1) {
-        prefetch_row_l2(u.values, my_slot);
-        if (kOpt != TF_OPT_SGD) prefetch_row_l2(u.state, my_slot);
     }
     float acc[kSegCols];
 #pragma unroll
@@ -1637,12 +1623,9 @@ int tf_dynemb_segsum_update_cuda(const tf_dynemb_segsum_params *p, const tf_dyne
     const unsigned grid = grid_for_warps(tf_dynemb_seg_chunks(p->n_occ));
     // 94-128 registers: blocks of 4 warps pack more warps per SM than blocks of 8
     const unsigned grid128 = static_cast<unsigned>((tf_dynemb_seg_chunks(p->n_occ) + 3) / 4);
-    // TORCHFUSE_DYNEMB_SEG_PREFETCH=0: no L2 prefetch of the rows (A/B runs)
-    const char *pf_env = getenv("TORCHFUSE_DYNEMB_SEG_PREFETCH");
-    const int prefetch = !(pf_env && pf_env[0] == '0');
 #define TF_SEGUPD(OPT)                                                                           \
     if (p->n_occ > 0) {                                                                          \
-        segsum_update_kernel<OPT><<<grid128, 128, 0, s>>>(*p, *u, prefetch);                              \
+        segsum_update_kernel<OPT><<<grid128, 128, 0, s>>>(*p, *u);                                \
         segsum_update_join_kernel<OPT><<<grid, kBlock, 0, s>>>(*p, *u);                           \
     }                                                                                            \
     segsum_update_empty_kernel<OPT><<<grid_for_threads(p->n_unique), kBlock, 0, s>>>(*p, *u);
