@@ -74,8 +74,8 @@ elif [ "$PART" = hstu ]; then
   echo "bench exit $?"; tail -3 "$OUT/bench_full.err"; cat "$OUT/bench_full.md"
 elif [ "$PART" = hybrid ]; then
   if [ -n "${PEERS_HKV:-}" ]; then
-    timeout 200 "$PEERS_HKV" hybrid > "$OUT/hkv_hybrid.txt" 2>&1; echo "hkv hybrid exit $?"; grep -v "^$" "$OUT/hkv_hybrid.txt" | tail -16
+    timeout ${HKV_TO:-200} "$PEERS_HKV" hybrid > "$OUT/hkv_hybrid.txt" 2>&1; echo "hkv hybrid exit $?"; grep -v "^$" "$OUT/hkv_hybrid.txt" | tail -16
   fi
-  timeout ${OURS_TO:-300} python3 benchmarks/bench_dynamic_embedding.py --parts half_host --dims 64,128 --out "$OUT/ours_half_host.md" > "$OUT/ours.log" 2>&1
+  timeout ${OURS_TO:-300} python3 benchmarks/bench_dynamic_embedding.py --parts half_host --dims ${DIMS:-64,128} --out "$OUT/ours_half_host.md" > "$OUT/ours.log" 2>&1
   echo "ours exit $?"; grep -v "^|" "$OUT/ours.log" | tail -8; cat "$OUT/ours_half_host.md"
 fi
