@@ -9,7 +9,6 @@
 #           GPU tests, then the training step (profile and bench_dynamic_embedding.py --parts train)
 #   hybrid: half the rows in host memory, ours against HierarchicalKV's hybrid mode (branch
 #           dynemb-tier-init-evict's change, merged after the check)
-#   step:   SGD's segment update in 8-occurrence steps against 4 (tests on both, memcheck, A/B)
 #   PEERS_HKV=.gl/dynemb-peers/hkv_bench bash benchmarks/run_device_s11.sh hybrid
 set -uo pipefail
 PART=${1:?part: check or hybrid}
@@ -65,23 +64,6 @@ elif [ "$PART" = pf ]; then
   for pf in 0 1; do
     TORCHFUSE_DYNEMB_SEG_PREFETCH=$pf timeout 100 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train_pf$pf.md" > "$OUT/train_pf$pf.log" 2>&1
     echo "prefetch $pf: $(grep "training step" "$OUT/train_pf$pf.log" | tr '\n' ' ')"
-  done
-elif [ "$PART" = step ]; then
-  # SGD's segment update in 8-occurrence steps (TORCHFUSE_DYNEMB_SEG_STEP=8) against 4: the GPU tests on
-  # both, memcheck on the 8-step form, then the A/B (kernel time, two rounds) and the training step
-  timeout 100 $P -x -k cuda > "$OUT/pytest_dynemb.log" 2>&1
-  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_dynemb.log" | tail -4
-  TORCHFUSE_DYNEMB_SEG_STEP=8 timeout 60 $P -x -k "cuda and (segment or training or bag or duplicates)" > "$OUT/pytest_step8.log" 2>&1
-  echo "dynemb pytest (8-steps) exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_step8.log" | tail -4
-  TORCHFUSE_DYNEMB_SEG_STEP=8 timeout 45 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and segment" > "$OUT/memcheck_step8.log" 2>&1
-  echo "memcheck (8-steps) exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_step8.log" | tail -2
-  for round in ${ROUNDS:-1 2}; do for st in 4 8; do
-    (cd benchmarks && TORCHFUSE_DYNEMB_SEG_STEP=$st timeout 60 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_st$st.txt" 2>&1
-    echo "round $round step $st: segsum_update $(grep -m1 segsum_update_kernel "$OUT/prof_st$st.txt" | awk '{print $(NF-4)}'), $(grep -m1 "Self CUDA time total" "$OUT/prof_st$st.txt")"
-  done; done
-  for st in 4 8; do
-    TORCHFUSE_DYNEMB_SEG_STEP=$st timeout 100 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train_st$st.md" > "$OUT/train_st$st.log" 2>&1
-    echo "step $st: $(grep "training step sgd" "$OUT/train_st$st.log")"
   done
 elif [ "$PART" = hstu ]; then
   # the full HSTU table (ping-pong forward at every shape since session 10), one process

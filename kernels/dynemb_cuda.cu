@@ -1325,13 +1325,11 @@ __device__ __forceinline__ void apply_cols(const tf_dynemb_update_params &u, int
  * gradient rows, the rows of the ids whose runs end in it, so a step waits for one round of loads,
  * not one per id (runs are mostly one occurrence long). Runs cut by the chunk's edges go to the
  * partial sums as in segsum_chunk_kernel, and segsum_update_join_kernel applies them. */
-// kStep occurrences per step (4; 8 for SGD when TORCHFUSE_DYNEMB_SEG_STEP=8): the rows of the ids
-// ending in a step are loaded together, so a larger step has more rows in flight per warp and fewer
-// warps (registers). Registers capped so that 4-steps with SGD and row-wise Adagrad (no per-column
-// state) fit 5 blocks (20 warps) per SM and the others 4: the kernel waits on memory (each id's
-// table row read, then written), and uncapped SGD took 98 registers, 4 blocks. No spills (ptxas -v).
-template <int kOpt, int kStep>
-__global__ void __launch_bounds__(128, kStep == 8 ? 3 : kOpt == TF_OPT_SGD || kOpt == TF_OPT_ROWWISE_ADAGRAD ? 5 : 4)
+// Registers capped so that SGD and row-wise Adagrad (no per-column state) fit 5 blocks (20 warps)
+// per SM and the others 4: the kernel waits on memory (each id's table row read, then written), and
+// uncapped SGD took 98 registers, 4 blocks. No spills (ptxas -v).
+template <int kOpt>
+__global__ void __launch_bounds__(128, kOpt == TF_OPT_SGD || kOpt == TF_OPT_ROWWISE_ADAGRAD ? 5 : 4)
     segsum_update_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
     const int64_t k = warp_index();
     const int lane = threadIdx.x & 31;
@@ -1352,23 +1350,23 @@ __global__ void __launch_bounds__(128, kStep == 8 ? 3 : kOpt == TF_OPT_SGD || kO
     for (int j = 0; j < kSegCols; ++j) acc[j] = 0.f;
     int r = 0;  // the current id is lo + r
     int64_t u_begin = p.seg[lo], u_end = __shfl_sync(0xffffffffu, my_end, 0);
-    for (int64_t qb = q0; qb < q1; qb += kStep) {
-        // ids lo + r + b (b < kStep) whose run lies in the chunk and ends in this step: their rows now
-        float w[kStep][kSegCols], s1[kStep][kSegCols], s2[kStep][kSegCols];
-        int64_t slot_b[kStep];
+    for (int64_t qb = q0; qb < q1; qb += 4) {
+        // ids lo + r + b (b < 4) whose run lies in the chunk and ends in this step: their rows now
+        float w[4][kSegCols], s1[4][kSegCols], s2[4][kSegCols];
+        int64_t slot_b[4];
 #pragma unroll
-        for (int b = 0; b < kStep; ++b) {
+        for (int b = 0; b < 4; ++b) {
             const int rb = r + b < 31 ? r + b : 31;
             const int64_t end_b = __shfl_sync(0xffffffffu, my_end, rb);
             const int64_t begin_b = b == 0 ? u_begin : __shfl_sync(0xffffffffu, my_end, rb > 0 ? rb - 1 : 0);
             const int64_t sl = __shfl_sync(0xffffffffu, my_slot, rb);
-            const bool mine = r + b < 32 && begin_b >= q0 && end_b <= q1 && end_b - 1 >= qb && end_b - 1 <= qb + kStep - 1;
+            const bool mine = r + b < 32 && begin_b >= q0 && end_b <= q1 && end_b - 1 >= qb && end_b - 1 <= qb + 3;
             slot_b[b] = mine ? sl : -1;
             if (slot_b[b] >= 0) load_cols<kOpt>(u, slot_b[b], lane, w[b], s1[b], s2[b]);
         }
-        float v[kStep][kSegCols];
+        float v[4][kSegCols];
 #pragma unroll
-        for (int rr = 0; rr < kStep; ++rr) {
+        for (int rr = 0; rr < 4; ++rr) {
             const int64_t q = qb + rr;
             const int64_t src = __shfl_sync(0xffffffffu, my_src, (int)((q < q1 ? q : q0) - q0));
 #pragma unroll
@@ -1379,7 +1377,7 @@ __global__ void __launch_bounds__(128, kStep == 8 ? 3 : kOpt == TF_OPT_SGD || kO
         }
         const int r0 = r;
 #pragma unroll
-        for (int rr = 0; rr < kStep; ++rr) {
+        for (int rr = 0; rr < 4; ++rr) {
             const int64_t q = qb + rr;
             if (q >= q1) break;
             const float sc = __shfl_sync(0xffffffffu, my_scale, (int)(q - q0));
@@ -1387,9 +1385,9 @@ __global__ void __launch_bounds__(128, kStep == 8 ? 3 : kOpt == TF_OPT_SGD || kO
             for (int j = 0; j < kSegCols; ++j) acc[j] += sc * v[rr][j];
             if (q + 1 == u_end || q + 1 == q1) { /* the run of id lo + r ends here */
                 if (u_begin >= q0 && u_end <= q1) {
-                    const int b = r - r0;  // < kStep: at most kStep runs end in kStep occurrences
+                    const int b = r - r0;  // < 4: at most four runs end in four occurrences
 #pragma unroll
-                    for (int bb = 0; bb < kStep; ++bb)
+                    for (int bb = 0; bb < 4; ++bb)
                         if (bb == b && slot_b[bb] >= 0) apply_cols<kOpt>(u, slot_b[bb], lane, acc, w[bb], s1[bb], s2[bb]);
                 } else {
                     float *dst = p.partial + ((2 * k + (u_begin < q0 ? 0 : 1)) * p.dim);
@@ -1625,15 +1623,9 @@ int tf_dynemb_segsum_update_cuda(const tf_dynemb_segsum_params *p, const tf_dyne
     const unsigned grid = grid_for_warps(tf_dynemb_seg_chunks(p->n_occ));
     // 94-128 registers: blocks of 4 warps pack more warps per SM than blocks of 8
     const unsigned grid128 = static_cast<unsigned>((tf_dynemb_seg_chunks(p->n_occ) + 3) / 4);
-    // TORCHFUSE_DYNEMB_SEG_STEP=8: SGD's segment update in 8-occurrence steps (the A/B)
-    const char *step_env = getenv("TORCHFUSE_DYNEMB_SEG_STEP");
-    const bool step8 = step_env && step_env[0] == '8';
 #define TF_SEGUPD(OPT)                                                                           \
     if (p->n_occ > 0) {                                                                          \
-        if (OPT == TF_OPT_SGD && step8)                                                         \
-            segsum_update_kernel<TF_OPT_SGD, 8><<<grid128, 128, 0, s>>>(*p, *u);                   \
-        else                                                                                     \
-            segsum_update_kernel<OPT, 4><<<grid128, 128, 0, s>>>(*p, *u);                              \
+        segsum_update_kernel<OPT><<<grid128, 128, 0, s>>>(*p, *u);                                \
         segsum_update_join_kernel<OPT><<<grid, kBlock, 0, s>>>(*p, *u);                           \
     }                                                                                            \
     segsum_update_empty_kernel<OPT><<<grid_for_threads(p->n_unique), kBlock, 0, s>>>(*p, *u);
