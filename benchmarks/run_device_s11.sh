@@ -65,6 +65,12 @@ elif [ "$PART" = pf ]; then
     TORCHFUSE_DYNEMB_SEG_PREFETCH=$pf timeout 100 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train_pf$pf.md" > "$OUT/train_pf$pf.log" 2>&1
     echo "prefetch $pf: $(grep "training step" "$OUT/train_pf$pf.log" | tr '\n' ' ')"
   done
+elif [ "$PART" = final ]; then
+  # the last code: the dynamic-embedding GPU tests, then the state_dict continuation (made eviction-free
+  # after call 7's failure) 15 times with fresh seeds
+  timeout 60 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
+  for i in $(seq 15); do timeout 20 $P -k "state_dict_round_trip and cuda" 2>&1 | tail -1; done | sort | uniq -c | awk '{print $1, $2, $3}'
 elif [ "$PART" = hstu ]; then
   # the full HSTU table (ping-pong forward at every shape since session 10), one process
   [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"

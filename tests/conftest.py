@@ -1,4 +1,5 @@
 import os
+import random
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ def fresh_seed(request):
     TORCHFUSE_TEST_SEED to replay one."""
     seed = int(os.environ.get("TORCHFUSE_TEST_SEED", torch.seed() % (2**31)))
     torch.manual_seed(seed)
+    random.seed(seed)  # tests draw keys and lengths with Python's random too: the replay must cover them
     request.node.user_properties.append(("seed", seed))
     yield seed
 
