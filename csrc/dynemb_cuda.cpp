@@ -287,7 +287,7 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
                                                     init_kind, a, b, seed, with_rows, lim.n_valid, lim.abort);
     // counts, then how many keys were taken and the abort flag: one copy behind the kernels, one wait
     int64_t c[5] = {0, 0, 0, query.numel(), 0};
-    if (query.numel() > 0) {
+    if (query.numel() > 0 || lim.abort) {  // an empty batch's flag is read too: its caller raises on it
         int64_t *h = pinned_counts();
         h[4] = 0;  // the flag is one byte
         const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();

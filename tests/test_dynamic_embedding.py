@@ -505,6 +505,8 @@ def test_bad_inputs(device):
         bag(_t([1, 2, 3], device), torch.tensor([0.0], device=device))
     with torch.no_grad(), pytest.raises(ValueError, match="offsets"):
         bag(_t([1, 2, 3], device), _t([0, 2, 1], device))
+    with pytest.raises(ValueError, match="offsets"):  # no ids, bad offsets: still refused
+        bag(_t([], device), _t([1], device))
     mean_bag = DynamicEmbeddingBag(3, 8, device=device, bucket_size=8, mode="mean")
     for bad in ([0, 7, 2], [0, -5, 3], [2, 3]):  # the bags' layout is launched before the check reads the device
         with pytest.raises(ValueError, match="offsets"):
