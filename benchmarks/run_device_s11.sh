@@ -9,6 +9,7 @@
 #           GPU tests, then the training step (profile and bench_dynamic_embedding.py --parts train)
 #   hybrid: half the rows in host memory, ours against HierarchicalKV's hybrid mode (branch
 #           dynemb-tier-init-evict's change, merged after the check)
+#   onesync: branch dynemb-one-sync's check and A/B (tests, memcheck, TORCHFUSE_DYNEMB_ONE_SYNC=0 / 1)
 #   PEERS_HKV=.gl/dynemb-peers/hkv_bench bash benchmarks/run_device_s11.sh hybrid
 set -uo pipefail
 PART=${1:?part: check or hybrid}
@@ -71,6 +72,24 @@ elif [ "$PART" = final ]; then
   timeout 60 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
   echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
   for i in $(seq 15); do timeout 20 $P -k "state_dict_round_trip and cuda" 2>&1 | tail -1; done | sort | uniq -c | awk '{print $1, $2, $3}'
+elif [ "$PART" = onesync ]; then
+  # branch dynemb-one-sync: a training batch into a full table with one host wait (the grouping's count
+  # handed to the insert on the device); tests, memcheck on the new paths, then the A/B
+  # (TORCHFUSE_DYNEMB_ONE_SYNC=0: the two-wait path) in GPU time and the training step
+  timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
+  timeout 60 python3 -m pytest tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_torchrec.log" 2>&1
+  echo "torchrec pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_torchrec.log" | tail -3
+  timeout 90 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (n_valid or group_sorted or one_sync or bad_inputs or training)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  for round in ${ROUNDS:-1 2}; do for one in 0 1; do
+    (cd benchmarks && TORCHFUSE_DYNEMB_ONE_SYNC=$one timeout 60 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_one$one.txt" 2>&1
+    echo "round $round one_sync $one: $(grep -m1 "Self CUDA time total" "$OUT/prof_one$one.txt"), stream syncs $(grep -m1 cudaStreamSynchronize "$OUT/prof_one$one.txt" | awk '{print $NF}')"
+  done; done
+  for one in 0 1 0 1; do
+    TORCHFUSE_DYNEMB_ONE_SYNC=$one timeout 100 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train_one$one.md" > "$OUT/train_one$one.log" 2>&1
+    echo "one_sync $one: $(grep "training step" "$OUT/train_one$one.log" | tr '\n' ' ')"
+  done
 elif [ "$PART" = hstu ]; then
   # the full HSTU table (ping-pong forward at every shape since session 10), one process
   [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"

@@ -342,6 +342,29 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     return f;
 }
 
+DynembFoiLimits dynemb_foi_limits(const at::Tensor &query, const at::Tensor &keys, const std::optional<at::Tensor> &n_valid,
+                                  const std::optional<at::Tensor> &abort) {
+    const char *op = "torchfuse.dynemb_find_or_insert_sync";
+    DynembFoiLimits lim;
+    if (n_valid.has_value()) {
+        const at::Tensor &t = *n_valid;
+        TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, op, ": n_valid must be int64, got ", t.scalar_type());
+        TORCH_CHECK(t.numel() == 1 && t.is_contiguous(), op, ": n_valid must hold one element, got shape ", t.sizes());
+        check_same_device(t, keys, op, "n_valid", "the table");
+        lim.n_valid = t.data_ptr<int64_t>();
+    }
+    if (abort.has_value()) {
+        const at::Tensor &t = *abort;
+        TORCH_CHECK_TYPE(t.scalar_type() == at::kBool || t.scalar_type() == at::kByte, op,
+                         ": abort must be bool or uint8, got ", t.scalar_type());
+        TORCH_CHECK(t.numel() == 1 && t.is_contiguous(), op, ": abort must hold one element, got shape ", t.sizes());
+        check_same_device(t, keys, op, "abort", "the table");
+        lim.abort = static_cast<const uint8_t *>(t.data_ptr());
+    }
+    (void)query;
+    return lim;
+}
+
 namespace {
 
 at::Tensor lookup_cpu(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests, at::Tensor &marks,
@@ -522,14 +545,20 @@ DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::Tensor 
                                             at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
                                             int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
                                             int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                            bool with_rows) {
-    const DynembFoiResult r = find_or_insert_cpu(query, keys, digests, scores, marks, locks, values, values_host, state,
+                                            bool with_rows, const std::optional<at::Tensor> &n_valid,
+                                            const std::optional<at::Tensor> &abort) {
+    const DynembFoiLimits lim = dynemb_foi_limits(query, keys, n_valid, abort);
+    const bool aborted = lim.abort && *lim.abort;
+    const int64_t n = aborted ? 0 : lim.n_valid ? std::min(std::max<int64_t>(*lim.n_valid, 0), query.numel()) : query.numel();
+    // the keys taken, as the CUDA kernels take them (the CPU reads the limits directly)
+    const at::Tensor q = n == query.numel() ? query : query.narrow(0, 0, n);
+    const DynembFoiResult r = find_or_insert_cpu(q, keys, digests, scores, marks, locks, values, values_host, state,
                                                  state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind,
                                                  a, b, seed, with_rows);
     const int64_t *h = std::get<4>(r).data_ptr<int64_t>();
-    const int64_t c[3] = {h[0], h[1], h[2]};
+    const int64_t c[5] = {h[0], h[1], h[2], n, aborted ? 1 : 0};
     return finish_find_or_insert(r, c, values, state, dynemb_slot_order(values_host, state_host), [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
-        return evict_rows_cpu(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
+        return evict_rows_cpu(sl, ni, q, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
 }
 

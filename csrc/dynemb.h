@@ -95,7 +95,9 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
 // work, in one op (what a find_or_insert call must finish before it returns, without the Python of a
 // second op and two clones per call): (slots, rows, is_new, evicted (4, n_evicted): the victims' keys,
 // slots, scores and the new keys' indices; the victims' values and state; the counts (inserted,
-// n_evicted, failed) as a CPU tensor: an op's int outputs would be data-dependent symbols to tracing).
+// n_evicted, failed, keys taken, aborted) as a CPU tensor: an op's int outputs would be
+// data-dependent symbols to tracing). With n_valid, only the first n_valid[0] keys are taken and the
+// outputs hold that many; with abort set, none (the table untouched).
 using DynembFoiSyncResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // The part after the host has the counts c (inserted, evicted, failed): evict_rows(slots, new_index,
 // rows) is the device's dynemb_evict_rows on the table (victims' rows and state out, new rows in).
@@ -107,13 +109,30 @@ using DynembFoiSyncResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::T
 inline bool dynemb_slot_order(const at::Tensor &values_host, const at::Tensor &state_host) {
     return values_host.numel() > 0 || state_host.numel() > 0;
 }
+// dynemb_find_or_insert_sync's optional n_valid (how many of the query's keys to take, int64, one
+// element) and abort (a bool / uint8 flag: take none) on the table's device, checked; their data
+// pointers, or NULL.
+struct DynembFoiLimits {
+    const int64_t *n_valid = nullptr;
+    const uint8_t *abort = nullptr;
+};
+DynembFoiLimits dynemb_foi_limits(const at::Tensor &query, const at::Tensor &keys, const std::optional<at::Tensor> &n_valid,
+                                  const std::optional<at::Tensor> &abort);
+// The outputs narrowed to the keys taken (c[3]; none when aborted, c[4]).
+inline DynembFoiResult narrow_foi(const DynembFoiResult &r, const int64_t (&c)[5]) {
+    const auto &[slots, rows, is_new, evicted, counts] = r;
+    const int64_t n = c[4] ? 0 : c[3];
+    if (n == slots.numel()) return r;
+    return {slots.narrow(0, 0, n), rows.size(0) ? rows.narrow(0, 0, n) : rows, is_new.narrow(0, 0, n), evicted, counts};
+}
+// c: (inserted, evicted, failed, keys taken, aborted), returned as the op's CPU counts.
 template <typename EvictRows>
-DynembFoiSyncResult finish_find_or_insert(const DynembFoiResult &r, const int64_t (&c)[3], const at::Tensor &values,
+DynembFoiSyncResult finish_find_or_insert(const DynembFoiResult &r, const int64_t (&c)[5], const at::Tensor &values,
                                           const at::Tensor &state, bool slot_order, EvictRows evict_rows) {
     const auto &[slots, rows, is_new, evicted, counts] = r;
-    const int64_t n_ev = c[1];
-    at::Tensor host = at::empty({3}, evicted.options().device(at::kCPU));
-    std::copy(c, c + 3, host.data_ptr<int64_t>());
+    const int64_t n_ev = c[4] ? 0 : c[1];
+    at::Tensor host = at::empty({5}, evicted.options().device(at::kCPU));
+    std::copy(c, c + 5, host.data_ptr<int64_t>());
     if (n_ev == 0)
         return {slots, rows, is_new, at::empty({4, 0}, evicted.options()), at::empty({0, values.size(1)}, values.options()),
                 at::empty({0, state.size(1)}, state.options()), host};

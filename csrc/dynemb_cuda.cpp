@@ -220,12 +220,13 @@ void segment_update_cuda(const at::Tensor &grad, const at::Tensor &perm, const a
     check_launch(tf_dynemb_segsum_update_cuda(&sp, &up, stream()), "dynemb segment-sum + update kernels");
 }
 
-DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                    at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
-                                    at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                    int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                    int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                    bool with_rows) {
+// n_valid, abort: tf_dynemb_foi_params' (device pointers or NULL)
+DynembFoiResult launch_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                      at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
+                                      at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                                      int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
+                                      int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
+                                      bool with_rows, const int64_t *n_valid, const uint8_t *abort) {
     const c10::cuda::CUDAGuard guard(keys.device());
     // 128-slot buckets: step 1 writes the outputs' defined contents itself (tf_dynemb_foi_params.fill_outputs)
     const bool kernel_fills = bucket_size == 128 && query.numel() > 0;
@@ -233,6 +234,8 @@ DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, a
                                          state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b,
                                          seed, with_rows, !kernel_fills);
     f.p.fill_outputs = kernel_fills;
+    f.p.n_valid = n_valid;
+    f.p.abort = abort;
     map_host(f.p.init.values, values_host);
     map_host(f.p.init.state, state_host);
     at::Tensor miss;  // step 1's per-block lists of missed keys (128-slot buckets)
@@ -245,13 +248,24 @@ DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, a
     return f.result();
 }
 
+DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                    at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
+                                    at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                                    int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
+                                    int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
+                                    bool with_rows) {
+    return launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
+                                 bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
+                                 nullptr, nullptr);
+}
+
 // A pinned buffer for an op's counts, per thread and device: allocated once, as the host waits on
 // it at every find_or_insert call.
 int64_t *pinned_counts() {
     thread_local std::unordered_map<int, int64_t *> bufs;
     int64_t *&buf = bufs[c10::cuda::current_device()];
     if (!buf) {
-        const cudaError_t e = cudaHostAlloc(reinterpret_cast<void **>(&buf), 4 * sizeof(int64_t), cudaHostAllocPortable);
+        const cudaError_t e = cudaHostAlloc(reinterpret_cast<void **>(&buf), 8 * sizeof(int64_t), cudaHostAllocPortable);
         TORCH_CHECK(e == cudaSuccess, "torchfuse.dynemb: cudaHostAlloc of the counts buffer failed: ",
                     cudaGetErrorString(e));
     }
@@ -263,22 +277,37 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
                                              at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
                                              at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
                                              bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
-                                             double a, double b, int64_t seed, bool with_rows) {
+                                             double a, double b, int64_t seed, bool with_rows,
+                                             const std::optional<at::Tensor> &n_valid,
+                                             const std::optional<at::Tensor> &abort) {
     const c10::cuda::CUDAGuard guard(keys.device());
-    const DynembFoiResult r = find_or_insert_cuda(query, keys, digests, scores, marks, locks, values, values_host, state,
-                                                  state_host, bucket_size, epoch, allow_evict, policy, clock,
-                                                  init_kind, a, b, seed, with_rows);
-    int64_t c[3] = {0, 0, 0};
-    if (query.numel() > 0) {  // the counts into pinned memory behind the kernels, then the host waits
+    const DynembFoiLimits lim = dynemb_foi_limits(query, keys, n_valid, abort);
+    const DynembFoiResult r = launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host,
+                                                    state, state_host, bucket_size, epoch, allow_evict, policy, clock,
+                                                    init_kind, a, b, seed, with_rows, lim.n_valid, lim.abort);
+    // counts, then how many keys were taken and the abort flag: one copy behind the kernels, one wait
+    int64_t c[5] = {0, 0, 0, query.numel(), 0};
+    if (query.numel() > 0 || lim.abort) {  // an empty batch's flag is read too: its caller raises on it
         int64_t *h = pinned_counts();
+        h[4] = 0;  // the flag is one byte
         const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
         check_launch(cudaMemcpyAsync(h, std::get<4>(r).data_ptr<int64_t>(), 3 * sizeof(int64_t),
                                      cudaMemcpyDeviceToHost, s),
                      "dynemb find-or-insert counts copy");
+        if (lim.n_valid)
+            check_launch(cudaMemcpyAsync(h + 3, lim.n_valid, sizeof(int64_t), cudaMemcpyDeviceToHost, s),
+                         "dynemb find-or-insert key count copy");
+        if (lim.abort)
+            check_launch(cudaMemcpyAsync(h + 4, lim.abort, 1, cudaMemcpyDeviceToHost, s),
+                         "dynemb find-or-insert abort flag copy");
         check_launch(cudaStreamSynchronize(s), "dynemb find-or-insert kernels (at the host's wait)");
         for (int i = 0; i < 3; ++i) c[i] = h[i];
+        if (lim.n_valid) c[3] = std::min(std::max<int64_t>(h[3], 0), query.numel());
+        c[4] = lim.abort && reinterpret_cast<const uint8_t *>(h + 4)[0] ? 1 : 0;
+        if (c[4]) c[3] = 0;  // none taken
     }
-    return finish_find_or_insert(r, c, values, state, dynemb_slot_order(values_host, state_host), [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
+    return finish_find_or_insert(narrow_foi(r, c), c, values, state, dynemb_slot_order(values_host, state_host),
+                                 [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
         return evict_rows_cuda(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
 }

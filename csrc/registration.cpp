@@ -106,6 +106,10 @@ TORCH_LIBRARY(torchfuse, m) {
     // A batch sorted by id (torch.sort(ids, stable=True): sorted_ids, perm) grouped: (uniq, seg, inv),
     // the distinct ids, their runs' bounds in sorted order (n_unique + 1) and each id's index into uniq.
     m.def("dynemb_group_sorted(Tensor sorted_ids, Tensor perm) -> (Tensor, Tensor, Tensor)");
+    // The same without the host sync: (uniq, seg, inv, n_unique) with uniq of n entries and seg of
+    // n + 1, valid up to n_unique[0] (a one-element device tensor) and n_unique[0] + 1; past that, uniq
+    // holds sorted_ids' entries and seg holds n. For dynemb_find_or_insert_sync's n_valid: one wait.
+    m.def("dynemb_group_sorted_async(Tensor sorted_ids, Tensor perm) -> (Tensor, Tensor, Tensor, Tensor)");
     // Per unique id, the sum of its occurrences' gradient rows in perm order (fp32, deterministic).
     m.def("dynemb_segment_sum(Tensor grad, Tensor perm, Tensor seg, Tensor? bag_of, Tensor? scale) -> Tensor");
     // dynemb_update(slots, dynemb_segment_sum(...)) in one: on CUDA the sums are applied as they are
@@ -135,7 +139,7 @@ TORCH_LIBRARY(torchfuse, m) {
     m.def("dynemb_find_or_insert_sync(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
           "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
           "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
-          "int init_kind, float a, float b, int seed, bool with_rows) "
+          "int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid=None, Tensor? abort=None) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
     // find_or_insert's eviction row work (tf_dynemb_evict_params): returns the victims' (values,
     // state); their slots get the new keys' initial rows, copied into rows (n or 0 x dim) too.

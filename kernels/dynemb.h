@@ -125,6 +125,13 @@ typedef struct {
     uint8_t *miss;             /* CUDA with 128-slot buckets: scratch of tf_dynemb_foi_miss_bytes(n) */
     int fill_outputs;          /* CUDA with 128-slot buckets: step 1 sets is_new to 0, the evicted arrays and
                                   evicted_new to -1 and counts to 0 (the caller left them unwritten) */
+    /* CUDA, both may be NULL. n_valid: device memory holding how many of the n keys to take (the
+     * first ones; at most n): a batch grouped on the device, whose number of distinct keys the host
+     * has not read, is inserted without a host sync between. abort: a device flag; when set, the
+     * kernels take no key (a check of the caller's arguments that the host has not read yet): the
+     * table is untouched and the counts are zero. Outputs past the keys taken are unwritten. */
+    const int64_t *n_valid;
+    const uint8_t *abort;
 } tf_dynemb_foi_params;
 
 /* Step 1 lists the keys it left to step 2: a count and step 1's insert count (8 bytes each), then n

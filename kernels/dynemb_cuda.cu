@@ -280,6 +280,15 @@ struct MissList {
     uint8_t *first;
 };
 
+// How many of the batch's keys the find-or-insert kernels take (tf_dynemb_foi_params.n_valid); 0 when
+// the caller's abort flag is set. Uniform over the grid.
+__device__ __forceinline__ int64_t foi_count(const tf_dynemb_foi_params &p) {
+    if (p.abort && *p.abort) return 0;
+    if (!p.n_valid) return p.p.n;
+    const int64_t n = *p.n_valid;
+    return n < p.p.n ? n : p.p.n;
+}
+
 __device__ __forceinline__ MissList miss_list(uint8_t *miss, int64_t n) {
     return MissList{reinterpret_cast<unsigned long long *>(miss), reinterpret_cast<unsigned long long *>(miss) + 1,
                     reinterpret_cast<int64_t *>(miss + 16), reinterpret_cast<int32_t *>(miss + 16 + 8 * n),
@@ -682,7 +691,7 @@ template <typename T>
 __global__ void foi_find_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
     const int64_t i = warp_index();
     const int lane = threadIdx.x & 31;
-    if (i >= p.p.n) return;
+    if (i >= foi_count(p)) return;
     int64_t found;
     const unsigned m = warp_probe(t, p.p.query[i], lane, found);
     const int64_t slot = m ? __shfl_sync(0xffffffffu, found, __ffs(m) - 1) : -1;
@@ -793,7 +802,7 @@ template <typename T>
 __global__ void foi_insert_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
     const int64_t i = warp_index();
     const int lane = threadIdx.x & 31;
-    if (i >= p.p.n || p.p.slots[i] >= 0) return;  // uniform per warp
+    if (i >= foi_count(p) || p.p.slots[i] >= 0) return;  // uniform per warp
     const int64_t e = claim_one(t, p.p, i, lane);
     __syncwarp();
     const int64_t slot = p.p.slots[i];
@@ -944,7 +953,7 @@ template <typename T>
 __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p, int claim) {
     const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
     const int64_t i = warp_index() * 4 + q;  // every thread runs on to list_misses' barriers
-    const bool valid = i < p.p.n;
+    const bool valid = i < foi_count(p);
     const int64_t key = valid ? p.p.query[i] : 0;
     int order = 128;
     int64_t slot = quarter_probe(t, key, valid, q, ql, &order);

@@ -505,6 +505,8 @@ def test_bad_inputs(device):
         bag(_t([1, 2, 3], device), torch.tensor([0.0], device=device))
     with torch.no_grad(), pytest.raises(ValueError, match="offsets"):
         bag(_t([1, 2, 3], device), _t([0, 2, 1], device))
+    with pytest.raises(ValueError, match="offsets"):  # no ids, bad offsets: still refused
+        bag(_t([], device), _t([1], device))
     mean_bag = DynamicEmbeddingBag(3, 8, device=device, bucket_size=8, mode="mean")
     for bad in ([0, 7, 2], [0, -5, 3], [2, 3]):  # the bags' layout is launched before the check reads the device
         with pytest.raises(ValueError, match="offsets"):
@@ -555,6 +557,102 @@ def test_group_sorted(device, n, universe):
         torch.ops.torchfuse.dynemb_group_sorted(sorted_ids.int(), perm)
     with pytest.raises(RuntimeError, match="one length"):
         torch.ops.torchfuse.dynemb_group_sorted(sorted_ids, torch.cat([perm, perm[:1]]) if n else perm[:0].view(1, 0))
+
+
+@pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (9, 4), (3000, 50), (4097, 100000)])
+def test_group_sorted_async(device, n, universe):
+    """dynemb_group_sorted_async (no host sync: buffers of the batch's length and a device count)
+    against dynemb_group_sorted."""
+    ids = torch.randint(-2**62, 2**62, (universe,), dtype=torch.int64)[torch.randint(0, universe, (n,))].to(device)
+    sorted_ids, perm = torch.sort(ids, stable=True)
+    uniq, seg, inv = torch.ops.torchfuse.dynemb_group_sorted(sorted_ids, perm)
+    uniq_a, seg_a, inv_a, n_unique = torch.ops.torchfuse.dynemb_group_sorted_async(sorted_ids, perm)
+    u = int(n_unique)
+    assert n_unique.shape == (1,) and n_unique.device == ids.device and u == uniq.numel()
+    assert uniq_a.shape == (n,) and seg_a.shape == (n + 1,) and inv_a.shape == (n,)
+    assert torch.equal(uniq_a[:u], uniq) and torch.equal(seg_a[:u + 1], seg) and torch.equal(inv_a, inv)
+    assert bool((seg_a[u:] == n).all()) and torch.equal(uniq_a[u:], sorted_ids[u:])  # defined past n_unique
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_one_sync_training_matches_two(device, opt, monkeypatch):
+    """A training batch into a table at max_capacity: the one-wait path (the grouping on the device,
+    its count handed to the insert) gives the outputs, updated rows and state, and bookkeeping of the
+    two-wait path (the count read first), step for step, with new and repeated ids. No evictions:
+    which of two equal-score keys goes depends on slots, a race on the GPU (evictions through the
+    op: test_find_or_insert_sync_*)."""
+    import torchfuse.dynamic_embedding as de
+
+    def make():
+        o = tfo.SGD(0.5) if opt == "sgd" else tfo.Adam(0.05)
+        return DynamicEmbeddingBag(4, 512, device=device, bucket_size=128, eviction="lru", optimizer=o,
+                                   initializer=("uniform", -1.0, 1.0), seed=5)
+    bags = {False: make(), True: make()}
+    pool = _keys(200)
+    for step in range(5):
+        ids = _t(_keys(90, pool), device)
+        offsets = _t(sorted(random.sample(range(1, 90), 9)), device)
+        offsets = torch.cat([_t([0], device), offsets])
+        grad = torch.randn(10, 4, device=device)
+        outs = {}
+        for one, bag in bags.items():
+            monkeypatch.setattr(de, "_ONE_SYNC", one)
+            out = bag(ids, offsets)
+            (out * grad).sum().backward()
+            outs[one] = out.detach()
+        torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+        a, b = bags[False], bags[True]
+        assert len(a) == len(b) and a._version == b._version and a._clock == b._clock
+        for x, y in zip(_sorted_by_key(*a._compact()), _sorted_by_key(*b._compact())):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+        assert a.drain_evicted()[0].numel() == b.drain_evicted()[0].numel() == 0
+    assert 100 < len(bags[True]) <= 200
+
+
+@pytest.mark.parametrize("bucket_size", [16, 128])
+def test_find_or_insert_sync_n_valid_and_abort(device, bucket_size):
+    """dynemb_find_or_insert_sync's n_valid (take the first n_valid[0] keys of the query) and abort
+    (take none): a padded query with n_valid gives the result of the unpadded one, the padding is never
+    inserted; an aborted call leaves every table tensor as it was and returns no rows."""
+    ops = torch.ops.torchfuse
+    t = DynamicEmbedding(5, 4 * bucket_size, device=device, bucket_size=bucket_size, initializer=("uniform", -1.0, 1.0),
+                         seed=3, optimizer=tfo.Adagrad(0.1))
+    first = _t(_keys(bucket_size), device)
+    t.insert(first, torch.randn(first.numel(), 5, device=device))
+    q = torch.unique(torch.cat([first[: bucket_size // 2], _t(_keys(bucket_size // 2), device)]))
+    pad = _t([random.randint(I64_MIN, I64_MAX) for _ in range(7)], device)  # no specials: those are in q
+    assert not bool(t.contains(pad).any()) and not bool(torch.isin(pad, q).any())  # 2^-60-ish odds
+
+    def run(query, n_valid=None, abort=None):
+        c = {name: getattr(t, name).clone() for name in _TABLE_TENSORS}
+        out = ops.dynemb_find_or_insert_sync(
+            query, c["_keys"], c["_digests"], c["_scores"], c["_marks"], c["_locks"], c["_values"], c["_values_host"],
+            c["_state"], c["_state_host"], bucket_size, t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3, True,
+            n_valid, abort)
+        return out, c
+
+    (slots, rows, is_new, _, _, _, counts), c_ref = run(q)
+    n = q.numel()
+    for abort in (None, torch.zeros((), dtype=torch.bool, device=device)):
+        (slots_p, rows_p, is_new_p, _, _, _, counts_p), c_pad = run(torch.cat([q, pad]), _t([n], device), abort)
+        assert counts_p.tolist() == counts.tolist()[:3] + [n, 0]
+        assert slots_p.shape == (n,) and rows_p.shape == (n, 5) and is_new_p.shape == (n,)
+        torch.testing.assert_close(rows_p, rows, rtol=0, atol=0)
+        assert torch.equal(is_new_p, is_new)
+        # the same keys, rows and state (slots of new keys in one bucket are a race on the GPU)
+        for x, y in zip(_sorted_by_key(*_compact_of(c_pad)), _sorted_by_key(*_compact_of(c_ref))):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+        assert not bool(torch.isin(c_pad["_keys"][c_pad["_digests"] != 0], pad).any())
+    for flag in (torch.ones((), dtype=torch.bool, device=device), torch.ones(1, dtype=torch.uint8, device=device)):
+        (slots_a, rows_a, is_new_a, ev_a, _, _, counts_a), c_ab = run(torch.cat([q, pad]), _t([n], device), flag)
+        assert counts_a.tolist() == [0, 0, 0, 0, 1]  # no key taken
+        assert slots_a.numel() == rows_a.shape[0] == is_new_a.numel() == ev_a.shape[1] == 0
+        for name in _TABLE_TENSORS:  # bit for bit: free slots' rows are uninitialised (NaN != NaN)
+            assert torch.equal(c_ab[name].view(torch.uint8), getattr(t, name).view(torch.uint8)), name
+    with pytest.raises(TypeError, match="n_valid"):
+        run(q, _t([n], device).int())
+    with pytest.raises(RuntimeError, match="abort"):
+        run(q, None, torch.zeros(2, dtype=torch.bool, device=device))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -723,6 +821,14 @@ def test_ops_opcheck(device):
                                              1e-8, 0.9, 0.999, 0.1)),
         (ops.dynemb_group_sorted.default, torch.sort(_t([5, -1, 5, 2**62, 0, -1, 5], device), stable=True)),
         (ops.dynemb_group_sorted.default, torch.sort(_t([], device), stable=True)),
+        (ops.dynemb_group_sorted_async.default, torch.sort(_t([5, -1, 5, 2**62, 0, -1, 5], device), stable=True)),
+        (ops.dynemb_group_sorted_async.default, torch.sort(_t([], device), stable=True)),
+        (ops.dynemb_find_or_insert_sync.default, (_t([3, 99, 100, 5, 77], device), t128._keys.clone(),
+                                                  t128._digests.clone(), t128._scores.clone(), t128._marks.clone(),
+                                                  t128._locks.clone(), t128._values.clone(),
+                                                  t128._values_host.clone(), t128._state.clone(),
+                                                  t128._state_host.clone(), 128, 6, True, 0, 9, 2, -1.0, 1.0, 3, True,
+                                                  _t([3], device), torch.zeros((), dtype=torch.bool, device=device))),
         (ops.dynemb_evict_rows.default, (found[:2], _t([2, 0], device), q, t._values.clone(), t._values_host.clone(),
                                          t._state.clone(), t._state_host.clone(), torch.zeros(4, 5, **f32), 2,
                                          -1.0, 1.0, 3)),
@@ -802,6 +908,12 @@ def test_find_or_insert_full_table_rows(device, dtype, bucket_size, n_first, n_n
 
 
 _TABLE_TENSORS = ("_keys", "_digests", "_scores", "_marks", "_locks", "_values", "_values_host", "_state", "_state_host")
+
+
+def _compact_of(c):
+    """(keys, values, state, scores) of the occupied slots of cloned table tensors (no host rows)."""
+    occ = torch.nonzero(c["_digests"]).squeeze(1)
+    return c["_keys"][occ], c["_values"][occ], c["_state"][occ], c["_scores"][occ]
 
 
 def _sorted_by_key(keys, *cols):
@@ -1208,8 +1320,9 @@ def test_find_or_insert_sync_eviction_record(device, host_tier, dtype):
     slots, rows, is_new, ev, old_values, old_state, counts = ops.dynemb_find_or_insert_sync(
         q, t._keys, t._digests, t._scores, t._marks, t._locks, t._values, t._values_host, t._state, t._state_host,
         16, t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3, True)
-    inserted, n_ev, failed = counts.tolist()
+    inserted, n_ev, failed, n_taken, aborted = counts.tolist()
     assert inserted == n_ev == q.numel() >= 2 and failed == 0 and bool(is_new.all())
+    assert n_taken == q.numel() and aborted == 0
     assert ev.shape == (4, n_ev) and old_values.shape == (n_ev, dim) and old_state.shape == (n_ev, 2 * dim)
     ev_keys, ev_slots, ev_scores, ev_new = ev
     if host_tier:

@@ -5,6 +5,7 @@ The table's state is a set of tensors owned by the module (kernels/dynemb.h docu
 keys, digests (0 = empty slot, so every int64 is a usable key), scores, values and optimizer state,
 indexed by slot. Operations are the internal ops ``torch.ops.torchfuse.dynemb_*`` on those tensors.
 """
+import os
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
@@ -16,6 +17,9 @@ from . import optim as _optim
 from ._stats import count
 
 _ops = torch.ops.torchfuse
+# TORCHFUSE_DYNEMB_ONE_SYNC=0: a training batch into a full table takes two host waits (the number of
+# distinct ids, then the insert's counts) instead of one (the A/B of _group's two paths)
+_ONE_SYNC = os.environ.get("TORCHFUSE_DYNEMB_ONE_SYNC", "1") != "0"
 _find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default  # the overload itself: called ahead of every launch
 _EVICTIONS = ("lru", "lfu", "none")
 _INIT_KINDS = {"normal": 1, "uniform": 2, "constant": 3}
@@ -371,7 +375,9 @@ class DynamicEmbedding(torch.nn.Module):
         _ops.dynemb_init(slots, keys, mask, self._values, self._values_host, self._state, self._state_host,
                          *init, self.seed)
 
-    def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool, init_rows: bool = True):
+    def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool, init_rows: bool = True,
+                              n_valid: Optional[Tensor] = None, abort: Optional[Tensor] = None,
+                              on_abort: Optional[Callable[[], None]] = None):
         """_find_or_insert at full capacity (no growth to decide first) in one op: dynemb_find_or_insert_sync
         (probe, insert, init, touch and the rows out in two kernels on the GPU, then the host's wait on
         the counts and, when keys were evicted, the eviction-rows kernel). Returns (slots, is_new,
@@ -382,7 +388,11 @@ class DynamicEmbedding(torch.nn.Module):
         pass (dynemb_init_gather) initialises the new rows and reads all rows in slot order (see
         _host_tier_on_cuda), with the same results (the initializer is a function of key, seed and
         column). On a table with host rows the op sorts its evictions by victim slot before their row
-        work, so the eviction record comes out in slot order."""
+        work, so the eviction record comes out in slot order.
+        n_valid (a one-element device tensor): only the first n_valid[0] keys are taken (a batch
+        grouped on the device: one host wait for both). abort (a device flag, e.g. an argument check
+        not read yet): when set nothing is touched and on_abort() must raise. The result's fifth
+        entry is the number of keys taken."""
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
@@ -391,8 +401,14 @@ class DynamicEmbedding(torch.nn.Module):
         slots, rows, is_new, ev, old_values, old_state, counts = _find_or_insert_sync_op(
             keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values,
             self._values_host, self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none",
-            policy, clock, *init, self.seed, with_rows and not by_slot)
-        inserted, n_ev, failed = counts.tolist()
+            policy, clock, *init, self.seed, with_rows and not by_slot, n_valid, abort)
+        inserted, n_ev, failed, n_taken, aborted = counts.tolist()
+        if aborted:
+            if on_abort is not None:
+                on_abort()
+            raise RuntimeError(f"torchfuse.{type(self).__name__}: find_or_insert aborted by its caller's check")
+        if n_taken != keys.numel():
+            keys = keys[:n_taken]
         self._bump("_size", inserted - n_ev)
         saved = None
         if n_ev:  # ev: the op's own (4, n_ev) copy, so its rows are kept as they are
@@ -406,7 +422,7 @@ class DynamicEmbedding(torch.nn.Module):
                                            self._state_host, *self._init_args(), self.seed, torch.argsort(slots))
         if failed:
             raise RuntimeError(self._full_message(failed))
-        return slots, is_new, saved, rows if with_rows else None
+        return slots, is_new, saved, rows if with_rows else None, n_taken
 
     def _save_evicted(self, keys: Tensor, slots: Tensor, scores: Tensor):
         """(keys, values, optimizer state, scores) of keys an insert evicted, read before their slots
@@ -663,14 +679,25 @@ class DynamicEmbedding(torch.nn.Module):
             rows = self._gather(slots, self._values, self._values_host)
         return rows, inv
 
-    def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None, sorted_perm=None):
+    def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None, sorted_perm=None,
+               bad: Optional[Tensor] = None):
         """One stable sort of the batch: (perm, seg, slots_u, uniq, slots_id). perm lists the ids
         grouped by unique id, seg the group bounds, slots_u the unique ids' slots (inserted in
         training mode), slots_id each id's slot. check (if given) runs before the table is touched,
         right after the grouping's host sync, so a check that reads the device waits on nothing.
         sorted_perm: torch.sort(flat, stable=True) when the caller launched it already (so that its
-        own host work overlaps the sort on the GPU)."""
+        own host work overlaps the sort on the GPU). bad: check's device flag; with it a training
+        batch into a full table waits on the host once, after the insert (see below)."""
         sorted_ids, perm = sorted_perm if sorted_perm is not None else torch.sort(flat, stable=True)
+        if self.training and self.capacity >= self.max_capacity and _ONE_SYNC:
+            # No growth to decide, so the distinct ids need not be counted on the host first: the
+            # grouping and the insert are queued back to back and the host waits once, for both
+            # counts. bad rides along as the insert's abort flag: the table stays untouched, and
+            # check raises after that wait.
+            uniq, seg, inv, n_unique = _ops.dynemb_group_sorted_async(sorted_ids, perm)
+            out = self._find_or_insert_fused(uniq, True, False, n_valid=n_unique, abort=bad, on_abort=check)
+            slots_u, n_u = out[0], out[4]
+            return perm, seg[:n_u + 1], slots_u, uniq[:n_u], slots_u[inv]
         uniq, seg, inv = _ops.dynemb_group_sorted(sorted_ids, perm)
         if check is not None:
             check()
@@ -832,7 +859,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         w = per_sample_weights.float().contiguous() if per_sample_weights is not None else None
         if not need_grad:
             if self.training:
-                slots = self._group(flat, check_offsets, sorted_perm)[4]
+                slots = self._group(flat, check_offsets, sorted_perm, bad)[4]
             else:
                 check_offsets()
                 slots = self._lookup(flat)
@@ -844,9 +871,15 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         bag_of = (torch.searchsorted(full, torch.arange(n, device=self.device), right=True) - 1).clamp_(
             0, max(lengths.numel() - 1, 0))
         scale = w if w is not None else ((1.0 / lengths.clamp(min=1).float())[bag_of] if mean else None)
-        perm, seg, slots_u, uniq, slots_id = self._group(flat, check_offsets, sorted_perm)
+        perm, seg, slots_u, uniq, slots_id = self._group(flat, check_offsets, sorted_perm, bad)
         anchor = torch.empty(0, device=self.device, requires_grad=True)
         return _Fused.apply(anchor, self, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale))
+
+
+@torch.library.register_fake("torchfuse::dynemb_group_sorted_async")
+def _group_sorted_async_fake(sorted_ids, perm):
+    n = sorted_ids.shape[0]
+    return sorted_ids.new_empty((n,)), perm.new_empty((n + 1,)), perm.new_empty((n,)), perm.new_empty((1,))
 
 
 @torch.library.register_fake("torchfuse::dynemb_group_sorted")
@@ -908,13 +941,15 @@ def _find_or_insert_fake(query, keys, digests, scores, marks, locks, values, val
 
 @torch.library.register_fake("torchfuse::dynemb_find_or_insert_sync")
 def _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                              bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows):
-    n = query.shape[0]
-    n_ev = torch.library.get_ctx().new_dynamic_size()
+                              bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
+                              n_valid=None, abort=None):
+    ctx = torch.library.get_ctx()
+    n = query.shape[0] if n_valid is None and abort is None else ctx.new_dynamic_size()  # the keys taken
+    n_ev = ctx.new_dynamic_size()
     return (query.new_empty((n,)), values.new_empty((n if with_rows else 0, values.shape[1])),
             query.new_empty((n,), dtype=torch.uint8), query.new_empty((4, n_ev)),
             values.new_empty((n_ev, values.shape[1])), state.new_empty((n_ev, state.shape[1])),
-            query.new_empty((3,), device="cpu"))
+            query.new_empty((5,), device="cpu"))
 
 
 @torch.library.register_fake("torchfuse::dynemb_touch")
