@@ -10,6 +10,8 @@
 #   hybrid: half the rows in host memory, ours against HierarchicalKV's hybrid mode (branch
 #           dynemb-tier-init-evict's change, merged after the check)
 #   onesync: branch dynemb-one-sync's check and A/B (tests, memcheck, TORCHFUSE_DYNEMB_ONE_SYNC=0 / 1)
+#   stage:  branch dynemb-segsum-stage's check and A/B (tests incl. norm and HSTU mma.sync, memcheck,
+#           racecheck, TORCHFUSE_DYNEMB_SEG_STAGE=0 / 1)
 #   PEERS_HKV=.gl/dynemb-peers/hkv_bench bash benchmarks/run_device_s11.sh hybrid
 set -uo pipefail
 PART=${1:?part: check or hybrid}
@@ -89,6 +91,28 @@ elif [ "$PART" = onesync ]; then
   for one in 0 1 0 1; do
     TORCHFUSE_DYNEMB_ONE_SYNC=$one timeout 100 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train_one$one.md" > "$OUT/train_one$one.log" 2>&1
     echo "one_sync $one: $(grep "training step" "$OUT/train_one$one.log" | tr '\n' ' ')"
+  done
+elif [ "$PART" = stage ]; then
+  # branch dynemb-segsum-stage: SGD's segment update with the chunk's rows staged in shared memory by
+  # cp.async (TORCHFUSE_DYNEMB_SEG_STAGE=0: the register kernel); the norm and HSTU mma.sync kernels
+  # now take cp.async from kernels/tf_cp_async.cuh (same instructions): their GPU tests too
+  timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
+  timeout 120 python3 -m pytest tests/test_norm.py -q -p no:cacheprovider -k cuda -x > "$OUT/pytest_norm.log" 2>&1
+  echo "norm pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_norm.log" | tail -3
+  timeout 120 $T -q -k "cuda-mma" -x > "$OUT/pytest_hstu_mma.log" 2>&1
+  echo "hstu mma.sync pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_hstu_mma.log" | tail -3
+  timeout 60 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (staged or segment_update or training)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  timeout 60 compute-sanitizer --tool racecheck --print-limit 5 $P -x -k "cuda and staged" > "$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2
+  for round in ${ROUNDS:-1 2}; do for st in 0 1; do
+    (cd benchmarks && TORCHFUSE_DYNEMB_SEG_STAGE=$st timeout 60 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_st$st.txt" 2>&1
+    echo "round $round stage $st: segsum $(grep -m1 -E "segsum_update(_staged)?_kernel" "$OUT/prof_st$st.txt" | awk '{print $(NF-4)}'), $(grep -m1 "Self CUDA time total" "$OUT/prof_st$st.txt")"
+  done; done
+  for st in 0 1; do
+    TORCHFUSE_DYNEMB_SEG_STAGE=$st timeout 100 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train_st$st.md" > "$OUT/train_st$st.log" 2>&1
+    echo "stage $st: $(grep "training step sgd" "$OUT/train_st$st.log")"
   done
 elif [ "$PART" = hstu ]; then
   # the full HSTU table (ping-pong forward at every shape since session 10), one process

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "hstu.h"
+#include "tf_cp_async.cuh"
 
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
@@ -80,14 +81,6 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p) {
                  : "r"(smem_u32(p)));
 }
 
-/* 16 bytes global -> shared, asynchronously; zero-filled when !pred (src is then not read). */
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool pred) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-                 "r"(pred ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);

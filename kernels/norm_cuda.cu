@@ -26,6 +26,7 @@
 #include <tuple>
 
 #include "norm.h"
+#include "tf_cp_async.cuh"
 #include "tf_vec.cuh"
 
 namespace {
@@ -460,12 +461,6 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
  * limited by registers, capping DRAM throughput near 70%). A thread reads back only what it copied
  * itself, so no barrier guards the staging buffers. Layout: planes of 16 bytes x threads, indexed
  * (stage, chunk, tensor part), so a warp's accesses are conflict-free. */
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
 /* Planes per chunk and stage: x, then the residual, then residual2 (R2B > 0: GPT-NeoX's parallel
  * residual, whose third input would otherwise be loaded at its use, a row's latency exposed). */
@@ -514,7 +509,7 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_staged_kernel(const t
         const int64_t row = base + threadIdx.y;
         const bool active = row < p.rows;
         issue(row + n_slots, stage ^ 1);
-        cp_async_wait_prev(); /* this row's group has landed */
+        cp_async_wait<1>(); /* this row's group has landed */
         float v[K][TF_VEC], sum = 0.f, sumsq = 0.f;
         void *srow = p.s ? tf_row(p.s, p.s_dtype, row, cols) : nullptr;
 #pragma unroll
