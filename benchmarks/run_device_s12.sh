@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Session 12's device calls (each under the 10-minute limit; a warm machine keeps the build):
+#   check: the two branches session 11 wrote without a GPU, merged into main for this call:
+#          dynemb-one-sync (a training batch into a full table with one host wait) and
+#          dynemb-segsum-stage (SGD's segment update with the chunk's rows cp.async-staged in shared
+#          memory; the norm and HSTU mma.sync kernels now take cp.async from kernels/tf_cp_async.cuh).
+#          GPU tests (dynamic embeddings, TorchRec, norm, HSTU mma.sync), memcheck on the new paths,
+#          racecheck on the staged kernel, then the A/B of both switches in GPU time and in the step.
+set -uo pipefail
+PART=${1:?part: check}
+source "$(dirname "$0")/device_build.sh"
+T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
+P="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
+if [ "$PART" = check ]; then
+  timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
+  timeout 50 python3 -m pytest tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_torchrec.log" 2>&1
+  echo "torchrec pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_torchrec.log" | tail -3
+  timeout 60 python3 -m pytest tests/test_norm.py -q -p no:cacheprovider -k cuda -x > "$OUT/pytest_norm.log" 2>&1
+  echo "norm pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_norm.log" | tail -3
+  timeout 60 $T -k "cuda-mma" -x > "$OUT/pytest_hstu_mma.log" 2>&1
+  echo "hstu mma.sync pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_hstu_mma.log" | tail -3
+  timeout 90 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (n_valid or group_sorted or one_sync or bad_inputs or training or staged or segment_update)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  timeout 45 compute-sanitizer --tool racecheck --print-limit 5 $P -x -k "cuda and staged" > "$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2
+  for round in 1 2; do for cfg in "0 0" "1 0" "0 1" "1 1"; do set -- $cfg
+    (cd benchmarks && TORCHFUSE_DYNEMB_ONE_SYNC=$1 TORCHFUSE_DYNEMB_SEG_STAGE=$2 timeout 40 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_$1$2.txt" 2>&1
+    echo "round $round one_sync $1 stage $2: segsum $(grep -m1 -E "segsum_update(_staged)?_kernel" "$OUT/prof_$1$2.txt" | awk '{print $(NF-4)}'), $(grep -m1 "Self CUDA time total" "$OUT/prof_$1$2.txt"), syncs $(grep -m1 cudaStreamSynchronize "$OUT/prof_$1$2.txt" | awk '{print $NF}')"
+  done; done
+  for cfg in "0 0" "1 1" "0 0" "1 1"; do set -- $cfg
+    TORCHFUSE_DYNEMB_ONE_SYNC=$1 TORCHFUSE_DYNEMB_SEG_STAGE=$2 timeout 80 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train_$1$2.md" > "$OUT/train_$1$2.log" 2>&1
+    echo "one_sync $1 stage $2: $(grep "training step" "$OUT/train_$1$2.log" | tr '\n' ' ')"
+  done
+fi
