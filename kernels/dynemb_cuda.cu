@@ -16,7 +16,6 @@
 #include <stdlib.h>
 
 #include "dynemb.h"
-#include "tf_cp_async.cuh"
 
 namespace {
 
@@ -1417,111 +1416,6 @@ __global__ void __launch_bounds__(128, kOpt == TF_OPT_SGD || kOpt == TF_OPT_ROWW
     }
 }
 
-/* segsum_update_kernel for SGD on a table without host rows, rows of at most kStageRowBytes (a
- * multiple of 16 bytes). At the warp's start the table rows of all the chunk's ids whose run lies in
- * the chunk (up to 32) are copied into shared memory with cp.async: all of them in flight at once, and
- * holding no registers, where segsum_update_kernel loads the rows of at most four ids per step (into
- * registers, which bound its warps per SM). The steps then wait only on the gradient rows (from L2),
- * eight occurrences at a time; each row is read back from shared memory when its run ends. Same
- * arithmetic in the same order as segsum_update_kernel. Threads: a warp per chunk of
- * TF_DYNEMB_SEG_CHUNK occurrences, blocks of 2 warps, 32 staged rows per warp (32 KB a block: 6 blocks,
- * 12 warps per SM with the 1 KB each block reserves; registers would allow 20). */
-constexpr int kStageRowBytes = 512;
-constexpr int kStageStep = 8;
-constexpr int kStageWarps = 2;
-
-__global__ void __launch_bounds__(32 * kStageWarps) segsum_update_staged_kernel(tf_dynemb_segsum_params p,
-                                                                               tf_dynemb_update_params u) {
-    extern __shared__ __align__(16) unsigned char stage_all[];
-    const int64_t k = warp_index();
-    const int lane = threadIdx.x & 31;
-    unsigned char *stage = stage_all + (threadIdx.x >> 5) * 32 * kStageRowBytes;  // row r: the chunk's r-th id
-    const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
-    if (q0 >= p.n_occ) return;
-    const int64_t q1 = seg_chunk_end(p, q0);
-    int64_t my_src;
-    float my_scale;
-    seg_lane_pair(p, q0, q1, lane, my_src, my_scale);
-    const int64_t lo = seg_id_of(p, q0, lane);
-    int64_t my_end = INT64_MAX, my_slot = -1;  // lane l: the end of the run of id lo + l, and its slot
-    if (lo + lane < p.n_unique) {
-        my_end = p.seg[lo + lane + 1];
-        my_slot = u.slots[lo + lane];
-    }
-    const int64_t begin_lo = p.seg[lo];
-    const int64_t prev_end = __shfl_up_sync(0xffffffffu, my_end, 1);
-    const int64_t my_begin = lane == 0 ? begin_lo : prev_end;
-    const int row_bytes = static_cast<int>(u.values.row_bytes);
-    // the rows of the ids applied here (runs inside the chunk): lane l copies bytes 16 l .. 16 l + 15
-    for (unsigned m = __ballot_sync(0xffffffffu, my_slot >= 0 && my_begin >= q0 && my_end <= q1); m; m &= m - 1) {
-        const int r = __ffs(m) - 1;
-        const int64_t sl = __shfl_sync(0xffffffffu, my_slot, r);
-        if (16 * lane < row_bytes)
-            cp_async16(stage + r * kStageRowBytes + 16 * lane, u.values.hbm + sl * u.values.row_bytes + 16 * lane);
-    }
-    cp_async_commit();
-    float acc[kSegCols];
-#pragma unroll
-    for (int j = 0; j < kSegCols; ++j) acc[j] = 0.f;
-    int r = 0;  // the current id is lo + r (r < 32: a chunk of 32 occurrences holds at most 32 ids)
-    int64_t u_begin = begin_lo, u_end = __shfl_sync(0xffffffffu, my_end, 0);
-    bool landed = false;
-    for (int64_t qb = q0; qb < q1; qb += kStageStep) {
-        float v[kStageStep][kSegCols];
-#pragma unroll
-        for (int rr = 0; rr < kStageStep; ++rr) {
-            const int64_t q = qb + rr;
-            const int64_t src = __shfl_sync(0xffffffffu, my_src, (int)((q < q1 ? q : q0) - q0));
-#pragma unroll
-            for (int j = 0; j < kSegCols; ++j) {
-                const int64_t c = lane + 32 * j;
-                v[rr][j] = q < q1 && c < p.dim ? load_f32(p.grad, p.grad_dtype, src * p.dim + c) : 0.f;
-            }
-        }
-        if (!landed) {  // the first step's gradient loads are out; now the staged rows must have landed
-            cp_async_wait<0>();
-            __syncwarp();
-            landed = true;
-        }
-#pragma unroll
-        for (int rr = 0; rr < kStageStep; ++rr) {
-            const int64_t q = qb + rr;
-            if (q >= q1) break;
-            const float sc = __shfl_sync(0xffffffffu, my_scale, (int)(q - q0));
-#pragma unroll
-            for (int j = 0; j < kSegCols; ++j) acc[j] += sc * v[rr][j];
-            if (q + 1 == u_end || q + 1 == q1) { /* the run of id lo + r ends here */
-                if (u_begin >= q0 && u_end <= q1) {
-                    const int64_t sl = __shfl_sync(0xffffffffu, my_slot, r);
-                    if (sl >= 0) {
-                        float w[kSegCols], s1[kSegCols], s2[kSegCols];
-                        const unsigned char *row = stage + r * kStageRowBytes;
-#pragma unroll
-                        for (int j = 0; j < kSegCols; ++j) {
-                            const int64_t c = lane + 32 * j;
-                            w[j] = c < u.dim ? load_f32(row, u.dtype, c) : 0.f;
-                            s1[j] = s2[j] = 0.f;
-                        }
-                        apply_cols<TF_OPT_SGD>(u, sl, lane, acc, w, s1, s2);
-                    }
-                } else {
-                    float *dst = p.partial + ((2 * k + (u_begin < q0 ? 0 : 1)) * p.dim);
-#pragma unroll
-                    for (int j = 0; j < kSegCols; ++j)
-                        if (lane + 32 * j < p.dim) dst[lane + 32 * j] = acc[j];
-                }
-#pragma unroll
-                for (int j = 0; j < kSegCols; ++j) acc[j] = 0.f;
-                if (q + 1 < q1 && lo + r + 1 < p.n_unique) {
-                    ++r;
-                    u_begin = u_end;
-                    u_end = __shfl_sync(0xffffffffu, my_end, r < 32 ? r : 31);
-                }
-            }
-        }
-    }
-}
-
 /* segsum_join_kernel's sums of the runs cut by chunk edges, applied to their rows. */
 template <int kOpt>
 __global__ void segsum_update_join_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
@@ -1738,29 +1632,6 @@ int tf_dynemb_segsum_update_cuda(const tf_dynemb_segsum_params *p, const tf_dyne
     const unsigned grid = grid_for_warps(tf_dynemb_seg_chunks(p->n_occ));
     // 94-128 registers: blocks of 4 warps pack more warps per SM than blocks of 8
     const unsigned grid128 = static_cast<unsigned>((tf_dynemb_seg_chunks(p->n_occ) + 3) / 4);
-    // SGD without host rows, rows of at most kStageRowBytes: the staged kernel, unless
-    // TORCHFUSE_DYNEMB_SEG_STAGE=0 (the A/B)
-    const char *stage_env = getenv("TORCHFUSE_DYNEMB_SEG_STAGE");
-    const bool staged = u->opt == TF_OPT_SGD && !u->values.host && u->values.row_bytes > 0 &&
-                        u->values.row_bytes <= kStageRowBytes && u->values.row_bytes % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(u->values.hbm) % 16 == 0 && !(stage_env && stage_env[0] == '0');
-    if (staged && p->n_occ > 0) {
-        constexpr int smem = kStageWarps * 32 * kStageRowBytes;
-        static bool attr_set[64] = {false};  // per device: the dynamic shared memory past 48 KB, asked once
-        int dev = 0;
-        cudaGetDevice(&dev);
-        if (dev < 0 || dev >= 64 || !attr_set[dev]) {
-            const cudaError_t e = cudaFuncSetAttribute(segsum_update_staged_kernel,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-            if (e != cudaSuccess) return static_cast<int>(e);
-            if (dev >= 0 && dev < 64) attr_set[dev] = true;
-        }
-        const unsigned grid_st = static_cast<unsigned>((tf_dynemb_seg_chunks(p->n_occ) + kStageWarps - 1) / kStageWarps);
-        segsum_update_staged_kernel<<<grid_st, 32 * kStageWarps, smem, s>>>(*p, *u);
-        segsum_update_join_kernel<TF_OPT_SGD><<<grid, kBlock, 0, s>>>(*p, *u);
-        segsum_update_empty_kernel<TF_OPT_SGD><<<grid_for_threads(p->n_unique), kBlock, 0, s>>>(*p, *u);
-        return static_cast<int>(cudaGetLastError());
-    }
 #define TF_SEGUPD(OPT)                                                                           \
     if (p->n_occ > 0) {                                                                          \
         segsum_update_kernel<OPT><<<grid128, 128, 0, s>>>(*p, *u);                                \

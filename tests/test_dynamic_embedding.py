@@ -1056,43 +1056,6 @@ def test_segment_update_matches_sum_then_update(device, opt, dim, bags):
     assert not torch.equal(v2, values)
 
 
-@pytest.mark.parametrize("dim,dtype", [(128, torch.float32), (8, torch.float32), (128, torch.bfloat16),
-                                       (64, torch.float16), (6, torch.float32)])
-@pytest.mark.parametrize("bags", [False, True])
-def test_segment_update_staged_matches_registers(device, dim, dtype, bags, monkeypatch):
-    """SGD's segment update on CUDA in its two kernels: the staged one (each chunk's table rows copied
-    into shared memory by cp.async first; rows of 16-byte multiples up to 512 bytes, no host rows)
-    against the register one (TORCHFUSE_DYNEMB_SEG_STAGE=0): the same rows, bit for bit, with a hot id
-    across chunks, ids cut by chunk edges, an id whose slot is gone, bags and scales. Dim 6 fp32 (24-byte
-    rows) takes the register kernel both times."""
-    if device == "cpu":
-        pytest.skip("the staged kernel is CUDA-only (the CPU path is checked by test_segment_update_matches_sum_then_update)")
-    ops = torch.ops.torchfuse
-    counts = [1] * 60 + [150] + [3] * 9 + [40] + [1] * 30 + [2] * 5
-    random.shuffle(counts)
-    n_occ, n_u = sum(counts), len(counts)
-    seg = torch.tensor([0] + list(itertools.accumulate(counts)), device=device)
-    perm = torch.randperm(n_occ, device=device)
-    n_rows = 50 if bags else n_occ
-    grad = torch.randn(n_rows, dim, device=device)
-    bag_of = torch.randint(0, n_rows, (n_occ,), device=device) if bags else None
-    scale = torch.rand(n_occ, device=device) if bags else None
-    slots = torch.randperm(400, device=device)[:n_u]
-    slots[5] = -1
-    values = torch.randn(400, dim, device=device).to(dtype)
-    host = values.new_empty(0, dim)
-    state, host_st = torch.empty(400, 0, device=device), torch.empty(0, 0, device=device)
-    out = {}
-    for stage in ("1", "0"):
-        monkeypatch.setenv("TORCHFUSE_DYNEMB_SEG_STAGE", stage)
-        v = values.clone()
-        ops.dynemb_segment_update(grad, perm, seg, bag_of, scale, slots, v, host, state, host_st, 0, 0.05, 1e-8,
-                                  0.9, 0.999, 0.0)
-        out[stage] = v
-    assert torch.equal(out["1"].view(torch.uint8), out["0"].view(torch.uint8))
-    assert not torch.equal(out["1"], values)
-
-
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("dim", [4, 128, 132])
 def test_pool_op_layouts(device, shift, dim):
