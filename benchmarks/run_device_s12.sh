@@ -6,8 +6,11 @@
 #          memory; the norm and HSTU mma.sync kernels now take cp.async from kernels/tf_cp_async.cuh).
 #          GPU tests (dynamic embeddings, TorchRec, norm, HSTU mma.sync), memcheck on the new paths,
 #          racecheck on the staged kernel, then the A/B of both switches in GPU time and in the step.
+#   layout: the bag layout in one kernel (dynemb_bag_layout) and the grouping in three launches (CUB
+#          scan): dynamic-embedding and TorchRec GPU tests, memcheck on them, then the one-process A/B
+#          (ab_train_step.py --switch _FUSED_LAYOUT), the step's GPU idle gaps and its kernel profile
 set -uo pipefail
-PART=${1:?part: check}
+PART=${1:?part: check or layout}
 source "$(dirname "$0")/device_build.sh"
 T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
 P="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
@@ -32,4 +35,16 @@ if [ "$PART" = check ]; then
     TORCHFUSE_DYNEMB_ONE_SYNC=$1 TORCHFUSE_DYNEMB_SEG_STAGE=$2 timeout 80 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train_$1$2.md" > "$OUT/train_$1$2.log" 2>&1
     echo "one_sync $1 stage $2: $(grep "training step" "$OUT/train_$1$2.log" | tr '\n' ' ')"
   done
+elif [ "$PART" = layout ]; then
+  timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
+  timeout 50 python3 -m pytest tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_torchrec.log" 2>&1
+  echo "torchrec pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_torchrec.log" | tail -3
+  timeout 90 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (bag_layout or group_sorted or one_sync or bad_inputs or training or bag)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  (cd benchmarks && timeout 150 python3 ab_train_step.py --switch _FUSED_LAYOUT --rounds ${ROUNDS:-4} --steps 30) 2>&1 | grep "|"
+  (cd benchmarks && timeout 40 python3 gaps_dynemb_train.py --min-us 5) > "$OUT/gaps.txt" 2>&1
+  echo "gaps exit $?"; grep -E "^host|^\| [0-9]" "$OUT/gaps.txt" | head -30
+  (cd benchmarks && timeout 40 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof.txt" 2>&1
+  echo "profile exit $?"; grep -m1 "Self CUDA time total" "$OUT/prof.txt"
 fi

@@ -110,6 +110,10 @@ TORCH_LIBRARY(torchfuse, m) {
     // n + 1, valid up to n_unique[0] (a one-element device tensor) and n_unique[0] + 1; past that, uniq
     // holds sorted_ids' entries and seg holds n. For dynemb_find_or_insert_sync's n_valid: one wait.
     m.def("dynemb_group_sorted_async(Tensor sorted_ids, Tensor perm) -> (Tensor, Tensor, Tensor, Tensor)");
+    // A bag batch's layout from its offsets (kernels/dynemb_batch.h): (full (n_bags + 1), bag_of (n),
+    // scale (n mean-mode scales when mean, else empty), bad (one uint8 flag: offsets that do not start
+    // at 0, decrease, or end elsewhere than n)). Defined, in-range results for any offsets.
+    m.def("dynemb_bag_layout(Tensor offsets, int n, bool include_last_offset, bool mean) -> (Tensor, Tensor, Tensor, Tensor)");
     // Per unique id, the sum of its occurrences' gradient rows in perm order (fp32, deterministic).
     m.def("dynemb_segment_sum(Tensor grad, Tensor perm, Tensor seg, Tensor? bag_of, Tensor? scale) -> Tensor");
     // dynemb_update(slots, dynemb_segment_sum(...)) in one: on CUDA the sums are applied as they are

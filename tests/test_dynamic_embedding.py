@@ -1,5 +1,6 @@
 """DynamicEmbedding / DynamicEmbeddingBag against a Python dict model of the table, nn.Embedding /
 nn.EmbeddingBag plus torch.optim on pre-mapped ids, and each other (state_dict, tiers, devices)."""
+import bisect
 import io
 import itertools
 import math
@@ -533,7 +534,7 @@ def test_bad_inputs(device):
                                           table._digests, table._marks, 8, 0)
 
 
-@pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (7, 3), (1000, 37), (4097, 100000)])
+@pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (7, 3), (1000, 37), (4097, 100000), (200003, 150001)])
 def test_group_sorted(device, n, universe):
     """dynemb_group_sorted (the training paths' grouping of a batch) against torch.unique: the
     distinct ids, the runs' bounds in the stable sort's order, and each id's index."""
@@ -557,6 +558,88 @@ def test_group_sorted(device, n, universe):
         torch.ops.torchfuse.dynemb_group_sorted(sorted_ids.int(), perm)
     with pytest.raises(RuntimeError, match="one length"):
         torch.ops.torchfuse.dynemb_group_sorted(sorted_ids, torch.cat([perm, perm[:1]]) if n else perm[:0].view(1, 0))
+
+
+def _bag_layout_ref(offsets, n, incl, mean):
+    """dynemb_bag_layout's contract in plain Python, for any offsets (bad ones included)."""
+    offs = [int(o) for o in offsets]
+    full = offs if incl else offs + [n]
+    n_bags = len(full) - 1
+    bad = full[0] != 0 or full[-1] != n or any(b < a for a, b in zip(full, full[1:]))
+    last = max(n_bags - 1, 0)
+    if all(a <= b for a, b in zip(full, full[1:])):  # the last bag b <= last with full[b] <= i (0 if none)
+        bag_of = [max(bisect.bisect_right(full, i, 0, last + 1) - 1, 0) for i in range(n)]
+    else:  # unsorted offsets: any in-range bag (the search tolerates disorder)
+        bag_of = [None] * n
+    scale = [None if b is None else 1.0 / max(full[b + 1] - full[b], 1) for b in bag_of] if mean else []
+    return full, bag_of, scale, bad, last
+
+
+@pytest.mark.parametrize("otype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("incl", [False, True])
+@pytest.mark.parametrize("mean", [False, True])
+def test_bag_layout(device, otype, incl, mean):
+    """dynemb_bag_layout (the bags' bounds, each id's bag, mean scales and the offsets' check flag in
+    one kernel) against a Python reference: valid offsets with empty bags, and bad ones (not starting
+    at 0, decreasing, ending past or short of n), whose results must still be in range."""
+    cases = []
+    for n, n_bags in [(0, 0), (0, 3), (1, 1), (5, 1), (37, 6), (1000, 97), (20011, 1301)]:
+        if n_bags == 0 and incl:
+            continue
+        cuts = sorted(random.choices(range(n + 1), k=max(n_bags - 1, 0)))
+        offs = [0] + cuts + ([n] if incl else [])
+        if not incl and n_bags == 0:
+            offs = []
+        cases.append((offs, n))
+    cases += [([1, 3, 5] + ([9] if incl else []), 9), ([0, 4, 2] + ([9] if incl else []), 9),
+              ([0, 3, 12] + ([12] if incl else []), 9), ([0, 3] + ([7] if incl else []), 9)]
+    for offs, n in cases:
+        if not offs and (incl or n):
+            continue
+        offsets = torch.tensor(offs, dtype=otype, device=device)
+        full, bag_of, scale, bad = torch.ops.torchfuse.dynemb_bag_layout(offsets, n, incl, mean)
+        r_full, r_bag, r_scale, r_bad, last = _bag_layout_ref(offs, n, incl, mean)
+        assert full.dtype == torch.int64 and full.tolist() == r_full, (offs, n)
+        assert bad.dtype == torch.uint8 and bool(bad) == r_bad, (offs, n)
+        got = bag_of.tolist()
+        assert len(got) == n and all(0 <= b <= last for b in got), (offs, n)
+        assert all(r is None or g == r for g, r in zip(got, r_bag)), (offs, n)
+        if mean:
+            sc = scale.tolist()
+            assert scale.dtype == torch.float32 and len(sc) == n
+            assert all(r is None or s == pytest.approx(r, rel=1e-7) for s, r in zip(sc, r_scale)), (offs, n)
+        else:
+            assert scale.numel() == 0
+    with pytest.raises(TypeError, match="int32 or int64"):
+        torch.ops.torchfuse.dynemb_bag_layout(torch.zeros(2, device=device), 3, incl, mean)
+    with pytest.raises(RuntimeError, match="no bags"):
+        torch.ops.torchfuse.dynemb_bag_layout(torch.zeros(1 if incl else 0, dtype=otype, device=device), 3, incl, mean)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bag_layout_paths_agree(device, fused, monkeypatch):
+    """DynamicEmbeddingBag with the bag layout from dynemb_bag_layout and from ATen ops (the A/B
+    switch): the same outputs, rows after a training step, and errors for bad offsets."""
+    import torchfuse.dynamic_embedding as de
+    monkeypatch.setattr(de, "_FUSED_LAYOUT", fused)
+    for mode in ("sum", "mean"):
+        bag = DynamicEmbeddingBag(6, 256, device=device, mode=mode, optimizer=tfo.SGD(0.25),
+                                  initializer=("uniform", -1.0, 1.0), seed=3)
+        ids = _t(_keys(50, _keys(20)), device)  # repeats too
+        offsets = _t([0, 0, 7, 20, 20, 33], device)  # empty bags too
+        out = bag(ids, offsets)
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        rows0, _ = bag.find(uniq)
+        ref_out = F.embedding_bag(inv, rows0, offsets, mode=mode)
+        torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+        g = torch.randn_like(out)
+        (out * g).sum().backward()
+        rows_ref = rows0.detach().clone().requires_grad_(True)
+        (F.embedding_bag(inv, rows_ref, offsets, mode=mode) * g).sum().backward()
+        torch.testing.assert_close(bag.find(uniq)[0], rows0 - 0.25 * rows_ref.grad, rtol=1e-6, atol=1e-6)
+        for bad in ([1, 7, 20], [0, 9, 4], [0, 7, 51]):
+            with pytest.raises(ValueError, match="offsets must start at 0"):
+                bag(ids, _t(bad, device))
 
 
 @pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (9, 4), (3000, 50), (4097, 100000)])

@@ -20,6 +20,9 @@ _ops = torch.ops.torchfuse
 # TORCHFUSE_DYNEMB_ONE_SYNC=0: a training batch into a full table takes two host waits (the number of
 # distinct ids, then the insert's counts) instead of one (the A/B of _group's two paths)
 _ONE_SYNC = os.environ.get("TORCHFUSE_DYNEMB_ONE_SYNC", "1") != "0"
+# False: DynamicEmbeddingBag lays out its bags (offsets' check, each id's bag, mean scales) with ATen
+# ops instead of the one dynemb_bag_layout kernel (the A/B of the two; same results)
+_FUSED_LAYOUT = True
 _find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default  # the overload itself: called ahead of every launch
 _EVICTIONS = ("lru", "lfu", "none")
 _INIT_KINDS = {"normal": 1, "uniform": 2, "constant": 3}
@@ -833,14 +836,27 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         # The training paths' sort goes first: the host work below (the offsets' checks, the bags'
         # layout) is then launched while the GPU sorts, not before it starts.
         sorted_perm = torch.sort(flat, stable=True) if (self.training or need_grad) and not weights_grad else None
-        offsets = offsets.to(torch.int64)
-        bad = None  # offsets checked on the device; read (a host sync) before anything uses them
-        if offsets.numel():
-            bad = (offsets[0] != 0) | (offsets[-1] > n) | (offsets[1:] < offsets[:-1]).any()
-            if incl:
-                bad = bad | (offsets[-1] != n)
-        elif incl or n:
+        if not offsets.numel() and (incl or n):
             raise ValueError(f"{name}: empty offsets with {n} ids")
+        mean = self.mode == "mean"
+        if _FUSED_LAYOUT:
+            # one kernel: the bags' bounds `full` (offsets, then n unless incl), each id's bag, its mean
+            # scale and the offsets' check flag `bad`, defined for any offsets (the flag is read later)
+            full, bag_of, scale, bad = _ops.dynemb_bag_layout(offsets.contiguous(), n, incl, mean)
+        else:
+            offsets = offsets.to(torch.int64)
+            bad = None
+            if offsets.numel():
+                bad = (offsets[0] != 0) | (offsets[-1] > n) | (offsets[1:] < offsets[:-1]).any()
+                if incl:
+                    bad = bad | (offsets[-1] != n)
+            full = offsets if incl else torch.cat([offsets, offsets.new_full((1,), n)])
+            # Each id's bag: a binary search, which cannot fault on bad offsets (repeat_interleave
+            # asserts on the device), clamped into range; the check raises before anything reads it.
+            lengths = full[1:] - full[:-1]
+            bag_of = (torch.searchsorted(full, torch.arange(n, device=self.device), right=True) - 1).clamp_(
+                0, max(lengths.numel() - 1, 0))
+            scale = (1.0 / lengths.clamp(min=1).float())[bag_of] if mean and n else None
 
         def check_offsets():
             if bad is not None and bool(bad):
@@ -852,10 +868,8 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             rows, inv = self._embed(flat)
             if inv is None:
                 inv = torch.arange(n, device=self.device)
-            return F.embedding_bag(inv, rows, offsets, mode=self.mode,
+            return F.embedding_bag(inv, rows, offsets.to(torch.int64), mode=self.mode,
                                    per_sample_weights=per_sample_weights.to(rows.dtype), include_last_offset=incl)
-        full = offsets if incl else torch.cat([offsets, offsets.new_full((1,), n)])
-        mean = self.mode == "mean"
         w = per_sample_weights.float().contiguous() if per_sample_weights is not None else None
         if not need_grad:
             if self.training:
@@ -864,13 +878,10 @@ class DynamicEmbeddingBag(DynamicEmbedding):
                 check_offsets()
                 slots = self._lookup(flat)
             return _ops.dynemb_pool(slots, full, w, self._values, self._values_host, mean)
-        # Each id's bag, launched before the check has read the device: a binary search, which cannot
-        # fault on bad offsets (repeat_interleave asserts on the device), clamped into range; the
-        # check raises before anything reads it.
-        lengths = full[1:] - full[:-1]
-        bag_of = (torch.searchsorted(full, torch.arange(n, device=self.device), right=True) - 1).clamp_(
-            0, max(lengths.numel() - 1, 0))
-        scale = w if w is not None else ((1.0 / lengths.clamp(min=1).float())[bag_of] if mean else None)
+        if w is not None:
+            scale = w
+        elif not mean:
+            scale = None
         perm, seg, slots_u, uniq, slots_id = self._group(flat, check_offsets, sorted_perm, bad)
         anchor = torch.empty(0, device=self.device, requires_grad=True)
         return _Fused.apply(anchor, self, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale))
@@ -880,6 +891,14 @@ class DynamicEmbeddingBag(DynamicEmbedding):
 def _group_sorted_async_fake(sorted_ids, perm):
     n = sorted_ids.shape[0]
     return sorted_ids.new_empty((n,)), perm.new_empty((n + 1,)), perm.new_empty((n,)), perm.new_empty((1,))
+
+
+@torch.library.register_fake("torchfuse::dynemb_bag_layout")
+def _bag_layout_fake(offsets, n, include_last_offset, mean):
+    n_bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    i64 = offsets.new_empty((0,), dtype=torch.int64)
+    return (i64.new_empty((n_bags + 1,)), i64.new_empty((n,)),
+            offsets.new_empty((n if mean else 0,), dtype=torch.float32), offsets.new_empty((1,), dtype=torch.uint8))
 
 
 @torch.library.register_fake("torchfuse::dynemb_group_sorted")

@@ -1,0 +1,27 @@
+// Shared by the CPU and CUDA glue of a lookup batch's layout (dynemb_batch.cpp, dynemb_batch_cuda.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "../kernels/dynemb_batch.h"
+
+namespace torchfuse {
+
+// Checks sorted_ids / perm (torch.sort(ids, stable=True) of a flat batch) and allocates the
+// grouping's outputs: params with uniq (n), seg (n + 1), inv (n) and n_unique (1) set; scratch is
+// the caller's.
+struct DynembGroup {
+    at::Tensor uniq, seg, inv, n_unique;
+    tf_dynemb_group_params p;
+};
+DynembGroup prepare_dynemb_group(const at::Tensor &sorted_ids, const at::Tensor &perm, const char *op);
+
+// Checks offsets / n and allocates the bag layout's outputs: (full, bag_of, scale (n floats when mean,
+// else empty), bad (1 uint8)).
+struct DynembBagLayout {
+    at::Tensor full, bag_of, scale, bad;
+    tf_dynemb_bag_layout_params p;
+};
+DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, bool include_last, bool mean);
+
+}  // namespace torchfuse

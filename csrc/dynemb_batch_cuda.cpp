@@ -1,0 +1,68 @@
+// A lookup batch's layout on CUDA (kernels/dynemb_batch_cuda.cu); checks in dynemb_batch.cpp.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include "dynemb_batch.h"
+
+namespace torchfuse {
+namespace {
+
+void check_launch(int err, const char *what) {
+    TORCH_CHECK(err == 0, "torchfuse: ", what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+// The grouping's kernels; for an empty batch n_unique = 0 and seg = {0}.
+DynembGroup launch_group(const at::Tensor &sorted_ids, const at::Tensor &perm, const char *op) {
+    const c10::cuda::CUDAGuard guard(sorted_ids.device());
+    DynembGroup g = prepare_dynemb_group(sorted_ids, perm, op);
+    const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+    const int64_t n = g.p.n;
+    if (n == 0) {
+        check_launch(cudaMemsetAsync(g.p.n_unique, 0, sizeof(int64_t), s), "dynemb group memset");
+        check_launch(cudaMemsetAsync(g.p.seg, 0, sizeof(int64_t), s), "dynemb group memset");
+        return g;
+    }
+    const size_t temp = tf_dynemb_group_temp_bytes(n);
+    // one scratch allocation: the run indices (int64), the flags (int32), then the scan's temp storage
+    const int64_t run_bytes = n * 8, flag_bytes = (n * 4 + 255) / 256 * 256;
+    at::Tensor scratch = at::empty({run_bytes + flag_bytes + (int64_t)temp}, sorted_ids.options().dtype(at::kByte));
+    uint8_t *base = scratch.data_ptr<uint8_t>();
+    g.p.run = reinterpret_cast<int64_t *>(base);
+    g.p.flags = reinterpret_cast<int32_t *>(base + run_bytes);
+    g.p.temp = base + run_bytes + flag_bytes;
+    g.p.temp_bytes = temp;
+    check_launch(tf_dynemb_group_cuda(&g.p, s), "dynemb group kernels");
+    return g;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_sorted_async_cuda(const at::Tensor &sorted_ids,
+                                                                                   const at::Tensor &perm) {
+    DynembGroup g = launch_group(sorted_ids, perm, "torchfuse.dynemb_group_sorted_async");
+    return {g.uniq, g.seg, g.inv, g.n_unique};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_sorted_cuda(const at::Tensor &sorted_ids, const at::Tensor &perm) {
+    DynembGroup g = launch_group(sorted_ids, perm, "torchfuse.dynemb_group_sorted");
+    const int64_t nu = g.n_unique.item<int64_t>();  // the host sync
+    return {g.uniq.narrow(0, 0, nu), g.seg.narrow(0, 0, nu + 1), g.inv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bag_layout_cuda(const at::Tensor &offsets, int64_t n,
+                                                                           bool include_last, bool mean) {
+    const c10::cuda::CUDAGuard guard(offsets.device());
+    DynembBagLayout l = prepare_dynemb_bag_layout(offsets, n, include_last, mean);
+    check_launch(tf_dynemb_bag_layout_cuda(&l.p, c10::cuda::getCurrentCUDAStream().stream()), "dynemb bag layout kernel");
+    return {l.full, l.bag_of, l.scale, l.bad};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
+    m.impl("dynemb_group_sorted", &group_sorted_cuda);
+    m.impl("dynemb_group_sorted_async", &group_sorted_async_cuda);
+    m.impl("dynemb_bag_layout", &bag_layout_cuda);
+}
+
+}  // namespace torchfuse

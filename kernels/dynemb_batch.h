@@ -1,0 +1,59 @@
+/* A lookup batch's layout for the dynamic-embedding training paths: the C ABI of the kernel family
+ * (CPU: dynemb_batch_cpu.c, CUDA: dynemb_batch_cuda.cu). Two jobs, each done on the GPU in one or
+ * two launches where ATen takes a dozen (the training step from an idle GPU waits on that host time):
+ *
+ * Bag layout (DynamicEmbeddingBag): from the caller's offsets (n_in entries, int32 or int64) and the
+ * number of ids n, the bags' bounds `full` (n_bags + 1 entries: offsets, then n unless
+ * include_last_offset, where n_bags = n_in - 1), each id's bag `bag_of`, each id's mean-mode scale
+ * 1 / max(length of its bag, 1) (optional) and one flag `bad`: full[0] != 0, full decreasing
+ * somewhere, or full[n_bags] != n. Any offsets give defined, in-range results (bag_of[i] is the last
+ * bag b in [0, max(n_bags - 1, 0)] with full[b] <= i, by a binary search that tolerates disorder), so
+ * the flag can be read after later kernels were queued.
+ *
+ * Grouping (DynamicEmbedding's training batches): from a stable sort of the batch (sorted ids and
+ * perm), uniq (the distinct ids in ascending order), seg (their runs' bounds in sorted order), inv
+ * (each id's index into uniq in batch order) and n_unique, without a host sync: uniq and seg have n
+ * and n + 1 entries; past n_unique, uniq[j] = sorted[j] and seg[j + 1] = n (defined contents). */
+#ifndef TF_DYNEMB_BATCH_H
+#define TF_DYNEMB_BATCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    const void *offsets; int offsets_64;  /* n_in entries of int64 (offsets_64) or int32 */
+    int64_t n_in;
+    int include_last;                     /* n_bags = n_in - 1 (else n_in; full[n_bags] = n) */
+    int64_t n;                            /* ids */
+    int64_t *full;                        /* n_bags + 1 */
+    int64_t *bag_of;                      /* n */
+    float *scale;                         /* n, or NULL */
+    uint8_t *bad;                         /* 1 byte: written 0 or 1 (CUDA: zeroed by the caller first) */
+} tf_dynemb_bag_layout_params;
+
+typedef struct {
+    int64_t n;
+    const int64_t *sorted, *perm;         /* n each */
+    int64_t *uniq, *seg, *inv;            /* n, n + 1, n */
+    int64_t *n_unique;                    /* 1 */
+    int32_t *flags;                       /* CUDA: n scratch (1 where a run of equal ids starts) */
+    int64_t *run;                         /* CUDA: n scratch (each sorted position's index into uniq) */
+    void *temp; size_t temp_bytes;        /* CUDA: scan scratch of tf_dynemb_group_temp_bytes(n) */
+} tf_dynemb_group_params;
+
+void tf_dynemb_bag_layout_cpu(const tf_dynemb_bag_layout_params *p);
+void tf_dynemb_group_cpu(const tf_dynemb_group_params *p);
+
+/* CUDA: return a cudaError_t as int. */
+int tf_dynemb_bag_layout_cuda(const tf_dynemb_bag_layout_params *p, void *stream);
+size_t tf_dynemb_group_temp_bytes(int64_t n);
+int tf_dynemb_group_cuda(const tf_dynemb_group_params *p, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TF_DYNEMB_BATCH_H */

@@ -1,0 +1,106 @@
+/* CUDA side of kernels/dynemb_batch.h: a training batch's bag layout in one kernel, and its grouping
+ * by id in three launches (flags, a CUB scan, one scatter), where ATen takes about a dozen each. The
+ * GPU work is small (a few MB); what the launches cost is host time, which a training step from an
+ * idle GPU waits for. */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <cub/device/device_scan.cuh>
+
+#include "dynemb_batch.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename Off>
+__device__ __forceinline__ int64_t offset_at(const tf_dynemb_bag_layout_params &p, int64_t b) {
+    return b >= p.n_in ? p.n : (int64_t)static_cast<const Off *>(p.offsets)[b];
+}
+
+/* Thread t: entry t of full (t <= n_bags) with its share of the flag, and id t (t < n): the last bag
+ * b in [0, max(n_bags - 1, 0)] with offsets[b] <= t by binary search over the caller's offsets (read
+ * through L1; the searches of a warp's consecutive ids walk the same path), then its mean scale. */
+template <typename Off>
+__global__ void bag_layout_kernel(tf_dynemb_bag_layout_params p) {
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t n_bags = p.include_last ? p.n_in - 1 : p.n_in;
+    if (t <= n_bags) {
+        const int64_t o = offset_at<Off>(p, t);
+        p.full[t] = o;
+        const bool bad = (t == 0 && o != 0) || (t > 0 && o < offset_at<Off>(p, t - 1)) || (t == n_bags && o != p.n);
+        if (bad) *p.bad = 1;  // every writer writes 1: no ordering needed
+    }
+    if (t < p.n) {
+        int64_t lo = 0, hi = n_bags > 0 ? n_bags - 1 : 0;
+        while (lo < hi) {
+            const int64_t mid = lo + (hi - lo + 1) / 2;
+            if (offset_at<Off>(p, mid) <= t) lo = mid; else hi = mid - 1;
+        }
+        p.bag_of[t] = lo;
+        if (p.scale) {
+            const int64_t len = n_bags > 0 ? offset_at<Off>(p, lo + 1) - offset_at<Off>(p, lo) : 0;
+            p.scale[t] = 1.0f / (float)(len > 1 ? len : 1);
+        }
+    }
+}
+
+/* flags[j] = 1 where sorted position j starts a run of equal ids (j > 0), else 0; the inclusive scan
+ * of it is then each position's index into uniq. */
+__global__ void group_flags_kernel(const int64_t *__restrict__ sorted, int64_t n, int32_t *__restrict__ flags) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n) flags[j] = j > 0 && sorted[j] != sorted[j - 1];
+}
+
+/* Thread j (sorted position): inv[perm[j]] = run[j]; a run's first position writes its id and start;
+ * positions at or past n_unique (= run[n - 1] + 1, the same address for every thread) fill the
+ * tails: uniq[j] = sorted[j] and seg[j + 1] = n (j >= n_unique - 1). The writes never overlap. */
+__global__ void group_scatter_kernel(tf_dynemb_group_params p) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= p.n) return;
+    const int64_t nu = p.run[p.n - 1] + 1;
+    const int64_t r = p.run[j];
+    const int64_t id = p.sorted[j];
+    p.inv[p.perm[j]] = r;
+    if (j == 0 || id != p.sorted[j - 1]) {
+        p.uniq[r] = id;
+        p.seg[r] = j;
+    }
+    if (j >= nu) p.uniq[j] = id;
+    if (j >= nu - 1) p.seg[j + 1] = p.n;
+    if (j == p.n - 1) *p.n_unique = nu;
+}
+
+unsigned blocks_for(int64_t n) { return (unsigned)((n + kThreads - 1) / kThreads); }
+
+}  // namespace
+
+extern "C" int tf_dynemb_bag_layout_cuda(const tf_dynemb_bag_layout_params *p, void *stream) {
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int64_t n_bags = p->include_last ? p->n_in - 1 : p->n_in;
+    if (n_bags < 0) return (int)cudaErrorInvalidValue;
+    const int64_t work = p->n > n_bags + 1 ? p->n : n_bags + 1;
+    if (p->offsets_64)
+        bag_layout_kernel<int64_t><<<blocks_for(work), kThreads, 0, s>>>(*p);
+    else
+        bag_layout_kernel<int32_t><<<blocks_for(work), kThreads, 0, s>>>(*p);
+    return (int)cudaGetLastError();
+}
+
+extern "C" size_t tf_dynemb_group_temp_bytes(int64_t n) {
+    size_t bytes = 0;
+    if (n > 0) cub::DeviceScan::InclusiveSum(nullptr, bytes, (const int32_t *)nullptr, (int64_t *)nullptr, (int)n);
+    return bytes;
+}
+
+extern "C" int tf_dynemb_group_cuda(const tf_dynemb_group_params *p, void *stream) {
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->n <= 0) return (int)cudaSuccess;  // the caller writes n_unique = 0 and seg = {0}
+    if (p->n >= (int64_t{1} << 31)) return (int)cudaErrorInvalidValue;
+    group_flags_kernel<<<blocks_for(p->n), kThreads, 0, s>>>(p->sorted, p->n, p->flags);
+    size_t bytes = p->temp_bytes;
+    cudaError_t e = cub::DeviceScan::InclusiveSum(p->temp, bytes, (const int32_t *)p->flags, p->run, (int)p->n, s);
+    if (e != cudaSuccess) return (int)e;
+    group_scatter_kernel<<<blocks_for(p->n), kThreads, 0, s>>>(*p);
+    return (int)cudaGetLastError();
+}
