@@ -175,7 +175,8 @@ tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::
 
 tf_dynemb_pool_params dynemb_pool_params(const at::Tensor &slots, const at::Tensor &offsets,
                                          const std::optional<at::Tensor> &weights, const at::Tensor &rows,
-                                         const at::Tensor &rows_host, bool mean, at::Tensor &out) {
+                                         const at::Tensor &rows_host, bool mean, at::Tensor &out,
+                                         const std::optional<at::Tensor> &inv) {
     const char *op = "torchfuse.dynemb_pool";
     check_index(slots, rows, op, "slots");
     check_index(offsets, rows, op, "offsets");
@@ -184,8 +185,15 @@ tf_dynemb_pool_params dynemb_pool_params(const at::Tensor &slots, const at::Tens
     p.n_bags = offsets.numel() - 1;
     p.slots = slots.data_ptr<int64_t>();
     p.offsets = offsets.data_ptr<int64_t>();
+    p.n_ids = slots.numel();
+    if (inv.has_value()) {  // ids through their unique index: slots are the unique ids' slots
+        check_index(*inv, rows, op, "inv");
+        p.inv = inv->data_ptr<int64_t>();
+        p.n_ids = inv->numel();
+        p.n_slots = slots.numel();
+    }
     if (weights.has_value()) {
-        TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == slots.numel() &&
+        TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == p.n_ids &&
                         weights->is_contiguous(),
                     op, ": weights must be contiguous float32 with one entry per id");
         check_same_device(*weights, rows, op, "weights", "the table");
@@ -479,9 +487,9 @@ std::tuple<at::Tensor, at::Tensor> find_cpu(const at::Tensor &query, const at::T
 }
 
 at::Tensor pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
-                    const at::Tensor &rows, const at::Tensor &rows_host, bool mean) {
+                    const at::Tensor &rows, const at::Tensor &rows_host, bool mean, const std::optional<at::Tensor> &inv) {
     at::Tensor out;
-    tf_dynemb_pool_params p = dynemb_pool_params(slots, offsets, weights, rows, rows_host, mean, out);
+    tf_dynemb_pool_params p = dynemb_pool_params(slots, offsets, weights, rows, rows_host, mean, out, inv);
     at::parallel_for(0, p.n_bags, 16, [&](int64_t b, int64_t e) { tf_dynemb_pool_cpu(&p, b, e); });
     return out;
 }
@@ -562,9 +570,26 @@ DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::Tensor 
     });
 }
 
+DynembFoiPoolResult find_or_insert_pool_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                            at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
+                                            at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                                            int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
+                                            int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
+                                            bool with_rows, const std::optional<at::Tensor> &n_valid,
+                                            const std::optional<at::Tensor> &abort, const at::Tensor &pool_offsets,
+                                            const at::Tensor &pool_inv, const std::optional<at::Tensor> &pool_weights,
+                                            bool pool_mean) {
+    DynembFoiSyncResult r = find_or_insert_sync_cpu(query, keys, digests, scores, marks, locks, values, values_host,
+                                                    state, state_host, bucket_size, epoch, allow_evict, policy, clock,
+                                                    init_kind, a, b, seed, with_rows, n_valid, abort);
+    return std::tuple_cat(r, std::make_tuple(pool_cpu(std::get<0>(r), pool_offsets, pool_weights, values, values_host,
+                                                      pool_mean, pool_inv)));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
+    m.impl("dynemb_find_or_insert_pool", &find_or_insert_pool_cpu);
     m.impl("dynemb_find_or_insert", &find_or_insert_cpu);
     m.impl("dynemb_find_or_insert_sync", &find_or_insert_sync_cpu);
     m.impl("dynemb_pool", &pool_cpu);

@@ -64,7 +64,8 @@ tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::
 
 tf_dynemb_pool_params dynemb_pool_params(const at::Tensor &slots, const at::Tensor &offsets,
                                          const std::optional<at::Tensor> &weights, const at::Tensor &rows,
-                                         const at::Tensor &rows_host, bool mean, at::Tensor &out);
+                                         const at::Tensor &rows_host, bool mean, at::Tensor &out,
+                                         const std::optional<at::Tensor> &inv = std::nullopt);
 tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
                                              const std::optional<at::Tensor> &bag_of,
                                              const std::optional<at::Tensor> &scale, at::Tensor *out);
@@ -99,6 +100,9 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
 // data-dependent symbols to tracing). With n_valid, only the first n_valid[0] keys are taken and the
 // outputs hold that many; with abort set, none (the table untouched).
 using DynembFoiSyncResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// DynembFoiSyncResult and the batch's bags pooled (dynemb_find_or_insert_pool).
+using DynembFoiPoolResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // The part after the host has the counts c (inserted, evicted, failed): evict_rows(slots, new_index,
 // rows) is the device's dynemb_evict_rows on the table (victims' rows and state out, new rows in).
 // slot_order (a table with host rows): the evictions are sorted by victim slot first, so the row work

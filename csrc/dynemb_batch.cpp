@@ -50,7 +50,7 @@ DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, 
     l.full = at::empty({n_bags + 1}, o);
     l.bag_of = at::empty({n}, o);
     l.scale = at::empty({mean ? n : 0}, o.dtype(at::kFloat));
-    l.bad = at::zeros({1}, o.dtype(at::kByte));
+    l.bad = at::empty({1}, o.dtype(at::kByte));  // the CPU writes it; CUDA zeroes it first
     l.p = tf_dynemb_bag_layout_params{};
     l.p.offsets = offsets.data_ptr();
     l.p.offsets_64 = offsets.scalar_type() == at::kLong;

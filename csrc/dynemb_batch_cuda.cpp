@@ -53,7 +53,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bag_layout_cuda(const
                                                                            bool include_last, bool mean) {
     const c10::cuda::CUDAGuard guard(offsets.device());
     DynembBagLayout l = prepare_dynemb_bag_layout(offsets, n, include_last, mean);
-    check_launch(tf_dynemb_bag_layout_cuda(&l.p, c10::cuda::getCurrentCUDAStream().stream()), "dynemb bag layout kernel");
+    const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+    check_launch(cudaMemsetAsync(l.p.bad, 0, 1, s), "dynemb bag layout memset");
+    check_launch(tf_dynemb_bag_layout_cuda(&l.p, s), "dynemb bag layout kernel");
     return {l.full, l.bag_of, l.scale, l.bad};
 }
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <functional>
 #include <unordered_map>
 
 #include "dynemb.h"
@@ -174,10 +175,10 @@ at::Tensor host_rows_cuda(const at::Tensor &like, int64_t rows, int64_t cols, at
 }
 
 at::Tensor pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
-                     const at::Tensor &rows, const at::Tensor &rows_host, bool mean) {
+                     const at::Tensor &rows, const at::Tensor &rows_host, bool mean, const std::optional<at::Tensor> &inv) {
     const c10::cuda::CUDAGuard guard(rows.device());
     at::Tensor out;
-    tf_dynemb_pool_params p = dynemb_pool_params(slots, offsets, weights, rows, rows_host, mean, out);
+    tf_dynemb_pool_params p = dynemb_pool_params(slots, offsets, weights, rows, rows_host, mean, out, inv);
     map_host(p.values, rows_host);
     check_launch(tf_dynemb_pool_cuda(&p, stream()), "dynemb pool kernel");
     return out;
@@ -279,7 +280,8 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
                                              bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
                                              double a, double b, int64_t seed, bool with_rows,
                                              const std::optional<at::Tensor> &n_valid,
-                                             const std::optional<at::Tensor> &abort) {
+                                             const std::optional<at::Tensor> &abort,
+                                             const std::function<void(const at::Tensor &)> &before_wait = nullptr) {
     const c10::cuda::CUDAGuard guard(keys.device());
     const DynembFoiLimits lim = dynemb_foi_limits(query, keys, n_valid, abort);
     const DynembFoiResult r = launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host,
@@ -300,6 +302,9 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
         if (lim.abort)
             check_launch(cudaMemcpyAsync(h + 4, lim.abort, 1, cudaMemcpyDeviceToHost, s),
                          "dynemb find-or-insert abort flag copy");
+        // queued work that needs the slots only: the GPU runs it while the host waits and then does
+        // its own work (the bookkeeping, the launches after this op)
+        if (before_wait) before_wait(std::get<0>(r));
         check_launch(cudaStreamSynchronize(s), "dynemb find-or-insert kernels (at the host's wait)");
         for (int i = 0; i < 3; ++i) c[i] = h[i];
         if (lim.n_valid) c[3] = std::min(std::max<int64_t>(h[3], 0), query.numel());
@@ -310,6 +315,30 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
                                  [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
         return evict_rows_cuda(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
+}
+
+// find_or_insert_sync with the batch's bags pooled (dynemb_pool through inv) queued before the host's
+// wait. Keys evicted: their slots' rows changed after that pool (the eviction row work runs after the
+// wait), so the bags are pooled again.
+DynembFoiPoolResult find_or_insert_pool_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                             at::Tensor &scores, at::Tensor &marks, at::Tensor &locks,
+                                             at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
+                                             at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
+                                             bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
+                                             double a, double b, int64_t seed, bool with_rows,
+                                             const std::optional<at::Tensor> &n_valid,
+                                             const std::optional<at::Tensor> &abort, const at::Tensor &pool_offsets,
+                                             const at::Tensor &pool_inv, const std::optional<at::Tensor> &pool_weights,
+                                             bool pool_mean) {
+    at::Tensor pooled;
+    auto pool = [&](const at::Tensor &slots) {
+        pooled = pool_cuda(slots, pool_offsets, pool_weights, values, values_host, pool_mean, pool_inv);
+    };
+    DynembFoiSyncResult r = find_or_insert_sync_cuda(query, keys, digests, scores, marks, locks, values, values_host,
+                                                     state, state_host, bucket_size, epoch, allow_evict, policy,
+                                                     clock, init_kind, a, b, seed, with_rows, n_valid, abort, pool);
+    if (!pooled.defined() || std::get<3>(r).size(1) > 0) pool(std::get<0>(r));  // none queued, or keys evicted
+    return std::tuple_cat(r, std::make_tuple(pooled));
 }
 
 // ---- table-batched ops (parameters: dynemb_group.cpp) ----
@@ -399,7 +428,17 @@ at::Tensor group_pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, c
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("dynemb_find_or_insert", &find_or_insert_cuda);
-    m.impl("dynemb_find_or_insert_sync", &find_or_insert_sync_cuda);
+    m.impl("dynemb_find_or_insert_sync",
+           [](const at::Tensor &query, at::Tensor &keys, at::Tensor &digests, at::Tensor &scores, at::Tensor &marks,
+              at::Tensor &locks, at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
+              at::Tensor &state_host, int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
+              int64_t clock, int64_t init_kind, double a, double b, int64_t seed, bool with_rows,
+              const std::optional<at::Tensor> &n_valid, const std::optional<at::Tensor> &abort) {
+               return find_or_insert_sync_cuda(query, keys, digests, scores, marks, locks, values, values_host, state,
+                                               state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind,
+                                               a, b, seed, with_rows, n_valid, abort);
+           });
+    m.impl("dynemb_find_or_insert_pool", &find_or_insert_pool_cuda);
     m.impl("dynemb_group_lookup", &group_lookup_cuda);
     m.impl("dynemb_group_insert", &group_insert_cuda);
     m.impl("dynemb_group_init", &group_init_cuda);

@@ -177,6 +177,7 @@ DynembGroupPool prepare_group_pool(const at::Tensor &slots, const at::Tensor &of
         p = tf_dynemb_pool_params{};
         p.n_bags = g.start[i + 1] - g.start[i];
         p.slots = slots.data_ptr<int64_t>();
+        p.n_ids = slots.numel();
         p.offsets = offsets.data_ptr<int64_t>() + g.start[i];
         p.weights = w;
         p.mean = mean[i];

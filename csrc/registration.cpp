@@ -101,8 +101,10 @@ TORCH_LIBRARY(torchfuse, m) {
     // One optimizer step per (unique) slot with its gradient row (opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam).
     m.def("dynemb_update(Tensor slots, Tensor grad, Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, "
           "Tensor(d!) state_host, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");
-    // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb.h).
-    m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean) -> Tensor");
+    // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb.h;
+    // bounds clamped into the batch). inv: ids through their unique index (slots: the unique ids' slots).
+    m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean, "
+          "Tensor? inv=None) -> Tensor");
     // A batch sorted by id (torch.sort(ids, stable=True): sorted_ids, perm) grouped: (uniq, seg, inv),
     // the distinct ids, their runs' bounds in sorted order (n_unique + 1) and each id's index into uniq.
     m.def("dynemb_group_sorted(Tensor sorted_ids, Tensor perm) -> (Tensor, Tensor, Tensor)");
@@ -145,6 +147,15 @@ TORCH_LIBRARY(torchfuse, m) {
           "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
           "int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid=None, Tensor? abort=None) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+    // dynemb_find_or_insert_sync, then the batch's bags pooled from the keys' slots (dynemb_pool with
+    // inv): on CUDA the pool is queued before the host's wait, and queued again after the eviction row
+    // work when keys were evicted. The eighth output is the pooled bags.
+    m.def("dynemb_find_or_insert_pool(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
+          "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
+          "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
+          "int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid, Tensor? abort, "
+          "Tensor pool_offsets, Tensor pool_inv, Tensor? pool_weights, bool pool_mean) "
+          "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
     // find_or_insert's eviction row work (tf_dynemb_evict_params): returns the victims' (values,
     // state); their slots get the new keys' initial rows, copied into rows (n or 0 x dim) too.
     m.def("dynemb_evict_rows(Tensor slots, Tensor new_index, Tensor keys, Tensor(a!) values, "

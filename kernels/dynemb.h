@@ -170,6 +170,9 @@ typedef struct {
 typedef struct {
     int64_t n_bags;
     const int64_t *slots, *offsets;  /* offsets: n_bags + 1 */
+    int64_t n_ids;                   /* ids in the batch: bag bounds are clamped into [0, n_ids] */
+    const int64_t *inv;              /* NULL: id i's slot is slots[i]; else slots[inv[i]] (-1 unless 0 <= inv[i] < n_slots) */
+    int64_t n_slots;
     const float *weights;            /* NULL: ones */
     int mean;
     tf_dynemb_rows values; int dtype; int64_t dim;
@@ -180,6 +183,22 @@ typedef struct {
     void *out; int out_dtype;
     int64_t out_block_bags, out_row_stride;
 } tf_dynemb_pool_params;
+
+/* Bag b's ids [*i0, *i1): its offsets clamped into [0, n_ids] (offsets out of order give short or
+ * empty bags, never a read outside the batch). */
+TF_HD void tf_dynemb_pool_bag(const tf_dynemb_pool_params *p, int64_t b, int64_t *i0, int64_t *i1) {
+    int64_t a = p->offsets[b], e = p->offsets[b + 1];
+    a = a < 0 ? 0 : (a > p->n_ids ? p->n_ids : a);
+    e = e < a ? a : (e > p->n_ids ? p->n_ids : e);
+    *i0 = a;
+    *i1 = e;
+}
+/* Id i's slot: slots[i], or through inv (a batch pooled from its unique ids' slots). */
+TF_HD int64_t tf_dynemb_pool_slot(const tf_dynemb_pool_params *p, int64_t i) {
+    if (!p->inv) return p->slots[i];
+    const int64_t u = p->inv[i];
+    return u >= 0 && u < p->n_slots ? p->slots[u] : -1;
+}
 
 TF_HD int64_t tf_dynemb_pool_out_index(const tf_dynemb_pool_params *p, int64_t b) {
     return (b % p->out_block_bags) * p->out_row_stride + (b / p->out_block_bags) * p->dim;

@@ -191,12 +191,14 @@ void tf_dynemb_update_cpu(const tf_dynemb_update_params *p, int64_t begin, int64
 
 void tf_dynemb_pool_cpu(const tf_dynemb_pool_params *p, int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-        const int64_t i0 = p->offsets[b], i1 = p->offsets[b + 1];
+        int64_t i0, i1;
+        tf_dynemb_pool_bag(p, b, &i0, &i1);
         for (int64_t j = 0; j < p->dim; ++j) {
             float acc = 0.f;
             for (int64_t i = i0; i < i1; ++i) {
-                if (p->slots[i] < 0) continue;
-                const float v = tf_load_f32(tf_dynemb_row(&p->values, p->slots[i]), p->dtype, j);
+                const int64_t slot = tf_dynemb_pool_slot(p, i);
+                if (slot < 0) continue;
+                const float v = tf_load_f32(tf_dynemb_row(&p->values, slot), p->dtype, j);
                 acc += p->weights ? p->weights[i] * v : v;
             }
             if (p->mean && i1 > i0) acc /= (float)(i1 - i0);

@@ -964,6 +964,7 @@ __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_
         inserted = slot >= 0;
         order = 128;  // claimed, or the bucket filled up meanwhile: step 2 need not try a slot first
     }
+    if (!valid && p.fill_outputs && ql == 0 && i < p.p.n) p.p.slots[i] = -1;  // past n_valid, or aborted: defined
     if (valid && ql == 0) {
         p.p.slots[i] = slot;
         if (p.fill_outputs) {  // coalesced: four consecutive keys per warp
@@ -1068,12 +1069,13 @@ __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb
  * be in flight together. Same sums, in the same order, as the general loop. */
 __device__ __forceinline__ void pool_one_f32x4(const tf_dynemb_pool_params &p, int64_t b, int lane) {
     const int64_t o = tf_dynemb_pool_out_index(&p, b);
-    const int64_t i0 = p.offsets[b], i1 = p.offsets[b + 1];
+    int64_t i0, i1;
+    tf_dynemb_pool_bag(&p, b, &i0, &i1);
     const bool mine = 4 * lane < p.dim;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int64_t c = i0; c < i1; c += 32) {
         const int64_t my = c + lane;
-        const int64_t s = my < i1 ? p.slots[my] : -1;
+        const int64_t s = my < i1 ? tf_dynemb_pool_slot(&p, my) : -1;
         const float w = (p.weights && my < i1) ? p.weights[my] : 1.f;
         const int cnt = static_cast<int>(i1 - c < 32 ? i1 - c : 32);
 #pragma unroll 4
@@ -1104,13 +1106,14 @@ __device__ __forceinline__ void pool_one(const tf_dynemb_pool_params &p, int64_t
         return;
     }
     const int64_t o = tf_dynemb_pool_out_index(&p, b);
-    const int64_t i0 = p.offsets[b], i1 = p.offsets[b + 1];
+    int64_t i0, i1;
+    tf_dynemb_pool_bag(&p, b, &i0, &i1);
     for (int64_t c0 = 0; c0 < p.dim; c0 += 32 * 8) {
         float acc[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k) acc[k] = 0.f;
         for (int64_t i = i0; i < i1; ++i) {
-            const int64_t slot = p.slots[i];
+            const int64_t slot = tf_dynemb_pool_slot(&p, i);
             if (slot < 0) continue;
             const float w = p.weights ? p.weights[i] : 1.f;
             const char *row = tf_dynemb_row(&p.values, slot);

@@ -642,6 +642,70 @@ def test_bag_layout_paths_agree(device, fused, monkeypatch):
                 bag(ids, _t(bad, device))
 
 
+@pytest.mark.parametrize("mean", [False, True])
+def test_pool_inv_and_clamped_bounds(device, mean):
+    """dynemb_pool through inv (slots of the unique ids) equals the pool of slots[inv]; bag bounds
+    outside the batch or out of order are clamped into it (short or empty bags, no fault)."""
+    table = DynamicEmbedding(12, 512, device=device, initializer=("uniform", -1.0, 1.0), seed=2)
+    keys = _t(_keys(60), device)
+    table.find_or_insert(keys)
+    slots_u = table._lookup(keys)
+    inv = torch.randint(0, 60, (97,), device=device)
+    w = torch.rand(97, device=device)
+    ops = torch.ops.torchfuse
+    for offs in ([0, 10, 10, 50, 97], [0, 97], [5, 3, 120, 40, -7]):
+        offsets = _t(offs, device)
+        got = ops.dynemb_pool(slots_u, offsets, w, table._values, table._values_host, mean, inv)
+        clamped, lo = [], 0
+        for o in offs:  # the kernels' rule: each bound into [0, n], an end not before its start
+            o = min(max(o, 0), 97)
+            clamped.append(o)
+        ref = []
+        for b in range(len(offs) - 1):
+            a = clamped[b]
+            e = min(max(clamped[b + 1], a), 97)
+            rows = table._values[slots_u[inv[a:e]]] * w[a:e, None]
+            r = rows.sum(0) if e > a else torch.zeros(12, device=device)
+            ref.append(r / (e - a) if mean and e > a else r)
+        torch.testing.assert_close(got, torch.stack(ref), rtol=1e-5, atol=1e-6)
+        if offs == sorted(offs) and offs[-1] == 97:
+            direct = ops.dynemb_pool(slots_u[inv], offsets, w, table._values, table._values_host, mean)
+            torch.testing.assert_close(got, direct, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_pool_early_with_evictions(device, early, mode, monkeypatch):
+    """A training batch into a full LRU table that evicts: with the pool queued before the host's wait
+    (dynemb_find_or_insert_pool) the bags must be pooled again after the eviction row work (the new
+    keys' rows replace the victims'), so the output equals the bags of the rows the table holds right
+    after the forward. Also: bad offsets raise and leave the table untouched on both paths."""
+    import torchfuse.dynamic_embedding as de
+    monkeypatch.setattr(de, "_POOL_EARLY", early)
+    bag = DynamicEmbeddingBag(8, 256, device=device, bucket_size=128, eviction="lru", mode=mode,
+                              optimizer=tfo.SGD(0.1), initializer=("uniform", -1.0, 1.0), seed=11)
+    assert bag.capacity == bag.max_capacity
+    evicted = 0
+    for step in range(6):
+        keys = _keys(120)
+        ids = _t(keys + keys[:30], device)  # repeats in the batch
+        offsets = _t([0] + sorted(random.sample(range(1, 150), 11)), device)
+        before = bag.evicted_dropped + sum(e[0].numel() for e in bag._evicted)
+        out = bag(ids, offsets)
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        rows, found = bag.find(uniq)
+        assert bool(found.all())
+        torch.testing.assert_close(out, F.embedding_bag(inv, rows, offsets, mode=mode), rtol=1e-6, atol=1e-6)
+        evicted += bag.evicted_dropped + sum(e[0].numel() for e in bag._evicted) - before
+        (out * torch.randn_like(out)).sum().backward()
+    assert evicted > 0  # the re-pool was exercised
+    snapshot = bag.find(uniq)[0].clone()
+    n = len(bag)
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        bag(_t(_keys(40), device), _t([0, 30, 20], device))
+    assert len(bag) == n and torch.equal(bag.find(uniq)[0], snapshot)
+
+
 @pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (9, 4), (3000, 50), (4097, 100000)])
 def test_group_sorted_async(device, n, universe):
     """dynemb_group_sorted_async (no host sync: buffers of the batch's length and a device count)

@@ -23,7 +23,11 @@ _ONE_SYNC = os.environ.get("TORCHFUSE_DYNEMB_ONE_SYNC", "1") != "0"
 # False: DynamicEmbeddingBag lays out its bags (offsets' check, each id's bag, mean scales) with ATen
 # ops instead of the one dynemb_bag_layout kernel (the A/B of the two; same results)
 _FUSED_LAYOUT = True
+# False: DynamicEmbeddingBag's one-wait training path pools after the host's wait (the A/B of
+# dynemb_find_or_insert_pool, which queues the pool before it)
+_POOL_EARLY = True
 _find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default  # the overload itself: called ahead of every launch
+_find_or_insert_pool_op = _ops.dynemb_find_or_insert_pool.default
 _EVICTIONS = ("lru", "lfu", "none")
 _INIT_KINDS = {"normal": 1, "uniform": 2, "constant": 3}
 _NO_INIT = (0, 0.0, 0.0)  # TF_INIT_NONE: rows left as they are, optimizer state zeroed
@@ -109,7 +113,9 @@ class _Fused(torch.autograd.Function):
         slots_id, offsets, weights, mean = batch[:4]
         ctx.table = table
         ctx.version = table._version
-        ctx.batch = batch
+        ctx.batch = batch[:10]
+        if len(batch) > 10:  # pooled already (dynemb_find_or_insert_pool)
+            return batch[10]
         if offsets is None:
             return table._gather(slots_id, table._values, table._values_host)
         return _ops.dynemb_pool(slots_id, offsets, weights, table._values, table._values_host, mean)
@@ -380,7 +386,7 @@ class DynamicEmbedding(torch.nn.Module):
 
     def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool, init_rows: bool = True,
                               n_valid: Optional[Tensor] = None, abort: Optional[Tensor] = None,
-                              on_abort: Optional[Callable[[], None]] = None):
+                              on_abort: Optional[Callable[[], None]] = None, pool=None):
         """_find_or_insert at full capacity (no growth to decide first) in one op: dynemb_find_or_insert_sync
         (probe, insert, init, touch and the rows out in two kernels on the GPU, then the host's wait on
         the counts and, when keys were evicted, the eviction-rows kernel). Returns (slots, is_new,
@@ -395,16 +401,23 @@ class DynamicEmbedding(torch.nn.Module):
         n_valid (a one-element device tensor): only the first n_valid[0] keys are taken (a batch
         grouped on the device: one host wait for both). abort (a device flag, e.g. an argument check
         not read yet): when set nothing is touched and on_abort() must raise. The result's fifth
-        entry is the number of keys taken."""
+        entry is the number of keys taken. pool (offsets, inv, weights, mean): the batch's bags are
+        pooled from the keys' slots too (dynemb_find_or_insert_pool: on CUDA queued before the host's
+        wait, so the GPU pools while the host does its bookkeeping); the sixth entry is the bags."""
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
         by_slot = with_rows and init_rows and self._host_tier_on_cuda()
         init = self._init_args() if init_rows and not by_slot else _NO_INIT
-        slots, rows, is_new, ev, old_values, old_state, counts = _find_or_insert_sync_op(
-            keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values,
-            self._values_host, self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none",
-            policy, clock, *init, self.seed, with_rows and not by_slot, n_valid, abort)
+        args = (keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values,
+                self._values_host, self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none",
+                policy, clock, *init, self.seed, with_rows and not by_slot, n_valid, abort)
+        pooled = None
+        if pool is not None:
+            assert not by_slot
+            slots, rows, is_new, ev, old_values, old_state, counts, pooled = _find_or_insert_pool_op(*args, *pool)
+        else:
+            slots, rows, is_new, ev, old_values, old_state, counts = _find_or_insert_sync_op(*args)
         inserted, n_ev, failed, n_taken, aborted = counts.tolist()
         if aborted:
             if on_abort is not None:
@@ -425,7 +438,7 @@ class DynamicEmbedding(torch.nn.Module):
                                            self._state_host, *self._init_args(), self.seed, torch.argsort(slots))
         if failed:
             raise RuntimeError(self._full_message(failed))
-        return slots, is_new, saved, rows if with_rows else None, n_taken
+        return slots, is_new, saved, rows if with_rows else None, n_taken, pooled
 
     def _save_evicted(self, keys: Tensor, slots: Tensor, scores: Tensor):
         """(keys, values, optimizer state, scores) of keys an insert evicted, read before their slots
@@ -683,14 +696,16 @@ class DynamicEmbedding(torch.nn.Module):
         return rows, inv
 
     def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None, sorted_perm=None,
-               bad: Optional[Tensor] = None):
+               bad: Optional[Tensor] = None, pool=None):
         """One stable sort of the batch: (perm, seg, slots_u, uniq, slots_id). perm lists the ids
         grouped by unique id, seg the group bounds, slots_u the unique ids' slots (inserted in
         training mode), slots_id each id's slot. check (if given) runs before the table is touched,
         right after the grouping's host sync, so a check that reads the device waits on nothing.
         sorted_perm: torch.sort(flat, stable=True) when the caller launched it already (so that its
         own host work overlaps the sort on the GPU). bad: check's device flag; with it a training
-        batch into a full table waits on the host once, after the insert (see below)."""
+        batch into a full table waits on the host once, after the insert (see below). pool (offsets,
+        weights, mean), on that one-wait path only: the bags pooled too, queued before the wait; then
+        the result has a sixth entry, the bags, and slots_id is None."""
         sorted_ids, perm = sorted_perm if sorted_perm is not None else torch.sort(flat, stable=True)
         if self.training and self.capacity >= self.max_capacity and _ONE_SYNC:
             # No growth to decide, so the distinct ids need not be counted on the host first: the
@@ -698,6 +713,12 @@ class DynamicEmbedding(torch.nn.Module):
             # counts. bad rides along as the insert's abort flag: the table stays untouched, and
             # check raises after that wait.
             uniq, seg, inv, n_unique = _ops.dynemb_group_sorted_async(sorted_ids, perm)
+            if pool is not None and not self._host_tier_on_cuda():
+                offsets, w, mean = pool
+                out = self._find_or_insert_fused(uniq, True, False, n_valid=n_unique, abort=bad, on_abort=check,
+                                                 pool=(offsets, inv, w, mean))
+                slots_u, n_u = out[0], out[4]
+                return perm, seg[:n_u + 1], slots_u, uniq[:n_u], None, out[5]
             out = self._find_or_insert_fused(uniq, True, False, n_valid=n_unique, abort=bad, on_abort=check)
             slots_u, n_u = out[0], out[4]
             return perm, seg[:n_u + 1], slots_u, uniq[:n_u], slots_u[inv]
@@ -882,9 +903,10 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             scale = w
         elif not mean:
             scale = None
-        perm, seg, slots_u, uniq, slots_id = self._group(flat, check_offsets, sorted_perm, bad)
+        g = self._group(flat, check_offsets, sorted_perm, bad, (full, w, mean) if _POOL_EARLY else None)
+        perm, seg, slots_u, uniq, slots_id = g[:5]
         anchor = torch.empty(0, device=self.device, requires_grad=True)
-        return _Fused.apply(anchor, self, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale))
+        return _Fused.apply(anchor, self, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale) + g[5:])
 
 
 @torch.library.register_fake("torchfuse::dynemb_group_sorted_async")
@@ -913,7 +935,7 @@ def _lookup_fake(query, keys, digests, marks, bucket_size, epoch):
 
 
 @torch.library.register_fake("torchfuse::dynemb_pool")
-def _pool_fake(slots, offsets, weights, rows, rows_host, mean):
+def _pool_fake(slots, offsets, weights, rows, rows_host, mean, inv=None):
     return rows.new_empty((offsets.shape[0] - 1, rows.shape[1]))
 
 
@@ -969,6 +991,16 @@ def _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values
             query.new_empty((n,), dtype=torch.uint8), query.new_empty((4, n_ev)),
             values.new_empty((n_ev, values.shape[1])), state.new_empty((n_ev, state.shape[1])),
             query.new_empty((5,), device="cpu"))
+
+
+@torch.library.register_fake("torchfuse::dynemb_find_or_insert_pool")
+def _find_or_insert_pool_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
+                              bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
+                              n_valid, abort, pool_offsets, pool_inv, pool_weights, pool_mean):
+    out = _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
+                                    bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
+                                    n_valid, abort)
+    return out + (values.new_empty((pool_offsets.shape[0] - 1, values.shape[1])),)
 
 
 @torch.library.register_fake("torchfuse::dynemb_touch")
