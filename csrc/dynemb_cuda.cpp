@@ -273,6 +273,16 @@ int64_t *pinned_counts() {
     return buf;
 }
 
+// An event per thread and device, recorded behind the counts' copy when later work is queued before
+// the host's wait (created once: every training batch into a full table waits on it).
+cudaEvent_t counts_event() {
+    thread_local std::unordered_map<int, cudaEvent_t> events;
+    cudaEvent_t &e = events[c10::cuda::current_device()];
+    if (!e)
+        check_launch(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "dynemb counts event creation");
+    return e;
+}
+
 DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
                                              at::Tensor &scores, at::Tensor &marks, at::Tensor &locks,
                                              at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
@@ -302,10 +312,17 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
         if (lim.abort)
             check_launch(cudaMemcpyAsync(h + 4, lim.abort, 1, cudaMemcpyDeviceToHost, s),
                          "dynemb find-or-insert abort flag copy");
-        // queued work that needs the slots only: the GPU runs it while the host waits and then does
-        // its own work (the bookkeeping, the launches after this op)
-        if (before_wait) before_wait(std::get<0>(r));
-        check_launch(cudaStreamSynchronize(s), "dynemb find-or-insert kernels (at the host's wait)");
+        if (before_wait) {
+            // work that needs the slots only, queued behind the counts' copy: the host waits on an event
+            // recorded before it (a stream sync would wait for it too), so the GPU runs it while the host
+            // does its bookkeeping and the launches after this op
+            cudaEvent_t copied = counts_event();
+            check_launch(cudaEventRecord(copied, s), "dynemb find-or-insert counts event");
+            before_wait(std::get<0>(r));
+            check_launch(cudaEventSynchronize(copied), "dynemb find-or-insert kernels (at the host's wait)");
+        } else {
+            check_launch(cudaStreamSynchronize(s), "dynemb find-or-insert kernels (at the host's wait)");
+        }
         for (int i = 0; i < 3; ++i) c[i] = h[i];
         if (lim.n_valid) c[3] = std::min(std::max<int64_t>(h[3], 0), query.numel());
         c[4] = lim.abort && reinterpret_cast<const uint8_t *>(h + 4)[0] ? 1 : 0;
