@@ -8,15 +8,32 @@
 #          racecheck on the staged kernel, then the A/B of both switches in GPU time and in the step.
 #   layout: the bag layout in one kernel (dynemb_bag_layout) and the grouping in three launches (CUB
 #          scan): dynamic-embedding and TorchRec GPU tests, memcheck on them, then the one-process A/B
-#          (ab_train_step.py --switch _FUSED_LAYOUT), the step's GPU idle gaps and its kernel profile
+#          (ab_train_step.py --switch _FUSED_LAYOUT, removed since), the step's gaps and kernel profile
 #   pool:  the bags pooled before the host's wait (dynemb_find_or_insert_pool, dynemb_pool through inv
 #          with clamped bounds): the same tests and memcheck, then the A/B (--switch _POOL_EARLY), the
 #          step's gaps and profile, the training table (bench_dynamic_embedding.py --parts train)
+#   split: host_split_dynemb_train.py, with one host wait and with two
 set -uo pipefail
-PART=${1:?part: check, layout or pool}
+PART=${1:?part: check, layout, pool or split}
 source "$(dirname "$0")/device_build.sh"
 T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
 P="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
+# the dynamic-embedding and TorchRec GPU tests, then memcheck on the tests selected by $1
+dynemb_tests() {
+  timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
+  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
+  timeout 50 python3 -m pytest tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_torchrec.log" 2>&1
+  echo "torchrec pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_torchrec.log" | tail -3
+  timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and ($1)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+}
+# the training step's GPU idle gaps (a profiled step) and its kernel time
+step_trace() {
+  (cd benchmarks && timeout 40 python3 gaps_dynemb_train.py --min-us 5) > "$OUT/gaps.txt" 2>&1
+  echo "gaps exit $?"; grep -E "^host|^\\| [0-9]" "$OUT/gaps.txt" | tail -${1:-30}
+  (cd benchmarks && timeout 40 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof.txt" 2>&1
+  echo "profile exit $?"; grep -m1 "Self CUDA time total" "$OUT/prof.txt"
+}
 if [ "$PART" = check ]; then
   timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
   echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
@@ -39,29 +56,17 @@ if [ "$PART" = check ]; then
     echo "one_sync $1 stage $2: $(grep "training step" "$OUT/train_$1$2.log" | tr '\n' ' ')"
   done
 elif [ "$PART" = layout ]; then
-  timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
-  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
-  timeout 50 python3 -m pytest tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_torchrec.log" 2>&1
-  echo "torchrec pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_torchrec.log" | tail -3
-  timeout 90 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (bag_layout or group_sorted or one_sync or bad_inputs or training or bag)" > "$OUT/memcheck.log" 2>&1
-  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
-  (cd benchmarks && timeout 150 python3 ab_train_step.py --switch _FUSED_LAYOUT --rounds ${ROUNDS:-4} --steps 30) 2>&1 | grep "|"
-  (cd benchmarks && timeout 40 python3 gaps_dynemb_train.py --min-us 5) > "$OUT/gaps.txt" 2>&1
-  echo "gaps exit $?"; grep -E "^host|^\| [0-9]" "$OUT/gaps.txt" | head -30
-  (cd benchmarks && timeout 40 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof.txt" 2>&1
-  echo "profile exit $?"; grep -m1 "Self CUDA time total" "$OUT/prof.txt"
+  dynemb_tests "bag_layout or group_sorted or one_sync or bad_inputs or training or bag"
+  # call 4 ran here `ab_train_step.py --switch _FUSED_LAYOUT`; the switch and the ATen path went after it
+  step_trace 30
 elif [ "$PART" = pool ]; then
-  timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
-  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
-  timeout 50 python3 -m pytest tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_torchrec.log" 2>&1
-  echo "torchrec pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_torchrec.log" | tail -3
-  timeout 100 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (pool or bag_layout or group_sorted or one_sync or bad_inputs or training or bag or n_valid)" > "$OUT/memcheck.log" 2>&1
-  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  dynemb_tests "pool or bag_layout or group_sorted or one_sync or bad_inputs or training or bag or n_valid"
   (cd benchmarks && timeout 150 python3 ab_train_step.py --switch _POOL_EARLY --rounds ${ROUNDS:-4} --steps 30) 2>&1 | grep "|"
-  (cd benchmarks && timeout 40 python3 gaps_dynemb_train.py --min-us 5) > "$OUT/gaps.txt" 2>&1
-  echo "gaps exit $?"; grep -E "^host|^\| [0-9]" "$OUT/gaps.txt" | tail -8
-  (cd benchmarks && timeout 40 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof.txt" 2>&1
-  echo "profile exit $?"; grep -m1 "Self CUDA time total" "$OUT/prof.txt"
+  step_trace 8
   timeout 80 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train.md" > "$OUT/train.log" 2>&1
   echo "train bench exit $?"; grep "training step" "$OUT/train.log"
+elif [ "$PART" = split ]; then
+  # where a step's wall time goes (one wait, then two)
+  (cd benchmarks && timeout 120 python3 host_split_dynemb_train.py --steps 30 && \
+   TORCHFUSE_DYNEMB_ONE_SYNC=0 timeout 100 python3 host_split_dynemb_train.py --steps 20) 2>&1 | grep "|"
 fi

@@ -20,9 +20,6 @@ _ops = torch.ops.torchfuse
 # TORCHFUSE_DYNEMB_ONE_SYNC=0: a training batch into a full table takes two host waits (the number of
 # distinct ids, then the insert's counts) instead of one (the A/B of _group's two paths)
 _ONE_SYNC = os.environ.get("TORCHFUSE_DYNEMB_ONE_SYNC", "1") != "0"
-# False: DynamicEmbeddingBag lays out its bags (offsets' check, each id's bag, mean scales) with ATen
-# ops instead of the one dynemb_bag_layout kernel (the A/B of the two; same results)
-_FUSED_LAYOUT = True
 # False: DynamicEmbeddingBag's one-wait training path pools after the host's wait (the A/B of
 # dynemb_find_or_insert_pool, which queues the pool before it)
 _POOL_EARLY = True
@@ -860,27 +857,13 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         if not offsets.numel() and (incl or n):
             raise ValueError(f"{name}: empty offsets with {n} ids")
         mean = self.mode == "mean"
-        if _FUSED_LAYOUT:
-            # one kernel: the bags' bounds `full` (offsets, then n unless incl), each id's bag, its mean
-            # scale and the offsets' check flag `bad`, defined for any offsets (the flag is read later)
-            full, bag_of, scale, bad = _ops.dynemb_bag_layout(offsets.contiguous(), n, incl, mean)
-        else:
-            offsets = offsets.to(torch.int64)
-            bad = None
-            if offsets.numel():
-                bad = (offsets[0] != 0) | (offsets[-1] > n) | (offsets[1:] < offsets[:-1]).any()
-                if incl:
-                    bad = bad | (offsets[-1] != n)
-            full = offsets if incl else torch.cat([offsets, offsets.new_full((1,), n)])
-            # Each id's bag: a binary search, which cannot fault on bad offsets (repeat_interleave
-            # asserts on the device), clamped into range; the check raises before anything reads it.
-            lengths = full[1:] - full[:-1]
-            bag_of = (torch.searchsorted(full, torch.arange(n, device=self.device), right=True) - 1).clamp_(
-                0, max(lengths.numel() - 1, 0))
-            scale = (1.0 / lengths.clamp(min=1).float())[bag_of] if mean and n else None
+        # One kernel (a dozen ATen ops before session 12): the bags' bounds `full` (offsets, then n
+        # unless incl), each id's bag, its mean scale and the offsets' check flag `bad`, all defined
+        # for any offsets, so the flag can be read after later work is queued.
+        full, bag_of, scale, bad = _ops.dynemb_bag_layout(offsets.contiguous(), n, incl, mean)
 
         def check_offsets():
-            if bad is not None and bool(bad):
+            if bool(bad):
                 raise ValueError(f"{name}: offsets must start at 0, be non-decreasing and end at most at "
                                  f"len(ids) = {n}" + (" (exactly, with include_last_offset)" if incl else ""))
         if weights_grad:
