@@ -13,8 +13,9 @@
 #          with clamped bounds): the same tests and memcheck, then the A/B (--switch _POOL_EARLY), the
 #          step's gaps and profile, the training table (bench_dynamic_embedding.py --parts train)
 #   split: host_split_dynemb_train.py, with one host wait and with two
+#   final: the last code's GPU tests (dynamic embeddings, TorchRec), memcheck, the training table
 set -uo pipefail
-PART=${1:?part: check, layout, pool or split}
+PART=${1:?part: check, layout, pool, split or final}
 source "$(dirname "$0")/device_build.sh"
 T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
 P="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
@@ -69,4 +70,8 @@ elif [ "$PART" = split ]; then
   # where a step's wall time goes (one wait, then two)
   (cd benchmarks && timeout 120 python3 host_split_dynemb_train.py --steps 30 && \
    TORCHFUSE_DYNEMB_ONE_SYNC=0 timeout 100 python3 host_split_dynemb_train.py --steps 20) 2>&1 | grep "|"
+elif [ "$PART" = final ]; then
+  dynemb_tests "pool or bag_layout or bag or training or one_sync"
+  timeout 80 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train.md" > "$OUT/train.log" 2>&1
+  echo "train bench exit $?"; grep "training step" "$OUT/train.log"
 fi
