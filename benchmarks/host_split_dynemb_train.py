@@ -12,6 +12,19 @@ from torch.profiler import ProfilerActivity, profile
 import bench_dynamic_embedding as bd
 
 
+class _Noop(torch.autograd.Function):
+    """The same graph shape as the bag's (a tensor out, a Python backward) with no work: its backward
+    phase is what the autograd engine, SumBackward and MulBackward cost by themselves."""
+
+    @staticmethod
+    def forward(ctx, anchor, out):
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--opt", default="sgd")
@@ -21,7 +34,8 @@ def main():
     bag, ids, offsets, g = bd.LAST_STEP  # the step's module and inputs
     for _ in range(5):
         ours()
-    rows = {"forward": [], "backward": [], "step": [], "empty sync": []}
+    rows = {"forward": [], "backward": [], "step": [], "empty sync": [], "backward, no-op Function": []}
+    ref_out = bag(ids, offsets).detach()
     gpu = {"forward": [], "backward": [], "step": []}
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(a.steps):
@@ -44,6 +58,13 @@ def main():
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         rows["empty sync"].append(time.perf_counter() - t0)
+        anchor = torch.empty(0, device=ids.device, requires_grad=True)
+        loss = (_Noop.apply(anchor, ref_out) * g).sum()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss.backward()
+        torch.cuda.synchronize()
+        rows["backward, no-op Function"].append(time.perf_counter() - t0)
     kernel = {}
     for k in ("forward", "backward"):
         out = bag(ids, offsets)
