@@ -103,7 +103,9 @@ class _Fused(torch.autograd.Function):
     requires grad or an output): autograd.Function's per-call cost grows with the number of
     arguments (each is inspected in apply and answered in backward), and a training step from an
     idle GPU waits for that host time. batch: (slots_id, offsets, weights, mean, perm, seg,
-    slots_u, uniq, bag_of, scale)."""
+    slots_u, uniq, bag_of, scale), and an eleventh entry when the bags were pooled already (by
+    dynemb_find_or_insert_pool, during the insert's host wait): then forward returns it as the
+    output (slots_id is None)."""
 
     @staticmethod
     def forward(ctx, anchor, table, batch):
