@@ -14,8 +14,10 @@
 #          step's gaps and profile, the training table (bench_dynamic_embedding.py --parts train)
 #   split: host_split_dynemb_train.py, with one host wait and with two
 #   final: the last code's GPU tests (dynamic embeddings, TorchRec), memcheck, the training table
+#   sortgroup: branch dynemb-sort-group (written after the session's device time ran out): tests,
+#          memcheck, the A/B (--switch _SORT_GROUP), the step's kernel profile
 set -uo pipefail
-PART=${1:?part: check, layout, pool, split or final}
+PART=${1:?part: check, layout, pool, split, final or sortgroup}
 source "$(dirname "$0")/device_build.sh"
 T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
 P="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
@@ -74,4 +76,8 @@ elif [ "$PART" = final ]; then
   dynemb_tests "pool or bag_layout or bag or training or one_sync"
   timeout 80 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train.md" > "$OUT/train.log" 2>&1
   echo "train bench exit $?"; grep "training step" "$OUT/train.log"
+elif [ "$PART" = sortgroup ]; then
+  dynemb_tests "sort_group or group_sorted or pool or bag or training or one_sync"
+  (cd benchmarks && timeout 150 python3 ab_train_step.py --switch _SORT_GROUP --rounds ${ROUNDS:-4} --steps 30) 2>&1 | grep "|"
+  step_trace 10
 fi

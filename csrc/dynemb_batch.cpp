@@ -18,21 +18,32 @@ DynembGroup prepare_dynemb_group(const at::Tensor &sorted_ids, const at::Tensor 
     TORCH_CHECK(sorted_ids.is_contiguous() && perm.is_contiguous(), op, ": sorted_ids and perm must be contiguous");
     const int64_t n = sorted_ids.numel();
     TORCH_CHECK(n < (int64_t{1} << 31), op, ": at most 2^31 - 1 ids per batch, got ", n);
+    DynembGroup g = alloc_dynemb_group(n, perm.options());
+    g.p.sorted = sorted_ids.data_ptr<int64_t>();
+    g.p.perm = perm.data_ptr<int64_t>();
+    return g;
+}
+
+DynembGroup alloc_dynemb_group(int64_t n, const at::TensorOptions &o) {
     DynembGroup g;
-    const at::TensorOptions o = perm.options();
     g.uniq = at::empty({n}, o);
     g.seg = at::empty({n + 1}, o);
     g.inv = at::empty({n}, o);
     g.n_unique = at::empty({1}, o);
     g.p = tf_dynemb_group_params{};
     g.p.n = n;
-    g.p.sorted = sorted_ids.data_ptr<int64_t>();
-    g.p.perm = perm.data_ptr<int64_t>();
     g.p.uniq = g.uniq.data_ptr<int64_t>();
     g.p.seg = g.seg.data_ptr<int64_t>();
     g.p.inv = g.inv.data_ptr<int64_t>();
     g.p.n_unique = g.n_unique.data_ptr<int64_t>();
     return g;
+}
+
+void check_sort_group_ids(const at::Tensor &ids) {
+    const char *op = "torchfuse.dynemb_sort_group";
+    TORCH_CHECK_TYPE(ids.scalar_type() == at::kLong, op, ": ids must be int64, got ", ids.scalar_type());
+    TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous(), op, ": ids must be 1-D and contiguous, got shape ", ids.sizes());
+    TORCH_CHECK(ids.numel() < (int64_t{1} << 31), op, ": at most 2^31 - 1 ids per batch, got ", ids.numel());
 }
 
 DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, bool include_last, bool mean) {
@@ -80,6 +91,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_sorted_cpu(const at::Tensor
     return {g.uniq.narrow(0, 0, nu), g.seg.narrow(0, 0, nu + 1), g.inv};
 }
 
+// The CPU's stable sort is ATen's; the grouping the same C as dynemb_group_sorted_async.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_group_cpu(const at::Tensor &ids) {
+    check_sort_group_ids(ids);
+    auto [sorted_ids, perm] = at::sort(ids, /*stable=*/true, 0, false);
+    DynembGroup g = prepare_dynemb_group(sorted_ids, perm, "torchfuse.dynemb_sort_group");
+    tf_dynemb_group_cpu(&g.p);
+    return {perm, g.uniq, g.seg, g.inv, g.n_unique};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bag_layout_cpu(const at::Tensor &offsets, int64_t n,
                                                                           bool include_last, bool mean) {
     DynembBagLayout l = prepare_dynemb_bag_layout(offsets, n, include_last, mean);
@@ -93,6 +113,7 @@ TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("dynemb_group_sorted", &group_sorted_cpu);
     m.impl("dynemb_group_sorted_async", &group_sorted_async_cpu);
     m.impl("dynemb_bag_layout", &bag_layout_cpu);
+    m.impl("dynemb_sort_group", &sort_group_cpu);
 }
 
 }  // namespace torchfuse

@@ -15,6 +15,11 @@ struct DynembGroup {
     tf_dynemb_group_params p;
 };
 DynembGroup prepare_dynemb_group(const at::Tensor &sorted_ids, const at::Tensor &perm, const char *op);
+// The grouping's outputs for a batch of n ids before it is sorted (dynemb_sort_group): p.sorted and
+// p.perm unset.
+DynembGroup alloc_dynemb_group(int64_t n, const at::TensorOptions &o);
+// ids for dynemb_sort_group: int64, 1-D, contiguous, fewer than 2^31.
+void check_sort_group_ids(const at::Tensor &ids);
 
 // Checks offsets / n and allocates the bag layout's outputs: (full, bag_of, scale (n floats when mean,
 // else empty), bad (1 uint8)).

@@ -37,7 +37,9 @@ typedef struct {
 
 typedef struct {
     int64_t n;
-    const int64_t *sorted, *perm;         /* n each */
+    const int64_t *sorted, *perm;         /* n each; perm NULL: perm32 (and perm_out gets it widened) */
+    const int32_t *perm32;                /* CUDA, with perm NULL: the sort's int32 permutation */
+    int64_t *perm_out;                    /* with perm32: n, perm32 as int64 */
     int64_t *uniq, *seg, *inv;            /* n, n + 1, n */
     int64_t *n_unique;                    /* 1 */
     int32_t *flags;                       /* CUDA: n scratch (1 where a run of equal ids starts) */
@@ -48,10 +50,24 @@ typedef struct {
 void tf_dynemb_bag_layout_cpu(const tf_dynemb_bag_layout_params *p);
 void tf_dynemb_group_cpu(const tf_dynemb_group_params *p);
 
+/* Sort and grouping in one (dynemb_sort_group): ids (n int64) sorted stably by a CUB radix sort
+ * with int32 values (a quarter less traffic per pass than int64 ones), then grouped as above; the
+ * permutation comes out widened to int64 (perm_out) by the grouping's scatter. Scratch, all n long:
+ * sorted (int64), iota and perm32 (int32), plus tf_dynemb_sort_temp_bytes(n) for the sort. */
+typedef struct {
+    tf_dynemb_group_params g;             /* g.sorted / g.perm32 point into the scratch below */
+    const int64_t *ids;
+    int64_t *sorted;
+    int32_t *iota, *perm32;
+    void *sort_temp; size_t sort_temp_bytes;
+} tf_dynemb_sort_group_params;
+
 /* CUDA: return a cudaError_t as int. */
 int tf_dynemb_bag_layout_cuda(const tf_dynemb_bag_layout_params *p, void *stream);
 size_t tf_dynemb_group_temp_bytes(int64_t n);
 int tf_dynemb_group_cuda(const tf_dynemb_group_params *p, void *stream);
+size_t tf_dynemb_sort_temp_bytes(int64_t n);
+int tf_dynemb_sort_group_cuda(const tf_dynemb_sort_group_params *p, void *stream);
 
 #ifdef __cplusplus
 }

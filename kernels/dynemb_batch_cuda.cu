@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
 #include "dynemb_batch.h"
@@ -61,7 +62,14 @@ __global__ void group_scatter_kernel(tf_dynemb_group_params p) {
     const int64_t nu = p.run[p.n - 1] + 1;
     const int64_t r = p.run[j];
     const int64_t id = p.sorted[j];
-    p.inv[p.perm[j]] = r;
+    int64_t src;
+    if (p.perm) {
+        src = p.perm[j];
+    } else {  // the sort's int32 permutation, widened on the way
+        src = p.perm32[j];
+        p.perm_out[j] = src;
+    }
+    p.inv[src] = r;
     if (j == 0 || id != p.sorted[j - 1]) {
         p.uniq[r] = id;
         p.seg[r] = j;
@@ -69,6 +77,11 @@ __global__ void group_scatter_kernel(tf_dynemb_group_params p) {
     if (j >= nu) p.uniq[j] = id;
     if (j >= nu - 1) p.seg[j + 1] = p.n;
     if (j == p.n - 1) *p.n_unique = nu;
+}
+
+__global__ void iota_kernel(int32_t *__restrict__ out, int64_t n) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n) out[j] = (int32_t)j;
 }
 
 unsigned blocks_for(int64_t n) { return (unsigned)((n + kThreads - 1) / kThreads); }
@@ -103,4 +116,26 @@ extern "C" int tf_dynemb_group_cuda(const tf_dynemb_group_params *p, void *strea
     if (e != cudaSuccess) return (int)e;
     group_scatter_kernel<<<blocks_for(p->n), kThreads, 0, s>>>(*p);
     return (int)cudaGetLastError();
+}
+
+extern "C" size_t tf_dynemb_sort_temp_bytes(int64_t n) {
+    size_t bytes = 0;
+    if (n > 0)
+        cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const int64_t *)nullptr, (int64_t *)nullptr,
+                                        (const int32_t *)nullptr, (int32_t *)nullptr, (int)n);
+    return bytes;
+}
+
+extern "C" int tf_dynemb_sort_group_cuda(const tf_dynemb_sort_group_params *p, void *stream) {
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int64_t n = p->g.n;
+    if (n <= 0) return (int)cudaSuccess;
+    if (n >= (int64_t{1} << 31)) return (int)cudaErrorInvalidValue;
+    iota_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->iota, n);
+    size_t bytes = p->sort_temp_bytes;
+    // all 64 bits: any int64 is a key; radix sort is stable, so equal ids keep batch order
+    cudaError_t e = cub::DeviceRadixSort::SortPairs(p->sort_temp, bytes, p->ids, p->sorted, p->iota, p->perm32, (int)n,
+                                                    0, 64, s);
+    if (e != cudaSuccess) return (int)e;
+    return tf_dynemb_group_cuda(&p->g, stream);
 }

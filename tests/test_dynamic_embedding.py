@@ -704,6 +704,51 @@ def test_pool_early_with_evictions(device, early, mode, monkeypatch):
     assert len(bag) == n and torch.equal(bag.find(uniq)[0], snapshot)
 
 
+@pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (9, 4), (3000, 50), (4097, 100000), (200003, 150001)])
+def test_sort_group(device, n, universe):
+    """dynemb_sort_group (the sort and the grouping in one op; on CUDA a radix sort with int32
+    values) against torch.sort(stable=True) then dynemb_group_sorted_async: the same permutation
+    (stable: batch order within a run), bit for bit, and the same grouping; extreme keys included."""
+    base = torch.randint(-2**63, 2**63 - 1, (universe,), dtype=torch.int64)
+    base[0] = -2**63
+    if universe > 2:
+        base[1], base[2] = 2**63 - 1, -1
+    ids = base[torch.randint(0, universe, (n,))].to(device)
+    perm, uniq, seg, inv, n_unique = torch.ops.torchfuse.dynemb_sort_group(ids)
+    sorted_ids, ref_perm = torch.sort(ids, stable=True)
+    ref = torch.ops.torchfuse.dynemb_group_sorted_async(sorted_ids, ref_perm)
+    assert perm.dtype == torch.int64 and torch.equal(perm, ref_perm)
+    for got, want in zip((uniq, seg, inv, n_unique), ref):
+        assert got.shape == want.shape and torch.equal(got, want)
+    with pytest.raises(TypeError, match="int64"):
+        torch.ops.torchfuse.dynemb_sort_group(ids.int())
+    with pytest.raises(RuntimeError, match="1-D"):
+        torch.ops.torchfuse.dynemb_sort_group(ids.view(1, -1))
+
+
+@pytest.mark.parametrize("one_sync", [False, True])
+def test_sort_group_training_matches(device, one_sync, monkeypatch):
+    """Training through dynemb_sort_group and through torch.sort + dynemb_group_sorted_async (the
+    A/B switch): the same outputs and rows, step for step, on the one-wait and two-wait paths."""
+    import torchfuse.dynamic_embedding as de
+    monkeypatch.setattr(de, "_ONE_SYNC", one_sync)
+    bags = {v: DynamicEmbeddingBag(6, 512, device=device, optimizer=tfo.Adam(0.05), seed=4,
+                                   initializer=("uniform", -1.0, 1.0)) for v in (False, True)}
+    pool = _keys(150)
+    for step in range(4):
+        ids = _t(_keys(120, pool), device)
+        offsets = _t([0] + sorted(random.sample(range(1, 120), 7)), device)
+        g = torch.randn(8, 6, device=device)
+        outs = {}
+        for v, bag in bags.items():
+            monkeypatch.setattr(de, "_SORT_GROUP", v)
+            outs[v] = bag(ids, offsets)
+            (outs[v] * g).sum().backward()
+        torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+    q = _t(pool, device)
+    torch.testing.assert_close(bags[True].find(q)[0], bags[False].find(q)[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (9, 4), (3000, 50), (4097, 100000)])
 def test_group_sorted_async(device, n, universe):
     """dynemb_group_sorted_async (no host sync: buffers of the batch's length and a device count)

@@ -23,6 +23,18 @@ _ONE_SYNC = os.environ.get("TORCHFUSE_DYNEMB_ONE_SYNC", "1") != "0"
 # False: DynamicEmbeddingBag's one-wait training path pools after the host's wait (the A/B of
 # dynemb_find_or_insert_pool, which queues the pool before it)
 _POOL_EARLY = True
+# False: the training paths sort with torch.sort and group with dynemb_group_sorted_async (two ops)
+# instead of dynemb_sort_group (one: on CUDA a CUB radix sort with int32 values); the A/B of the two
+_SORT_GROUP = True
+
+
+def _sort_group(flat: Tensor):
+    """A batch sorted stably by id and grouped, without a host sync: (perm, uniq, seg, inv, n_unique)
+    as dynemb_sort_group returns them (uniq and seg valid up to n_unique[0] and n_unique[0] + 1)."""
+    if _SORT_GROUP:
+        return _ops.dynemb_sort_group(flat)
+    sorted_ids, perm = torch.sort(flat, stable=True)
+    return (perm,) + tuple(_ops.dynemb_group_sorted_async(sorted_ids, perm))
 _find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default  # the overload itself: called ahead of every launch
 _find_or_insert_pool_op = _ops.dynemb_find_or_insert_pool.default
 _EVICTIONS = ("lru", "lfu", "none")
@@ -694,24 +706,23 @@ class DynamicEmbedding(torch.nn.Module):
             rows = self._gather(slots, self._values, self._values_host)
         return rows, inv
 
-    def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None, sorted_perm=None,
+    def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None, grouped=None,
                bad: Optional[Tensor] = None, pool=None):
         """One stable sort of the batch: (perm, seg, slots_u, uniq, slots_id). perm lists the ids
         grouped by unique id, seg the group bounds, slots_u the unique ids' slots (inserted in
         training mode), slots_id each id's slot. check (if given) runs before the table is touched,
         right after the grouping's host sync, so a check that reads the device waits on nothing.
-        sorted_perm: torch.sort(flat, stable=True) when the caller launched it already (so that its
-        own host work overlaps the sort on the GPU). bad: check's device flag; with it a training
+        grouped: _sort_group(flat) when the caller launched it already (so that its own host work
+        overlaps the sort on the GPU). bad: check's device flag; with it a training
         batch into a full table waits on the host once, after the insert (see below). pool (offsets,
         weights, mean), on that one-wait path only: the bags pooled too, queued before the wait; then
         the result has a sixth entry, the bags, and slots_id is None."""
-        sorted_ids, perm = sorted_perm if sorted_perm is not None else torch.sort(flat, stable=True)
+        perm, uniq, seg, inv, n_unique = grouped if grouped is not None else _sort_group(flat)
         if self.training and self.capacity >= self.max_capacity and _ONE_SYNC:
             # No growth to decide, so the distinct ids need not be counted on the host first: the
             # grouping and the insert are queued back to back and the host waits once, for both
             # counts. bad rides along as the insert's abort flag: the table stays untouched, and
             # check raises after that wait.
-            uniq, seg, inv, n_unique = _ops.dynemb_group_sorted_async(sorted_ids, perm)
             if pool is not None and not self._host_tier_on_cuda():
                 offsets, w, mean = pool
                 out = self._find_or_insert_fused(uniq, True, False, n_valid=n_unique, abort=bad, on_abort=check,
@@ -721,7 +732,8 @@ class DynamicEmbedding(torch.nn.Module):
             out = self._find_or_insert_fused(uniq, True, False, n_valid=n_unique, abort=bad, on_abort=check)
             slots_u, n_u = out[0], out[4]
             return perm, seg[:n_u + 1], slots_u, uniq[:n_u], slots_u[inv]
-        uniq, seg, inv = _ops.dynemb_group_sorted(sorted_ids, perm)
+        n_u = int(n_unique)  # the host sync: growth is decided on the distinct ids
+        uniq, seg = uniq[:n_u], seg[:n_u + 1]
         if check is not None:
             check()
         slots_u = self._find_or_insert(uniq)[0] if self.training else self._lookup(uniq)
@@ -855,7 +867,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         need_grad = self._need_grad()
         # The training paths' sort goes first: the host work below (the offsets' checks, the bags'
         # layout) is then launched while the GPU sorts, not before it starts.
-        sorted_perm = torch.sort(flat, stable=True) if (self.training or need_grad) and not weights_grad else None
+        grouped = _sort_group(flat) if (self.training or need_grad) and not weights_grad else None
         if not offsets.numel() and (incl or n):
             raise ValueError(f"{name}: empty offsets with {n} ids")
         mean = self.mode == "mean"
@@ -879,7 +891,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         w = per_sample_weights.float().contiguous() if per_sample_weights is not None else None
         if not need_grad:
             if self.training:
-                slots = self._group(flat, check_offsets, sorted_perm, bad)[4]
+                slots = self._group(flat, check_offsets, grouped, bad)[4]
             else:
                 check_offsets()
                 slots = self._lookup(flat)
@@ -888,7 +900,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             scale = w
         elif not mean:
             scale = None
-        g = self._group(flat, check_offsets, sorted_perm, bad, (full, w, mean) if _POOL_EARLY else None)
+        g = self._group(flat, check_offsets, grouped, bad, (full, w, mean) if _POOL_EARLY else None)
         perm, seg, slots_u, uniq, slots_id = g[:5]
         anchor = torch.empty(0, device=self.device, requires_grad=True)
         return _Fused.apply(anchor, self, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale) + g[5:])
@@ -906,6 +918,12 @@ def _bag_layout_fake(offsets, n, include_last_offset, mean):
     i64 = offsets.new_empty((0,), dtype=torch.int64)
     return (i64.new_empty((n_bags + 1,)), i64.new_empty((n,)),
             offsets.new_empty((n if mean else 0,), dtype=torch.float32), offsets.new_empty((1,), dtype=torch.uint8))
+
+
+@torch.library.register_fake("torchfuse::dynemb_sort_group")
+def _sort_group_fake(ids):
+    n = ids.shape[0]
+    return ids.new_empty((n,)), ids.new_empty((n,)), ids.new_empty((n + 1,)), ids.new_empty((n,)), ids.new_empty((1,))
 
 
 @torch.library.register_fake("torchfuse::dynemb_group_sorted")
