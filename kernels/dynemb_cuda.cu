@@ -691,7 +691,12 @@ template <typename T>
 __global__ void foi_find_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
     const int64_t i = warp_index();
     const int lane = threadIdx.x & 31;
-    if (i >= foi_count(p)) return;
+    if (i >= foi_count(p)) {
+        // past n_valid, or aborted: defined, as the pool op queued before the host's wait reads
+        // every slot (the 128-slot kernel does the same)
+        if (lane == 0 && i < p.p.n) p.p.slots[i] = -1;
+        return;
+    }
     int64_t found;
     const unsigned m = warp_probe(t, p.p.query[i], lane, found);
     const int64_t slot = m ? __shfl_sync(0xffffffffu, found, __ffs(m) - 1) : -1;

@@ -839,6 +839,24 @@ def test_find_or_insert_sync_n_valid_and_abort(device, bucket_size):
         assert slots_a.numel() == rows_a.shape[0] == is_new_a.numel() == ev_a.shape[1] == 0
         for name in _TABLE_TENSORS:  # bit for bit: free slots' rows are uninitialised (NaN != NaN)
             assert torch.equal(c_ab[name].view(torch.uint8), getattr(t, name).view(torch.uint8)), name
+    # the pool op reads every slot it is handed, past n_valid too: those are -1 (pooled as zeros), and
+    # all of them on an aborted call; free rows are set to 7 so that any slot read shows in the bags
+    def run_pool(query, n_valid, abort):
+        c = {name: getattr(t, name).clone() for name in _TABLE_TENSORS}
+        c["_values"][c["_digests"] == 0] = 7.0
+        junk = torch.full((4 * query.numel() + 64,), 7, dtype=torch.int64, device=device)
+        del junk  # recycled memory under the outputs: not zeros
+        full = _t([0, n, query.numel()], device)
+        return ops.dynemb_find_or_insert_pool(
+            query, c["_keys"], c["_digests"], c["_scores"], c["_marks"], c["_locks"], c["_values"], c["_values_host"],
+            c["_state"], c["_state_host"], bucket_size, t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3, True,
+            n_valid, abort, full, torch.arange(query.numel(), device=device), None, False)
+    padded = torch.cat([q, pad])
+    bags = run_pool(padded, _t([n], device), None)[7]
+    torch.testing.assert_close(bags[0], rows.float().sum(0), rtol=1e-5, atol=1e-5)
+    assert torch.equal(bags[1], torch.zeros_like(bags[1]))  # the padding's slots are -1
+    bags = run_pool(padded, _t([n], device), torch.ones((), dtype=torch.bool, device=device))[7]
+    assert torch.equal(bags, torch.zeros_like(bags))  # aborted: every slot -1
     with pytest.raises(TypeError, match="n_valid"):
         run(q, _t([n], device).int())
     with pytest.raises(RuntimeError, match="abort"):
