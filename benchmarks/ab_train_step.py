@@ -1,9 +1,11 @@
 """One-process A/B of the dynamic-embedding training step (bench_dynamic_embedding.py's protocol: 1M
 ids in bags of 64, dim 128, ids from 4M keys already in the table): a module switch of
 torchfuse.dynamic_embedding toggled between rounds, each round timing single synced steps (median and
-best) and a back-to-back run (one sync at the end). Usage:
+best) and a back-to-back run (one sync at the end). A switch named TORCHFUSE_* is an environment
+variable that the kernels read at each launch, set to 0 / 1. Usage:
   python benchmarks/ab_train_step.py --switch _ONE_SYNC [--opt sgd] [--rounds 4] [--steps 20]"""
 import argparse
+import os
 import statistics
 import time
 
@@ -46,7 +48,10 @@ def main():
     print(f"| round | {a.switch} | median ms | best ms | back-to-back ms |\n|---|---|---|---|---|")
     for r in range(a.rounds):
         for v in (False, True):
-            setattr(de, a.switch, v)
+            if a.switch.startswith("TORCHFUSE_"):
+                os.environ[a.switch] = str(int(v))
+            else:
+                setattr(de, a.switch, v)
             fn = ours
             fn()
             med, best = single(fn, a.steps)

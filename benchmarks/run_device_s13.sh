@@ -4,8 +4,12 @@
 #          merged into main for this call: dynamic-embedding and TorchRec GPU tests, memcheck, the
 #          one-process A/B (--switch _SORT_GROUP), the step's kernel profile, then where a step's wall
 #          time goes (host_split_dynemb_train.py, incl. the no-op Function's backward: the engine's cost)
+#   sgdred: SGD's segment update by vector reductions (segsum_sgd_red_kernel), the pool op's slots
+#          past n_valid defined (foi_find_kernel), dynemb_bag_layout's with_bags: GPU tests,
+#          memcheck, the kernel time of each segment-update form, the one-process A/B
+#          (--switch TORCHFUSE_DYNEMB_SGD_RED), the training table
 set -uo pipefail
-PART=${1:?part: sortgroup}
+PART=${1:?part: sortgroup or sgdred}
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_dynemb_checks.sh"
 if [ "$PART" = sortgroup ]; then
@@ -13,4 +17,13 @@ if [ "$PART" = sortgroup ]; then
   (cd benchmarks && timeout 150 python3 ab_train_step.py --switch _SORT_GROUP --rounds ${ROUNDS:-4} --steps 30) 2>&1 | grep "|"
   step_trace 10
   (cd benchmarks && timeout 100 python3 host_split_dynemb_train.py --steps 30) 2>&1 | grep "|"
+elif [ "$PART" = sgdred ]; then
+  dynemb_tests "vector_reduction or segment_update or n_valid or bag_layout or bad_inputs or training or pool"
+  for red in 1 0 1 0; do
+    (cd benchmarks && TORCHFUSE_DYNEMB_SGD_RED=$red timeout 40 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_red$red.txt" 2>&1
+    echo "red $red: $(grep -m1 -E "segsum_(sgd_red|update)_kernel" "$OUT/prof_red$red.txt" | awk '{print $1, $2, $(NF-4)}'), $(grep -m1 "Self CUDA time total" "$OUT/prof_red$red.txt")"
+  done
+  (cd benchmarks && timeout 150 python3 ab_train_step.py --switch TORCHFUSE_DYNEMB_SGD_RED --rounds ${ROUNDS:-4} --steps 30) 2>&1 | grep "|"
+  timeout 80 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train.md" > "$OUT/train.log" 2>&1
+  echo "train bench exit $?"; grep "training step" "$OUT/train.log"
 fi

@@ -46,7 +46,8 @@ void check_sort_group_ids(const at::Tensor &ids) {
     TORCH_CHECK(ids.numel() < (int64_t{1} << 31), op, ": at most 2^31 - 1 ids per batch, got ", ids.numel());
 }
 
-DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, bool include_last, bool mean) {
+DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, bool include_last, bool mean,
+                                          bool with_bags) {
     const char *op = "torchfuse.dynemb_bag_layout";
     TORCH_CHECK_TYPE(offsets.scalar_type() == at::kLong || offsets.scalar_type() == at::kInt, op,
                      ": offsets must be int32 or int64, got ", offsets.scalar_type());
@@ -59,8 +60,8 @@ DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, 
     DynembBagLayout l;
     const at::TensorOptions o = offsets.options().dtype(at::kLong);
     l.full = at::empty({n_bags + 1}, o);
-    l.bag_of = at::empty({n}, o);
-    l.scale = at::empty({mean ? n : 0}, o.dtype(at::kFloat));
+    l.bag_of = at::empty({with_bags ? n : 0}, o);
+    l.scale = at::empty({mean && with_bags ? n : 0}, o.dtype(at::kFloat));
     l.bad = at::empty({1}, o.dtype(at::kByte));  // the CPU writes it; CUDA zeroes it first
     l.p = tf_dynemb_bag_layout_params{};
     l.p.offsets = offsets.data_ptr();
@@ -69,8 +70,8 @@ DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, 
     l.p.include_last = include_last;
     l.p.n = n;
     l.p.full = l.full.data_ptr<int64_t>();
-    l.p.bag_of = l.bag_of.data_ptr<int64_t>();
-    l.p.scale = mean ? l.scale.data_ptr<float>() : nullptr;
+    l.p.bag_of = with_bags ? l.bag_of.data_ptr<int64_t>() : nullptr;
+    l.p.scale = mean && with_bags ? l.scale.data_ptr<float>() : nullptr;
     l.p.bad = l.bad.data_ptr<uint8_t>();
     return l;
 }
@@ -101,8 +102,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_grou
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bag_layout_cpu(const at::Tensor &offsets, int64_t n,
-                                                                          bool include_last, bool mean) {
-    DynembBagLayout l = prepare_dynemb_bag_layout(offsets, n, include_last, mean);
+                                                                          bool include_last, bool mean,
+                                                                          bool with_bags) {
+    DynembBagLayout l = prepare_dynemb_bag_layout(offsets, n, include_last, mean, with_bags);
     tf_dynemb_bag_layout_cpu(&l.p);
     return {l.full, l.bag_of, l.scale, l.bad};
 }

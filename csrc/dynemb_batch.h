@@ -27,6 +27,7 @@ struct DynembBagLayout {
     at::Tensor full, bag_of, scale, bad;
     tf_dynemb_bag_layout_params p;
 };
-DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, bool include_last, bool mean);
+DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, bool include_last, bool mean,
+                                          bool with_bags);
 
 }  // namespace torchfuse

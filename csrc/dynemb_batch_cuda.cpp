@@ -90,9 +90,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_grou
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bag_layout_cuda(const at::Tensor &offsets, int64_t n,
-                                                                           bool include_last, bool mean) {
+                                                                           bool include_last, bool mean,
+                                                                           bool with_bags) {
     const c10::cuda::CUDAGuard guard(offsets.device());
-    DynembBagLayout l = prepare_dynemb_bag_layout(offsets, n, include_last, mean);
+    DynembBagLayout l = prepare_dynemb_bag_layout(offsets, n, include_last, mean, with_bags);
     const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
     check_launch(cudaMemsetAsync(l.p.bad, 0, 1, s), "dynemb bag layout memset");
     check_launch(tf_dynemb_bag_layout_cuda(&l.p, s), "dynemb bag layout kernel");

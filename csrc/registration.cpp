@@ -117,8 +117,10 @@ TORCH_LIBRARY(torchfuse, m) {
     m.def("dynemb_sort_group(Tensor ids) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
     // A bag batch's layout from its offsets (kernels/dynemb_batch.h): (full (n_bags + 1), bag_of (n),
     // scale (n mean-mode scales when mean, else empty), bad (one uint8 flag: offsets that do not start
-    // at 0, decrease, or end elsewhere than n)). Defined, in-range results for any offsets.
-    m.def("dynemb_bag_layout(Tensor offsets, int n, bool include_last_offset, bool mean) -> (Tensor, Tensor, Tensor, Tensor)");
+    // at 0, decrease, or end elsewhere than n)). Defined, in-range results for any offsets. with_bags
+    // false: bag_of and scale empty, not computed (the inference path pools from full alone).
+    m.def("dynemb_bag_layout(Tensor offsets, int n, bool include_last_offset, bool mean, bool with_bags=True) "
+          "-> (Tensor, Tensor, Tensor, Tensor)");
     // Per unique id, the sum of its occurrences' gradient rows in perm order (fp32, deterministic).
     m.def("dynemb_segment_sum(Tensor grad, Tensor perm, Tensor seg, Tensor? bag_of, Tensor? scale) -> Tensor");
     // dynemb_update(slots, dynemb_segment_sum(...)) in one: on CUDA the sums are applied as they are

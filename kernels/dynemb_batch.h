@@ -30,7 +30,7 @@ typedef struct {
     int include_last;                     /* n_bags = n_in - 1 (else n_in; full[n_bags] = n) */
     int64_t n;                            /* ids */
     int64_t *full;                        /* n_bags + 1 */
-    int64_t *bag_of;                      /* n */
+    int64_t *bag_of;                      /* n, or NULL: bounds and flag only (then scale NULL too) */
     float *scale;                         /* n, or NULL */
     uint8_t *bad;                         /* 1 byte: written 0 or 1 (CUDA: zeroed by the caller first) */
 } tf_dynemb_bag_layout_params;

@@ -16,7 +16,7 @@ void tf_dynemb_bag_layout_cpu(const tf_dynemb_bag_layout_params *p) {
     if (p->full[0] != 0 || p->full[n_bags] != p->n) bad = 1;
     *p->bad = (uint8_t)bad;
     const int64_t last = n_bags > 0 ? n_bags - 1 : 0;
-    for (int64_t i = 0; i < p->n; ++i) {
+    for (int64_t i = 0; p->bag_of && i < p->n; ++i) {
         /* the last b in [0, last] with full[b] <= i (b = 0 when none): the search the GPU does */
         int64_t lo = 0, hi = last;
         while (lo < hi) {

@@ -32,7 +32,7 @@ __global__ void bag_layout_kernel(tf_dynemb_bag_layout_params p) {
         const bool bad = (t == 0 && o != 0) || (t > 0 && o < offset_at<Off>(p, t - 1)) || (t == n_bags && o != p.n);
         if (bad) *p.bad = 1;  // every writer writes 1: no ordering needed
     }
-    if (t < p.n) {
+    if (t < p.n && p.bag_of) {
         int64_t lo = 0, hi = n_bags > 0 ? n_bags - 1 : 0;
         while (lo < hi) {
             const int64_t mid = lo + (hi - lo + 1) / 2;
@@ -92,7 +92,8 @@ extern "C" int tf_dynemb_bag_layout_cuda(const tf_dynemb_bag_layout_params *p, v
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int64_t n_bags = p->include_last ? p->n_in - 1 : p->n_in;
     if (n_bags < 0) return (int)cudaErrorInvalidValue;
-    const int64_t work = p->n > n_bags + 1 ? p->n : n_bags + 1;
+    const int64_t ids = p->bag_of ? p->n : 0;
+    const int64_t work = ids > n_bags + 1 ? ids : n_bags + 1;
     if (p->offsets_64)
         bag_layout_kernel<int64_t><<<blocks_for(work), kThreads, 0, s>>>(*p);
     else

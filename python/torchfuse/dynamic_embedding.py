@@ -873,8 +873,10 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         mean = self.mode == "mean"
         # One kernel (a dozen ATen ops before session 12): the bags' bounds `full` (offsets, then n
         # unless incl), each id's bag, its mean scale and the offsets' check flag `bad`, all defined
-        # for any offsets, so the flag can be read after later work is queued.
-        full, bag_of, scale, bad = _ops.dynemb_bag_layout(offsets.contiguous(), n, incl, mean)
+        # for any offsets, so the flag can be read after later work is queued. Each id's bag and scale
+        # only feed the backward's segment sums: the other paths pool from the bounds alone.
+        full, bag_of, scale, bad = _ops.dynemb_bag_layout(offsets.contiguous(), n, incl, mean,
+                                                          need_grad and not weights_grad)
 
         def check_offsets():
             if bool(bad):
@@ -913,11 +915,12 @@ def _group_sorted_async_fake(sorted_ids, perm):
 
 
 @torch.library.register_fake("torchfuse::dynemb_bag_layout")
-def _bag_layout_fake(offsets, n, include_last_offset, mean):
+def _bag_layout_fake(offsets, n, include_last_offset, mean, with_bags=True):
     n_bags = offsets.shape[0] - (1 if include_last_offset else 0)
     i64 = offsets.new_empty((0,), dtype=torch.int64)
-    return (i64.new_empty((n_bags + 1,)), i64.new_empty((n,)),
-            offsets.new_empty((n if mean else 0,), dtype=torch.float32), offsets.new_empty((1,), dtype=torch.uint8))
+    return (i64.new_empty((n_bags + 1,)), i64.new_empty((n if with_bags else 0,)),
+            offsets.new_empty((n if mean and with_bags else 0,), dtype=torch.float32),
+            offsets.new_empty((1,), dtype=torch.uint8))
 
 
 @torch.library.register_fake("torchfuse::dynemb_sort_group")
