@@ -4,8 +4,9 @@
 #          merged into main for this call: dynamic-embedding and TorchRec GPU tests, memcheck, the
 #          one-process A/B (--switch _SORT_GROUP), the step's kernel profile, then where a step's wall
 #          time goes (host_split_dynemb_train.py, incl. the no-op Function's backward: the engine's cost)
-#   sgdred: SGD's segment update by vector reductions (segsum_sgd_red_kernel), the pool op's slots
-#          past n_valid defined (foi_find_kernel), dynemb_bag_layout's with_bags: GPU tests,
+#   sgdred: SGD's segment update by vector reductions (segsum_sgd_red_kernel; measured 486 against
+#          481 us, no gain, removed since: this part now times the register path only), the pool op's
+#          slots past n_valid defined (foi_find_kernel), dynemb_bag_layout's with_bags: GPU tests,
 #          memcheck, the kernel time of each segment-update form, the one-process A/B
 #          (--switch TORCHFUSE_DYNEMB_SGD_RED), the training table
 set -uo pipefail

@@ -1424,86 +1424,6 @@ __global__ void __launch_bounds__(128, kOpt == TF_OPT_SGD || kOpt == TF_OPT_ROWW
     }
 }
 
-/* SGD on fp32 rows that all lie in device memory, dim <= 128 and a multiple of 4, fp32 gradients:
- * segsum_update_kernel without the table row in registers. A run wholly inside the chunk is applied
- * with one vector reduction per lane (red.global.add.v4.f32 of -lr * sum): the L2 does the
- * read-modify-write, so the warp waits only on the gradient rows (one per bag: L2-resident), never on
- * a table row, and issues eight of them per step with no row registers held. Each row still gets
- * exactly one update (runs cut by the chunk's edges go to the partial sums and the join kernel, as
- * before), so the result is deterministic: w + (-(lr g)), PyTorch's sparse SGD arithmetic, where the
- * register path rounds w - lr g once. Lane l owns columns 4l .. 4l + 3. */
-__global__ void __launch_bounds__(128) segsum_sgd_red_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
-    const int64_t k = warp_index();
-    const int lane = threadIdx.x & 31;
-    const int64_t q0 = k * TF_DYNEMB_SEG_CHUNK;
-    if (q0 >= p.n_occ) return;
-    const int64_t q1 = seg_chunk_end(p, q0);
-    int64_t my_src;
-    float my_scale;
-    seg_lane_pair(p, q0, q1, lane, my_src, my_scale);
-    const int64_t lo = seg_id_of(p, q0, lane);
-    int64_t my_end = INT64_MAX, my_slot = -1;  // lane l: the end of the run of id lo + l, and its slot
-    if (lo + lane < p.n_unique) {
-        my_end = p.seg[lo + lane + 1];
-        my_slot = u.slots[lo + lane];
-    }
-    const bool cols = 4 * lane < p.dim;
-    const int64_t row4 = p.dim / 4;  // float4s per row
-    const float4 *grad = static_cast<const float4 *>(p.grad);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    int r = 0;  // the current id is lo + r
-    int64_t u_begin = p.seg[lo], u_end = __shfl_sync(0xffffffffu, my_end, 0);
-    for (int64_t qb = q0; qb < q1; qb += 8) {
-        float4 v[8];
-#pragma unroll
-        for (int rr = 0; rr < 8; ++rr) {
-            const int64_t q = qb + rr;
-            const int64_t src = __shfl_sync(0xffffffffu, my_src, (int)((q < q1 ? q : q0) - q0));
-            v[rr] = q < q1 && cols ? __ldg(grad + src * row4 + lane) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int rr = 0; rr < 8; ++rr) {
-            const int64_t q = qb + rr;
-            if (q >= q1) break;
-            const float sc = __shfl_sync(0xffffffffu, my_scale, (int)(q - q0));
-            acc.x += sc * v[rr].x;
-            acc.y += sc * v[rr].y;
-            acc.z += sc * v[rr].z;
-            acc.w += sc * v[rr].w;
-            if (q + 1 == u_end || q + 1 == q1) { /* the run of id lo + r ends here (uniform over the warp) */
-                if (u_begin >= q0 && u_end <= q1) {
-                    const int64_t slot = __shfl_sync(0xffffffffu, my_slot, r);
-                    if (slot >= 0 && cols) {
-                        float *dst = reinterpret_cast<float *>(u.values.hbm + slot * u.values.row_bytes) + 4 * lane;
-                        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(-(u.lr * acc.x)),
-                                     "f"(-(u.lr * acc.y)), "f"(-(u.lr * acc.z)), "f"(-(u.lr * acc.w))
-                                     : "memory");
-                    }
-                } else if (cols) {
-                    reinterpret_cast<float4 *>(p.partial + (2 * k + (u_begin < q0 ? 0 : 1)) * p.dim)[lane] = acc;
-                }
-                acc = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (q + 1 < q1 && lo + r + 1 < p.n_unique) {
-                    ++r;
-                    u_begin = u_end;
-                    u_end = __shfl_sync(0xffffffffu, my_end, r < 32 ? r : 31);
-                }
-            }
-        }
-    }
-}
-
-// The vector-reduction SGD path applies (segsum_sgd_red_kernel's conditions); TORCHFUSE_DYNEMB_SGD_RED=0
-// turns it off (the A/B against segsum_update_kernel).
-bool sgd_red_applies(const tf_dynemb_segsum_params *p, const tf_dynemb_update_params *u) {
-    const char *env = getenv("TORCHFUSE_DYNEMB_SGD_RED");
-    if (env && env[0] == '0') return false;
-    const auto aligned = [](const void *ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-    return u->opt == TF_OPT_SGD && u->dtype == TF_F32 && p->grad_dtype == TF_F32 && p->dim % 4 == 0 &&
-           p->dim <= 128 && u->values.host == nullptr && u->values.row_bytes % 16 == 0 && aligned(u->values.hbm) &&
-           aligned(p->grad) && aligned(p->partial);
-}
-
 /* segsum_join_kernel's sums of the runs cut by chunk edges, applied to their rows. */
 template <int kOpt>
 __global__ void segsum_update_join_kernel(tf_dynemb_segsum_params p, tf_dynemb_update_params u) {
@@ -1727,15 +1647,7 @@ int tf_dynemb_segsum_update_cuda(const tf_dynemb_segsum_params *p, const tf_dyne
     }                                                                                            \
     segsum_update_empty_kernel<OPT><<<grid_for_threads(p->n_unique), kBlock, 0, s>>>(*p, *u);
     switch (u->opt) {
-    case TF_OPT_SGD:
-        if (sgd_red_applies(p, u)) {
-            if (p->n_occ > 0) {
-                segsum_sgd_red_kernel<<<grid128, 128, 0, s>>>(*p, *u);
-                segsum_update_join_kernel<TF_OPT_SGD><<<grid, kBlock, 0, s>>>(*p, *u);
-            }
-            break;  // no empty-run kernel: SGD leaves an id without occurrences as it is
-        }
-        TF_SEGUPD(TF_OPT_SGD) break;
+    case TF_OPT_SGD: TF_SEGUPD(TF_OPT_SGD) break;
     case TF_OPT_ADAGRAD: TF_SEGUPD(TF_OPT_ADAGRAD) break;
     case TF_OPT_ROWWISE_ADAGRAD: TF_SEGUPD(TF_OPT_ROWWISE_ADAGRAD) break;
     case TF_OPT_ADAM: TF_SEGUPD(TF_OPT_ADAM) break;

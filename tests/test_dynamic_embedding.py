@@ -1267,41 +1267,6 @@ def test_segment_update_matches_sum_then_update(device, opt, dim, bags):
     assert not torch.equal(v2, values)
 
 
-@pytest.mark.parametrize("red", ["1", "0"])
-@pytest.mark.parametrize("dim", [4, 128])
-def test_segment_update_sgd_vector_reduction(device, dim, red, monkeypatch):
-    """SGD on fp32 rows in device memory (CUDA: one red.global.add.v4.f32 per lane of -lr * sum, no row
-    read by the SM; TORCHFUSE_DYNEMB_SGD_RED=0 keeps the rows in registers): the result is PyTorch's
-    sparse-SGD arithmetic w + (-(lr g)) bit for bit on the vector path (which shows it ran: the register
-    path rounds w - lr g once), and close to it on the others. Runs of one to three occurrences, so
-    that some are cut by a chunk edge (the join kernel), ids gone from the table (-1) skipped."""
-    monkeypatch.setenv("TORCHFUSE_DYNEMB_SGD_RED", red)
-    ops = torch.ops.torchfuse
-    counts = [random.randint(1, 3) for _ in range(301)]
-    n_occ, n_u = sum(counts), len(counts)
-    seg = torch.tensor([0] + list(itertools.accumulate(counts)), device=device)
-    perm = torch.randperm(n_occ, device=device)
-    grad = torch.randn(n_occ, dim, device=device)
-    slots = torch.randperm(1000, device=device)[:n_u]
-    slots[::17] = -1
-    values = torch.randn(1000, dim, device=device)
-    lr = 0.0731
-    g = ops.dynemb_segment_sum(grad, perm, seg, None, None)
-    live = slots >= 0
-    want = values.clone()
-    want[slots[live]] = values[slots[live]] + (-(lr * g[live]))
-    got = values.clone()
-    ops.dynemb_segment_update(grad, perm, seg, None, None, slots, got, values.new_empty(0, dim), values.new_empty(1000, 0),
-                              values.new_empty(0, 0), 0, lr, 1e-8, 0.9, 0.999, 0.0)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    cut = torch.zeros(n_u, dtype=torch.bool, device=device)  # runs crossing a 32-occurrence edge
-    cut[(seg[:-1] // 32) != ((seg[1:] - 1) // 32)] = True
-    whole = live & ~cut
-    assert int(whole.sum()) > 200 and int(cut.sum()) > 0
-    if device == "cuda" and red == "1" and dim % 4 == 0:
-        assert torch.equal(got[slots[whole]], want[slots[whole]])
-
-
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("dim", [4, 128, 132])
 def test_pool_op_layouts(device, shift, dim):
