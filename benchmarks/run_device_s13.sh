@@ -9,8 +9,11 @@
 #          slots past n_valid defined (foi_find_kernel), dynemb_bag_layout's with_bags: GPU tests,
 #          memcheck, the kernel time of each segment-update form, the one-process A/B
 #          (--switch TORCHFUSE_DYNEMB_SGD_RED), the training table
+#   dqkeys: the HSTU wgmma backward with dQ by keys at head dim 128 (TORCHFUSE_HSTU_BWD_DQ_KEYS=1): its
+#          GPU tests and the default's, memcheck and racecheck on it, then the A/B against the default
+#          (ab_hstu_bwd.py --forms pers,perskeys) with Triton beside (PEERS=.gl/hstu-peers, carried)
 set -uo pipefail
-PART=${1:?part: sortgroup or sgdred}
+PART=${1:?part: sortgroup, sgdred or dqkeys}
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_dynemb_checks.sh"
 if [ "$PART" = sortgroup ]; then
@@ -27,4 +30,17 @@ elif [ "$PART" = sgdred ]; then
   (cd benchmarks && timeout 150 python3 ab_train_step.py --switch TORCHFUSE_DYNEMB_SGD_RED --rounds ${ROUNDS:-4} --steps 30) 2>&1 | grep "|"
   timeout 80 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train.md" > "$OUT/train.log" 2>&1
   echo "train bench exit $?"; grep "training step" "$OUT/train.log"
+elif [ "$PART" = dqkeys ]; then
+  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
+  timeout 60 $T -x -k "dq_by_keys and d128_h4" > "$OUT/smoke.log" 2>&1
+  rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
+  timeout 200 $T -k "dq_by_keys or isolated or (test_backward and cuda-wgmma and not wgmmared and not 1blk)" > "$OUT/pytest_hstu.log" 2>&1
+  echo "hstu pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest_hstu.log" | head -12
+  timeout 120 compute-sanitizer --tool memcheck --print-limit 5 $T -x -k "dq_by_keys" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  timeout 120 compute-sanitizer --tool racecheck --print-limit 5 $T -x -k "dq_by_keys and (d128_h4 or long_d128 or window)" > "$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2
+  timeout 200 python3 benchmarks/ab_hstu_bwd.py --forms pers,perskeys --rounds 3 --out "$OUT/ab_dqkeys.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; grep -v "^|" "$OUT/ab.log" | tail -3; cat "$OUT/ab_dqkeys.md"
 fi
