@@ -398,8 +398,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 for (int n = 0; n < DQ_CHUNKS; ++n) {  // D = 256 (or dQ by keys): chunks of 64 columns, 32 registers each
                     float dq[32];
                     // column panel pc of K (dQ columns 64 pc..): DQ_SPLIT_N: this warpgroup's DQ_CHUNKS panels;
-                    // by keys: every panel in turn
-                    const int pc = kDqByKeys ? n : DQ_CHUNKS * cw + n;
+                    // else (by keys) every panel in turn (head dim 64: the one)
+                    const int pc = DQ_SPLIT_N ? DQ_CHUNKS * cw + n : n;
                     if (n > 0) tf_wgmma_fence();  // the previous chunk's dq registers were read since
                     if constexpr (DQ_SPLIT_N) {  // columns 64 pc.., all kBN keys
 #pragma unroll
