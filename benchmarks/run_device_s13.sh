@@ -40,7 +40,7 @@ elif [ "$PART" = dqkeys ]; then
   timeout 120 compute-sanitizer --tool memcheck --print-limit 5 $T -x -k "dq_by_keys" > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
   [ "${RACE:-1}" = 1 ] && timeout 120 compute-sanitizer --tool racecheck --print-limit 5 $T -x -k "dq_by_keys and (d128_h4 or long_d128 or window)" > "$OUT/racecheck.log" 2>&1
-  [ "${RACE:-1}" = 1 ] && { echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2; }
+  rc=$?; [ "${RACE:-1}" = 1 ] && { echo "racecheck exit $rc"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2; }
   timeout 150 python3 benchmarks/ab_hstu_bwd.py --forms pers,perskeys --rounds 3 --no-triton --out "$OUT/ab_dqkeys.md" > "$OUT/ab.log" 2>&1
   echo "ab exit $?"; grep -v "^|" "$OUT/ab.log" | tail -3; cat "$OUT/ab_dqkeys.md"
 fi
