@@ -5,8 +5,6 @@ in each of the chosen forms (`--forms`, comma-separated, in turns, best of `--ro
     1blk1sec   the same, blocks in one section (TORCHFUSE_HSTU_BWD_SECTION=0)
     pers       the sm_90a wgmma kernel, persistent (one block per SM, items from a counter; the default)
     pers1sec   the same, items in one section
-    perskeys   `pers` with dQ by keys at head dim 128 (TORCHFUSE_HSTU_BWD_DQ_KEYS=1: no barrier between the
-               consumers per tile, twice the reduce-add traffic)
     persred    `pers` with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red) instead
                of TMA reduce-adds from shared memory (the other forms: the default, which head dims up to 128
                take; 192 / 256 always add with red.global.add: there `persred` is `pers`)
@@ -34,19 +32,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_hstu as bh  # noqa: E402
 
 # form: (column title, TORCHFUSE_HSTU_SM90_BWD, TORCHFUSE_HSTU_BWD_SECTION, TORCHFUSE_HSTU_BWD_PERSISTENT,
-# TORCHFUSE_HSTU_BWD_DQ, TORCHFUSE_HSTU_BWD_DQ_KEYS); "" sets the variable empty, which the library reads
-# as unset (the default)
+# TORCHFUSE_HSTU_BWD_DQ); "" sets the variable empty, which the library reads as unset (the default)
 FORMS = {
-    "mma": ("mma.sync", "0", "", "", "", ""),
-    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0", "", ""),
-    "1blk": ("wgmma, 1 block/item", "1", "", "0", "", ""),
-    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", "", ""),
-    "pers": ("wgmma, persistent", "1", "", "1", "", ""),
-    "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red", ""),
-    "perskeys": ("wgmma, persistent, dQ by keys", "1", "", "1", "", "1"),
+    "mma": ("mma.sync", "0", "", "", ""),
+    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0", ""),
+    "1blk": ("wgmma, 1 block/item", "1", "", "0", ""),
+    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", ""),
+    "pers": ("wgmma, persistent", "1", "", "1", ""),
+    "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red"),
 }
 ENV_NAMES = ("TORCHFUSE_HSTU_SM90_BWD", "TORCHFUSE_HSTU_BWD_SECTION", "TORCHFUSE_HSTU_BWD_PERSISTENT",
-             "TORCHFUSE_HSTU_BWD_DQ", "TORCHFUSE_HSTU_BWD_DQ_KEYS")
+             "TORCHFUSE_HSTU_BWD_DQ")
 assert all(len(v) == 1 + len(ENV_NAMES) for v in FORMS.values())
 
 

@@ -89,6 +89,7 @@ struct BwdSm90Cfg {
     static constexpr int SMEM_TMA = SMEM + (DQ_TMA ? 2 * DQ_WG_BYTES : 0);
     static_assert(SMEM + 256 <= 232448, "227 KB of shared memory per block (+ the static mbarriers and work slots)");
     static_assert(SMEM_TMA + 256 <= 232448, "the same with the dQ staging tiles");
+    static_assert(!DQ_TMA || DQ_CHUNKS == 1, "the TMA dQ path: one 64-column chunk a warpgroup per tile");
     static_assert(!COL_SPLIT || (BN == 64 && NC == 128), "the column split: 64 keys, 128 columns a warpgroup");
     static_assert(!DQ_SPLIT_N || 2 * 64 * DQ_CHUNKS == D, "the two consumers' dQ chunks cover the head dim");
 };
@@ -157,11 +158,7 @@ __device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles
 }
 __device__ __forceinline__ __attribute__((unused)) int q_tile(const BwdItem &w, int i) { return i < w.nctx ? i : w.lo_t + i - w.nctx; }
 
-/* kDqByKeys (head dim 128 only; TORCHFUSE_HSTU_BWD_DQ_KEYS=1, an A/B): each consumer computes dQ over its
- * own 64 keys for all 128 columns (two chunks of 64, staged and reduce-added one after the other) instead
- * of half the columns over all 128 keys: twice the reduce-add traffic, but no barrier between the two
- * consumers per tile, so one can run its wgmmas while the other computes its SiLU. */
-template <typename T, int D, bool kDqByKeys = false>
+template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -170,11 +167,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
     constexpr int kBN = C::BN, NC = C::NC, ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
-    static_assert(!kDqByKeys || D == 128, "dQ by keys: head dim 128 only");
-    // dQ's columns split between the consumers (all kBN keys each), else its keys (all columns each)
-    constexpr bool DQ_SPLIT_N = C::DQ_SPLIT_N && !kDqByKeys;
-    constexpr int DQ_CHUNKS = kDqByKeys ? D / 64 : C::DQ_CHUNKS;
-    static_assert(!C::DQ_TMA || DQ_CHUNKS == 1 || kDqByKeys, "the TMA dQ path: one 64-column chunk a warpgroup per tile");
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
@@ -391,27 +383,25 @@ __global__ void __launch_bounds__(kThreads, 1)
                 // Every thread waits (no bulk groups: at once; the red path has none): a branch between the
                 // wgmma fence above and the dQ wgmma makes ptxas inject another fence (C7519)
                 if constexpr (C::DQ_TMA) bulk_wait_group_read0();
-                if constexpr (DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
+                if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
                 const uint32_t z_addr = smem_u32(Zt);
                 const int dqk = (int)p.dqk;
 #pragma unroll
-                for (int n = 0; n < DQ_CHUNKS; ++n) {  // D = 256 (or dQ by keys): chunks of 64 columns, 32 registers each
+                for (int n = 0; n < C::DQ_CHUNKS; ++n) {  // D = 256: two chunks of 64 columns, 32 registers each
                     float dq[32];
-                    // column panel pc of K (dQ columns 64 pc..): DQ_SPLIT_N: this warpgroup's DQ_CHUNKS panels;
-                    // else (by keys) every panel in turn (head dim 64: the one)
-                    const int pc = DQ_SPLIT_N ? DQ_CHUNKS * cw + n : n;
+                    // column panel pc of K (dQ columns 64 pc..): DQ_SPLIT_N: this warpgroup's DQ_CHUNKS panels
+                    const int pc = C::DQ_CHUNKS * cw + n;
                     if (n > 0) tf_wgmma_fence();  // the previous chunk's dq registers were read since
-                    if constexpr (DQ_SPLIT_N) {  // columns 64 pc.., all kBN keys
+                    if constexpr (C::DQ_SPLIT_N) {  // columns 64 pc.., all kBN keys
 #pragma unroll
                         for (int kk = 0; kk < kBN / 16; ++kk)
                             wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + (kk / 4) * kBQ * 128 + (kk % 4) * 32, 0),
                                                tf_wgmma_desc(k_addr + pc * kBN * 128 + kk * 16 * 128, kBN * 128), kk > 0);
-                    } else {  // columns 64 pc.., this warpgroup's 64 keys
+                    } else {  // all 64 columns, this warpgroup's 64 keys
 #pragma unroll
                         for (int kk = 0; kk < 4; ++kk)
                             wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + cw * kBQ * 128 + kk * 32, 0),
-                                               tf_wgmma_desc(k_addr + pc * kBN * 128 + (64 * cw + 16 * kk) * 128, kBN * 128),
-                                               kk > 0);
+                                               tf_wgmma_desc(k_addr + (64 * cw + 16 * kk) * 128, kBN * 128), kk > 0);
                     }
                     tf_wgmma_commit();
                     tf_wgmma_wait<0>();
@@ -423,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage's Q and dO
                     }
 
-                    const int col0 = DQ_SPLIT_N || kDqByKeys ? 64 * pc : 0;
+                    const int col0 = C::DQ_SPLIT_N ? 64 * pc : 0;
                     if constexpr (C::DQ_TMA) {
                         if (dq_tma) {
                             // The 64 x 64 fragment -> this warpgroup's staging tile: columns 32 b.. in box b,
@@ -445,10 +435,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                             // neighbour-isolation test's middle sequence) would give NaN, so the select does it.
                             // Address: (2 (j % 4) + t4 / 2) ^ g = (32 (j % 4) ^ 16 (t4 / 2 ^ g)) / 16, the
                             // bits of 2 (j % 4) and t4 / 2 not overlapping
-                            if (n > 0) {  // the staging tile is free once the previous chunk's reduce has read it
-                                bulk_wait_group_read0();
-                                named_bar_sync_n(7 + cw, 128);
-                            }
                             const uint32_t dqs = smem_u32(DQs + cw * C::DQ_WG_BYTES);
                             const uint32_t a0 = dqs + (16 * warp + g) * 128 + 8 * (t4 & 1), x = 16 * ((t4 / 2) ^ g);
 #pragma unroll
@@ -469,7 +455,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 if (col0 + 32 < dqk) tma_reduce_add(&tm_dq, dqs + C::DQ_BOX_BYTES, col0 + 32, h, row);
                                 bulk_commit_group();
                             }
-                            continue;  // the next chunk (by keys), or the tile's end
+                            continue;  // n: the only chunk
                         }
                     }
 #pragma unroll
@@ -535,10 +521,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const bool dq_tma = BwdSm90Cfg<D>::DQ_TMA && !(dq_env && strcmp(dq_env, "red") == 0) &&
                         tensor_map_f32_reduce(&tdq, p.dq_acc, p.L, p.H, p.dqk, kBQ);
     const int smem = dq_tma ? BwdSm90Cfg<D>::SMEM_TMA : BwdSm90Cfg<D>::SMEM;
-    // TORCHFUSE_HSTU_BWD_DQ_KEYS=1 (head dim 128): dQ by keys (hstu_bwd_ws' kDqByKeys), the A/B
-    const char *keys_env = getenv("TORCHFUSE_HSTU_BWD_DQ_KEYS");
-    const auto kernel = D == 128 && keys_env && keys_env[0] == '1' ? hstu_bwd_ws<T, D, D == 128> : hstu_bwd_ws<T, D>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     // TORCHFUSE_HSTU_BWD_SECTION=0: one section of every pair (the A/B of the L2 sections)
     const char *env = getenv("TORCHFUSE_HSTU_BWD_SECTION");
@@ -557,8 +540,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     } else {
         kp.sched = nullptr;
     }
-    kernel<<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section, (int)items,
-                                                       dq_tma ? 1 : 0);
+    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
+                                                                  (int)items, dq_tma ? 1 : 0);
     return cudaGetLastError();
 }
 

@@ -150,20 +150,14 @@ SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1"}, "cuda-wgmmaplain": {"TOR
 # "cuda-wgmmared" the same with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red,
 # the path head dims 192 / 256 always take); "cuda-wgmma1blk" the same kernel as "cuda-wgmma" launched
 # one block per work item (TORCHFUSE_HSTU_BWD_PERSISTENT=0: test_backward_one_block_per_item, the
-# isolation test); "cuda-wgmmakeys" / "cuda-wgmmakeysred" the persistent kernel with dQ by keys at head
-# dim 128 (TORCHFUSE_HSTU_BWD_DQ_KEYS=1: each consumer adds a partial over its own 64 keys, the A/B
-# form; test_backward_dq_by_keys), through TMA reduce-adds or red.global.add; "cuda-mma" forces mma.sync.
+# isolation test); "cuda-mma" forces mma.sync.
 BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmared", "cuda-mma"] if torch.cuda.is_available() else [])
 SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                               "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_DQ_KEYS": "0"},
+                               "TORCHFUSE_HSTU_BWD_DQ": "tma"},
                 "cuda-wgmmared": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                                  "TORCHFUSE_HSTU_BWD_DQ": "red", "TORCHFUSE_HSTU_BWD_DQ_KEYS": "0"},
+                                  "TORCHFUSE_HSTU_BWD_DQ": "red"},
                 "cuda-wgmma1blk": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "0",
-                                   "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_DQ_KEYS": "0"},
-                "cuda-wgmmakeys": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                                   "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_DQ_KEYS": "1"},
-                "cuda-wgmmakeysred": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                                      "TORCHFUSE_HSTU_BWD_DQ": "red", "TORCHFUSE_HSTU_BWD_DQ_KEYS": "1"},
+                                   "TORCHFUSE_HSTU_BWD_DQ": "tma"},
                 "cuda-mma": {"TORCHFUSE_HSTU_SM90_BWD": "0"}}
 
 
@@ -265,18 +259,6 @@ ONE_BLOCK_CASES = ["plain_h2_d64", "d128_h4_int64", "d192_dv256_h2", "d256_dv32_
 def test_backward_one_block_per_item(dtype, case, monkeypatch):
     set_kernel_env(monkeypatch, "cuda-wgmma1blk", SM90_BWD_ENV)
     run_case("cuda", dtype, case, grad=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-@pytest.mark.parametrize("case", ["d128_h4_int64", "targets_groups_context", "long_d128_targets", "window",
-                                  "dqk32_dv96_h1", "many_short_seqs"])
-@pytest.mark.parametrize("target", ["cuda-wgmmakeys", "cuda-wgmmakeysred"])
-def test_backward_dq_by_keys(target, case, monkeypatch):
-    """The wgmma backward with dQ by keys at head dim 128 (TORCHFUSE_HSTU_BWD_DQ_KEYS=1, the A/B form:
-    two 64-column chunks per consumer, the staging tile reused between them; dQ narrower than a chunk:
-    dqk32_dv96_h1); other head dims ignore it (many_short_seqs: 64)."""
-    set_kernel_env(monkeypatch, target, SM90_BWD_ENV)
-    run_case("cuda", torch.bfloat16, case, grad=True)
 
 
 def bwd_kernel_grids(d, B, n, monkeypatch, persistent):
@@ -430,7 +412,7 @@ def test_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
             assert torch.isfinite(out[s:e]).all(), (d, b)
 
 
-@pytest.mark.parametrize("target", BWD_TARGETS + (["cuda-wgmma1blk", "cuda-wgmmakeys"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("target", BWD_TARGETS + (["cuda-wgmma1blk"] if torch.cuda.is_available() else []))
 def test_backward_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
     """The backward reads whole tiles of K, V, Q and dO past a sequence's end too: inf / nan in one
     sequence (inputs and output gradient) must not reach another sequence's gradients."""
