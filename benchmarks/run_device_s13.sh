@@ -13,8 +13,10 @@
 #          GPU tests and the default's, memcheck and racecheck on it, then the A/B against the default
 #          (ab_hstu_bwd.py --forms pers,perskeys). Measured 10-12% slower at every head-dim-128 shape and
 #          removed since (kernel, tests and A/B form): this part no longer runs as it did.
+#   final: every GPU test of the final code (all suites), memcheck on the dynamic-embedding changes of the
+#          session, the training table
 set -uo pipefail
-PART=${1:?part: sortgroup, sgdred or dqkeys}
+PART=${1:?part: sortgroup, sgdred, dqkeys or final}
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_dynemb_checks.sh"
 if [ "$PART" = sortgroup ]; then
@@ -44,4 +46,12 @@ elif [ "$PART" = dqkeys ]; then
   rc=$?; [ "${RACE:-1}" = 1 ] && { echo "racecheck exit $rc"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2; }
   timeout 150 python3 benchmarks/ab_hstu_bwd.py --forms pers,perskeys --rounds 3 --no-triton --out "$OUT/ab_dqkeys.md" > "$OUT/ab.log" 2>&1
   echo "ab exit $?"; grep -v "^|" "$OUT/ab.log" | tail -3; cat "$OUT/ab_dqkeys.md"
+elif [ "$PART" = final ]; then
+  timeout 420 python3 -m pytest tests -q -p no:cacheprovider -k "cuda or kernel_choice or gpu" > "$OUT/pytest_all.log" 2>&1
+  echo "all GPU tests exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest_all.log" | head -12
+  timeout 60 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q \
+    -p no:cacheprovider -x -k "cuda and (n_valid_and_abort or bag_layout or bad_inputs or sort_group)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  timeout 80 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train.md" > "$OUT/train.log" 2>&1
+  echo "train bench exit $?"; grep "training step" "$OUT/train.log"
 fi
