@@ -129,7 +129,8 @@ typedef struct {
      * first ones; at most n): a batch grouped on the device, whose number of distinct keys the host
      * has not read, is inserted without a host sync between. abort: a device flag; when set, the
      * kernels take no key (a check of the caller's arguments that the host has not read yet): the
-     * table is untouched and the counts are zero. Outputs past the keys taken are unwritten. */
+     * table is untouched and the counts are zero. Slots past the keys taken are -1 (the pool op
+     * queued before the host's wait reads every one); the other outputs there are unwritten. */
     const int64_t *n_valid;
     const uint8_t *abort;
 } tf_dynemb_foi_params;
