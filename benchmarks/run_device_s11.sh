@@ -78,12 +78,8 @@ elif [ "$PART" = onesync ]; then
   # branch dynemb-one-sync: a training batch into a full table with one host wait (the grouping's count
   # handed to the insert on the device); tests, memcheck on the new paths, then the A/B
   # (TORCHFUSE_DYNEMB_ONE_SYNC=0: the two-wait path) in GPU time and the training step
-  timeout 100 $P -k cuda > "$OUT/pytest_dynemb.log" 2>&1
-  echo "dynemb pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|replay" "$OUT/pytest_dynemb.log" | tail -4
-  timeout 60 python3 -m pytest tests/test_torchrec.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_torchrec.log" 2>&1
-  echo "torchrec pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_torchrec.log" | tail -3
-  timeout 90 compute-sanitizer --tool memcheck --print-limit 5 $P -x -k "cuda and (n_valid or group_sorted or one_sync or bad_inputs or training)" > "$OUT/memcheck.log" 2>&1
-  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  source "$(dirname "$0")/device_dynemb_checks.sh"
+  dynemb_tests "n_valid or group_sorted or one_sync or bad_inputs or training"
   for round in ${ROUNDS:-1 2}; do for one in 0 1; do
     (cd benchmarks && TORCHFUSE_DYNEMB_ONE_SYNC=$one timeout 60 python3 profile_dynemb_train.py --opt sgd) > "$OUT/prof_one$one.txt" 2>&1
     echo "round $round one_sync $one: $(grep -m1 "Self CUDA time total" "$OUT/prof_one$one.txt"), stream syncs $(grep -m1 cudaStreamSynchronize "$OUT/prof_one$one.txt" | awk '{print $NF}')"
