@@ -109,6 +109,8 @@ if with_cuda:
     extra_compile_args["nvcc"] = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
     if any(a.split("+")[0] == "9.0a" for a in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")):
         extra_compile_args["nvcc"].append("-DTF_BUILT_SM90A")  # host code may dispatch to the sm_90a kernels
+    if os.environ.get("TORCHFUSE_HSTU_BWD_TRACE_BUILD") == "1":  # a measurement build (trace_hstu_bwd.py)
+        extra_compile_args["nvcc"].append("-DTF_HSTU_BWD_TRACE")
     ext = CUDAExtension(
         "torchfuse._C",
         cpu_sources + cuda_sources,

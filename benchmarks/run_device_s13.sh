@@ -13,10 +13,14 @@
 #          GPU tests and the default's, memcheck and racecheck on it, then the A/B against the default
 #          (ab_hstu_bwd.py --forms pers,perskeys). Measured 10-12% slower at every head-dim-128 shape and
 #          removed since (kernel, tests and A/B form): this part no longer runs as it did.
+#   trace: a measurement build (TORCHFUSE_HSTU_BWD_TRACE_BUILD=1, set by this part before the build) and
+#          the HSTU backward's consumer phases (trace_hstu_bwd.py) at 128x1024x128 and 16x4096x128, and
+#          with the window; then a smoke test of the backward on that build
 #   final: every GPU test of the final code (all suites), memcheck on the dynamic-embedding changes of the
 #          session, the training table
 set -uo pipefail
-PART=${1:?part: sortgroup, sgdred, dqkeys or final}
+PART=${1:?part: sortgroup, sgdred, dqkeys, trace or final}
+[ "$PART" = trace ] && export TORCHFUSE_HSTU_BWD_TRACE_BUILD=1
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_dynemb_checks.sh"
 if [ "$PART" = sortgroup ]; then
@@ -54,4 +58,9 @@ elif [ "$PART" = final ]; then
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
   timeout 80 python3 benchmarks/bench_dynamic_embedding.py --parts train --out "$OUT/train.md" > "$OUT/train.log" 2>&1
   echo "train bench exit $?"; grep "training step" "$OUT/train.log"
+elif [ "$PART" = trace ]; then
+  timeout 120 python3 benchmarks/trace_hstu_bwd.py > "$OUT/trace.md" 2>&1; echo "trace exit $?"; cat "$OUT/trace.md"
+  timeout 90 python3 benchmarks/trace_hstu_bwd.py --shapes 16x4096x128 --window 256 > "$OUT/trace_window.md" 2>&1
+  echo "trace (window) exit $?"; cat "$OUT/trace_window.md"
+  timeout 60 python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider -x -k "test_backward and cuda-wgmma and bfloat16 and not wgmmared" 2>&1 | tail -1
 fi

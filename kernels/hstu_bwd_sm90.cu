@@ -54,6 +54,7 @@
  * kernel runs. TORCHFUSE_HSTU_SM90_BWD=0 forces that (A/B runs, tests). */
 #include <cuda_runtime.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "hstu_mma.cuh"
@@ -118,6 +119,31 @@ __device__ __forceinline__ void st_shared_v2(uint32_t addr, float a, float b) {
 __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }
+#endif
+
+/* Phase trace (a measurement build only: -DTF_HSTU_BWD_TRACE, setup.py's TORCHFUSE_HSTU_BWD_TRACE_BUILD=1;
+ * benchmarks/trace_hstu_bwd.py reads it). Thread 0 of each consumer warpgroup records (clock64, event,
+ * index) pairs into its own region of kTraceCap records; the launch writes them to the file named by
+ * TORCHFUSE_HSTU_BWD_TRACE_FILE. Events: 0 item handed over (index: the item's tile count), 1 K / V in
+ * shared memory, 2 a tile's Q / dO in shared memory, 3 S^T / dP^T done, 4 dZ^T shared (past dQ's
+ * barrier), 5 the tile's dQ staged and its reduce issued, 6 the item's dK / dV stored. */
+#ifdef TF_HSTU_BWD_TRACE
+constexpr int kTraceCap = 4096;
+__device__ unsigned long long *g_bwd_trace;
+#define BWD_TRACE(ev, idx)                                                                                        \
+    do {                                                                                                          \
+        if (g_bwd_trace && threadIdx.x % 128 == 0) {                                                              \
+            unsigned long long *r_ = g_bwd_trace + 2 * ((int64_t)(blockIdx.x * 2 + cw) * kTraceCap +              \
+                                                        (trace_n < kTraceCap - 1 ? trace_n : kTraceCap - 1));    \
+            r_[0] = clock64();                                                                                    \
+            r_[1] = ((unsigned long long)(ev) << 32) | (unsigned)(idx);                                          \
+            ++trace_n;                                                                                            \
+        }                                                                                                         \
+    } while (0)
+#else
+#define BWD_TRACE(ev, idx) \
+    do {                   \
+    } while (0)
 #endif
 
 /* A work item: key tile kt of a (sequence, head) pair. Item order: (sequence, head) pairs in sections
@@ -292,12 +318,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float alpha = (float)p.alpha, inv_scale = (float)p.inv_scale, c_dz = alpha * inv_scale;
         const uint32_t k_addr = smem_u32(Ks), v_addr = smem_u32(Vs);
         int gt = 0;  // query tiles consumed so far (the ring position, and the Z buffer gt & 1)
+#ifdef TF_HSTU_BWD_TRACE
+        int trace_n = 0;
+#endif
         for (int k = 0;; ++k) {
             named_bar_sync_n(5, 288);
             // copied before arriving at 6: from then on the producer may rewrite this slot (hand-over k + 2)
             const BwdItem w = work_slot[k & 1];
             if (!w.active) break;
             named_bar_arrive_n(6, 288);
+            BWD_TRACE(0, w.total);
             const tf_hstu_mask mask = tf_hstu_mask_make(w.n, w.t, p.contextual, p.max_attn_len, p.min_full, p.group);
             const int k0 = w.k0, len = w.n, h = w.h;
             const int kw0 = k0 + kr0;               // this warpgroup's first key in the sequence
@@ -306,11 +336,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int i = 0; i < NC / 2; ++i) dk[i] = dv[i] = 0.f;
             mbar_wait(&kv_full, k & 1);
+            BWD_TRACE(1, 0);
 
             for (int it = 0; it < w.total; ++it, ++gt) {
                 const int st = gt % ST, q0 = q_tile(w, it) * kBQ;
                 uint8_t *Qt = Qs + st * QO_BYTES, *Ot = Os + st * QO_BYTES, *Zt = Zs + (gt & 1) * C::Z_BYTES;
                 mbar_wait(&full_bar[st], (gt / ST) & 1);
+                BWD_TRACE(2, it);
                 // tail rows (the same decision in every thread of both consumers)
                 const bool k_tail = it == 0 && k0 + kBN > len, q_tail = q0 + kBQ > len;
                 if (k_tail || q_tail) {
@@ -327,6 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 tf_wgmma_wait<0>();
                 tf_wgmma_reg_fence(sacc);
                 tf_wgmma_reg_fence(dpacc);
+                BWD_TRACE(3, it);
 
                 // accumulator element i = 4 j + 2 hh + e: key key_a + 8 hh, query q0 + 8 j + 2 t4 + e
                 if (tf_hstu_tile_full(&mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
@@ -384,6 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 // wgmma fence above and the dQ wgmma makes ptxas inject another fence (C7519)
                 if constexpr (C::DQ_TMA) bulk_wait_group_read0();
                 if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
+                BWD_TRACE(4, it);
                 const uint32_t z_addr = smem_u32(Zt);
                 const int dqk = (int)p.dqk;
 #pragma unroll
@@ -470,6 +504,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         }
                     }
                 }
+                BWD_TRACE(5, it);
             }
             // this item's last wgmma reading K or V has completed (the last tile's dQ wait, every chunk):
             // the producer may load the next item's K and V over them while these dK / dV are stored
@@ -491,6 +526,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     if (col < dvd) *(uint32_t *)(dvp + row * dvd + col) = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
                 }
             }
+            BWD_TRACE(6, 0);
         }
         // the block's last dQ reduces: complete before it ends (they read its shared memory until then)
         if (dq_tma && threadIdx.x % 128 == 0) bulk_wait_group0();
@@ -540,8 +576,38 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     } else {
         kp.sched = nullptr;
     }
+#ifdef TF_HSTU_BWD_TRACE
+    // the measurement build: every launch's trace, written to TORCHFUSE_HSTU_BWD_TRACE_FILE (waits for it)
+    const char *trace_file = getenv("TORCHFUSE_HSTU_BWD_TRACE_FILE");
+    static unsigned long long *trace_buf = nullptr;
+    static int64_t trace_blocks = 0;
+    const size_t trace_bytes = (size_t)grid * 2 * kTraceCap * 16;
+    if (trace_file && grid > trace_blocks) {
+        if (trace_buf) cudaFree(trace_buf);
+        if (cudaMalloc(&trace_buf, trace_bytes) != cudaSuccess) return cudaErrorMemoryAllocation;
+        trace_blocks = grid;
+    }
+    unsigned long long *trace_ptr = trace_file ? trace_buf : nullptr;
+    if (trace_file) cudaMemsetAsync(trace_buf, 0, trace_bytes, stream);
+    cudaMemcpyToSymbolAsync(g_bwd_trace, &trace_ptr, sizeof(trace_ptr), 0, cudaMemcpyHostToDevice, stream);
+#endif
     hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
                                                                   (int)items, dq_tma ? 1 : 0);
+#ifdef TF_HSTU_BWD_TRACE
+    if (trace_file) {
+        unsigned long long *host = (unsigned long long *)malloc(trace_bytes);
+        cudaStreamSynchronize(stream);
+        cudaMemcpy(host, trace_buf, trace_bytes, cudaMemcpyDeviceToHost);
+        FILE *f = fopen(trace_file, "wb");
+        if (f) {
+            const long long hdr[2] = {(long long)grid, (long long)kTraceCap};
+            fwrite(hdr, sizeof(hdr), 1, f);
+            fwrite(host, 1, trace_bytes, f);
+            fclose(f);
+        }
+        free(host);
+    }
+#endif
     return cudaGetLastError();
 }
 
