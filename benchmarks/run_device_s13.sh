@@ -16,10 +16,13 @@
 #   trace: a measurement build (TORCHFUSE_HSTU_BWD_TRACE_BUILD=1, set by this part before the build) and
 #          the HSTU backward's consumer phases (trace_hstu_bwd.py) at 128x1024x128 and 16x4096x128, and
 #          with the window; then a smoke test of the backward on that build
+#   vecstore: the HSTU backward's dK / dV by 16-byte stores after a quad transpose: the backward GPU tests
+#          (every wgmma target; 1blk keeps the 4-byte stores), memcheck, the A/B against 4-byte stores
+#          (ab_hstu_bwd.py --forms pers,pers4b)
 #   final: every GPU test of the final code (all suites), memcheck on the dynamic-embedding changes of the
 #          session, the training table
 set -uo pipefail
-PART=${1:?part: sortgroup, sgdred, dqkeys, trace or final}
+PART=${1:?part: sortgroup, sgdred, dqkeys, trace, vecstore or final}
 [ "$PART" = trace ] && export TORCHFUSE_HSTU_BWD_TRACE_BUILD=1
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_dynemb_checks.sh"
@@ -63,4 +66,14 @@ elif [ "$PART" = trace ]; then
   timeout 90 python3 benchmarks/trace_hstu_bwd.py --shapes 16x4096x128 --window 256 > "$OUT/trace_window.md" 2>&1
   echo "trace (window) exit $?"; cat "$OUT/trace_window.md"
   timeout 60 python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider -x -k "test_backward and cuda-wgmma and bfloat16 and not wgmmared" 2>&1 | tail -1
+elif [ "$PART" = vecstore ]; then
+  T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
+  timeout 60 $T -x -k "test_backward and cuda-wgmma and bfloat16 and d128_h4" > "$OUT/smoke.log" 2>&1
+  rc=$?; echo "smoke exit $rc"; tail -1 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
+  timeout 150 $T -k "(test_backward and cuda-wgmma) or isolated or one_block or persistent_grid" > "$OUT/pytest_hstu.log" 2>&1
+  echo "hstu pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest_hstu.log" | head -8
+  timeout 90 compute-sanitizer --tool memcheck --print-limit 5 $T -x -k "test_backward and cuda-wgmma and bfloat16 and not wgmmared and (d128_h4 or long_d128 or dqk32 or d256_targets or many_short or window)" > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  timeout 150 python3 benchmarks/ab_hstu_bwd.py --forms pers,pers4b --rounds 3 --no-triton --out "$OUT/ab_vec.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; cat "$OUT/ab_vec.md"
 fi

@@ -116,6 +116,16 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
 __device__ __forceinline__ void st_shared_v2(uint32_t addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
+// a[i] for a lane-dependent i (selects: the array stays in registers)
+__device__ __forceinline__ uint32_t sel4(const uint32_t (&a)[4], int i) {
+    return i == 0 ? a[0] : i == 1 ? a[1] : i == 2 ? a[2] : a[3];
+}
+__device__ __forceinline__ void set4(uint32_t (&a)[4], int i, uint32_t v) {
+    a[0] = i == 0 ? v : a[0];
+    a[1] = i == 1 ? v : a[1];
+    a[2] = i == 2 ? v : a[2];
+    a[3] = i == 3 ? v : a[3];
+}
 __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }
@@ -189,17 +199,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
                 const __grid_constant__ CUtensorMap tm_dq, const tf_hstu_params p, int k_tiles, int section,
-                int items, int dq_tma_flag) {
+                int items, int flags) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
     constexpr int kBN = C::BN, NC = C::NC, ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
-    // dQ's staging tiles (launched with SMEM_TMA bytes only when dq_tma_flag is set): consumer cw's at
+    // flags: bit 0 dQ by TMA reduce-adds, bit 1 dK / dV by 16-byte stores (the launch's choices)
+    // dQ's staging tiles (launched with SMEM_TMA bytes only when flags bit 0 is set): consumer cw's at
     // DQs + cw * DQ_WG_BYTES
     uint8_t *DQs = Zs + 2 * C::Z_BYTES;
-    const bool dq_tma = C::DQ_TMA && dq_tma_flag;  // uniform over the block
+    const bool dq_tma = C::DQ_TMA && (flags & 1);  // uniform over the block
+    const bool vec_store = (flags & 2) != 0;        // dK / dV by 16-byte stores (see the item's end)
     // kv_full / kv_empty: the one K/V buffer, phase k for the block's k-th item; full / empty: the Q/dO
     // ring, slot gt % ST and phase gt / ST for the block's gt-th query tile (counted across items, the
     // same count on both sides: the consumers take exactly the items, and their tiles, the producer
@@ -514,6 +526,39 @@ __global__ void __launch_bounds__(kThreads, 1)
             // dK, dV of this thread's keys (this warpgroup's columns nc0 .. nc0 + NC - 1)
             T *dkp = (T *)p.dk, *dvp = (T *)p.dvv;
             const int dqk = (int)p.dqk, dvd = (int)p.dv;
+            if (vec_store) {
+                // A quad (t4 = 0..3) holds columns 8 j .. 8 j + 7 of a row, two per thread: a 4 x 4 transpose
+                // by shuffles gives thread t4 all eight of j = 4 m + t4, one 16-byte store. A warp's store
+                // then covers 8 rows x 64 contiguous bytes (whole sectors) where the 4-byte stores below
+                // cover 8 x 16: those stores took 18% of the consumers' time at 128 x 1024 (the phase
+                // trace, trace_hstu_bwd.py). The launch checks dqk, dv (multiples of 8) and alignment.
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int key = key_a + 8 * hh;
+                    const int64_t row = (w.start + key) * p.H + h;
+#pragma unroll
+                    for (int m = 0; m < NC / 32; ++m) {
+                        uint32_t uk[4], uv[4], ok[4] = {0, 0, 0, 0}, ov[4] = {0, 0, 0, 0};
+#pragma unroll
+                        for (int jj = 0; jj < 4; ++jj) {
+                            const int j = 4 * m + jj;
+                            uk[jj] = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
+                            uv[jj] = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+                        }
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {  // round r: from quad lane (t4 + r) & 3 its columns of j
+                            const int src = (t4 + r) & 3, give = (t4 - r) & 3;
+                            const uint32_t gk = __shfl_sync(0xffffffffu, sel4(uk, give), (lane & ~3) | src);
+                            const uint32_t gv = __shfl_sync(0xffffffffu, sel4(uv, give), (lane & ~3) | src);
+                            set4(ok, src, gk);
+                            set4(ov, src, gv);
+                        }
+                        const int col = nc0 + 8 * (4 * m + t4);
+                        if (key < len && col < dqk) *(uint4 *)(dkp + row * dqk + col) = make_uint4(ok[0], ok[1], ok[2], ok[3]);
+                        if (key < len && col < dvd) *(uint4 *)(dvp + row * dvd + col) = make_uint4(ov[0], ov[1], ov[2], ov[3]);
+                    }
+                }
+            } else {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int key = key_a + 8 * hh;
@@ -525,6 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     if (col < dqk) *(uint32_t *)(dkp + row * dqk + col) = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
                     if (col < dvd) *(uint32_t *)(dvp + row * dvd + col) = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
                 }
+            }
             }
             BWD_TRACE(6, 0);
         }
@@ -591,8 +637,13 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     if (trace_file) cudaMemsetAsync(trace_buf, 0, trace_bytes, stream);
     cudaMemcpyToSymbolAsync(g_bwd_trace, &trace_ptr, sizeof(trace_ptr), 0, cudaMemcpyHostToDevice, stream);
 #endif
+    // dK / dV by 16-byte stores where rows and columns allow (head dims that are multiples of 8, aligned
+    // outputs); TORCHFUSE_HSTU_BWD_VEC_STORE=0: 4-byte stores (A/B runs, tests)
+    const char *vec_env = getenv("TORCHFUSE_HSTU_BWD_VEC_STORE");
+    const bool vec = !(vec_env && vec_env[0] == '0') && p.dqk % 8 == 0 && p.dv % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 && reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
     hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
-                                                                  (int)items, dq_tma ? 1 : 0);
+                                                                  (int)items, (dq_tma ? 1 : 0) | (vec ? 2 : 0));
 #ifdef TF_HSTU_BWD_TRACE
     if (trace_file) {
         unsigned long long *host = (unsigned long long *)malloc(trace_bytes);

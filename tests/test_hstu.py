@@ -150,14 +150,15 @@ SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1"}, "cuda-wgmmaplain": {"TOR
 # "cuda-wgmmared" the same with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red,
 # the path head dims 192 / 256 always take); "cuda-wgmma1blk" the same kernel as "cuda-wgmma" launched
 # one block per work item (TORCHFUSE_HSTU_BWD_PERSISTENT=0: test_backward_one_block_per_item, the
-# isolation test); "cuda-mma" forces mma.sync.
+# isolation test), and with dK / dV by 4-byte stores (TORCHFUSE_HSTU_BWD_VEC_STORE=0; the others take
+# the 16-byte stores); "cuda-mma" forces mma.sync.
 BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmared", "cuda-mma"] if torch.cuda.is_available() else [])
 SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                               "TORCHFUSE_HSTU_BWD_DQ": "tma"},
+                               "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_VEC_STORE": "1"},
                 "cuda-wgmmared": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                                  "TORCHFUSE_HSTU_BWD_DQ": "red"},
+                                  "TORCHFUSE_HSTU_BWD_DQ": "red", "TORCHFUSE_HSTU_BWD_VEC_STORE": "1"},
                 "cuda-wgmma1blk": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "0",
-                                   "TORCHFUSE_HSTU_BWD_DQ": "tma"},
+                                   "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_VEC_STORE": "0"},
                 "cuda-mma": {"TORCHFUSE_HSTU_SM90_BWD": "0"}}
 
 
