@@ -30,7 +30,8 @@
  *     per thread per tile) had the consumers stalled on long_scoreboard and lg_throttle in an ncu profile.
  *     Head dims 192 and 256 (shared memory is full there), or where p.dq_acc's map cannot be made, or with
  *     TORCHFUSE_HSTU_BWD_DQ=red (A/B runs, tests): red.global.add from the registers. dK and dV
- *     stay in registers, 64 + 64 per thread, and are written once at the item's end. How the two warpgroups
+ *     stay in registers, 64 + 64 per thread, and are written once at the item's end (16-byte stores after
+ *     a transpose within each quad of threads: 4-byte stores of the accumulator layout half-fill sectors). How the two warpgroups
  *     share the work (BwdSm90Cfg):
  *       head dims 64, 128: kBN = 128 keys, warpgroup w owns keys 64 w.. (all D columns of dK, dV). At
  *         128 they split dQ's columns (each reads both halves of dZ: one named barrier per tile); at 64
