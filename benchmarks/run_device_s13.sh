@@ -42,13 +42,9 @@ elif [ "$PART" = sgdred ]; then
   echo "train bench exit $?"; grep "training step" "$OUT/train.log"
 elif [ "$PART" = dqkeys ]; then
   [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-  T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
-  timeout 60 $T -x -k "dq_by_keys and d128_h4" > "$OUT/smoke.log" 2>&1
-  rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
-  timeout 200 $T -k "dq_by_keys or isolated or (test_backward and cuda-wgmma and not wgmmared and not 1blk)" > "$OUT/pytest_hstu.log" 2>&1
-  echo "hstu pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest_hstu.log" | head -12
-  timeout 120 compute-sanitizer --tool memcheck --print-limit 5 $T -x -k "dq_by_keys" > "$OUT/memcheck.log" 2>&1
-  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  source "$(dirname "$0")/device_hstu_checks.sh"
+  hstu_tests "dq_by_keys and d128_h4" "dq_by_keys or isolated or (test_backward and cuda-wgmma and not wgmmared and not 1blk)" \
+    "dq_by_keys"
   [ "${RACE:-1}" = 1 ] && timeout 120 compute-sanitizer --tool racecheck --print-limit 5 $T -x -k "dq_by_keys and (d128_h4 or long_d128 or window)" > "$OUT/racecheck.log" 2>&1
   rc=$?; [ "${RACE:-1}" = 1 ] && { echo "racecheck exit $rc"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2; }
   timeout 150 python3 benchmarks/ab_hstu_bwd.py --forms pers,perskeys --rounds 3 --no-triton --out "$OUT/ab_dqkeys.md" > "$OUT/ab.log" 2>&1
@@ -67,13 +63,10 @@ elif [ "$PART" = trace ]; then
   echo "trace (window) exit $?"; cat "$OUT/trace_window.md"
   timeout 60 python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider -x -k "test_backward and cuda-wgmma and bfloat16 and not wgmmared" 2>&1 | tail -1
 elif [ "$PART" = vecstore ]; then
-  T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
-  timeout 60 $T -x -k "test_backward and cuda-wgmma and bfloat16 and d128_h4" > "$OUT/smoke.log" 2>&1
-  rc=$?; echo "smoke exit $rc"; tail -1 "$OUT/smoke.log"; [ $rc = 124 ] && exit 1
-  timeout 150 $T -k "(test_backward and cuda-wgmma) or isolated or one_block or persistent_grid" > "$OUT/pytest_hstu.log" 2>&1
-  echo "hstu pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest_hstu.log" | head -8
-  timeout 90 compute-sanitizer --tool memcheck --print-limit 5 $T -x -k "test_backward and cuda-wgmma and bfloat16 and not wgmmared and (d128_h4 or long_d128 or dqk32 or d256_targets or many_short or window)" > "$OUT/memcheck.log" 2>&1
-  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  source "$(dirname "$0")/device_hstu_checks.sh"
+  hstu_tests "test_backward and cuda-wgmma and bfloat16 and d128_h4" \
+    "(test_backward and cuda-wgmma) or isolated or one_block or persistent_grid" \
+    "test_backward and cuda-wgmma and bfloat16 and not wgmmared and (d128_h4 or long_d128 or dqk32 or d256_targets or many_short or window)"
   timeout 150 python3 benchmarks/ab_hstu_bwd.py --forms pers,pers4b --rounds 3 --no-triton --out "$OUT/ab_vec.md" > "$OUT/ab.log" 2>&1
   echo "ab exit $?"; cat "$OUT/ab_vec.md"
 fi
