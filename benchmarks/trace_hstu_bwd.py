@@ -5,8 +5,9 @@ Needs a measurement build (the trace is compiled out otherwise):
     python benchmarks/trace_hstu_bwd.py [--shapes 128x1024x128,16x4096x128] [--window 0]
 
 Each consumer warpgroup's thread 0 records events (kernels/hstu_bwd_sm90.cu, BWD_TRACE): 0 item handed
-over, 1 K / V in shared memory, 2 a tile's Q / dO in shared memory, 3 S^T / dP^T done, 4 past dQ's barrier,
-5 the tile's dQ staged and its reduce issued, 6 the item's dK / dV stored. The phases are the gaps between
+over, 1 K / V in shared memory, 2 a tile's Q / dO in shared memory, 3 S^T / dP^T done, 7 mask and SiLU
+applied, 8 dZ^T stored and dK / dV's GEMMs issued, 4 past dQ's barrier, 5 the tile's dQ staged and its reduce
+issued, 6 the item's dK / dV stored. (Builds from before 7 and 8 existed: their gap shows as one phase.) The phases are the gaps between
 consecutive events, summed over every warpgroup of the launch (SM cycles), as shares of the consumers'
 busy span (first hand-over to last store)."""
 import argparse
@@ -29,6 +30,9 @@ PHASES = {
     (1, 2): "Q/dO wait, first tile",
     (5, 2): "Q/dO wait, later tiles",
     (2, 3): "S^T, dP^T GEMMs",
+    (3, 7): "mask, SiLU",
+    (7, 8): "pack, dZ^T store, dK/dV issue",
+    (8, 4): "dQ barrier (the other consumer)",
     (3, 4): "SiLU, dZ^T store, dK/dV issue, dQ barrier",
     (4, 5): "dQ GEMM, staging, reduce issue",
     (5, 6): "dK/dV stores",

@@ -136,8 +136,9 @@ __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
  * benchmarks/trace_hstu_bwd.py reads it). Thread 0 of each consumer warpgroup records (clock64, event,
  * index) pairs into its own region of kTraceCap records; the launch writes them to the file named by
  * TORCHFUSE_HSTU_BWD_TRACE_FILE. Events: 0 item handed over (index: the item's tile count), 1 K / V in
- * shared memory, 2 a tile's Q / dO in shared memory, 3 S^T / dP^T done, 4 dZ^T shared (past dQ's
- * barrier), 5 the tile's dQ staged and its reduce issued, 6 the item's dK / dV stored. */
+ * shared memory, 2 a tile's Q / dO in shared memory, 3 S^T / dP^T done, 7 the mask and SiLU applied,
+ * 8 dZ^T stored and dK / dV's GEMMs issued, 4 dZ^T shared (past dQ's barrier), 5 the tile's dQ staged
+ * and its reduce issued, 6 the item's dK / dV stored. (7 and 8 came after session 13's trace.) */
 #ifdef TF_HSTU_BWD_TRACE
 constexpr int kTraceCap = 4096;
 __device__ unsigned long long *g_bwd_trace;
@@ -393,6 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         dpacc[i] = in ? dpacc[i] * c_dz * sg * fmaf(z, 1.f - sg, 1.f) : 0.f;
                     }
                 }
+                BWD_TRACE(7, it);
                 uint32_t pp[kBQ / 16][4], pz[kBQ / 16][4];  // P^T, dZ^T as A fragments (keys x 16 queries)
 #pragma unroll
                 for (int kk = 0; kk < kBQ / 16; ++kk)
@@ -428,6 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 // the previous tile's reduce, which its issuing thread waits for here (long done: a tile ago).
                 // Every thread waits (no bulk groups: at once; the red path has none): a branch between the
                 // wgmma fence above and the dQ wgmma makes ptxas inject another fence (C7519)
+                BWD_TRACE(8, it);
                 if constexpr (C::DQ_TMA) bulk_wait_group_read0();
                 if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
                 BWD_TRACE(4, it);
