@@ -35,6 +35,8 @@ def _sort_group(flat: Tensor):
         return _ops.dynemb_sort_group(flat)
     sorted_ids, perm = torch.sort(flat, stable=True)
     return (perm,) + tuple(_ops.dynemb_group_sorted_async(sorted_ids, perm))
+
+
 _find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default  # the overload itself: called ahead of every launch
 _find_or_insert_pool_op = _ops.dynemb_find_or_insert_pool.default
 _EVICTIONS = ("lru", "lfu", "none")
