@@ -13,15 +13,20 @@ void check_launch(int err, const char *what) {
     TORCH_CHECK(err == 0, "torchfuse: ", what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
-// The grouping's kernels; for an empty batch n_unique = 0 and seg = {0}.
+// An empty batch's grouping: n_unique = 0 and seg = {0}.
+void write_empty_group(const DynembGroup &g, cudaStream_t s) {
+    check_launch(cudaMemsetAsync(g.p.n_unique, 0, sizeof(int64_t), s), "dynemb group memset");
+    check_launch(cudaMemsetAsync(g.p.seg, 0, sizeof(int64_t), s), "dynemb group memset");
+}
+
+// The grouping's kernels (write_empty_group for an empty batch).
 DynembGroup launch_group(const at::Tensor &sorted_ids, const at::Tensor &perm, const char *op) {
     const c10::cuda::CUDAGuard guard(sorted_ids.device());
     DynembGroup g = prepare_dynemb_group(sorted_ids, perm, op);
     const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
     const int64_t n = g.p.n;
     if (n == 0) {
-        check_launch(cudaMemsetAsync(g.p.n_unique, 0, sizeof(int64_t), s), "dynemb group memset");
-        check_launch(cudaMemsetAsync(g.p.seg, 0, sizeof(int64_t), s), "dynemb group memset");
+        write_empty_group(g, s);
         return g;
     }
     const size_t temp = tf_dynemb_group_temp_bytes(n);
@@ -60,8 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_grou
     at::Tensor perm = at::empty({n}, o);
     const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
     if (n == 0) {
-        check_launch(cudaMemsetAsync(g.p.n_unique, 0, sizeof(int64_t), s), "dynemb sort-group memset");
-        check_launch(cudaMemsetAsync(g.p.seg, 0, sizeof(int64_t), s), "dynemb sort-group memset");
+        write_empty_group(g, s);
         return {perm, g.uniq, g.seg, g.inv, g.n_unique};
     }
     auto up = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };

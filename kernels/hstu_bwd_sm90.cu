@@ -562,19 +562,21 @@ __global__ void __launch_bounds__(kThreads, 1)
                         if (key < len && col < dvd) *(uint4 *)(dvp + row * dvd + col) = make_uint4(ov[0], ov[1], ov[2], ov[3]);
                     }
                 }
-            } else {
+            } else {  // 4-byte stores of the accumulator layout
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int key = key_a + 8 * hh;
-                if (key >= len) continue;
-                const int64_t row = (w.start + key) * p.H + h;
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int key = key_a + 8 * hh;
+                    if (key >= len) continue;
+                    const int64_t row = (w.start + key) * p.H + h;
 #pragma unroll
-                for (int j = 0; j < NC / 8; ++j) {
-                    const int col = nc0 + 8 * j + 2 * t4;
-                    if (col < dqk) *(uint32_t *)(dkp + row * dqk + col) = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
-                    if (col < dvd) *(uint32_t *)(dvp + row * dvd + col) = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+                    for (int j = 0; j < NC / 8; ++j) {
+                        const int col = nc0 + 8 * j + 2 * t4;
+                        if (col < dqk)
+                            *(uint32_t *)(dkp + row * dqk + col) = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
+                        if (col < dvd)
+                            *(uint32_t *)(dvp + row * dvd + col) = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+                    }
                 }
-            }
             }
             BWD_TRACE(6, 0);
         }
