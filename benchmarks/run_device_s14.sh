@@ -3,12 +3,34 @@
 #   trace: a measurement build (TORCHFUSE_HSTU_BWD_TRACE_BUILD=1, set by this part before the build), the
 #          HSTU backward's consumer phases (trace_hstu_bwd.py, events 7 and 8 split the SiLU / dZ^T store /
 #          dQ barrier phase) at 128x1024x128, 16x4096x128 and with the window, on the 16-byte dK / dV stores
+#   defer: the HSTU backward with each query tile's dQ deferred to the next tile (head dim 128), and its
+#          ping-pong form: the backward GPU tests (every wgmma target), memcheck and racecheck on both, then
+#          the A/B against dQ in its own tile (ab_hstu_bwd.py --forms persnd,pers,perspp,perspx; perspx: the
+#          turn passes when the wgmmas have completed). RACE=0 skips racecheck
+#   tracepp: the phase trace (measurement build) of the three forms at 128x1024x128: dQ in its own tile, deferred,
+#          deferred with ping-pong
 set -uo pipefail
-PART=${1:?part: trace}
-[ "$PART" = trace ] && export TORCHFUSE_HSTU_BWD_TRACE_BUILD=1
+PART=${1:?part: trace, defer or tracepp}
+case "$PART" in trace|tracepp) export TORCHFUSE_HSTU_BWD_TRACE_BUILD=1;; esac
 source "$(dirname "$0")/device_build.sh"
+source "$(dirname "$0")/device_hstu_checks.sh"
 if [ "$PART" = trace ]; then
   timeout 120 python3 benchmarks/trace_hstu_bwd.py > "$OUT/trace.md" 2>&1; echo "trace exit $?"; cat "$OUT/trace.md"
   timeout 90 python3 benchmarks/trace_hstu_bwd.py --shapes 16x4096x128 --window 256 > "$OUT/trace_window.md" 2>&1
   echo "trace (window) exit $?"; cat "$OUT/trace_window.md"
+elif [ "$PART" = defer ]; then
+  hstu_tests "test_backward and bfloat16 and d128_h4 and cuda-wgmma and not wgmmared and not wgmma1blk" \
+    "(test_backward and cuda-wgmma) or isolated or one_block or persistent_grid" \
+    "test_backward and bfloat16 and cuda-wgmma and not wgmmared and not wgmma1blk and (d128_h4 or long_d128 or dqk32 or many_short or window)"
+  [ "${RACE:-1}" = 1 ] && timeout ${RACE_TO:-100} compute-sanitizer --tool racecheck --print-limit 5 $T -x \
+    -k "test_backward and bfloat16 and cuda-wgmma and not wgmmared and not wgmma1blk and (d128_h4 or many_short)" > "$OUT/racecheck.log" 2>&1
+  [ "${RACE:-1}" = 1 ] && echo "racecheck exit $?" && grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2
+  timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms ${FORMS:-persnd,pers,perspp,perspx} --rounds 3 --no-triton --out "$OUT/ab_defer.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; cat "$OUT/ab_defer.md"
+elif [ "$PART" = tracepp ]; then
+  for form in "0 0" "1 0" "1 1"; do
+    set -- $form
+    echo "DEFER=$1 PINGPONG=$2"
+    TORCHFUSE_HSTU_BWD_DEFER=$1 TORCHFUSE_HSTU_BWD_PINGPONG=$2 timeout 60 python3 benchmarks/trace_hstu_bwd.py --shapes 128x1024x128 2>&1 | grep "|"
+  done
 fi
