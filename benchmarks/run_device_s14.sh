@@ -9,8 +9,13 @@
 #          turn passes when the wgmmas have completed). RACE=0 skips racecheck
 #   tracepp: the phase trace (measurement build) of the three forms at 128x1024x128: dQ in its own tile, deferred,
 #          deferred with ping-pong
+#   silu: the backward's element-wise step in six FP32 instructions per element (was ten): every HSTU GPU
+#          test, memcheck on the wgmma backward, the A/B against the textbook form (--forms pers,persoldsilu)
+#   spans: a masked tile's bits from the spans the sequence's options make non-empty only (hstu_col_bits): every
+#          HSTU GPU test, memcheck, the A/B (--forms pers,persallspans) with the Triton backward (PEERS)
+# (defer, tracepp and silu's A/B form measured code since removed: the deferred dQ and ping-pong, results/hstu_h100.md)
 set -uo pipefail
-PART=${1:?part: trace, defer or tracepp}
+PART=${1:?part: trace, defer, tracepp, silu or spans}
 case "$PART" in trace|tracepp) export TORCHFUSE_HSTU_BWD_TRACE_BUILD=1;; esac
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_hstu_checks.sh"
@@ -33,4 +38,15 @@ elif [ "$PART" = tracepp ]; then
     echo "DEFER=$1 PINGPONG=$2"
     TORCHFUSE_HSTU_BWD_DEFER=$1 TORCHFUSE_HSTU_BWD_PINGPONG=$2 timeout 60 python3 benchmarks/trace_hstu_bwd.py --shapes 128x1024x128 2>&1 | grep "|"
   done
+elif [ "$PART" = silu ]; then
+  hstu_tests "test_backward and bfloat16 and d128_h4 and cuda-wgmma" "cuda or kernel_choice or gpu" \
+    "test_backward and cuda-wgmma and not wgmmared and (d128_h4 or long_d128 or dqk32 or many_short or window or d256)"
+  timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms pers,persoldsilu --rounds 3 --no-triton --out "$OUT/ab_silu.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; cat "$OUT/ab_silu.md"
+elif [ "$PART" = spans ]; then
+  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  hstu_tests "test_backward and bfloat16 and window and cuda-wgmma" "cuda or kernel_choice or gpu" \
+    "test_backward and (cuda-wgmma or cuda-mma) and not wgmmared and (d128_h4 or context or targets or window or d256)"
+  timeout ${AB_TO:-300} python3 benchmarks/ab_hstu_bwd.py --forms pers,persallspans --rounds 3 --out "$OUT/ab_spans.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; cat "$OUT/ab_spans.md"
 fi

@@ -19,7 +19,8 @@
  *     previous item. The warpgroup hands most of its registers to the consumers;
  *   - warpgroups 1 and 2 consume: per query tile, with keys as accumulator rows (64 keys a warpgroup),
  *       S^T = K Q^T, dP^T = V dO^T              wgmma, both operands in shared memory
- *       P^T = SiLU(alpha S^T) / S_norm, dZ^T = dP^T alpha / S_norm . s (1 + z (1 - s)), masked
+ *       P^T = SiLU(alpha S^T) / S_norm, dZ^T = dP^T alpha / S_norm . s (1 + z (1 - s)), masked (P^T
+ *       without its 1 / S_norm, which dV takes at the item's end; both from one tanh, see cw's constants)
  *       dV += P^T dO, dK += dZ^T Q              wgmma, P^T / dZ^T from registers, dO / Q transposed
  *       dQ  = dZ K                              wgmma from shared memory: dZ^T is stored transposed
  *                                               (stmatrix) into a 128-byte-swizzled tile, double-buffered
@@ -329,7 +330,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
         const int kr0 = C::COL_SPLIT ? 0 : 64 * cw;  // this warpgroup's first key in the tile
         const int nc0 = C::COL_SPLIT ? NC * cw : 0;  // this warpgroup's first dK / dV column
-        const float alpha = (float)p.alpha, inv_scale = (float)p.inv_scale, c_dz = alpha * inv_scale;
+        // The element-wise step, with h = alpha s / 2, t = tanh(h) (so z = 2 h, sigmoid(z) = (1 + t) / 2):
+        //   z sigmoid(z) = h (1 + t); dZ's factor alpha / S sigmoid(z) (1 + z (1 - sigmoid(z))) = w (1 + h (1 - t))
+        //   with w = kz (1 + t), kz = alpha / (2 S): six FP32 instructions and a tanh per element (the
+        //   textbook form took ten). P^T is left without its 1 / S: dV is scaled once, at the item's end.
+        const float h_s = 0.5f * (float)p.alpha, kz = h_s * (float)p.inv_scale;
         const uint32_t k_addr = smem_u32(Ks), v_addr = smem_u32(Vs);
         int gt = 0;  // query tiles consumed so far (the ring position, and the Z buffer gt & 1)
 #ifdef TF_HSTU_BWD_TRACE
@@ -379,19 +384,19 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (tf_hstu_tile_full(&mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
 #pragma unroll
                     for (int i = 0; i < kBQ / 2; ++i) {
-                        const float z = alpha * sacc[i], sg = sigmoid_fast(z);
-                        sacc[i] = z * sg * inv_scale;
-                        dpacc[i] *= c_dz * sg * fmaf(z, 1.f - sg, 1.f);
+                        const float hv = h_s * sacc[i], t = tanh_approx(hv), w = fmaf(t, kz, kz);
+                        sacc[i] = fmaf(hv, t, hv);
+                        dpacc[i] *= fmaf(w, fmaf(-hv, t, hv), w);
                     }
                 } else {
                     const uint32_t bits[2] = {hstu_col_bits<kBQ / 8>(mask, key_a, q0 + 2 * t4),
                                               hstu_col_bits<kBQ / 8>(mask, key_a + 8, q0 + 2 * t4)};
 #pragma unroll
                     for (int i = 0; i < kBQ / 2; ++i) {
-                        const float z = alpha * sacc[i], sg = sigmoid_fast(z);
                         const bool in = pair_bit(bits, i);
-                        sacc[i] = in ? z * sg * inv_scale : 0.f;
-                        dpacc[i] = in ? dpacc[i] * c_dz * sg * fmaf(z, 1.f - sg, 1.f) : 0.f;
+                        const float hv = h_s * sacc[i], t = tanh_approx(hv), w = fmaf(t, kz, kz);
+                        sacc[i] = in ? fmaf(hv, t, hv) : 0.f;
+                        dpacc[i] = in ? dpacc[i] * fmaf(w, fmaf(-hv, t, hv), w) : 0.f;
                     }
                 }
                 BWD_TRACE(7, it);
@@ -527,7 +532,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             __syncwarp();
             if (lane == 0) mbar_arrive(&kv_empty);
 
-            // dK, dV of this thread's keys (this warpgroup's columns nc0 .. nc0 + NC - 1)
+            // dK, dV of this thread's keys (this warpgroup's columns nc0 .. nc0 + NC - 1); dV's 1 / S (P^T had none)
+#pragma unroll
+            for (int i = 0; i < NC / 2; ++i) dv[i] *= (float)p.inv_scale;
             T *dkp = (T *)p.dk, *dvp = (T *)p.dvv;
             const int dqk = (int)p.dqk, dvd = (int)p.dv;
             if (vec_store) {

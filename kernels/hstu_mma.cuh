@@ -159,18 +159,22 @@ __device__ __forceinline__ uint32_t spread_even(uint32_t x) {
  * columns one thread holds in an mma.sync / wgmma accumulator (key0 = the tile's first key + 2 (lane % 4)).
  * From the row's spans (tf_hstu_row_spans), a few integer ops per span, not a mask test per element.
  * Rows outside [0, n) get 0. */
+/* je[e] |= bit j for each x0 + 8 j + e (j < J) in [lo, hi) */
+template <int J>
+__device__ __forceinline__ void span_or(uint32_t (&je)[2], int lo, int hi, int x0) {
+    static_assert(J >= 1 && J <= 16, "32 bits");
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int a = min(max(lo - x0 - e, 0), 8 * J), z = min(max(hi - x0 - e, 0), 8 * J);
+        const int j0 = (a + 7) >> 3, j1 = (z + 7) >> 3;  // j in [j0, j1)
+        je[e] |= ((1u << j1) - 1u) & ~((1u << j0) - 1u);
+    }
+}
 template <int J, int NS>
 __device__ __forceinline__ uint32_t hstu_span_bits(const int (&lo)[NS], const int (&hi)[NS], int x0) {
-    static_assert(J >= 1 && J <= 16, "32 bits");
     uint32_t je[2] = {0u, 0u};  // per e: bit j set when x0 + 8 j + e lies in a span
 #pragma unroll
-    for (int i = 0; i < NS; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int a = min(max(lo[i] - x0 - e, 0), 8 * J), z = min(max(hi[i] - x0 - e, 0), 8 * J);
-            const int j0 = (a + 7) >> 3, j1 = (z + 7) >> 3;  // j in [j0, j1)
-            je[e] |= ((1u << j1) - 1u) & ~((1u << j0) - 1u);
-        }
+    for (int i = 0; i < NS; ++i) span_or<J>(je, lo[i], hi[i], x0);
     return spread_even(je[0]) | (spread_even(je[1]) << 1);
 }
 template <int J>
@@ -180,13 +184,31 @@ __device__ __forceinline__ uint32_t hstu_row_bits(const tf_hstu_mask &m, int pos
     tf_hstu_row_spans(&m, pos, lo, hi);
     return hstu_span_bits<J>(lo, hi, key0);
 }
-/* The transpose, for key-major tiles: key `key`'s mask over the rows row0 + 8 j + e at bit 2 j + e. */
+/* The transpose, for key-major tiles: key `key`'s mask over the rows row0 + 8 j + e at bit 2 j + e, from
+ * tf_hstu_col_spans' five spans written out, so that those the sequence's options leave empty (window
+ * exemptions, context, target groups) are skipped by branches uniform over the sequence: a causal or
+ * windowed tile computes two (all five: the window case's backward 3% slower, results/hstu_h100.md). */
 template <int J>
 __device__ __forceinline__ uint32_t hstu_col_bits(const tf_hstu_mask &m, int key, int row0) {
     if (key < 0 || key >= m.n) return 0;
-    int lo[5], hi[5];
-    tf_hstu_col_spans(&m, key, lo, hi);
-    return hstu_span_bits<J>(lo, hi, row0);
+    uint32_t je[2] = {0u, 0u};
+    const int iq = tf_hstu_id(&m, key), lo1 = tf_hstu_first_id_ge(&m, iq + 1);
+    span_or<J>(je, key, key + 1, row0);
+    span_or<J>(je, lo1, m.m > 0 ? tf_hstu_first_id_ge(&m, iq + m.m + 1) : m.n, row0);
+    if (m.m > 0 && m.f > 0) {
+        const int e = tf_hstu_first_id_ge(&m, m.max_id - m.f);
+        span_or<J>(je, lo1 > e ? lo1 : e, m.n, row0);
+    }
+    if (m.c > 0) {
+        const bool ctx = iq < m.max_id;
+        span_or<J>(je, ctx ? tf_hstu_first_id_ge(&m, 0) : 0, ctx ? tf_hstu_first_id_ge(&m, 1) : 0, row0);
+    }
+    if (m.g > 1 && m.t > 0) {
+        const bool tg = key >= m.u;
+        const int end = m.u + ((key - m.u) / m.g + 1) * m.g;
+        span_or<J>(je, tg ? key + 1 : 0, tg ? (end < m.n ? end : m.n) : 0, row0);
+    }
+    return spread_even(je[0]) | (spread_even(je[1]) << 1);
 }
 /* An mma.sync / wgmma accumulator's element i (= 4 j + 2 h + e) -> its bit in the two masks above (h: the
  * thread's row, or key, + 8 h) */
