@@ -13,9 +13,11 @@
 #          test, memcheck on the wgmma backward, the A/B against the textbook form (--forms pers,persoldsilu)
 #   spans: a masked tile's bits from the spans the sequence's options make non-empty only (hstu_col_bits): every
 #          HSTU GPU test, memcheck, the A/B (--forms pers,persallspans) with the Triton backward (PEERS)
+#   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
+#   final: every GPU test of the final code (all suites), memcheck on the session's dynamic-embedding change
 # (defer, tracepp and silu's A/B form measured code since removed: the deferred dQ and ping-pong, results/hstu_h100.md)
 set -uo pipefail
-PART=${1:?part: trace, defer, tracepp, silu or spans}
+PART=${1:?part: trace, defer, tracepp, silu, spans, table or final}
 case "$PART" in trace|tracepp) export TORCHFUSE_HSTU_BWD_TRACE_BUILD=1;; esac
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_hstu_checks.sh"
@@ -49,4 +51,18 @@ elif [ "$PART" = spans ]; then
     "test_backward and (cuda-wgmma or cuda-mma) and not wgmmared and (d128_h4 or context or targets or window or d256)"
   timeout ${AB_TO:-300} python3 benchmarks/ab_hstu_bwd.py --forms pers,persallspans --rounds 3 --out "$OUT/ab_spans.md" > "$OUT/ab.log" 2>&1
   echo "ab exit $?"; cat "$OUT/ab_spans.md"
+elif [ "$PART" = table ]; then
+  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  timeout 60 $T -x -k "test_backward and cuda-wgmma and bfloat16 and (many_short or long_d128)" > "$OUT/smoke.log" 2>&1
+  echo "smoke exit $?"; tail -1 "$OUT/smoke.log"
+  timeout ${BENCH_TO:-450} python3 benchmarks/bench_hstu.py --cases full,special --compile --b2b --out "$OUT/bench_full.md" 2>"$OUT/bench_full.err"
+  echo "bench exit $?"; tail -3 "$OUT/bench_full.err"; cat "$OUT/bench_full.md"
+elif [ "$PART" = final ]; then
+  timeout ${TEST_TO:-420} python3 -m pytest tests -q -p no:cacheprovider -k "cuda or kernel_choice or gpu" > "$OUT/pytest_all.log" 2>&1
+  echo "all GPU tests exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest_all.log" | head -12
+  if [ -n "${MEMCHECK_K:-}" ]; then
+    timeout 90 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q \
+      -p no:cacheprovider -x -k "$MEMCHECK_K" > "$OUT/memcheck.log" 2>&1
+    echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
+  fi
 fi
