@@ -13,11 +13,17 @@
 #          test, memcheck on the wgmma backward, the A/B against the textbook form (--forms pers,persoldsilu)
 #   spans: a masked tile's bits from the spans the sequence's options make non-empty only (hstu_col_bits): every
 #          HSTU GPU test, memcheck, the A/B (--forms pers,persallspans) with the Triton backward (PEERS)
+#   convert: (measured code since removed) dQ converted to q's dtype inside the backward kernel (the last warpgroup to add into a (sequence,
+#          head) converts its rows): every HSTU GPU test, memcheck, the A/B (--forms pers,perscast)
+#   mask: a masked tile's elements zeroed by an AND with the mask bits (no spills in the tile loop; selects made
+#          ptxas spill there): every HSTU GPU test, memcheck, the A/B (--forms pers,persselect; the switch and
+#          the select form removed since)
 #   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
-#   final: every GPU test of the final code (all suites), memcheck on the session's dynamic-embedding change
+#   final: every GPU test of the final code (all suites), memcheck on MEMCHECK_K's dynamic-embedding tests if
+#          given, the backward against Triton at 128x1024x128 (ab_hstu_bwd.py --shapes b128, PEERS)
 # (defer, tracepp and silu's A/B form measured code since removed: the deferred dQ and ping-pong, results/hstu_h100.md)
 set -uo pipefail
-PART=${1:?part: trace, defer, tracepp, silu, spans, table or final}
+PART=${1:?part: trace, defer, tracepp, silu, spans, convert, mask, table or final}
 case "$PART" in trace|tracepp) export TORCHFUSE_HSTU_BWD_TRACE_BUILD=1;; esac
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_hstu_checks.sh"
@@ -65,4 +71,14 @@ elif [ "$PART" = final ]; then
       -p no:cacheprovider -x -k "$MEMCHECK_K" > "$OUT/memcheck.log" 2>&1
     echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
   fi
+elif [ "$PART" = convert ]; then
+  hstu_tests "test_backward and bfloat16 and d128_h4 and cuda-wgmma" "cuda or kernel_choice or gpu" \
+    "test_backward and cuda-wgmma and (d128_h4 or long_d128 or dqk32 or many_short or window or context or isolated)"
+  timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms pers,perscast --rounds 3 --no-triton --out "$OUT/ab_convert.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; cat "$OUT/ab_convert.md"
+elif [ "$PART" = mask ]; then
+  hstu_tests "test_backward and bfloat16 and window and cuda-wgmma" "cuda or kernel_choice or gpu" \
+    "test_backward and cuda-wgmma and not wgmmared and (d128_h4 or context or targets or window or d256 or dqk32)"
+  timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms pers,persselect --rounds 3 --no-triton --out "$OUT/ab_mask.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; cat "$OUT/ab_mask.md"
 fi
