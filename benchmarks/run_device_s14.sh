@@ -20,10 +20,11 @@
 #          the select form removed since)
 #   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 #   final: every GPU test of the final code (all suites), memcheck on MEMCHECK_K's dynamic-embedding tests if
-#          given, the backward against Triton at 128x1024x128 (ab_hstu_bwd.py --shapes b128, PEERS)
+#          given
+#   abfinal: the final backward against Triton at every shape (ab_hstu_bwd.py --forms pers, PEERS)
 # (defer, tracepp and silu's A/B form measured code since removed: the deferred dQ and ping-pong, results/hstu_h100.md)
 set -uo pipefail
-PART=${1:?part: trace, defer, tracepp, silu, spans, convert, mask, table or final}
+PART=${1:?part: trace, defer, tracepp, silu, spans, convert, mask, table, final or abfinal}
 case "$PART" in trace|tracepp) export TORCHFUSE_HSTU_BWD_TRACE_BUILD=1;; esac
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_hstu_checks.sh"
@@ -71,6 +72,12 @@ elif [ "$PART" = final ]; then
       -p no:cacheprovider -x -k "$MEMCHECK_K" > "$OUT/memcheck.log" 2>&1
     echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -2
   fi
+elif [ "$PART" = abfinal ]; then
+  # the final backward against Triton at every shape (one process; Triton's backward stops with an illegal
+  # memory access on the targets row, the last: the rows come from the log)
+  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  timeout ${AB_TO:-300} python3 benchmarks/ab_hstu_bwd.py --forms pers --rounds 3 --out "$OUT/ab_final.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; grep "^|" "$OUT/ab.log"
 elif [ "$PART" = convert ]; then
   hstu_tests "test_backward and bfloat16 and d128_h4 and cuda-wgmma" "cuda or kernel_choice or gpu" \
     "test_backward and cuda-wgmma and (d128_h4 or long_d128 or dqk32 or many_short or window or context or isolated)"
