@@ -28,6 +28,13 @@ PART=${1:?part: trace, defer, tracepp, silu, spans, convert, mask, table, final 
 case "$PART" in trace|tracepp) export TORCHFUSE_HSTU_BWD_TRACE_BUILD=1;; esac
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_hstu_checks.sh"
+# ab NAME FORMS [ab_hstu_bwd.py arguments]: the one-process A/B of the backward forms, its table to $OUT/ab_NAME.md
+ab() {
+  local name=$1 forms=$2; shift 2
+  timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms "$forms" --rounds 3 "$@" --out "$OUT/ab_$name.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; cat "$OUT/ab_$name.md"
+}
+peers() { [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"; }
 if [ "$PART" = trace ]; then
   timeout 120 python3 benchmarks/trace_hstu_bwd.py > "$OUT/trace.md" 2>&1; echo "trace exit $?"; cat "$OUT/trace.md"
   timeout 90 python3 benchmarks/trace_hstu_bwd.py --shapes 16x4096x128 --window 256 > "$OUT/trace_window.md" 2>&1
@@ -39,8 +46,7 @@ elif [ "$PART" = defer ]; then
   [ "${RACE:-1}" = 1 ] && timeout ${RACE_TO:-100} compute-sanitizer --tool racecheck --print-limit 5 $T -x \
     -k "test_backward and bfloat16 and cuda-wgmma and not wgmmared and not wgmma1blk and (d128_h4 or many_short)" > "$OUT/racecheck.log" 2>&1
   [ "${RACE:-1}" = 1 ] && echo "racecheck exit $?" && grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -2
-  timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms ${FORMS:-persnd,pers,perspp,perspx} --rounds 3 --no-triton --out "$OUT/ab_defer.md" > "$OUT/ab.log" 2>&1
-  echo "ab exit $?"; cat "$OUT/ab_defer.md"
+  ab defer ${FORMS:-persnd,pers,perspp,perspx} --no-triton
 elif [ "$PART" = tracepp ]; then
   for form in "0 0" "1 0" "1 1"; do
     set -- $form
@@ -50,16 +56,14 @@ elif [ "$PART" = tracepp ]; then
 elif [ "$PART" = silu ]; then
   hstu_tests "test_backward and bfloat16 and d128_h4 and cuda-wgmma" "cuda or kernel_choice or gpu" \
     "test_backward and cuda-wgmma and not wgmmared and (d128_h4 or long_d128 or dqk32 or many_short or window or d256)"
-  timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms pers,persoldsilu --rounds 3 --no-triton --out "$OUT/ab_silu.md" > "$OUT/ab.log" 2>&1
-  echo "ab exit $?"; cat "$OUT/ab_silu.md"
+  ab silu pers,persoldsilu --no-triton
 elif [ "$PART" = spans ]; then
-  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  peers
   hstu_tests "test_backward and bfloat16 and window and cuda-wgmma" "cuda or kernel_choice or gpu" \
     "test_backward and (cuda-wgmma or cuda-mma) and not wgmmared and (d128_h4 or context or targets or window or d256)"
-  timeout ${AB_TO:-300} python3 benchmarks/ab_hstu_bwd.py --forms pers,persallspans --rounds 3 --out "$OUT/ab_spans.md" > "$OUT/ab.log" 2>&1
-  echo "ab exit $?"; cat "$OUT/ab_spans.md"
+  AB_TO=${AB_TO:-300} ab spans pers,persallspans
 elif [ "$PART" = table ]; then
-  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  peers
   timeout 60 $T -x -k "test_backward and cuda-wgmma and bfloat16 and (many_short or long_d128)" > "$OUT/smoke.log" 2>&1
   echo "smoke exit $?"; tail -1 "$OUT/smoke.log"
   timeout ${BENCH_TO:-450} python3 benchmarks/bench_hstu.py --cases full,special --compile --b2b --out "$OUT/bench_full.md" 2>"$OUT/bench_full.err"
@@ -75,17 +79,15 @@ elif [ "$PART" = final ]; then
 elif [ "$PART" = abfinal ]; then
   # the final backward against Triton at every shape (one process; Triton's backward stops with an illegal
   # memory access on the targets row, the last: the rows come from the log)
-  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  peers
   timeout ${AB_TO:-300} python3 benchmarks/ab_hstu_bwd.py --forms pers --rounds 3 --out "$OUT/ab_final.md" > "$OUT/ab.log" 2>&1
   echo "ab exit $?"; grep "^|" "$OUT/ab.log"
 elif [ "$PART" = convert ]; then
   hstu_tests "test_backward and bfloat16 and d128_h4 and cuda-wgmma" "cuda or kernel_choice or gpu" \
     "test_backward and cuda-wgmma and (d128_h4 or long_d128 or dqk32 or many_short or window or context or isolated)"
-  timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms pers,perscast --rounds 3 --no-triton --out "$OUT/ab_convert.md" > "$OUT/ab.log" 2>&1
-  echo "ab exit $?"; cat "$OUT/ab_convert.md"
+  ab convert pers,perscast --no-triton
 elif [ "$PART" = mask ]; then
   hstu_tests "test_backward and bfloat16 and window and cuda-wgmma" "cuda or kernel_choice or gpu" \
     "test_backward and cuda-wgmma and not wgmmared and (d128_h4 or context or targets or window or d256 or dqk32)"
-  timeout ${AB_TO:-200} python3 benchmarks/ab_hstu_bwd.py --forms pers,persselect --rounds 3 --no-triton --out "$OUT/ab_mask.md" > "$OUT/ab.log" 2>&1
-  echo "ab exit $?"; cat "$OUT/ab_mask.md"
+  ab mask pers,persselect --no-triton
 fi
