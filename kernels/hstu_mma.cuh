@@ -155,10 +155,6 @@ __device__ __forceinline__ uint32_t spread_even(uint32_t x) {
     return (x | (x << 1)) & 0x55555555u;
 }
 
-/* The mask of query row `pos` over the columns key0 + 8 j + e (j < J <= 16, e < 2), at bit 2 j + e: the
- * columns one thread holds in an mma.sync / wgmma accumulator (key0 = the tile's first key + 2 (lane % 4)).
- * From the row's spans (tf_hstu_row_spans), a few integer ops per span, not a mask test per element.
- * Rows outside [0, n) get 0. */
 /* je[e] |= bit j for each x0 + 8 j + e (j < J) in [lo, hi) */
 template <int J>
 __device__ __forceinline__ void span_or(uint32_t (&je)[2], int lo, int hi, int x0) {
@@ -170,6 +166,10 @@ __device__ __forceinline__ void span_or(uint32_t (&je)[2], int lo, int hi, int x
         je[e] |= ((1u << j1) - 1u) & ~((1u << j0) - 1u);
     }
 }
+/* The mask of query row `pos` over the columns key0 + 8 j + e (j < J <= 16, e < 2), at bit 2 j + e: the
+ * columns one thread holds in an mma.sync / wgmma accumulator (key0 = the tile's first key + 2 (lane % 4)).
+ * From the row's spans (tf_hstu_row_spans), a few integer ops per span, not a mask test per element.
+ * Rows outside [0, n) get 0. */
 template <int J, int NS>
 __device__ __forceinline__ uint32_t hstu_span_bits(const int (&lo)[NS], const int (&hi)[NS], int x0) {
     uint32_t je[2] = {0u, 0u};  // per e: bit j set when x0 + 8 j + e lies in a span
@@ -187,7 +187,9 @@ __device__ __forceinline__ uint32_t hstu_row_bits(const tf_hstu_mask &m, int pos
 /* The transpose, for key-major tiles: key `key`'s mask over the rows row0 + 8 j + e at bit 2 j + e, from
  * tf_hstu_col_spans' five spans written out, so that those the sequence's options leave empty (window
  * exemptions, context, target groups) are skipped by branches uniform over the sequence: a causal or
- * windowed tile computes two (all five: the window case's backward 3% slower, results/hstu_h100.md). */
+ * windowed tile computes two (all five: the window case's backward 3% slower, results/hstu_h100.md).
+ * Keep it in step with tf_hstu_col_spans (hstu.h, the CPU path's): test_backward's mask cases check both
+ * against the reference. */
 template <int J>
 __device__ __forceinline__ uint32_t hstu_col_bits(const tf_hstu_mask &m, int key, int row0) {
     if (key < 0 || key >= m.n) return 0;
