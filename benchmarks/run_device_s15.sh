@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Session 15's device calls (each under the 10-minute limit):
+#   convert: dQ converted to q's dtype inside the HSTU backward kernel, each 64-row query tile by the warpgroup
+#            whose reduce-add lands last on it (DqTile, kernels/hstu_bwd_sm90.cu): every HSTU backward GPU test
+#            (the in-kernel conversion, the caller's cast, the path-ran test), memcheck, then the A/B against
+#            the cast pass (ab_hstu_bwd.py --forms pers,perscast) with the Triton backward (PEERS)
+#   convab: the conversion's forms (counted down two tiles late, one tile late, unordered: measurement only) against
+#            the cast pass, no Triton, N <= 2048 (ab_hstu_bwd.py --shapes short), after the backward GPU tests
+#   race:    racecheck on the converting backward (RACE_K), then the dynamic-embedding GPU tests and memcheck
+#            on DYN_K
+set -uo pipefail
+PART=${1:?part: convert, convab or race}
+source "$(dirname "$0")/device_build.sh"
+source "$(dirname "$0")/device_hstu_checks.sh"
+peers() { [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"; }
+if [ "$PART" = convert ]; then
+  peers
+  hstu_tests "converted_in_kernel or (test_backward and bfloat16 and d128_h4 and cuda-wgmma)" \
+    "test_backward and not cpu" \
+    "test_backward and bfloat16 and cuda-wgmma and not wgmmared and (d128_h4 or many_short or window or context or long_d128 or dqk32)"
+  timeout ${AB_TO:-220} python3 benchmarks/ab_hstu_bwd.py --forms pers,perscast --rounds 3 --out "$OUT/ab_convert.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; grep "^|" "$OUT/ab.log"; grep -i "error\|failed" "$OUT/ab.log" | head -3
+elif [ "$PART" = convab ]; then
+  hstu_tests "converted_in_kernel or (test_backward and bfloat16 and d128_h4 and cuda-wgmma)" "test_backward and not cpu" \
+    "test_backward and bfloat16 and cuda-wgmma and not wgmmared and (d128_h4 or many_short or window)"
+  timeout ${AB_TO:-240} python3 benchmarks/ab_hstu_bwd.py --forms pers,persnoconv,persnocount,perscast --rounds 3 --no-triton \
+    --shapes ${SHAPES:-short} --out "$OUT/ab_convab.md" > "$OUT/ab.log" 2>&1
+  echo "ab exit $?"; grep "^|" "$OUT/ab.log"; grep -i "error\|failed" "$OUT/ab.log" | head -3
+elif [ "$PART" = race ]; then
+  timeout ${RACE_TO:-150} compute-sanitizer --tool racecheck --print-limit 5 $T -x \
+    -k "${RACE_K:-test_backward and bfloat16 and cuda-wgmma and not wgmmared and (d128_h4 or many_short or plain_h2)}" > "$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -3
+  if [ -n "${DYN_K:-}" ]; then
+    timeout ${DYN_TO:-200} python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider -k cuda > "$OUT/pytest_dyn.log" 2>&1
+    echo "dynemb pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest_dyn.log" | head -12
+    timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q \
+      -p no:cacheprovider -x -k "$DYN_K" > "$OUT/memcheck_dyn.log" 2>&1
+    echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dyn.log" | tail -2
+  fi
+fi
