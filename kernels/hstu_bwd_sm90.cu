@@ -166,21 +166,8 @@ __device__ unsigned long long *g_bwd_trace;
 struct BwdItem {
     int64_t start;                  // the sequence's first row
     int h, k0, n, t, nctx, lo_t, total;  // head, first key, length, targets; the query tiles (below)
-    int active;                     // 0: k0 >= n (skipped) / in the hand-over: no more items, the block ends;
-                                    // else the sequence's index + 1 (the dQ counters'; a field of its own
-                                    // made ptxas spill at head dim 256)
+    int active;                     // 0: k0 >= n (skipped) / in the hand-over: no more items, the block ends
 };
-/* The query tiles that can see keys [k0, k0 + kBN) of a sequence (k0 < n): context rows first (nctx
- * tiles from 0), then the causal (or windowed) range from tile lo_t; total tiles in all. The kernel's
- * items and the dQ counters' expected counts (bwd_dq_expect) both come from here. */
-template <int kBN>
-__device__ __forceinline__ void bwd_tiles(const tf_hstu_mask &m, int k0, int *nctx, int *lo_t, int *total) {
-    int ctx_end, lo, hi;
-    tf_hstu_row_range(&m, k0, min(k0 + kBN, m.n), &ctx_end, &lo, &hi);
-    *lo_t = lo / kBQ;
-    *nctx = min((ctx_end + kBQ - 1) / kBQ, *lo_t);
-    *total = *nctx + max(0, hi / kBQ - *lo_t + 1);
-}
 template <int kBN>
 __device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles, int section, int item) {
     // 32-bit: k_tiles x B x H items fit an int (the launch checks), so do B x H and k_tiles x section
@@ -194,87 +181,21 @@ __device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles
     w.k0 = (r / in_sec) * kBN;
     w.n = s.n;
     w.t = s.mask.t;
-    w.active = w.k0 < s.n ? bh / H + 1 : 0;
+    w.active = w.k0 < s.n;
     w.nctx = w.lo_t = w.total = 0;
-    if (w.active) bwd_tiles<kBN>(s.mask, w.k0, &w.nctx, &w.lo_t, &w.total);  // query tile of step i: q_tile(w, i)
+    if (w.active) {
+        // the query tiles that can see these keys: context rows first (nctx tiles from 0), then the
+        // causal (or windowed) range from tile lo_t; query tile of step i: q_tile(w, i)
+        int ctx_end, lo, hi;
+        tf_hstu_row_range(&s.mask, w.k0, min(w.k0 + kBN, s.n), &ctx_end, &lo, &hi);
+        const int lo_t = lo / kBQ, hi_t = hi / kBQ;
+        w.lo_t = lo_t;
+        w.nctx = min((ctx_end + kBQ - 1) / kBQ, lo_t);
+        w.total = w.nctx + max(0, hi_t - lo_t + 1);
+    }
     return w;
 }
 __device__ __forceinline__ __attribute__((unused)) int q_tile(const BwdItem &w, int i) { return i < w.nctx ? i : w.lo_t + i - w.nctx; }
-
-/* dQ converted in the kernel (the TMA dQ path, where the caller gave p.dq and p.dq_count): instead of a
- * cast pass over the fp32 buffer after the kernel (134 us of a ~1.3 ms backward at 128 x 1024 x 128, H = 4),
- * the warpgroup whose reduce-add is the last to land on a 64-row query tile of a (sequence, head) converts
- * that tile's rows to q's dtype while they are in L2. p.dq_count holds B * H * q_tiles counters, set by
- * bwd_dq_expect to the contributions each tile will get: two per item visiting it (one per consumer
- * warpgroup, also the one whose dQ columns lie past dqk). A warpgroup's thread 0 counts a tile down two
- * tiles after its reduce (cp.async.bulk.wait_group 1: complete by then) and reads the count's result one
- * tile later still: a count whose result was waited for at once (an L2 round trip per tile, the
- * warpgroup waiting on its thread 0 at barrier 7 + cw) cost 25-30% of the backward. */
-struct DqTile {
-    int64_t row0;    // the tile's first row (sequence start + q0)
-    int cnt, nrows;  // its counter's index (-1: none); rows inside the sequence
-    int h;
-};
-__device__ __forceinline__ int dq_q_tiles(const tf_hstu_params &p) { return (int)((p.max_seq_len + kBQ - 1) / kBQ); }
-
-/* The counters: one thread per (sequence, query tile), over the key tiles that see it. A tile no item
- * visits (a row attending no key: context rows when every other row is a target) gets no conversion:
- * its rows are zeroed here. */
-template <int kBN>
-__global__ void bwd_dq_expect(const tf_hstu_params p, int q_tiles) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= p.B * q_tiles) return;
-    const int b = (int)(i / q_tiles), qt = (int)(i % q_tiles);
-    const HstuSeq s = hstu_seq(p, b);
-    int e = 0;
-    for (int k0 = 0; k0 < s.n; k0 += kBN) {
-        int nctx, lo_t, total;
-        bwd_tiles<kBN>(s.mask, k0, &nctx, &lo_t, &total);
-        if (qt < nctx || (qt >= lo_t && qt < lo_t + total - nctx)) e += 2;
-    }
-    for (int h = 0; h < p.H; ++h) p.dq_count[((int64_t)b * p.H + h) * q_tiles + qt] = e;
-    if (e == 0 && qt * kBQ < s.n) {
-        const int64_t r0 = s.start + qt * kBQ, n = min(kBQ, s.n - qt * kBQ) * p.H * p.dqk;
-        uint16_t *dst = (uint16_t *)p.dq + r0 * p.H * p.dqk;  // T is 16-bit: +0 is all zero bits
-        for (int64_t j = 0; j < n; ++j) dst[j] = 0;
-    }
-}
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* Count down tile pd's counter (its reduce has completed: a bulk wait before this), returning the old
- * value (1: this was the last contribution). The proxy fence orders the reduce's writes (async proxy)
- * before the release; the converter's acquire (dq_acquire), then its warpgroup's barrier 7 + cw, order
- * them before the conversion's loads. */
-__device__ __forceinline__ int dq_count_down(const tf_hstu_params &p, int cnt) {
-    int old;
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-    asm volatile("atom.release.gpu.global.add.s32 %0, [%1], -1;\n" : "=r"(old) : "l"(p.dq_count + cnt) : "memory");
-    return old;
-}
-__device__ __forceinline__ void dq_acquire() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_group1() { asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory"); }
-/* A tile's rows, fp32 -> T, by one warpgroup: 4 columns a step, four 16-byte loads in flight per thread
- * (L2: the reduces wrote there; .cg keeps stale L1 lines out) */
-template <typename T>
-__device__ __forceinline__ void dq_convert_tile(const tf_hstu_params &p, const DqTile &c) {
-    const int dqk = (int)p.dqk, c4 = dqk / 4, total = c.nrows * c4;
-    const int64_t base = (c.row0 * p.H + c.h) * dqk, rs = p.H * dqk;
-    for (int i0 = threadIdx.x % 128; i0 < total; i0 += 4 * 128) {
-        float4 x[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int i = i0 + 128 * u, r = i / c4, col = 4 * (i - r * c4);
-            if (i < total) x[u] = __ldcg((const float4 *)(p.dq_acc + base + r * rs + col));
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int i = i0 + 128 * u, r = i / c4, col = 4 * (i - r * c4);
-            if (i < total)
-                *(uint2 *)((T *)p.dq + base + r * rs + col) = make_uint2(pack2<T>(x[u].x, x[u].y), pack2<T>(x[u].z, x[u].w));
-        }
-    }
-}
-#endif
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -294,9 +215,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t *DQs = Zs + 2 * C::Z_BYTES;
     const bool dq_tma = C::DQ_TMA && (flags & 1);  // uniform over the block
     const bool vec_store = (flags & 2) != 0;        // dK / dV by 16-byte stores (see the item's end)
-    const bool dq_conv_on = dq_tma && (flags & 4);  // dQ converted here (DqTile), not by the caller
-    // MEASUREMENT ONLY (wrong dQ): bit 3 counts but converts nothing, bit 4 neither counts nor converts
-    const bool dq_m_noconv = (flags & 8) != 0, dq_m_nocount = (flags & 16) != 0;
     // kv_full / kv_empty: the one K/V buffer, phase k for the block's k-th item; full / empty: the Q/dO
     // ring, slot gt % ST and phase gt / ST for the block's gt-th query tile (counted across items, the
     // same count on both sides: the consumers take exactly the items, and their tiles, the producer
@@ -326,13 +244,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     // shared memory until they complete).
     __shared__ __align__(8) uint64_t kv_full, kv_empty, full_bar[ST], empty_bar[ST];
     __shared__ BwdItem work_slot[2];
-    // dQ converted in the kernel (flags bit 2): per consumer warpgroup, the tile its last reduce went to
-    // (thread 0's alone: it counts that tile down a tile later, once the reduce has completed), and, by the
-    // parity of the ring position gt, the tile to convert and whether to (thread 0 writes them before the
-    // warpgroup's barrier 7 + cw of tile gt, every thread reads them after it; the next write to that
-    // parity comes after barrier 7 + cw of tile gt + 1, which every thread reaches after its read)
-    __shared__ DqTile dq_pend[2][2], dq_counted[2], dq_conv[2][4];
-    __shared__ int dq_last[2][4];
 
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
@@ -426,8 +337,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float h_s = 0.5f * (float)p.alpha, kz = h_s * (float)p.inv_scale;
         const uint32_t k_addr = smem_u32(Ks), v_addr = smem_u32(Vs);
         int gt = 0;  // query tiles consumed so far (the ring position, and the Z buffer gt & 1)
-        if (threadIdx.x % 128 == 0) dq_pend[cw][0].cnt = dq_pend[cw][1].cnt = -1;  // no tile yet
-        int dq_old = 0;  // thread 0: the result of the count issued at the previous tile (of tile dq_counted[cw])
 #ifdef TF_HSTU_BWD_TRACE
         int trace_n = 0;
 #endif
@@ -565,28 +474,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const int col0 = C::DQ_SPLIT_N ? 64 * pc : 0;
                     if constexpr (C::DQ_TMA) {
                         if (dq_tma) {
-                            if (dq_conv_on && !dq_m_nocount && threadIdx.x % 128 == 0) {
-                                // the count issued a tile ago: convert its tile if it was the last contribution
-                                const int last = dq_old == 1 && !dq_m_noconv;
-                                if (last) {
-                                    dq_acquire();
-                                    dq_conv[cw][gt & 1] = dq_counted[cw];
-                                }
-                                dq_last[cw][gt & 1] = last;
-                                // tile gt - 2's reduce has completed (all but the newest group): count it down
-                                // (pending tiles by the parity of gt)
-                                DqTile &pd = dq_pend[cw][gt & 1];
-                                bulk_wait_group1();
-                                dq_old = 0;
-                                if (pd.cnt >= 0) {
-                                    dq_counted[cw] = pd;
-                                    dq_old = dq_count_down(p, pd.cnt);
-                                }
-                                pd.row0 = w.start + q0;
-                                pd.nrows = min(kBQ, len - q0);
-                                pd.h = h;
-                                pd.cnt = ((w.active - 1) * (int)p.H + h) * dq_q_tiles(p) + q0 / kBQ;
-                            }
                             // The 64 x 64 fragment -> this warpgroup's staging tile: columns 32 b.. in box b,
                             // rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8) (the TMA's 128-byte
                             // swizzle); element 4 j + 2 hh + e: row 16 warp + g + 8 hh (so r % 8 = g), column
@@ -626,7 +513,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 if (col0 + 32 < dqk) tma_reduce_add(&tm_dq, dqs + C::DQ_BOX_BYTES, col0 + 32, h, row);
                                 bulk_commit_group();
                             }
-                            if (dq_conv_on && !dq_m_nocount && dq_last[cw][gt & 1]) dq_convert_tile<T>(p, dq_conv[cw][gt & 1]);
                             continue;  // n: the only chunk
                         }
                     }
@@ -706,26 +592,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         // the block's last dQ reduces: complete before it ends (they read its shared memory until then)
         if (dq_tma && threadIdx.x % 128 == 0) bulk_wait_group0();
-        if (dq_conv_on) {  // the last two tiles' counts (into conversion slots gt & 1, free, and 2), conversions
-            // (the counted tile, then the two pending ones, tiles gt - 2 and gt - 1: conversion slots gt & 1,
-            // free since barrier 7 + cw of tile gt - 1, 2 and 3)
-            if (threadIdx.x % 128 == 0) {
-                dq_last[cw][gt & 1] = dq_old == 1;
-                if (dq_old == 1) dq_conv[cw][gt & 1] = dq_counted[cw];
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const DqTile &pd = dq_pend[cw][(gt + j) & 1];
-                    const int last = pd.cnt >= 0 && dq_count_down(p, pd.cnt) == 1;
-                    if (last) dq_conv[cw][2 + j] = pd;
-                    dq_last[cw][2 + j] = last;
-                }
-                dq_acquire();
-            }
-            named_bar_sync_n(7 + cw, 128);
-#pragma unroll 1
-            for (int j = 0; j < 4; ++j)
-                if (j != ((gt + 1) & 1) && dq_last[cw][j]) dq_convert_tile<T>(p, dq_conv[cw][j]);
-        }
     }
 #endif
 }
@@ -753,11 +619,6 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const bool dq_tma = BwdSm90Cfg<D>::DQ_TMA && !(dq_env && strcmp(dq_env, "red") == 0) &&
                         tensor_map_f32_reduce(&tdq, p.dq_acc, p.L, p.H, p.dqk, kBQ);
     const int smem = dq_tma ? BwdSm90Cfg<D>::SMEM_TMA : BwdSm90Cfg<D>::SMEM;
-    // dQ converted in the kernel (DqTile) where the caller gave the output and the counters;
-    // TORCHFUSE_HSTU_BWD_DQ_CONVERT=0 leaves the cast to the caller (A/B runs, tests)
-    const char *conv_env = getenv("TORCHFUSE_HSTU_BWD_DQ_CONVERT");
-    const bool dq_conv = dq_tma && p.dq && p.dq_count && p.dq_converted && p.dqk % 4 == 0 &&
-                         reinterpret_cast<uintptr_t>(p.dq) % 8 == 0 && !(conv_env && conv_env[0] == '0');
     cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     // TORCHFUSE_HSTU_BWD_SECTION=0: one section of every pair (the A/B of the L2 sections)
@@ -797,17 +658,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const char *vec_env = getenv("TORCHFUSE_HSTU_BWD_VEC_STORE");
     const bool vec = !(vec_env && vec_env[0] == '0') && p.dqk % 8 == 0 && p.dv % 8 == 0 &&
                      reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 && reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
-    if (dq_conv) {
-        static_assert(!BwdSm90Cfg<D>::DQ_TMA || kBN == 128, "bwd_dq_expect: the TMA dQ path's key tiles");
-        const int q_tiles = (int)((p.max_seq_len + kBQ - 1) / kBQ);
-        const int64_t n = p.B * q_tiles;
-        bwd_dq_expect<kBN><<<(unsigned)((n + 127) / 128), 128, 0, stream>>>(p, q_tiles);
-        *p.dq_converted = 1;
-    }
-    const char *m_env = getenv("TORCHFUSE_HSTU_BWD_DQ_MEASURE");  // noconv / nocount: measurement only
-    const int m_flags = !m_env ? 0 : strcmp(m_env, "noconv") == 0 ? 8 : strcmp(m_env, "nocount") == 0 ? 16 : 0;
-    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section, (int)items,
-                                                                  (dq_tma ? 1 : 0) | (vec ? 2 : 0) | (dq_conv ? 4 | m_flags : 0));
+    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
+                                                                  (int)items, (dq_tma ? 1 : 0) | (vec ? 2 : 0));
 #ifdef TF_HSTU_BWD_TRACE
     if (trace_file) {
         unsigned long long *host = (unsigned long long *)malloc(trace_bytes);
