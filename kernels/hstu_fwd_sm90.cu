@@ -57,9 +57,11 @@ __device__ __forceinline__ void mask_bits(const tf_hstu_mask &m, int p, int key0
     bits[0] = hstu_row_bits<BN / 8>(m, p, key0);
     bits[1] = hstu_row_bits<BN / 8>(m, p + 8, key0);
 }
-__device__ __forceinline__ __attribute__((unused)) float silu_hx(float x, float c_h, float c_t) {
-    const float hx = x * c_h;
-    return fmaf(hx, tanh_approx(x * c_t), hx);
+/* SiLU(z) for z = 2 h, h = c_t x (c_t = alpha / 2): z sigmoid(z) = h (1 + tanh h), one multiply, a tanh
+ * and an FMA. P's 1 / S is not applied here: O takes it once, before its store. */
+__device__ __forceinline__ __attribute__((unused)) float silu_h(float x, float c_t) {
+    const float h = x * c_t;
+    return fmaf(h, tanh_approx(h), h);
 }
 /* out of line: called from an unrolled loop, so the dtype switch is not copied per element */
 __device__ __noinline__ __attribute__((unused)) float bias_at(const tf_hstu_params &p, int64_t b, int h, int pos, int key) {
@@ -83,19 +85,18 @@ __device__ __forceinline__ void zero_tail_rows(uint8_t *tile, int r0, int cw) {
 
 /* ---- a consumer warpgroup's share of a key tile (64 query rows) ---- */
 
-/* P = SiLU(alpha (S + bias)) / S_norm, masked, from sacc into pa (16-bit A fragments). Interior tiles
+/* P = SiLU(alpha (S + bias)) (O takes the 1 / S_norm), masked, from sacc into pa (16-bit A fragments). Interior tiles
  * skip the mask; boundary tiles get it as bits from a rolled loop (the mask and bias code unrolled over
  * every element made the kernel too big for the instruction cache: half its stalls were fetches).
  * wpos0: the warpgroup's first row position; k0: the tile's first key. */
 template <typename T, int BN>
 __device__ __forceinline__ void elementwise(float (&sacc)[BN / 2], uint32_t (&pa)[BN / 16][4], const tf_hstu_params &p,
-                                            const tf_hstu_mask &mask, int64_t b, int h, int wpos0, int k0, float c_h,
-                                            float c_t) {
+                                            const tf_hstu_mask &mask, int64_t b, int h, int wpos0, int k0, float c_t) {
     const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
     const int prow = wpos0 + 16 * ((threadIdx.x / 32) % 4) + g;  // this thread's rows: prow, prow + 8
     if (tf_hstu_tile_full(&mask, wpos0, wpos0 + 64, k0, k0 + BN) && !p.bias) {
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) sacc[i] = silu_hx(sacc[i], c_h, c_t);
+        for (int i = 0; i < BN / 2; ++i) sacc[i] = silu_h(sacc[i], c_t);
     } else {
         uint32_t bits[2];
         mask_bits<BN>(mask, prow, k0 + 2 * t4, bits);
@@ -106,7 +107,11 @@ __device__ __forceinline__ void elementwise(float (&sacc)[BN / 2], uint32_t (&pa
                     sacc[i] += bias_at(p, b, h, prow + ((i & 2) ? 8 : 0), k0 + (i / 4) * 8 + 2 * t4 + (i & 1));
         }
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) sacc[i] = pair_bit(bits, i) ? silu_hx(sacc[i], c_h, c_t) : 0.f;
+        for (int i = 0; i < BN / 2; ++i) {
+            // the mask as an AND with all ones or zero (selects made ptxas spill in the backward's tile loop)
+            const uint32_t keep = 0u - (uint32_t)pair_bit(bits, i);
+            sacc[i] = __uint_as_float(__float_as_uint(silu_h(sacc[i], c_t)) & keep);
+        }
     }
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
@@ -309,7 +314,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     } else {  // consumers: warpgroups 1, 2 take tile rows 0-63, 64-127
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
         const int cw = wg - 1;
-        const float c_h = 0.5f * (float)p.alpha * (float)p.inv_scale, c_t = 0.5f * (float)p.alpha;
+        const float c_t = 0.5f * (float)p.alpha;
         const uint32_t q_addr = smem_u32(Qs) + cw * 64 * 128;
         int g = 0, qn = 0;
         for (int k = 0;; ++k) {
@@ -343,7 +348,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                             tf_wgmma_commit();
                             tf_wgmma_wait<0>();
                             tf_wgmma_reg_fence(sacc);
-                            elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, kt * BN, c_h, c_t);
+                            elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, kt * BN, c_t);
                             tf_wgmma_fence();
                             tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
                             tf_wgmma_commit();
@@ -375,7 +380,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     tf_wgmma_reg_fence(sacc);
                     for (int j = kt_lo; j < kt_hi; ++j) {
                         const int gi = g + j - kt_lo, st = gi % ST, nst = (gi + 1) % ST;
-                        elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, j * BN, c_h, c_t);
+                        elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, j * BN, c_t);
                         mbar_wait(&full_bar[nst], ((gi + 1) / ST) & 1);
                         named_bar_sync(mine);
                         tf_wgmma_fence();
@@ -392,7 +397,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     if (threadIdx.x % 32 == 0) mbar_arrive(&q_empty);  // every S of this item is done
                     {  // the last tile: its P V alone
                         const int st = (g + kt_hi - kt_lo) % ST;
-                        elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, kt_hi * BN, c_h, c_t);
+                        elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, kt_hi * BN, c_t);
                         // only the last tile can run past the sequence's end
                         if (kt_hi * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, w.n - kt_hi * BN, cw);
                         named_bar_sync(mine);
@@ -408,6 +413,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 }
                 g += kt_hi - kt_lo + 1;
             }
+#pragma unroll
+            for (int i = 0; i < D / 2; ++i) o[i] *= (float)p.inv_scale;  // P's 1 / S_norm
             store_o<T, D>(o, p, w.q_start + w.i0, w.h, 64 * cw, w.rows_here);
         }
     }
