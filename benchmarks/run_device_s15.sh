@@ -28,7 +28,7 @@ if [ "$PART" = convert ]; then
 elif [ "$PART" = convab ]; then
   hstu_tests "converted_in_kernel or (test_backward and bfloat16 and d128_h4 and cuda-wgmma)" "test_backward and not cpu" \
     "test_backward and bfloat16 and cuda-wgmma and not wgmmared and (d128_h4 or many_short or window)"
-  timeout ${AB_TO:-240} python3 benchmarks/ab_hstu_bwd.py --forms pers,persnoconv,persnocount,perscast --rounds 3 --no-triton \
+  timeout ${AB_TO:-240} python3 benchmarks/ab_hstu_bwd.py --forms pers,perscast --rounds 3 --no-triton \
     --shapes ${SHAPES:-short} --out "$OUT/ab_convab.md" > "$OUT/ab.log" 2>&1
   echo "ab exit $?"; grep "^|" "$OUT/ab.log"; grep -i "error\|failed" "$OUT/ab.log" | head -3
 elif [ "$PART" = fwdab ]; then
