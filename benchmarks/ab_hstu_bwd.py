@@ -10,9 +10,6 @@ in each of the chosen forms (`--forms`, comma-separated, in turns, best of `--ro
     persred    `pers` with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red) instead
                of TMA reduce-adds from shared memory (the other forms: the default, which head dims up to 128
                take; 192 / 256 always add with red.global.add: there `persred` is `pers`)
-    perscast   `pers` with dQ cast to q's dtype by a pass after the kernel (TORCHFUSE_HSTU_BWD_DQ_CONVERT=0)
-               instead of converted in the kernel as each query tile's last reduce lands (the default on
-               the TMA dQ path)
 (wgmma where it applies: head dims up to 256). The gradients of the wgmma forms are compared with mma.sync's
 (max abs difference, against the largest gradient; `mma` in --forms), dK / dV of `pers` with those of
 `1blk` (the same arithmetic per item: expected 0), and with `persred` in --forms beside `pers` dQ and dK / dV
@@ -40,20 +37,16 @@ import bench_hstu as bh  # noqa: E402
 # TORCHFUSE_HSTU_BWD_DQ, TORCHFUSE_HSTU_BWD_VEC_STORE); "" sets the variable empty, which the library reads
 # as unset (the default)
 FORMS = {
-    "mma": ("mma.sync", "0", "", "", "", "", "", ""),
-    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0", "", "", "", ""),
-    "1blk": ("wgmma, 1 block/item", "1", "", "0", "", "", "", ""),
-    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", "", "", "", ""),
-    "pers": ("wgmma, persistent", "1", "", "1", "", "", "", ""),
-    "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red", "", "", ""),
-    "pers4b": ("wgmma, persistent, dK/dV 4-byte stores", "1", "", "1", "", "0", "", ""),
-    "perscast": ("wgmma, persistent, dQ cast after", "1", "", "1", "", "", "0", ""),
-    "persnocount": ("(measurement) writer issues only", "1", "", "1", "", "", "", "nocount"),
-    "persnoconv": ("(measurement) writer counts, no conversion", "1", "", "1", "", "", "", "noconv"),
+    "mma": ("mma.sync", "0", "", "", "", ""),
+    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0", "", ""),
+    "1blk": ("wgmma, 1 block/item", "1", "", "0", "", ""),
+    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", "", ""),
+    "pers": ("wgmma, persistent", "1", "", "1", "", ""),
+    "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red", ""),
+    "pers4b": ("wgmma, persistent, dK/dV 4-byte stores", "1", "", "1", "", "0"),
 }
 ENV_NAMES = ("TORCHFUSE_HSTU_SM90_BWD", "TORCHFUSE_HSTU_BWD_SECTION", "TORCHFUSE_HSTU_BWD_PERSISTENT",
-             "TORCHFUSE_HSTU_BWD_DQ", "TORCHFUSE_HSTU_BWD_VEC_STORE", "TORCHFUSE_HSTU_BWD_DQ_CONVERT",
-             "TORCHFUSE_HSTU_BWD_DQ_MEASURE")
+             "TORCHFUSE_HSTU_BWD_DQ", "TORCHFUSE_HSTU_BWD_VEC_STORE")
 assert all(len(v) == 1 + len(ENV_NAMES) for v in FORMS.values())
 
 
@@ -106,14 +99,12 @@ def main():
         cases = [c for c in cases if c[0][1] <= 2048 and c[0][2] <= 128]
     both = "pers" in forms and "1blk" in forms
     dq_ab = "pers" in forms and "persred" in forms
-    cast_ab = "pers" in forms and "perscast" in forms
     head = ["B x N x D", "lengths"] + [FORMS[f][0] for f in forms]
     head += ["pers x 1blk"] if both else []  # 1blk's time / pers's
     head += ["Triton"] + [f"{f} x Triton" for f in wg]  # speed-ups: Triton's time / the form's
     head += ["max diff / max (vs mma.sync)"] if "mma" in forms and wg else []
     head += ["dK, dV: persistent - 1 block"] if both else []
     head += ["pers - persred: dQ / max; dK, dV"] if dq_ab else []
-    head += ["pers - perscast: dQ / max"] if cast_ab else []
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     saved = {k: os.environ.get(k) for k in ENV_NAMES}
     for (B, N, D), label, kw in cases:
@@ -162,9 +153,6 @@ def main():
             dq = (gt[0].float() - gr[0].float()).abs().max().item()
             dkv = max((x.float() - y.float()).abs().max().item() for x, y in zip(gt[1:], gr[1:]))
             row.append(f"{dq:.1e} / {gr[0].float().abs().max().item():.1e}; {dkv:.1e}")
-        if cast_ab:  # the same fp32 sums (added in another order), converted in the kernel or cast after
-            gt, gc = grads["pers"][0].float(), grads["perscast"][0].float()
-            row.append(f"{(gt - gc).abs().max().item():.1e} / {gc.abs().max().item():.1e}")
         lines.append("| " + " | ".join(row) + " |")
         print(lines[-1], flush=True)
         del c, q, k, v, dout, grads

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 15's device calls (each under the 10-minute limit). Both parts ran the in-kernel dQ conversion, since
 # reverted (results/hstu_h100.md, session 15; the code is the commit before the revert): the conversion's env
-# switches and A/B forms (perscast, persnoconv, persnocount) are gone from main.
+# switches and A/B forms (perscast, persnoconv, persnocount) are gone from main. Both designs (in the consumers; in a
+# dQ-writer warp) are in the history, each in the commit before its revert.
 #   convert: dQ converted to q's dtype inside the HSTU backward kernel, each 64-row query tile by the warpgroup
 #            whose reduce-add lands last on it (DqTile, kernels/hstu_bwd_sm90.cu): every HSTU backward GPU test
 #            (the in-kernel conversion, the caller's cast, the path-ran test), memcheck, then the A/B against

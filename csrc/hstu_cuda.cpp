@@ -65,23 +65,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
     // the persistent sm_90a backward's work counter, its own (zeroed by the launch on the stream)
     const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
-    // 16-bit: dQ in q's dtype, converted by the sm_90a kernel tile by tile where it can (it sets converted),
-    // else cast here from the fp32 accumulator
-    at::Tensor dq, dq_count;
-    int converted = 0;
-    const bool half = g.q.scalar_type() == at::kHalf || g.q.scalar_type() == at::kBFloat16;
-    if (half) {
-        dq = at::empty({g.p.L, g.p.H, g.p.dqk}, g.q.options().memory_format(at::MemoryFormat::Contiguous));
-        dq_count = at::empty({g.p.B * ((g.p.max_seq_len + 63) / 64) * (g.p.H + 1)}, q.options().dtype(at::kInt));
-        g.p.dq = dq.data_ptr();
-        g.p.dq_count = dq_count.data_ptr<int>();
-        g.p.dq_converted = &converted;
-        zero_uncovered_rows(g, {g.dk, g.dv, dq});
-    } else {
-        zero_uncovered_rows(g, {g.dk, g.dv});
-    }
+    zero_uncovered_rows(g, {g.dk, g.dv});
     check_launch(tf_hstu_bwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU backward kernel");
-    if (!converted) dq = half ? dq.copy_(g.dq) : g.dq.to(g.q.scalar_type());
+    at::Tensor dq = g.dq.to(g.q.scalar_type());
     at::Tensor db = g.dbias.defined() ? g.dbias.to(g.bias.scalar_type()) : no_output(g.o);
     return {dq, g.dk, g.dv, db};
 }

@@ -47,13 +47,8 @@ typedef struct {
     int contextual, max_attn_len, min_full, group;
     /* backward only */
     const void *dout; int64_t do_sr, do_sh;      /* dout, dq, dk, dv shaped like o, q, k, v; */
-    void *dq, *dk, *dvv;                         /* dq/dk/dv contiguous; CUDA: dq may be NULL (see dq_count) */
+    void *dq, *dk, *dvv;                         /* dq/dk/dv contiguous */
     float *dq_acc;                               /* CUDA: fp32 (rows, H, dqk) zeroed, or NULL */
-    /* CUDA, optional (NULL: the caller casts dq_acc to dq itself): device scratch of B * q_tiles * (H + 1)
-     * ints (q_tiles = ceil(max_seq_len / 64)) with which the sm_90a backward converts dQ into dq (q's dtype)
-     * inside the kernel, tile by tile, as each 64-row query tile's last contribution lands; it sets
-     * *dq_converted (host memory) to 1 when it did (else dq is untouched and the caller casts) */
-    int *dq_count; int *dq_converted;
     int *sched;    /* CUDA: one int of device scratch (the sm_90a kernels' work queue), or NULL */
     void *dbias;   /* NULL: no bias gradient; else zeroed, bias's (contiguous) shape: double on the CPU, fp32 on CUDA */
 } tf_hstu_params;

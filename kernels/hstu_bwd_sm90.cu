@@ -166,21 +166,8 @@ __device__ unsigned long long *g_bwd_trace;
 struct BwdItem {
     int64_t start;                  // the sequence's first row
     int h, k0, n, t, nctx, lo_t, total;  // head, first key, length, targets; the query tiles (below)
-    int active;                     // 0: k0 >= n (skipped) / in the hand-over: no more items, the block ends;
-                                    // else the sequence's index + 1 (the dQ counters'; a field of its own
-                                    // made ptxas spill at head dim 256)
+    int active;                     // 0: k0 >= n (skipped) / in the hand-over: no more items, the block ends
 };
-/* The query tiles that can see keys [k0, k0 + kBN) of a sequence (k0 < n): context rows first (nctx
- * tiles from 0), then the causal (or windowed) range from tile lo_t; total tiles in all. The kernel's
- * items and the dQ counters' expected counts (bwd_dq_expect) both come from here. */
-template <int kBN>
-__device__ __forceinline__ void bwd_tiles(const tf_hstu_mask &m, int k0, int *nctx, int *lo_t, int *total) {
-    int ctx_end, lo, hi;
-    tf_hstu_row_range(&m, k0, min(k0 + kBN, m.n), &ctx_end, &lo, &hi);
-    *lo_t = lo / kBQ;
-    *nctx = min((ctx_end + kBQ - 1) / kBQ, *lo_t);
-    *total = *nctx + max(0, hi / kBQ - *lo_t + 1);
-}
 template <int kBN>
 __device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles, int section, int item) {
     // 32-bit: k_tiles x B x H items fit an int (the launch checks), so do B x H and k_tiles x section
@@ -194,86 +181,21 @@ __device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles
     w.k0 = (r / in_sec) * kBN;
     w.n = s.n;
     w.t = s.mask.t;
-    w.active = w.k0 < s.n ? bh / H + 1 : 0;
+    w.active = w.k0 < s.n;
     w.nctx = w.lo_t = w.total = 0;
-    if (w.active) bwd_tiles<kBN>(s.mask, w.k0, &w.nctx, &w.lo_t, &w.total);  // query tile of step i: q_tile(w, i)
+    if (w.active) {
+        // the query tiles that can see these keys: context rows first (nctx tiles from 0), then the
+        // causal (or windowed) range from tile lo_t; query tile of step i: q_tile(w, i)
+        int ctx_end, lo, hi;
+        tf_hstu_row_range(&s.mask, w.k0, min(w.k0 + kBN, s.n), &ctx_end, &lo, &hi);
+        const int lo_t = lo / kBQ, hi_t = hi / kBQ;
+        w.lo_t = lo_t;
+        w.nctx = min((ctx_end + kBQ - 1) / kBQ, lo_t);
+        w.total = w.nctx + max(0, hi_t - lo_t + 1);
+    }
     return w;
 }
 __device__ __forceinline__ __attribute__((unused)) int q_tile(const BwdItem &w, int i) { return i < w.nctx ? i : w.lo_t + i - w.nctx; }
-
-/* dQ converted in the kernel (the TMA dQ path, where the caller gave p.dq and p.dq_count): instead of a
- * cast pass over the fp32 buffer after the kernel (134 us of a ~1.3 ms backward at 128 x 1024 x 128, H = 4),
- * the block whose reduce-add is the last to land on a 64-row query tile of a (sequence, head) converts
- * that tile's rows to q's dtype while they are in L2. p.dq_count holds B * H * q_tiles counters, set by
- * bwd_dq_expect to the number of items (key tiles) that visit each query tile.
- * Off the consumers' path: done in the consumers, the count (a completion wait on the reduce, then a
- * release) cost 15% of the backward and the conversions another 18% (results/hstu_h100.md, session 15).
- * So the producer warpgroup's idle warps do it: warp 1 (the dQ writer) issues both consumers' reduces
- * of a tile from their staging tiles, hands the tiles back once read, counts the tile down once its
- * reduce has completed (a tile later), and queues the tile for warps 2 and 3 (the converters) when it
- * was the last. */
-struct DqTile {
-    int64_t row0;    // the tile's first row (sequence start + q0)
-    int cnt, nrows;  // its counter's index (-2: the end of the block's tiles); rows inside the sequence
-    int h;
-};
-constexpr int kCvSlots = 4;  // the conversion queue
-__device__ __forceinline__ int dq_q_tiles(const tf_hstu_params &p) { return (int)((p.max_seq_len + kBQ - 1) / kBQ); }
-
-/* The counters: one thread per (sequence, query tile), over the key tiles that see it. A tile no item
- * visits (a row attending no key: context rows when every other row is a target) gets no conversion:
- * its rows are zeroed here. */
-template <int kBN>
-__global__ void bwd_dq_expect(const tf_hstu_params p, int q_tiles) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= p.B * q_tiles) return;
-    const int b = (int)(i / q_tiles), qt = (int)(i % q_tiles);
-    const HstuSeq s = hstu_seq(p, b);
-    int e = 0;
-    for (int k0 = 0; k0 < s.n; k0 += kBN) {
-        int nctx, lo_t, total;
-        bwd_tiles<kBN>(s.mask, k0, &nctx, &lo_t, &total);
-        if (qt < nctx || (qt >= lo_t && qt < lo_t + total - nctx)) ++e;
-    }
-    for (int h = 0; h < p.H; ++h) p.dq_count[((int64_t)b * p.H + h) * q_tiles + qt] = e;
-    if (e == 0 && qt * kBQ < s.n) {
-        const int64_t r0 = s.start + qt * kBQ, n = min(kBQ, s.n - qt * kBQ) * p.H * p.dqk;
-        uint16_t *dst = (uint16_t *)p.dq + r0 * p.H * p.dqk;  // T is 16-bit: +0 is all zero bits
-        for (int64_t j = 0; j < n; ++j) dst[j] = 0;
-    }
-}
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* Count a tile down (its reduce has completed: a bulk wait before this), returning 1 when that was its
- * last contribution. The proxy fence orders the reduce's writes (async proxy) before the release; the
- * acquire after the last count, then the conversion queue's mbarrier, order them before the
- * converters' loads. */
-__device__ __forceinline__ int dq_count_down(const tf_hstu_params &p, int cnt) {
-    int old;
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], -1;\n" : "=r"(old) : "l"(p.dq_count + cnt) : "memory");
-    return old == 1;
-}
-__device__ __forceinline__ void bulk_wait_group1() { asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory"); }
-/* A tile's rows, fp32 -> T, by NT threads (tid < NT; the producer warpgroup's 24 registers: two 16-byte
- * loads in flight per thread), 4 columns a step; .cg: the reduces wrote to L2, no stale L1 lines */
-template <typename T, int NT>
-__device__ __forceinline__ void dq_convert_tile(const tf_hstu_params &p, const DqTile &c, int tid) {
-    const int dqk = (int)p.dqk, c4 = dqk / 4, total = c.nrows * c4;
-    const float *src = p.dq_acc + (c.row0 * p.H + c.h) * dqk;
-    T *dst = (T *)p.dq + (c.row0 * p.H + c.h) * dqk;
-    const int rs = (int)p.H * dqk;
-    for (int i = tid; i < total; i += 2 * NT) {
-        const int r0 = i / c4, o0 = r0 * rs + 4 * (i - r0 * c4);
-        const int i1 = i + NT, r1 = i1 / c4, o1 = r1 * rs + 4 * (i1 - r1 * c4);
-        const float4 x0 = __ldcg((const float4 *)(src + o0));
-        float4 x1 = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (i1 < total) x1 = __ldcg((const float4 *)(src + o1));
-        *(uint2 *)(dst + o0) = make_uint2(pack2<T>(x0.x, x0.y), pack2<T>(x0.z, x0.w));
-        if (i1 < total) *(uint2 *)(dst + o1) = make_uint2(pack2<T>(x1.x, x1.y), pack2<T>(x1.z, x1.w));
-    }
-}
-#endif
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -293,10 +215,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t *DQs = Zs + 2 * C::Z_BYTES;
     const bool dq_tma = C::DQ_TMA && (flags & 1);  // uniform over the block
     const bool vec_store = (flags & 2) != 0;        // dK / dV by 16-byte stores (see the item's end)
-    // dQ converted here (DqTile: the dQ writer and converter warps), not by the caller; the TMA dQ path only
-    const bool dq_conv_on = dq_tma && (flags & 4);
-    // MEASUREMENT ONLY (wrong dQ): bit 3: the writer neither counts nor converts; bit 4: counts, converts nothing
-    const bool m_nocount = (flags & 8) != 0, m_noconv = (flags & 16) != 0;
     // kv_full / kv_empty: the one K/V buffer, phase k for the block's k-th item; full / empty: the Q/dO
     // ring, slot gt % ST and phase gt / ST for the block's gt-th query tile (counted across items, the
     // same count on both sides: the consumers take exactly the items, and their tiles, the producer
@@ -326,18 +244,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     // shared memory until they complete).
     __shared__ __align__(8) uint64_t kv_full, kv_empty, full_bar[ST], empty_bar[ST];
     __shared__ BwdItem work_slot[2];
-    // dQ converted in the kernel (flags bit 2): per consumer warpgroup, the tile its last reduce went to
-    // (thread 0's alone: it counts that tile down a tile later, once the reduce has completed), and, by the
-    // parity of the ring position gt, the tile to convert and whether to (thread 0 writes them before the
-    // warpgroup's barrier 7 + cw of tile gt, every thread reads them after it; the next write to that
-    // parity comes after barrier 7 + cw of tile gt + 1, which every thread reaches after its read)
-    // The dQ writer's (dq_conv_on): dq_full[cw] (1 arrival: consumer cw's thread 0, its staging tile written),
-    // dq_empty[cw] (the writer: the reduce has read it), phase gt & 1 for the gt-th tile; dq_info[gt & 1] the
-    // tile (written by consumer 0's thread 0 after its dq_empty wait for tile gt - 1: the writer has read slot
-    // gt & 1 by then; cnt -2: the block's end); dq_prev the writer's tile awaiting its count; the
-    // conversion queue cv_slot (cv_full: 1 arrival, the writer; cv_empty: the two converter warps).
-    __shared__ __align__(8) uint64_t dq_full[2], dq_empty[2], cv_full[kCvSlots], cv_empty[kCvSlots];
-    __shared__ DqTile dq_info[2], dq_prev, cv_slot[kCvSlots];
 
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
@@ -347,14 +253,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             mbar_init(&full_bar[i], 1);
             mbar_init(&empty_bar[i], 8);  // the 8 consumer warps
         }
-        for (int i = 0; i < 2; ++i) {
-            mbar_init(&dq_full[i], 1);
-            mbar_init(&dq_empty[i], 1);
-        }
-        for (int i = 0; i < kCvSlots; ++i) {
-            mbar_init(&cv_full[i], 1);
-            mbar_init(&cv_empty[i], 2);
-        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -363,70 +261,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         // 24 + 2 x 240 = 3 x 168, the registers the block launched with (an increase that no decrease
         // pays for waits forever)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-        if constexpr (C::DQ_TMA) {
-            if (dq_conv_on && threadIdx.x / 32 == 1) {  // the dQ writer (DqTile)
-                const bool lead = threadIdx.x == 32;
-                const int dqk = (int)p.dqk;
-                int nq = 0;  // conversions queued
-                if (lead) dq_prev.cnt = -1;
-                auto count_prev = [&]() {  // dq_prev's reduce has completed: count it, queue it if it was the last
-                    const int last = __shfl_sync(0xffffffffu, lead && !m_nocount && dq_prev.cnt >= 0 ? dq_count_down(p, dq_prev.cnt) : 0, 0);
-                    if (last && !m_noconv) {
-                        const int sl = nq % kCvSlots;
-                        if (nq >= kCvSlots) mbar_wait(&cv_empty[sl], (nq / kCvSlots - 1) & 1);
-                        if (lead) {
-                            cv_slot[sl] = dq_prev;
-                            mbar_arrive(&cv_full[sl]);
-                        }
-                        ++nq;
-                    }
-                };
-                for (int t = 0;; ++t) {
-                    mbar_wait(&dq_full[0], t & 1);
-                    mbar_wait(&dq_full[1], t & 1);
-                    const DqTile *d = &dq_info[t & 1];
-                    if (d->cnt == -2) break;
-                    if (lead) {
-                        const int row = (int)d->row0, h = d->h;
-#pragma unroll
-                        for (int cw = 0; cw < 2; ++cw) {
-                            const uint32_t dqs = smem_u32(DQs + cw * C::DQ_WG_BYTES);
-                            const int col0 = C::DQ_SPLIT_N ? 64 * cw : 0;
-                            if (col0 < dqk) tma_reduce_add(&tm_dq, dqs, col0, h, row);
-                            if (col0 + 32 < dqk) tma_reduce_add(&tm_dq, dqs + C::DQ_BOX_BYTES, col0 + 32, h, row);
-                        }
-                        bulk_commit_group();
-                        bulk_wait_group_read0();  // the staging tiles (and dq_info's slot) are free again
-                        mbar_arrive(&dq_empty[0]);
-                        mbar_arrive(&dq_empty[1]);
-                        if (!m_nocount) bulk_wait_group1();  // the previous tile's reduces have completed
-                    }
-                    __syncwarp();
-                    count_prev();
-                    if (lead) dq_prev = dq_info[t & 1];  // (read before the dq_empty arrivals' next phase can rewrite it)
-                    __syncwarp();
-                }
-                if (lead) bulk_wait_group0();
-                __syncwarp();
-                count_prev();
-                const int sl = nq % kCvSlots;  // the end, to the converters
-                if (nq >= kCvSlots) mbar_wait(&cv_empty[sl], (nq / kCvSlots - 1) & 1);
-                if (lead) {
-                    cv_slot[sl].cnt = -2;
-                    mbar_arrive(&cv_full[sl]);
-                }
-            } else if (dq_conv_on && threadIdx.x >= 64) {  // the converters: warps 2 and 3
-                for (int i = 0;; ++i) {
-                    const int sl = i % kCvSlots;
-                    mbar_wait(&cv_full[sl], (i / kCvSlots) & 1);
-                    const DqTile c = cv_slot[sl];
-                    if (c.cnt == -2) break;
-                    dq_convert_tile<T, 64>(p, c, threadIdx.x - 64);
-                    __syncwarp();
-                    if (threadIdx.x % 32 == 0) mbar_arrive(&cv_empty[sl]);
-                }
-            }
-        }
         if (threadIdx.x < 32) {  // one warp: lane 0 issues, all 32 take part in the named barriers
             const bool leader = threadIdx.x == 0;
             // persistent (p.sched set): items from the counter; else this block's one item, blockIdx.x
@@ -640,16 +474,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const int col0 = C::DQ_SPLIT_N ? 64 * pc : 0;
                     if constexpr (C::DQ_TMA) {
                         if (dq_tma) {
-                            if (dq_conv_on) {  // the writer has read tile gt - 1's staging tile (and dq_info)
-                                if (gt > 0) mbar_wait(&dq_empty[cw], (gt - 1) & 1);
-                                if (cw == 0 && threadIdx.x % 128 == 0) {
-                                    DqTile &d = dq_info[gt & 1];
-                                    d.row0 = w.start + q0;
-                                    d.nrows = min(kBQ, len - q0);
-                                    d.h = h;
-                                    d.cnt = ((w.active - 1) * (int)p.H + h) * dq_q_tiles(p) + q0 / kBQ;
-                                }
-                            }
                             // The 64 x 64 fragment -> this warpgroup's staging tile: columns 32 b.. in box b,
                             // rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8) (the TMA's 128-byte
                             // swizzle); element 4 j + 2 hh + e: row 16 warp + g + 8 hh (so r % 8 = g), column
@@ -681,9 +505,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             }
                             fence_proxy_async();  // the stores -> the reduce's (async proxy) reads
                             named_bar_sync_n(7 + cw, 128);
-                            if (dq_conv_on) {
-                                if (threadIdx.x % 128 == 0) mbar_arrive(&dq_full[cw]);  // the writer issues it
-                            } else if (threadIdx.x % 128 == 0) {
+                            if (threadIdx.x % 128 == 0) {
                                 // rows w.start + q0.. (clipped at L), columns col0 + 32 b (clipped at dqk:
                                 // a box wholly past it is not issued)
                                 const int row = (int)(w.start + q0);
@@ -770,13 +592,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         // the block's last dQ reduces: complete before it ends (they read its shared memory until then)
         if (dq_tma && threadIdx.x % 128 == 0) bulk_wait_group0();
-        if (dq_conv_on) {  // the end of the block's tiles, to the writer (dq_info's slot: as for a tile)
-            if (gt > 0) mbar_wait(&dq_empty[cw], (gt - 1) & 1);
-            if (threadIdx.x % 128 == 0) {
-                if (cw == 0) dq_info[gt & 1].cnt = -2;
-                mbar_arrive(&dq_full[cw]);
-            }
-        }
     }
 #endif
 }
@@ -804,11 +619,6 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const bool dq_tma = BwdSm90Cfg<D>::DQ_TMA && !(dq_env && strcmp(dq_env, "red") == 0) &&
                         tensor_map_f32_reduce(&tdq, p.dq_acc, p.L, p.H, p.dqk, kBQ);
     const int smem = dq_tma ? BwdSm90Cfg<D>::SMEM_TMA : BwdSm90Cfg<D>::SMEM;
-    // dQ converted in the kernel (DqTile) where the caller gave the output and the counters;
-    // TORCHFUSE_HSTU_BWD_DQ_CONVERT=0 leaves the cast to the caller (A/B runs, tests)
-    const char *conv_env = getenv("TORCHFUSE_HSTU_BWD_DQ_CONVERT");
-    const bool dq_conv = dq_tma && p.dq && p.dq_count && p.dq_converted && p.dqk % 4 == 0 &&
-                         reinterpret_cast<uintptr_t>(p.dq) % 8 == 0 && !(conv_env && conv_env[0] == '0');
     cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     // TORCHFUSE_HSTU_BWD_SECTION=0: one section of every pair (the A/B of the L2 sections)
@@ -848,17 +658,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const char *vec_env = getenv("TORCHFUSE_HSTU_BWD_VEC_STORE");
     const bool vec = !(vec_env && vec_env[0] == '0') && p.dqk % 8 == 0 && p.dv % 8 == 0 &&
                      reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 && reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
-    if (dq_conv) {
-        static_assert(!BwdSm90Cfg<D>::DQ_TMA || kBN == 128, "bwd_dq_expect: the TMA dQ path's key tiles");
-        const int q_tiles = (int)((p.max_seq_len + kBQ - 1) / kBQ);
-        const int64_t n = p.B * q_tiles;
-        bwd_dq_expect<kBN><<<(unsigned)((n + 127) / 128), 128, 0, stream>>>(p, q_tiles);
-        *p.dq_converted = 1;
-    }
-    const char *m_env = getenv("TORCHFUSE_HSTU_BWD_DQ_MEASURE");  // nocount / noconv: measurement only
-    const int m_flags = !m_env ? 0 : strcmp(m_env, "nocount") == 0 ? 8 : strcmp(m_env, "noconv") == 0 ? 16 : 0;
-    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section, (int)items,
-                                                                  (dq_tma ? 1 : 0) | (vec ? 2 : 0) | (dq_conv ? 4 | m_flags : 0));
+    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
+                                                                  (int)items, (dq_tma ? 1 : 0) | (vec ? 2 : 0));
 #ifdef TF_HSTU_BWD_TRACE
     if (trace_file) {
         unsigned long long *host = (unsigned long long *)malloc(trace_bytes);

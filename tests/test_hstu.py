@@ -151,21 +151,14 @@ SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1"}, "cuda-wgmmaplain": {"TOR
 # the path head dims 192 / 256 always take); "cuda-wgmma1blk" the same kernel as "cuda-wgmma" launched
 # one block per work item (TORCHFUSE_HSTU_BWD_PERSISTENT=0: test_backward_one_block_per_item, the
 # isolation test), and with dK / dV by 4-byte stores (TORCHFUSE_HSTU_BWD_VEC_STORE=0; the others take
-# the 16-byte stores); "cuda-wgmmacast" is "cuda-wgmma" with dQ cast by the caller after the kernel
-# (TORCHFUSE_HSTU_BWD_DQ_CONVERT=0; the others convert it in the kernel, tile by tile, where the TMA dQ
-# path runs: test_backward_dq_cast_by_caller); "cuda-mma" forces mma.sync.
+# the 16-byte stores); "cuda-mma" forces mma.sync.
 BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmared", "cuda-mma"] if torch.cuda.is_available() else [])
 SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                               "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_VEC_STORE": "1",
-                               "TORCHFUSE_HSTU_BWD_DQ_CONVERT": "1"},
-                "cuda-wgmmacast": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                                   "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_VEC_STORE": "1",
-                                   "TORCHFUSE_HSTU_BWD_DQ_CONVERT": "0"},
+                               "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_VEC_STORE": "1"},
                 "cuda-wgmmared": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
                                   "TORCHFUSE_HSTU_BWD_DQ": "red", "TORCHFUSE_HSTU_BWD_VEC_STORE": "1"},
                 "cuda-wgmma1blk": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "0",
-                                   "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_VEC_STORE": "0",
-                                   "TORCHFUSE_HSTU_BWD_DQ_CONVERT": "1"},
+                                   "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_VEC_STORE": "0"},
                 "cuda-mma": {"TORCHFUSE_HSTU_SM90_BWD": "0"}}
 
 
@@ -267,40 +260,6 @@ ONE_BLOCK_CASES = ["plain_h2_d64", "d128_h4_int64", "d192_dv256_h2", "d256_dv32_
 def test_backward_one_block_per_item(dtype, case, monkeypatch):
     set_kernel_env(monkeypatch, "cuda-wgmma1blk", SM90_BWD_ENV)
     run_case("cuda", dtype, case, grad=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-@pytest.mark.parametrize("case", ONE_BLOCK_CASES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).split(".")[-1])
-def test_backward_dq_cast_by_caller(dtype, case, monkeypatch):
-    set_kernel_env(monkeypatch, "cuda-wgmmacast", SM90_BWD_ENV)
-    run_case("cuda", dtype, case, grad=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the wgmma backward runs on compute capability 9.0 only")
-@pytest.mark.parametrize("convert", ["1", "0"])
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
-def test_backward_dq_converted_in_kernel(convert, d, monkeypatch):
-    """Where the TMA dQ path runs (head dims up to 128) the backward converts dQ inside its kernel: the
-    expected-count pre-pass (bwd_dq_expect) runs and no cast kernel follows; with
-    TORCHFUSE_HSTU_BWD_DQ_CONVERT=0, or at head dim 256 (dQ by red.global.add), the caller casts."""
-    monkeypatch.setenv("TORCHFUSE_HSTU_SM90_BWD", "1")
-    monkeypatch.setenv("TORCHFUSE_HSTU_BWD_DQ", "tma")
-    monkeypatch.setenv("TORCHFUSE_HSTU_BWD_DQ_CONVERT", convert)
-    q, k, v, offsets, msl, _, _ = make_inputs("cuda", torch.bfloat16, 3, 2, d, d, 200)
-    q.requires_grad_(True)
-    out = torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out.sum().backward()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert any("hstu_bwd_ws" in n for n in names), names
-    in_kernel = convert == "1" and d <= 128
-    assert any("bwd_dq_expect" in n for n in names) == in_kernel, names
-    # the cast: a copy / elementwise kernel after the backward kernel
-    after = names[max(i for i, n in enumerate(names) if "hstu_bwd_ws" in n) + 1:]
-    assert any("copy" in n.lower() or "elementwise" in n.lower() for n in after) != in_kernel, names
 
 
 def bwd_kernel_grids(d, B, n, monkeypatch, persistent):
