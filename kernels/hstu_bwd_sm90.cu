@@ -118,16 +118,6 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
 __device__ __forceinline__ void st_shared_v2(uint32_t addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
-// a[i] for a lane-dependent i (selects: the array stays in registers)
-__device__ __forceinline__ uint32_t sel4(const uint32_t (&a)[4], int i) {
-    return i == 0 ? a[0] : i == 1 ? a[1] : i == 2 ? a[2] : a[3];
-}
-__device__ __forceinline__ void set4(uint32_t (&a)[4], int i, uint32_t v) {
-    a[0] = i == 0 ? v : a[0];
-    a[1] = i == 1 ? v : a[1];
-    a[2] = i == 2 ? v : a[2];
-    a[3] = i == 3 ? v : a[3];
-}
 __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }

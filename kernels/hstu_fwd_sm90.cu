@@ -122,16 +122,28 @@ __device__ __forceinline__ void elementwise(float (&sacc)[BN / 2], uint32_t (&pa
         pa[kk][3] = pack2<T>(c0[6], c0[7]);
     }
 }
-/* this thread's O rows (tile rows r0 + 16 warp + g (+ 8)) -> out, those below rows_here */
+/* this thread's O rows (tile rows r0 + 16 warp + g (+ 8)) -> out, those below rows_here. vec: 16-byte
+ * stores after a transpose within each quad (quad_chunk; the launch checks alignment and dv % 8): a warp
+ * then writes 8 rows x 64 contiguous bytes per store, where the 4-byte stores of the accumulator layout
+ * write 8 x 16 and half-fill every sector (in the backward those took 18% of the consumers' time). */
 template <typename T, int D>
 __device__ __forceinline__ void store_o(const float (&o)[D / 2], const tf_hstu_params &p, int64_t row0, int h,
-                                        int r0, int rows_here) {
+                                        int r0, int rows_here, bool vec) {
     const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4, dv = (int)p.dv;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = r0 + 16 * ((threadIdx.x / 32) % 4) + g + 8 * half;
-        if (r >= rows_here) continue;
         T *orow = (T *)p.o + ((row0 + r) * p.H + h) * (int64_t)dv;
+        if (vec) {
+#pragma unroll
+            for (int m = 0; m < D / 32; ++m) {
+                const uint4 c = quad_chunk<T>(o, half, m);  // every lane: shuffles
+                const int col = 8 * (4 * m + t4);
+                if (r < rows_here && col < dv) *(uint4 *)(orow + col) = c;
+            }
+            continue;
+        }
+        if (r >= rows_here) continue;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             const int col = 8 * j + 2 * t4;
@@ -221,7 +233,7 @@ template <typename T, int D, bool PP>
 __global__ void __launch_bounds__(kWsThreads, 1)
     hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const tf_hstu_params p, int q_tiles, int section,
-                int64_t items) {
+                int64_t items, bool vec_store) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Cfg = Sm90Cfg<D>;
     constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, ST = Cfg::ST;
@@ -415,7 +427,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             }
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] *= (float)p.inv_scale;  // P's 1 / S_norm
-            store_o<T, D>(o, p, w.q_start + w.i0, w.h, 64 * cw, w.rows_here);
+            store_o<T, D>(o, p, w.q_start + w.i0, w.h, 64 * cw, w.rows_here, vec_store);
         }
     }
 #endif
@@ -443,8 +455,17 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const int64_t grid = g.blocks < device_sizes().sms ? g.blocks : device_sizes().sms;
     err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
     if (err != cudaSuccess) return err;
-    hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(tq, tk, tv, p, g.q_tiles,
-                                                                    l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles), (int)g.blocks);
+    // O by 16-byte stores at head dims above 128, where the rows allow (dv a multiple of 8, an aligned
+    // output: always, as the op allocates it). Measured in one process (H100, back to back): +8.5% at
+    // 16x4096x256 full, +2.7% with U[N/2,N] lengths; at head dims up to 128 the quad transpose's shuffles
+    // cost more than the whole sectors save (-3% to -4% at 128x1024x128, 0% at 4096).
+    // TORCHFUSE_HSTU_FWD_VEC_STORE=0 / 1 forces 4- / 16-byte stores (A/B runs, tests).
+    const char *vec_env = getenv("TORCHFUSE_HSTU_FWD_VEC_STORE");
+    const bool vec = (vec_env && (vec_env[0] == '0' || vec_env[0] == '1') ? vec_env[0] == '1' : D > 128) &&
+                     p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0;
+    hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(
+        tq, tk, tv, p, g.q_tiles, l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles), (int)g.blocks,
+        vec);
     return cudaGetLastError();
 }
 

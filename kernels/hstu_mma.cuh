@@ -95,6 +95,36 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
     return *reinterpret_cast<uint32_t *>(&v);
 }
 
+// a[i] for a lane-dependent i (selects: the array stays in registers)
+__device__ __forceinline__ uint32_t sel4(const uint32_t (&a)[4], int i) {
+    return i == 0 ? a[0] : i == 1 ? a[1] : i == 2 ? a[2] : a[3];
+}
+__device__ __forceinline__ void set4(uint32_t (&a)[4], int i, uint32_t v) {
+    a[0] = i == 0 ? v : a[0];
+    a[1] = i == 1 ? v : a[1];
+    a[2] = i == 2 ? v : a[2];
+    a[3] = i == 3 ? v : a[3];
+}
+
+/* One 16-byte chunk of an accumulator row for a vector store. In the m16n8 / wgmma accumulator layout a
+ * quad (lanes t4 = 0..3 of a row group) holds columns 8 j .. 8 j + 7 of its rows, two per thread:
+ * acc[4 j + 2 hh], acc[4 j + 2 hh + 1] for the row of half hh. A 4 x 4 transpose by shuffles over
+ * j = 4 m .. 4 m + 3 gives lane t4 all eight columns of chunk j = 4 m + t4, packed to 16 bits. Every
+ * lane of the warp must call it (shuffles). */
+template <typename T, int N>
+__device__ __forceinline__ uint4 quad_chunk(const float (&acc)[N], int hh, int m) {
+    const int lane = threadIdx.x % 32, t4 = lane % 4;
+    uint32_t u[4], o[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) u[jj] = pack2<T>(acc[4 * (4 * m + jj) + 2 * hh], acc[4 * (4 * m + jj) + 2 * hh + 1]);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // round r: from quad lane (t4 + r) & 3, its two columns of chunk t4
+        const int src = (t4 + r) & 3, give = (t4 - r) & 3;
+        set4(o, src, __shfl_sync(0xffffffffu, sel4(u, give), (lane & ~3) | src));
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 __device__ __forceinline__ float tf_bias_load(const void *b, int dt, int64_t i) {
     if (dt == TF_F32) return ((const float *)b)[i];
     if (dt == TF_BF16) return __bfloat162float(((const __nv_bfloat16 *)b)[i]);

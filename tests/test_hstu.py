@@ -139,10 +139,13 @@ CUDA_ONLY_CASES = {"many_short_seqs"}
 
 # Forward targets: "cuda-wgmma" forces the sm_90a wgmma kernel (TORCHFUSE_HSTU_SM90=1; on other GPUs
 # or builds the mma.sync one runs), "cuda-mma" the mma.sync kernel (=0), so a Hopper GPU checks both
-# on every case (by default the head-dim-64 and windowed ones would take mma.sync only).
+# on every case (by default the head-dim-64 and windowed ones would take mma.sync only). "cuda-wgmma" writes
+# O by 16-byte stores (the default), "cuda-wgmmaplain" (no ping-pong, the A/B form) by 4-byte stores
+# (TORCHFUSE_HSTU_FWD_VEC_STORE=0), so every case checks both store paths.
 FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmaplain", "cuda-mma"] if torch.cuda.is_available() else [])
-SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1"}, "cuda-wgmmaplain": {"TORCHFUSE_HSTU_SM90": "2"},
-            "cuda-mma": {"TORCHFUSE_HSTU_SM90": "0"}}  # wgmmaplain: no ping-pong (A/B)
+SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1", "TORCHFUSE_HSTU_FWD_VEC_STORE": "1"},
+            "cuda-wgmmaplain": {"TORCHFUSE_HSTU_SM90": "2", "TORCHFUSE_HSTU_FWD_VEC_STORE": "0"},
+            "cuda-mma": {"TORCHFUSE_HSTU_SM90": "0"}}
 # Backward targets: "cuda-wgmma" lets the sm_90a wgmma backward run where it applies (bf16 / fp16, head
 # dims up to 256, no attn_bias: the other cases still take mma.sync), in its persistent form (the
 # default), dQ added by TMA bulk reduce-adds from shared memory at head dims up to 128 (the default,
@@ -215,6 +218,22 @@ def check(name, got, ref, lp, factor, dtype):
 def test_forward(target, dtype, case, monkeypatch):
     set_kernel_env(monkeypatch, target, SM90_ENV)
     run_case(target.split("-")[0], dtype, case, grad=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("case", ["plain_h2_d64", "d128_h4_int64", "d192_dv256_h2", "d256_dv32_h8_msl_scaling",
+                                  "targets_groups_context", "many_short_seqs"])
+def test_forward_store_forms_identical(case, monkeypatch):
+    """O by 16-byte stores after the quad transpose and by 4-byte stores: the same values, bit for bit,
+    in the same rows (rows past a sequence's end included: neither form may write them)."""
+    B, H, dqk, dv, max_len, mk, kw = CASES[case]
+    q, k, v, offsets, msl, nt, bias = make_inputs("cuda", torch.bfloat16, B, H, dqk, dv, max_len, **mk)
+    monkeypatch.setenv("TORCHFUSE_HSTU_SM90", "1")
+    outs = []
+    for vec in ("1", "0"):
+        monkeypatch.setenv("TORCHFUSE_HSTU_FWD_VEC_STORE", vec)
+        outs.append(torchfuse.hstu_attention(q, k, v, offsets, msl, 0.3, num_targets=nt, attn_bias=bias, **kw))
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
