@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Session 16's device calls (each under the 10-minute limit).
+#   check:  eviction ties broken by key (dynamic embeddings) and the HSTU forward's O by 16-byte stores:
+#           the HSTU forward GPU tests (both store paths), memcheck on them, the dynamic-embedding GPU tests,
+#           memcheck on the ties tests, then ab_hstu_fwd.py: 16-byte against 4-byte O stores in one process,
+#           back to back and single synced calls
+#   dynab:  the ties change's cost: the dynamic-embedding GPU tests and memcheck on the eviction tests, then
+#           bench_dynamic_embedding.py --parts hbm (find, find_or_insert, insert_or_assign at load factors
+#           0.5 / 0.75 / 1.0) on this build (step 2 of find_or_insert at 4 blocks per SM, then at 3:
+#           TORCHFUSE_DYNEMB_QUARTER_MB=3), then on MAIN_DYN (the previous kernels/dynemb_cuda.cu, carried)
+#           rebuilt in place: a cross-build A/B on one machine
+#   table:  the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from
+#           PEERS), then the dynamic-embedding table (bench_dynamic_embedding.py, HBM and training parts)
+set -uo pipefail
+PART=${1:?part: check, dynab or table}
+source "$(dirname "$0")/device_build.sh"
+T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
+D="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
+summary() { grep -E "passed|failed|^FAILED|^ERROR" "$1" | head -${2:-8}; }
+if [ "$PART" = check ]; then
+  timeout ${TEST_TO:-170} $T -k "(test_forward or cached) and not cpu" > "$OUT/pytest_fwd.log" 2>&1
+  echo "fwd pytest exit $?"; summary "$OUT/pytest_fwd.log"
+  timeout ${MEM_TO:-90} compute-sanitizer --tool memcheck --print-limit 5 $T -x \
+    -k "store_forms or (test_forward and (cuda-wgmma- or cuda-wgmmaplain) and bfloat16 and (d128_h4 or window or targets or many_short or d256))" \
+    > "$OUT/memcheck_fwd.log" 2>&1
+  echo "fwd memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_fwd.log" | tail -2
+  timeout ${DYN_TO:-200} $D -k cuda > "$OUT/pytest_dyn.log" 2>&1
+  echo "dynemb pytest exit $?"; summary "$OUT/pytest_dyn.log" 12
+  timeout ${DMEM_TO:-100} compute-sanitizer --tool memcheck --print-limit 5 $D -x \
+    -k "cuda and (ties_broken or evicts_identically or eviction_record or concurrent_claims)" > "$OUT/memcheck_dyn.log" 2>&1
+  echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dyn.log" | tail -2
+  for mode in --b2b ""; do
+    timeout ${AB_TO:-90} python3 benchmarks/ab_hstu_fwd.py --envs "1,1+TORCHFUSE_HSTU_FWD_VEC_STORE=0" --rounds 3 $mode \
+      --out "$OUT/ab_fwd_store${mode}.md" > "$OUT/ab_fwd${mode}.log" 2>&1
+    echo "ab ${mode:-single} exit $?"; grep "^|" "$OUT/ab_fwd_store${mode}.md"
+  done
+elif [ "$PART" = dynab ]; then
+  timeout ${DYN_TO:-150} $D -k cuda > "$OUT/pytest_dyn.log" 2>&1
+  echo "dynemb pytest exit $?"; summary "$OUT/pytest_dyn.log" 12
+  timeout ${DMEM_TO:-80} compute-sanitizer --tool memcheck --print-limit 5 $D -x \
+    -k "cuda and (ties_broken or evicts_identically or eviction_record or concurrent_claims or full_table_rows)" > "$OUT/memcheck_dyn.log" 2>&1
+  echo "dynemb memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_dyn.log" | tail -2
+  timeout ${BENCH_TO:-200} python3 benchmarks/bench_dynamic_embedding.py --parts hbm --dims ${DIMS:-64,128} \
+    --out "$OUT/dyn_new.md" > "$OUT/dyn_new.log" 2>&1
+  echo "bench (new) exit $?"
+  TORCHFUSE_DYNEMB_QUARTER_MB=3 timeout ${BENCH_TO:-200} python3 benchmarks/bench_dynamic_embedding.py --parts hbm \
+    --dims ${DIMS:-64,128} --out "$OUT/dyn_new_mb3.md" > "$OUT/dyn_new_mb3.log" 2>&1
+  echo "bench (new, 3 blocks per SM) exit $?"
+  cp "${MAIN_DYN:?}" kernels/dynemb_cuda.cu
+  ( time python3 -m pip install --no-build-isolation --no-deps -e . ) > "$OUT/build_main.log" 2>&1 || { tail -20 "$OUT/build_main.log"; exit 1; }
+  echo "rebuilt at ${SECONDS}s"
+  timeout ${BENCH_TO:-200} python3 benchmarks/bench_dynamic_embedding.py --parts hbm --dims ${DIMS:-64,128} \
+    --out "$OUT/dyn_main.md" > "$OUT/dyn_main.log" 2>&1
+  echo "bench (main) exit $?"
+  echo "new:"; grep "^| hbm" "$OUT/dyn_new.md"; echo "new, 3 blocks per SM:"; grep "^| hbm" "$OUT/dyn_new_mb3.md"
+  echo "main:"; grep "^| hbm" "$OUT/dyn_main.md"
+elif [ "$PART" = table ]; then
+  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  timeout ${BENCH_TO:-420} python3 benchmarks/bench_hstu.py --cases full,special --compile --b2b \
+    --out "$OUT/bench_hstu_full.md" > "$OUT/bench_hstu.log" 2>"$OUT/bench_hstu.err"
+  echo "hstu bench exit $?"; cat "$OUT/bench_hstu_full.md"; tail -3 "$OUT/bench_hstu.err"
+fi
