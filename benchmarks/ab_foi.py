@@ -4,8 +4,6 @@ same load factor drift (+2.5% per call). Sets of forms (--set):
   claim: step 1 claiming empty slots itself (default) against the two-step form
          (TORCHFUSE_DYNEMB_FOI_CLAIM=0: step 1 only probes, step 2 inserts every miss). (Session 8 also
          tried step 1 listing step 2's keys after its row work: slower at 7 of 9 find_or_insert cases.)
-  ties: session 16: equal scores broken by slot (TORCHFUSE_DYNEMB_TIE_SLOT=1, a measurement switch) against
-        by (digest, key), the rule since.
   marks: session 9: eviction reading the bucket's marks (TORCHFUSE_DYNEMB_EVICT_MARKS=1) or not (default:
          the atomicExch on a victim's mark refuses one this call marked). Session 9's "sync" set also
          had the host's wait and the eviction rows in Python after the op; that form is gone, its
@@ -31,10 +29,6 @@ FORM_SETS = {
               "claim in step 1": {}},
     "marks": {"eviction reads marks": {"TORCHFUSE_DYNEMB_EVICT_MARKS": "1"},
               "no marks": {}},
-    # session 16: equal scores broken by slot (measurement switch, the rule before) against by the key's
-    # digest, then the key (the rule since: independent of where a key sits)
-    "ties": {"ties by slot": {"TORCHFUSE_DYNEMB_TIE_SLOT": "1"},
-             "ties by digest, key": {}},
 }
 ENV_KEYS = {k for forms in FORM_SETS.values() for env in forms.values() for k in env}
 

@@ -19,11 +19,9 @@
  *
  * An operation on a batch is: lookup (read-only probe, marks found slots), insert of the keys still
  * missing (per-bucket lock on CUDA, re-probe under the lock so repeated keys end in one slot; an
- * empty slot, else with allow_evict the unmarked slot of least (score, digest, key)), then row work by
+ * empty slot, else with allow_evict the unmarked slot of least (score, slot)), then row work by
  * slot (init of new rows, gather, scatter, optimizer update). Victims are order-independent: a
- * bucket receiving k new keys loses its k least (score, digest, key) unmarked keys whatever the
- * order. Equal scores go by the key's digest, then the key, never by slot, so a table rebuilt from its
- * export (other slots: parallel inserts) evicts the same keys as the original. */
+ * bucket receiving k new keys loses its k least (score, slot) unmarked keys whatever the order. */
 #ifndef TF_DYNEMB_H
 #define TF_DYNEMB_H
 

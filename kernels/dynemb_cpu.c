@@ -23,13 +23,6 @@ void tf_dynemb_lookup_cpu(const tf_dynemb_table *t, const tf_dynemb_probe *p, in
     }
 }
 
-/* Eviction order: (score, digest, key), a function of the key alone, never of its slot (dynemb.h). */
-static int victim_less(const tf_dynemb_table *t, int64_t a, int64_t b) {
-    if (t->scores[a] != t->scores[b]) return t->scores[a] < t->scores[b];
-    if (t->digests[a] != t->digests[b]) return t->digests[a] < t->digests[b];
-    return t->keys[a] < t->keys[b];
-}
-
 void tf_dynemb_insert_cpu(const tf_dynemb_table *t, const tf_dynemb_probe *p) {
     int64_t inserted = 0, evicted = 0, failed = 0;
     for (int64_t i = 0; i < p->n; ++i) {
@@ -44,7 +37,7 @@ void tf_dynemb_insert_cpu(const tf_dynemb_table *t, const tf_dynemb_probe *p) {
             const int64_t j = base + s;
             if (t->digests[j] == d && t->keys[j] == key) slot = j;  /* a repeat inserted earlier */
             else if (t->digests[j] == 0) { if (empty < 0) empty = j; }
-            else if (t->marks[j] != p->epoch && (victim < 0 || victim_less(t, j, victim))) victim = j;
+            else if (t->marks[j] != p->epoch && (victim < 0 || t->scores[j] < t->scores[victim])) victim = j;
         }
         if (slot >= 0) { p->slots[i] = slot; continue; }
         if (empty < 0 && !(p->allow_evict && victim >= 0)) { ++failed; continue; }

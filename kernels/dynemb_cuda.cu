@@ -341,110 +341,9 @@ __global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int
     copy_units<T, 8>(reinterpret_cast<T *>(out + i * r.row_bytes), src, r.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
 }
 
-// Measurement only (the A/B of the tie rule, benchmarks/ab_foi.py --set ties): allow_evict's bit 1 set by
-// TORCHFUSE_DYNEMB_TIE_SLOT=1 breaks equal scores by slot, as before session 16.
-__device__ __forceinline__ bool tie_by_slot(const tf_dynemb_probe &p) { return (p.allow_evict & 2) != 0; }
-static int with_tie_switch(int allow_evict) {
-    const char *env = getenv("TORCHFUSE_DYNEMB_TIE_SLOT");
-    return allow_evict && env && env[0] == '1' ? (allow_evict | 2) : allow_evict;
-}
-
-// An eviction candidate of one bucket: score s; w = the key's digest << 8 | the slot's index in the bucket,
-// kKeyed set when k holds the key; kNone: no candidate. Candidates are ordered by (score, digest, key), a
-// function of the key alone, never of its slot: a table rebuilt from its export holds its keys in other
-// slots (parallel inserts) and must still evict the same ones. The digests sit in registers already, so
-// keys are read only where score and digest tie (rare): the common path loads no more than an order by
-// slot did. (Packed in one word: unpacked fields made the 128-slot insert spill 254 bytes.)
-struct Victim {
-    int64_t s, k;
-    uint32_t w;
-};
-constexpr uint32_t kNone = 0xffffffffu, kKeyed = 1u << 24;
-
-__device__ __forceinline__ bool valid(const Victim &v) { return v.w != kNone; }
-__device__ __forceinline__ uint32_t digest_of(const Victim &v) { return (v.w >> 8) & 0xffu; }
-__device__ __forceinline__ int64_t slot_of(const Victim &v, int64_t base) { return valid(v) ? base + (v.w & 0xffu) : -1; }
-__device__ __forceinline__ bool sd_less(const Victim &a, const Victim &b) {
-    return a.s < b.s || (a.s == b.s && digest_of(a) < digest_of(b));
-}
-
-// The least key among the eligible slots x0 + x (x < n) tied at v's (score, digest): the rare case, a
-// rolled loop reading scores and digests again (the caller's arrays indexed here would move to local
-// memory), so that it takes few registers. Only this call's claims change a slot meanwhile, and they leave
-// it at another score or marked: refused by the claim's swap either way.
-__device__ __forceinline__ Victim lane_key_ties(const tf_dynemb_table &t, int64_t base, int x0, int n,
-                                                unsigned eligible, Victim v) {
-    const uint32_t d = digest_of(v);
-    bool keyed = false;
-#pragma unroll 1
-    for (int x = 0; x < n; ++x) {
-        const int64_t j = base + x0 + x;
-        if (!((eligible >> x) & 1u) || __ldcg(&t.scores[j]) != v.s || __ldcg(&t.digests[j]) != d) continue;
-        const int64_t key = __ldcg(&t.keys[j]);
-        if (!keyed || key < v.k) {
-            v.k = key;
-            v.w = kKeyed | (d << 8) | (uint32_t)(x0 + x);
-            keyed = true;
-        }
-    }
-    return keyed ? v : Victim{v.s, v.k, v.w & ~kKeyed};
-}
-
-// A lane's least candidate among the bucket's slots x0 + x (x < N) whose bit is set in `eligible`;
-// scores in sc, digests packed four to a word in dw (slot x0 + x: byte x % 4 of dw[x / 4], as the bucket
-// stores them). Keys are read only for slots tied at the least (score, digest).
-template <int N>
-__device__ __forceinline__ Victim lane_victim(const tf_dynemb_table &t, int64_t base, int x0, const int64_t (&sc)[N],
-                                              const uint32_t (&dw)[N / 4], unsigned eligible, bool by_slot) {
-    Victim v{0, 0, kNone};
-    int ties = 0;
-#pragma unroll
-    for (int x = 0; x < N; ++x) {
-        if (!((eligible >> x) & 1u)) continue;
-        const Victim c{sc[x], 0, (((dw[x / 4] >> (8 * (x % 4))) & 0xffu) << 8) | (uint32_t)(x0 + x)};
-        if (!valid(v) || sd_less(c, v)) {
-            v = c;
-            ties = 1;
-        } else if (!sd_less(v, c)) {
-            ++ties;
-        }
-    }
-    return ties > 1 && !by_slot ? lane_key_ties(t, base, x0, N, eligible, v) : v;
-}
-
-// The least over lanes lane ^ o, o = first, first / 2, ..., 1 (all in mask): by (score, digest), then by
-// key (by_key) or by slot index.
-__device__ __forceinline__ Victim reduce_lanes(Victim a, unsigned mask, int first, bool by_key) {
-    for (int o = first; o > 0; o >>= 1) {
-        const Victim b{__shfl_xor_sync(mask, a.s, o), __shfl_xor_sync(mask, a.k, o), __shfl_xor_sync(mask, a.w, o)};
-        if (valid(b) && (!valid(a) || sd_less(b, a) ||
-                         (!sd_less(a, b) && (by_key ? b.k < a.k : (b.w & 0xffu) < (a.w & 0xffu)))))
-            a = b;
-    }
-    return a;
-}
-
-// Several lanes tied at the least (score, digest): each reads its candidate's key, and the key decides
-// (rare).
-__device__ __forceinline__ Victim reduce_key_ties(const tf_dynemb_table &t, int64_t base, Victim v, bool tied,
-                                               unsigned mask, int first) {
-    if (tied && !(v.w & kKeyed)) {
-        v.k = __ldcg(&t.keys[slot_of(v, base)]);
-        v.w |= kKeyed;
-    }
-    if (!tied) v.w = kNone;
-    return reduce_lanes(v, mask, first, true);
-}
-
-// The least candidate over the lanes of `mask`. Unless lanes tie at its (score, digest), it is unkeyed:
-// its key is read by whoever needs it.
-__device__ __forceinline__ Victim reduce_victim(const tf_dynemb_table &t, int64_t base, Victim v, unsigned mask,
-                                                int first, bool by_slot) {
-    const Victim r = reduce_lanes(v, mask, first, false);
-    if (by_slot) return r;
-    const bool tied = valid(v) && valid(r) && v.s == r.s && digest_of(v) == digest_of(r);
-    if (__popc(__ballot_sync(mask, tied)) <= 1) return r;
-    return reduce_key_ties(t, base, v, tied, mask, first);
+// (valid, score, slot) ordered by score then slot; invalid loses.
+__device__ __forceinline__ void min_victim(int64_t &s, int64_t &j, int64_t s2, int64_t j2) {
+    if (j2 >= 0 && (j < 0 || s2 < s || (s2 == s && j2 < j))) { s = s2; j = j2; }
 }
 
 // Returns, to every lane, the index in evicted_* of the key this insert evicted, or -1.
@@ -461,8 +360,7 @@ __device__ __forceinline__ int64_t insert_one(const tf_dynemb_table &t, const tf
     __syncwarp();
     __threadfence();
 
-    int64_t found = -1, empty = INT64_MAX;
-    Victim v{0, 0, kNone};
+    int64_t found = -1, empty = INT64_MAX, vs = 0, vj = -1;
     const bool active = lane < (t.bucket_size >> 2);
     const uint32_t w = active ? __ldcg(reinterpret_cast<const uint32_t *>(t.digests + base) + lane) : 0u;
     if (active) {
@@ -478,31 +376,29 @@ __device__ __forceinline__ int64_t insert_one(const tf_dynemb_table &t, const tf
     for (int o = 16; o > 0; o >>= 1) empty = min(empty, __shfl_xor_sync(0xffffffffu, empty, o));
     if (!fm && empty == INT64_MAX && p.allow_evict) {  // bucket full: the victim, reading marks and scores
         if (active) {
-            int64_t sc[4];
-            const uint32_t dw[1] = {tie_by_slot(p) ? 0u : w};
-            unsigned el = 0;
             for (int b = 0; b < 4; ++b) {
                 const int64_t j = base + 4 * lane + b;
-                sc[b] = __ldcg(&t.scores[j]);
-                if (__ldcg(&t.marks[j]) != p.epoch) el |= 1u << b;
+                if (__ldcg(&t.marks[j]) != p.epoch) min_victim(vs, vj, __ldcg(&t.scores[j]), j);
             }
-            v = lane_victim<4>(t, base, 4 * lane, sc, dw, el, tie_by_slot(p));
         }
-        v = reduce_victim(t, base, v, 0xffffffffu, 16, tie_by_slot(p));
+        for (int o = 16; o > 0; o >>= 1) {
+            const int64_t s2 = __shfl_xor_sync(0xffffffffu, vs, o), j2 = __shfl_xor_sync(0xffffffffu, vj, o);
+            min_victim(vs, vj, s2, j2);
+        }
     }
     int64_t ev = -1;
     if (lane == 0) {
         if (found >= 0) {
             p.slots[i] = found;  // a repeat of this key was placed first
-        } else if (empty != INT64_MAX || (p.allow_evict && valid(v))) {
+        } else if (empty != INT64_MAX || (p.allow_evict && vj >= 0)) {
             int64_t slot = empty;
             if (empty == INT64_MAX) {
-                slot = slot_of(v, base);
+                slot = vj;
                 const unsigned long long e = atomicAdd(reinterpret_cast<unsigned long long *>(&p.counts[1]), 1ull);
                 ev = static_cast<int64_t>(e);
-                p.evicted_keys[e] = (v.w & kKeyed) ? v.k : __ldcg(&t.keys[slot]);
+                p.evicted_keys[e] = __ldcg(&t.keys[slot]);
                 p.evicted_slots[e] = slot;
-                p.evicted_scores[e] = v.s;
+                p.evicted_scores[e] = vs;
             }
             t.keys[slot] = key;
             t.scores[slot] = 0;
@@ -820,7 +716,7 @@ __global__ void foi_find_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
  * claims a slot by swapping the slot's mark to the epoch with atomicCAS. Empty-slot takers and
  * evictors both must win that swap, so each slot goes to one key, and a slot marked by this call
  * (found in step 1, or claimed) is never taken. Each attempt takes the bucket's lowest empty unmarked
- * slot, else (allow_evict) its unmarked slot of least (score, digest, key), as the locked insert does; a lost
+ * slot, else (allow_evict) its unmarked slot of least (score, slot), as the locked insert does; a lost
  * swap means another key progressed, and the warp looks again. Writes slots[i], is_new, counts and
  * the evicted arrays; returns the eviction index (or -1) to every lane. */
 __device__ __forceinline__ int64_t claim_one(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t i,
@@ -834,8 +730,7 @@ __device__ __forceinline__ int64_t claim_one(const tf_dynemb_table &t, const tf_
     // the bucket index does not use), so concurrent claimers rarely race for the same slot.
     const int64_t rot = static_cast<int64_t>((h >> 40) & static_cast<uint64_t>(t.bucket_size - 1));
     for (;;) {
-        int64_t order = INT64_MAX;
-        Victim v{0, 0, kNone};
+        int64_t order = INT64_MAX, vs = 0, vj = -1;
         int32_t em = 0, vm = 0;
         uint32_t w = 0;
         if (active) {
@@ -852,18 +747,15 @@ __device__ __forceinline__ int64_t claim_one(const tf_dynemb_table &t, const tf_
         for (int o = 16; o > 0; o >>= 1) best_order = min(best_order, __shfl_xor_sync(0xffffffffu, best_order, o));
         const int64_t best = best_order == INT64_MAX ? INT64_MAX : base + ((best_order + rot) & (t.bucket_size - 1));
         if (best == INT64_MAX && p.allow_evict && active) {  // full: victims need marks and scores
-            int64_t sc[4];
-            int32_t mk[4];
-            const uint32_t dw[1] = {tie_by_slot(p) ? 0u : w};
-            unsigned el = 0;
             for (int b = 0; b < 4; ++b) {
+                if (((w >> (8 * b)) & 0xffu) == 0) continue;
                 const int64_t j = base + 4 * lane + b;
-                sc[b] = __ldcg(&t.scores[j]);
-                mk[b] = __ldcg(&t.marks[j]);
-                if (((w >> (8 * b)) & 0xffu) != 0 && mk[b] != p.epoch) el |= 1u << b;
+                const int32_t m = __ldcg(&t.marks[j]);
+                if (m == p.epoch) continue;
+                const int64_t pj = vj;
+                min_victim(vs, vj, __ldcg(&t.scores[j]), j);
+                if (vj != pj) vm = m;
             }
-            v = lane_victim<4>(t, base, 4 * lane, sc, dw, el, tie_by_slot(p));
-            if (valid(v)) vm = mk[(v.w & 0xffu) - 4 * lane];
         }
         int64_t slot = -1, e = -1;
         if (best != INT64_MAX) {
@@ -873,9 +765,12 @@ __device__ __forceinline__ int64_t claim_one(const tf_dynemb_table &t, const tf_
             if (!__shfl_sync(0xffffffffu, won, owner)) continue;
             slot = best;
         } else {
-            // the least (score, digest, key) victim over the lanes, and the lane holding it
-            const Victim b = reduce_victim(t, base, v, 0xffffffffu, 16, tie_by_slot(p));
-            const int64_t bj = slot_of(b, base);
+            // the least (score, slot) victim over the lanes, and the lane holding it
+            int64_t bs = vs, bj = vj;
+            for (int o = 16; o > 0; o >>= 1) {
+                const int64_t s2 = __shfl_xor_sync(0xffffffffu, bs, o), j2 = __shfl_xor_sync(0xffffffffu, bj, o);
+                min_victim(bs, bj, s2, j2);
+            }
             if (bj < 0) {  // nothing to take: full of this call's keys, or no eviction
                 if (lane == 0) atomicAdd(reinterpret_cast<unsigned long long *>(&p.counts[2]), 1ull);
                 return -1;
@@ -887,9 +782,9 @@ __device__ __forceinline__ int64_t claim_one(const tf_dynemb_table &t, const tf_
             slot = bj;
             if (lane == 0) {
                 e = static_cast<int64_t>(atomicAdd(reinterpret_cast<unsigned long long *>(&p.counts[1]), 1ull));
-                p.evicted_keys[e] = (b.w & kKeyed) ? b.k : __ldcg(&t.keys[slot]);
+                p.evicted_keys[e] = __ldcg(&t.keys[slot]);
                 p.evicted_slots[e] = slot;
-                p.evicted_scores[e] = b.s;
+                p.evicted_scores[e] = bs;
             }
             e = __shfl_sync(0xffffffffu, e, 0);
         }
@@ -935,7 +830,7 @@ __global__ void foi_insert_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
  * first attempt takes the slot step 1 chose (`first`, 255: none); only if another key won it does the
  * quarter read the bucket. Every attempt takes the first free slot in hash-rotated order, skipping
  * slots this quarter lost a swap for (their digests are written just after the swap, and may still
- * read 0), else (allow_evict) the unmarked slot of least (score, digest, key). qmask: the quarter's lanes. */
+ * read 0), else (allow_evict) the unmarked slot of least (score, slot). qmask: the quarter's lanes. */
 struct Claim {
     int64_t slot;        // -1: no room
     int64_t victim_key;  // when evicted
@@ -984,7 +879,7 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
     if (free_slot >= 0) return Claim{free_slot, 0, 0, false};
     if (!p.allow_evict) return Claim{-1, 0, 0, false};
     const int64_t base = tf_dynemb_bucket(tf_dynemb_hash(key), t.num_buckets) * 128;
-    // The unmarked slot of least (score, digest, key). Scores are read once: the keys of a bucket all want its
+    // The unmarked slot of least (score, slot). Scores are read once: the keys of a bucket all want its
     // least victim, and a quarter that loses one takes the next from what it read (a stale entry only
     // costs a lost swap), instead of reading 128 scores again. The marks need not be read: the
     // atomicExch below refuses a marked slot, and the slots this call marked rarely hold the least
@@ -992,29 +887,31 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
     int64_t sc[16];
     unsigned eligible = 0;  // bit k: slot j0 + k was unmarked when read (or not read) and not lost since
     const int64_t j0 = base + 16 * ql;
-    const uint4 d4 = __ldcg(reinterpret_cast<const uint4 *>(t.digests + base) + ql);  // slots j0 .. j0 + 15
-    const uint32_t dw[4] = {tie_by_slot(p) ? 0u : d4.x, tie_by_slot(p) ? 0u : d4.y, tie_by_slot(p) ? 0u : d4.z,
-                            tie_by_slot(p) ? 0u : d4.w};
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
         sc[k] = __ldcg(&t.scores[j0 + k]);
         if (!read_marks || __ldcg(&t.marks[j0 + k]) != p.epoch) eligible |= 1u << k;
     }
     for (;;) {
-        const Victim v = reduce_victim(t, base, lane_victim<16>(t, base, 16 * ql, sc, dw, eligible, tie_by_slot(p)), qmask, 4,
-                                       tie_by_slot(p));
-        if (!valid(v)) return Claim{-1, 0, 0, false};  // full of this call's keys
-        const int64_t vj = slot_of(v, base);
-        const int owner = static_cast<int>((v.w & 0xffu) >> 4);
+        int64_t vs = 0, vj = -1;
+#pragma unroll
+        for (int k = 0; k < 16; ++k)
+            if ((eligible >> k) & 1u) min_victim(vs, vj, sc[k], j0 + k);
+        for (int o = 4; o > 0; o >>= 1) {
+            const int64_t s2 = __shfl_xor_sync(qmask, vs, o), j2 = __shfl_xor_sync(qmask, vj, o);
+            min_victim(vs, vj, s2, j2);
+        }
+        if (vj < 0) return Claim{-1, 0, 0, false};  // full of this call's keys
+        const int owner = static_cast<int>((vj - base) >> 4);
         bool won = false;
-        int64_t vkey = v.k;
+        int64_t vkey = 0;
         if (ql == owner) {
             won = atomicExch(&t.marks[vj], p.epoch) != p.epoch;
-            if (won && !(v.w & kKeyed)) vkey = __ldcg(&t.keys[vj]);
-            else if (!won) eligible &= ~(1u << (vj - j0));
+            if (won) vkey = __ldcg(&t.keys[vj]);
+            else eligible &= ~(1u << (vj - j0));
         }
         if (__shfl_sync(qmask, won, 8 * q + owner))
-            return Claim{vj, __shfl_sync(qmask, vkey, 8 * q + owner), v.s, true};
+            return Claim{vj, __shfl_sync(qmask, vkey, 8 * q + owner), vs, true};
     }
 }
 
@@ -1106,8 +1003,8 @@ __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_
  * initialized and, when asked, written out too (from registers, not read back). Evictions and the
  * counts are numbered with one global atomic per block and round. An evicting key leaves its row to
  * the caller (evicted_new). */
-template <typename T, int MinBlocks>
-__global__ void __launch_bounds__(kBlock, MinBlocks) foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p,
+template <typename T>
+__global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p,
                                                                         int read_marks) {
     __shared__ int ev_prefix[kWarpsPerBlock];
     __shared__ int fail_count[kWarpsPerBlock];
@@ -1645,9 +1542,7 @@ int tf_dynemb_group_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe 
 
 int tf_dynemb_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream) {
     const int64_t start[2] = {0, p->n};
-    tf_dynemb_probe pm = *p;
-    pm.allow_evict = with_tie_switch(pm.allow_evict);
-    return tf_dynemb_group_insert_cuda(t, &pm, start, 1, stream);
+    return tf_dynemb_group_insert_cuda(t, p, start, 1, stream);
 }
 
 int tf_dynemb_group_touch_cuda(int64_t *const *scores, const int64_t *slots, const int64_t *start, const int *policy,
@@ -1762,11 +1657,8 @@ int tf_dynemb_segsum_update_cuda(const tf_dynemb_segsum_params *p, const tf_dyne
     return static_cast<int>(cudaGetLastError());
 }
 
-int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_params *p_in, void *stream) {
-    if (p_in->p.n == 0) return 0;
-    tf_dynemb_foi_params pm = *p_in;
-    pm.p.allow_evict = with_tie_switch(pm.p.allow_evict);
-    const tf_dynemb_foi_params *p = &pm;
+int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_params *p, void *stream) {
+    if (p->p.n == 0) return 0;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const unsigned grid = grid_for_warps(p->p.n);
     const bool wide = copy_unit(&p->init.values, p->out) >= 16;
@@ -1779,21 +1671,16 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
         const char *marks_env = getenv("TORCHFUSE_DYNEMB_EVICT_MARKS");
         const int read_marks = marks_env && marks_env[0] == '1';
         const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
-        // step 2: one resident wave (mb blocks per SM by its launch bounds), or fewer for small batches.
-        // TORCHFUSE_DYNEMB_QUARTER_MB=3: 3 blocks per SM with up to 85 registers (the A/B; 4: 64)
-        const char *mb_env = getenv("TORCHFUSE_DYNEMB_QUARTER_MB");
-        const unsigned mb = mb_env && mb_env[0] == '3' ? 3u : 4u;
-        const unsigned g2 = g4 < mb * static_cast<unsigned>(sm_count()) ? g4 : mb * static_cast<unsigned>(sm_count());
+        // step 2: one resident wave (4 blocks per SM by its launch bounds), or fewer for small batches
+        const unsigned g2 = g4 < 4u * static_cast<unsigned>(sm_count()) ? g4 : 4u * static_cast<unsigned>(sm_count());
         cudaError_t err = cudaMemsetAsync(p->miss, 0, 16, s);  // the list's count and step 1's inserts
         if (err != cudaSuccess) return static_cast<int>(err);
         if (wide) {
             foi_probe_quarter_kernel<uint4><<<g4, kBlock, 0, s>>>(*t, *p, claim);
-            if (mb == 3) foi_insert_quarter_kernel<uint4, 3><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
-            else foi_insert_quarter_kernel<uint4, 4><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
+            foi_insert_quarter_kernel<uint4><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
         } else {
             foi_probe_quarter_kernel<uint16_t><<<g4, kBlock, 0, s>>>(*t, *p, claim);
-            if (mb == 3) foi_insert_quarter_kernel<uint16_t, 3><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
-            else foi_insert_quarter_kernel<uint16_t, 4><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
+            foi_insert_quarter_kernel<uint16_t><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
         }
         return static_cast<int>(cudaGetLastError());
     }

@@ -46,11 +46,6 @@ def _bucket(key, num_buckets):
     return _mix64(key & M64) & (num_buckets - 1)
 
 
-def _digest(key):
-    """The table's 8-bit digest of a key (kernels/dynemb.h): the hash's top byte, 0 taken as 1."""
-    return (_mix64(key & M64) >> 56) or 1
-
-
 def _keys(n, pool=None):
     """n random int64 keys (specials included), or n draws from pool (with repeats)."""
     if pool is not None:
@@ -220,79 +215,6 @@ def test_eviction_lfu_one_bucket(device):
     assert sorted(freq.values()).count(freq[victim]) == 1
     ek, _, _, esc = table.insert(_t([55], device), torch.zeros(1, 2, device=device), return_evicted=True)
     assert ek.tolist() == [victim] and esc.tolist() == [freq[victim]]
-
-
-@pytest.mark.parametrize("path", ["insert", "train8", "train128"])
-@pytest.mark.parametrize("eviction", ["lru", "lfu"])
-def test_eviction_ties_broken_by_key(device, eviction, path):
-    """Equal scores are broken by the key's digest, then the key (the least goes first), not by slot:
-    which slot a key holds is an accident of insertion order. The three paths are the CUDA kernels' three
-    eviction loops (insert: the locked insert; train8 / train128: find_or_insert's claim with 8- and
-    128-slot buckets)."""
-    bs = 128 if path == "train128" else 8
-    table = DynamicEmbedding(2, bs, device=device, bucket_size=bs, eviction=eviction)  # one bucket
-    keys = random.sample(range(-10**6, 10**6), bs)  # shuffled: slot order is not key order
-    table.train()
-
-    def access(ks):
-        if path == "insert":
-            table.insert(_t(ks, device), torch.zeros(len(ks), 2, device=device))
-        else:
-            with torch.no_grad():
-                table(_t(ks, device))
-
-    rule = lambda k: (_digest(k), k)  # noqa: E731
-    # One key per operation, the rule's largest first: on the CPU the slots then run in the rule's
-    # descending order, so a slot rule would evict the largest tied keys, not the least.
-    for k in sorted(keys, key=rule, reverse=True):
-        access([k])
-    access(keys)  # one operation over all: equal scores again under LRU (LFU: all at 2)
-    bumped = set(random.sample(keys, bs // 2))
-    access(sorted(bumped))  # a newer clock (LRU) / one more use (LFU): out of the tie
-    tied = sorted((k for k in keys if k not in bumped), key=rule)
-    by_slot = [k for k in table._compact()[0].tolist() if k in set(tied)]
-    if device == "cpu":  # the test tells the rules apart (on a GPU claims place keys in hash order)
-        assert set(by_slot[:3]) != set(tied[:3])
-    table.drain_evicted()
-    new = [2 * 10**6 + i for i in range(3)]
-    if path == "insert":
-        ek = table.insert(_t(new, device), torch.zeros(3, 2, device=device), return_evicted=True)[0]
-    else:
-        access(new)
-        ek = table.drain_evicted()[0]
-    assert sorted(ek.tolist()) == sorted(tied[:3])
-
-
-def test_state_dict_round_trip_evicts_identically(device):
-    """A table loaded from a state_dict holds its keys in other slots (on a GPU inserts run in
-    parallel); with ties broken by key it still evicts exactly what the original evicts."""
-    kw = dict(device=device, bucket_size=8, eviction="lru", initializer=("uniform", -0.1, 0.1), seed=5)
-    a = DynamicEmbedding(3, 32, **kw)  # 4 buckets of 8, full: every new key evicts
-    a.train()
-    with torch.no_grad():
-        for _ in range(6):  # many keys per batch: long runs of equal LRU scores
-            a(_t([random.randint(I64_MIN, I64_MAX) for _ in range(12)], device))
-    a.drain_evicted()
-    assert len(a) == 32
-    b = DynamicEmbedding(3, 32, **kw)
-    b.load_state_dict(a.state_dict())
-    b.train()
-    new = [random.randint(I64_MIN, I64_MAX) for _ in range(6)]
-
-    def by_key(k, *cols):
-        o = torch.argsort(k)
-        return [k[o].cpu()] + [c[o].cpu() for c in cols]
-
-    rec = []
-    for m in (a, b):
-        with torch.no_grad():
-            m(_t(new, device))
-        ek, ev, _, es = m.drain_evicted()
-        keys, values, _, scores = m._compact()
-        rec.append(by_key(ek, ev, es) + by_key(keys, values, scores))
-    assert rec[0][0].numel() == 6  # each new key evicted one
-    for x, y in zip(rec[0], rec[1]):
-        assert torch.equal(x, y)
 
 
 def test_eviction_none_raises(device):
