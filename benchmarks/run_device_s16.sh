@@ -8,9 +8,10 @@
 #           bench_dynamic_embedding.py --parts hbm (find, find_or_insert, insert_or_assign at load factors
 #           0.5 / 0.75 / 1.0) on this build (step 2 of find_or_insert at 4 blocks per SM, then at 3:
 #           TORCHFUSE_DYNEMB_QUARTER_MB=3), then on MAIN_DYN (the previous kernels/dynemb_cuda.cu, carried)
-#           rebuilt in place: a cross-build A/B on one machine
-#   table:  the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from
-#           PEERS), then the dynamic-embedding table (bench_dynamic_embedding.py, HBM and training parts)
+#           rebuilt in place: a cross-build A/B on one machine. (Ran on 173f0bc's code, since reverted with its
+#           switches; the runs and figures are in results/dynemb_h100.md, session 16.)
+#   table:  the dynamic-embedding GPU tests, then the full HSTU table (bench_hstu.py --cases full,special
+#           --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
 PART=${1:?part: check, dynab or table}
 source "$(dirname "$0")/device_build.sh"
@@ -55,6 +56,8 @@ elif [ "$PART" = dynab ]; then
   echo "new:"; grep "^| hbm" "$OUT/dyn_new.md"; echo "new, 3 blocks per SM:"; grep "^| hbm" "$OUT/dyn_new_mb3.md"
   echo "main:"; grep "^| hbm" "$OUT/dyn_main.md"
 elif [ "$PART" = table ]; then
+  timeout ${DYN_TO:-100} $D -k cuda > "$OUT/pytest_dyn.log" 2>&1
+  echo "dynemb pytest exit $?"; summary "$OUT/pytest_dyn.log" 12; grep -B30 "short test summary" "$OUT/pytest_dyn.log" | grep -E "^E " | head -12
   [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
   timeout ${BENCH_TO:-420} python3 benchmarks/bench_hstu.py --cases full,special --compile --b2b \
     --out "$OUT/bench_hstu_full.md" > "$OUT/bench_hstu.log" 2>"$OUT/bench_hstu.err"
