@@ -10,6 +10,9 @@
 #           TORCHFUSE_DYNEMB_QUARTER_MB=3), then on MAIN_DYN (the previous kernels/dynemb_cuda.cu, carried)
 #           rebuilt in place: a cross-build A/B on one machine. (Ran on 173f0bc's code, since reverted with its
 #           switches; the runs and figures are in results/dynemb_h100.md, session 16.)
+#   split:  the forward's hand-over through a barrier pair per consumer, consumer 1 giving consumer 0 the next
+#           item's first turn before its O store: the forward GPU tests, memcheck and racecheck on a few, then
+#           ab_hstu_fwd.py against TORCHFUSE_HSTU_FWD_SPLIT=0 in one process, back to back and single calls
 #   table:  the dynamic-embedding GPU tests, then the full HSTU table (bench_hstu.py --cases full,special
 #           --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
@@ -55,6 +58,21 @@ elif [ "$PART" = dynab ]; then
   echo "bench (main) exit $?"
   echo "new:"; grep "^| hbm" "$OUT/dyn_new.md"; echo "new, 3 blocks per SM:"; grep "^| hbm" "$OUT/dyn_new_mb3.md"
   echo "main:"; grep "^| hbm" "$OUT/dyn_main.md"
+elif [ "$PART" = split ]; then
+  timeout ${TEST_TO:-150} $T -k "(test_forward or cached) and not cpu" > "$OUT/pytest_fwd.log" 2>&1
+  echo "fwd pytest exit $?"; summary "$OUT/pytest_fwd.log"
+  timeout ${MEM_TO:-80} compute-sanitizer --tool memcheck --print-limit 5 $T -x \
+    -k "test_forward and cuda-wgmma- and bfloat16 and (d128_h4 or window or targets or many_short or plain_h2)" \
+    > "$OUT/memcheck_fwd.log" 2>&1
+  echo "fwd memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_fwd.log" | tail -2
+  timeout ${RACE_TO:-120} compute-sanitizer --tool racecheck --print-limit 5 $T -x \
+    -k "test_forward and cuda-wgmma- and bfloat16 and (d128_h4_int64 or many_short or plain_h2)" > "$OUT/racecheck_fwd.log" 2>&1
+  echo "fwd racecheck exit $?"; grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/racecheck_fwd.log" | tail -3
+  for mode in --b2b ""; do
+    timeout ${AB_TO:-90} python3 benchmarks/ab_hstu_fwd.py --envs "1,1+TORCHFUSE_HSTU_FWD_SPLIT=0" --rounds 3 $mode \
+      --out "$OUT/ab_fwd_split${mode}.md" > "$OUT/ab_split${mode}.log" 2>&1
+    echo "ab ${mode:-single} exit $?"; grep "^|" "$OUT/ab_fwd_split${mode}.md"
+  done
 elif [ "$PART" = table ]; then
   timeout ${DYN_TO:-100} $D -k cuda > "$OUT/pytest_dyn.log" 2>&1
   echo "dynemb pytest exit $?"; summary "$OUT/pytest_dyn.log" 12; grep -B30 "short test summary" "$OUT/pytest_dyn.log" | grep -E "^E " | head -12
