@@ -233,7 +233,7 @@ template <typename T, int D, bool PP>
 __global__ void __launch_bounds__(kWsThreads, 1)
     hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const tf_hstu_params p, int q_tiles, int section,
-                int64_t items, bool vec_store, bool split) {
+                int64_t items, bool vec_store) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Cfg = Sm90Cfg<D>;
     constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, ST = Cfg::ST;
@@ -295,17 +295,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     if (w.active) break;
                 }
                 __syncwarp();
-                if (split) {  // a pair of barriers per consumer: each takes the item when it gets there
-                    if (handed++ > 0) {
-                        named_bar_sync_n(6, 160);
-                        named_bar_sync_n(8, 160);
-                    }
-                    named_bar_arrive_n(5, 160);
-                    named_bar_arrive_n(7, 160);
-                } else {
-                    if (handed++ > 0) named_bar_sync_n(6, 288);  // the consumers have taken the last hand-over
-                    named_bar_arrive_n(5, 288);
-                }
+                if (handed++ > 0) named_bar_sync_n(6, 288);  // the consumers have taken the last hand-over
+                named_bar_arrive_n(5, 288);
                 if (item >= items) break;
                 item = next_item();  // the next one, fetched ahead
                 if (w.kt_lo > w.kt_hi) continue;  // nothing to load: the consumers write zeros
@@ -338,15 +329,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const float c_t = 0.5f * (float)p.alpha;
         const uint32_t q_addr = smem_u32(Qs) + cw * 64 * 128;
         int g = 0, qn = 0;
-        bool turned = false;  // split: consumer 1 has given consumer 0 its next first turn already
         for (int k = 0;; ++k) {
-            if (split) named_bar_sync_n(5 + 2 * cw, 160);
-            else named_bar_sync_n(5, 288);
+            named_bar_sync_n(5, 288);
             // copied before arriving at 6: from then on the producer may rewrite this slot (hand-over k + 2)
             const WorkSlot w = work_slot[k & 1];
             if (!w.active) break;
-            if (split) named_bar_arrive_n(6 + 2 * cw, 160);
-            else named_bar_arrive_n(6, 288);
+            named_bar_arrive_n(6, 288);
             const tf_hstu_mask mask = tf_hstu_mask_make(w.n, w.t, p.contextual, p.max_attn_len, p.min_full, p.group);
             const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
             const int wpos0 = w.pos0 + 64 * cw;
@@ -393,7 +381,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     // and neither consumer can start the next item's turns before the other has taken
                     // its last one of this item.
                     const int mine = 1 + cw, other = 2 - cw;
-                    if (cw == 1 && !turned) named_bar_arrive(1);  // consumer 0 goes first
+                    if (cw == 1) named_bar_arrive(1);  // consumer 0 goes first
                     mbar_wait(&full_bar[g % ST], (g / ST) & 1);
                     named_bar_sync(mine);
                     tf_wgmma_fence();
@@ -428,10 +416,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                         tf_wgmma_fence();
                         tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
                         tf_wgmma_commit();
-                        // Every sync gets exactly one arrival. Split: consumer 1 gives consumer 0 the next
-                        // item's first turn here, so that consumer 0 starts it while consumer 1 stores O.
-                        if (cw == 0 || split) named_bar_arrive(other);
-                        turned = split;
+                        if (cw == 0) named_bar_arrive(other);  // every sync gets exactly one arrival
                         tf_wgmma_wait<0>();
                         tf_wgmma_reg_fence(o);
                         __syncwarp();
@@ -444,8 +429,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             for (int i = 0; i < D / 2; ++i) o[i] *= (float)p.inv_scale;  // P's 1 / S_norm
             store_o<T, D>(o, p, w.q_start + w.i0, w.h, 64 * cw, w.rows_here, vec_store);
         }
-        // consumer 1's last early turn has no item to start: take it (every arrival gets a sync)
-        if (PP && split && cw == 0 && turned) named_bar_sync(1);
     }
 #endif
 }
@@ -477,16 +460,12 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     // 16x4096x256 full, +2.7% with U[N/2,N] lengths; at head dims up to 128 the quad transpose's shuffles
     // cost more than the whole sectors save (-3% to -4% at 128x1024x128, 0% at 4096).
     // TORCHFUSE_HSTU_FWD_VEC_STORE=0 / 1 forces 4- / 16-byte stores (A/B runs, tests).
-    // each consumer takes the next item through its own barrier pair, consumer 1 handing consumer 0 its
-    // first turn before storing O (TORCHFUSE_HSTU_FWD_SPLIT=0: both meet at one hand-over, the A/B)
-    const char *split_env = getenv("TORCHFUSE_HSTU_FWD_SPLIT");
-    const bool split = !(split_env && split_env[0] == '0');
     const char *vec_env = getenv("TORCHFUSE_HSTU_FWD_VEC_STORE");
     const bool vec = (vec_env && (vec_env[0] == '0' || vec_env[0] == '1') ? vec_env[0] == '1' : D > 128) &&
                      p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0;
     hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(
         tq, tk, tv, p, g.q_tiles, l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles), (int)g.blocks,
-        vec, split);
+        vec);
     return cudaGetLastError();
 }
 
