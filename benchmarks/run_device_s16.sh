@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Session 16's device calls (each under the 10-minute limit).
-#   check:  eviction ties broken by key (dynamic embeddings) and the HSTU forward's O by 16-byte stores:
+#   check:  (its memcheck selection first read "cuda-wgmma-", which matches no test id: that run covered
+#           store_forms and the cuda-wgmmaplain cases, 18 tests)
+#           eviction ties broken by key (dynamic embeddings) and the HSTU forward's O by 16-byte stores:
 #           the HSTU forward GPU tests (both store paths), memcheck on them, the dynamic-embedding GPU tests,
 #           memcheck on the ties tests, then ab_hstu_fwd.py: 16-byte against 4-byte O stores in one process,
 #           back to back and single synced calls
@@ -25,7 +27,7 @@ if [ "$PART" = check ]; then
   timeout ${TEST_TO:-170} $T -k "(test_forward or cached) and not cpu" > "$OUT/pytest_fwd.log" 2>&1
   echo "fwd pytest exit $?"; summary "$OUT/pytest_fwd.log"
   timeout ${MEM_TO:-90} compute-sanitizer --tool memcheck --print-limit 5 $T -x \
-    -k "store_forms or (test_forward and (cuda-wgmma- or cuda-wgmmaplain) and bfloat16 and (d128_h4 or window or targets or many_short or d256))" \
+    -k "store_forms or (test_forward and cuda-wgmma and bfloat16 and (d128_h4 or window or targets or many_short or d256))" \
     > "$OUT/memcheck_fwd.log" 2>&1
   echo "fwd memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_fwd.log" | tail -2
   timeout ${DYN_TO:-200} $D -k cuda > "$OUT/pytest_dyn.log" 2>&1
