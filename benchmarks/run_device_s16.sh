@@ -15,10 +15,16 @@
 #   split:  the forward's hand-over through a barrier pair per consumer, consumer 1 giving consumer 0 the next
 #           item's first turn before its O store: the forward GPU tests, memcheck and racecheck on a few, then
 #           ab_hstu_fwd.py against TORCHFUSE_HSTU_FWD_SPLIT=0 in one process, back to back and single calls
+#   trace:  a measurement build (TORCHFUSE_HSTU_TRACE_BUILD=1, set by this part before the build): the forward's
+#           phase trace (trace_hstu_fwd.py) and the backward's (trace_hstu_bwd.py, after its helpers moved)
+#   causal: plain causal sequences' mask bits in a few integer ops (hstu_causal_row_bits / _col_bits) instead of
+#           the spans: every HSTU GPU test, memcheck on a few, then the one-process A/Bs against
+#           TORCHFUSE_HSTU_CAUSAL_BITS=0 (forward back to back and single calls; backward, N <= 2048, no Triton)
 #   table:  the dynamic-embedding GPU tests, then the full HSTU table (bench_hstu.py --cases full,special
 #           --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: check, dynab or table}
+PART=${1:?part: check, dynab, split, trace, causal or table}
+[ "$PART" = trace ] && export TORCHFUSE_HSTU_TRACE_BUILD=1
 source "$(dirname "$0")/device_build.sh"
 T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
 D="python3 -m pytest tests/test_dynamic_embedding.py -q -p no:cacheprovider"
@@ -75,6 +81,27 @@ elif [ "$PART" = split ]; then
       --out "$OUT/ab_fwd_split${mode}.md" > "$OUT/ab_split${mode}.log" 2>&1
     echo "ab ${mode:-single} exit $?"; grep "^|" "$OUT/ab_fwd_split${mode}.md"
   done
+elif [ "$PART" = trace ]; then
+  timeout ${TRACE_TO:-150} python3 benchmarks/trace_hstu_fwd.py --shapes ${SHAPES:-128x1024x128,16x4096x128,16x1024x128} \
+    > "$OUT/trace_fwd.md" 2>&1
+  echo "fwd trace exit $?"; cat "$OUT/trace_fwd.md"
+  timeout ${TRACE_TO:-150} python3 benchmarks/trace_hstu_bwd.py --shapes 128x1024x128 > "$OUT/trace_bwd.md" 2>&1
+  echo "bwd trace exit $?"; cat "$OUT/trace_bwd.md"
+elif [ "$PART" = causal ]; then
+  timeout ${TEST_TO:-240} $T -k "not cpu" > "$OUT/pytest_hstu.log" 2>&1
+  echo "hstu pytest exit $?"; summary "$OUT/pytest_hstu.log"
+  timeout ${MEM_TO:-90} compute-sanitizer --tool memcheck --print-limit 5 $T -x \
+    -k "(test_forward or test_backward) and cuda-wgmma and not wgmmaplain and not wgmmared and bfloat16 and (d128_h4 or plain_h2 or many_short or long_d128)" \
+    > "$OUT/memcheck_hstu.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_hstu.log" | tail -2
+  for mode in --b2b ""; do
+    timeout ${AB_TO:-90} python3 benchmarks/ab_hstu_fwd.py --envs "1,1+TORCHFUSE_HSTU_CAUSAL_BITS=0" --rounds 3 $mode \
+      --out "$OUT/ab_fwd_causal${mode}.md" > "$OUT/ab_causal${mode}.log" 2>&1
+    echo "ab fwd ${mode:-single} exit $?"; grep "^|" "$OUT/ab_fwd_causal${mode}.md"
+  done
+  timeout ${AB_TO:-150} python3 benchmarks/ab_hstu_bwd.py --forms pers,persspans --rounds 3 --no-triton --shapes short \
+    --out "$OUT/ab_bwd_causal.md" > "$OUT/ab_bwd_causal.log" 2>&1
+  echo "ab bwd exit $?"; grep "^|" "$OUT/ab_bwd_causal.log"
 elif [ "$PART" = table ]; then
   timeout ${DYN_TO:-100} $D -k cuda > "$OUT/pytest_dyn.log" 2>&1
   echo "dynemb pytest exit $?"; summary "$OUT/pytest_dyn.log" 12; grep -B30 "short test summary" "$OUT/pytest_dyn.log" | grep -E "^E " | head -12

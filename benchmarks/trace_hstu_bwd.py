@@ -1,7 +1,7 @@
 """Where the sm_90a HSTU backward's consumer time goes, phase by phase, from the kernel's clock64 trace.
 
 Needs a measurement build (the trace is compiled out otherwise):
-    TORCHFUSE_HSTU_BWD_TRACE_BUILD=1 pip install --no-build-isolation -e .
+    TORCHFUSE_HSTU_TRACE_BUILD=1 pip install --no-build-isolation -e .
     python benchmarks/trace_hstu_bwd.py [--shapes 128x1024x128,16x4096x128] [--window 0]
 
 Each consumer warpgroup's thread 0 records events (kernels/hstu_bwd_sm90.cu, BWD_TRACE): 0 item handed
@@ -41,21 +41,23 @@ PHASES = {
 }
 
 
-def run_trace(fn, path):
-    os.environ["TORCHFUSE_HSTU_BWD_TRACE_FILE"] = path
+def run_trace(fn, path, env="TORCHFUSE_HSTU_BWD_TRACE_FILE"):
+    """The trace of one call of fn (the launch writes it to `path`): (regions, records, 2) uint64."""
+    os.environ[env] = path
     try:
         fn()
         torch.cuda.synchronize()
     finally:
-        del os.environ["TORCHFUSE_HSTU_BWD_TRACE_FILE"]
+        del os.environ[env]
     raw = np.fromfile(path, dtype=np.uint64)
     grid, cap = int(raw[0]), int(raw[1])
     return raw[2:].reshape(grid * 2, cap, 2)
 
 
-def phases(rec):
-    """Cycles per phase over every warpgroup, the busy span, the items and the tiles."""
-    acc = {name: 0 for name in set(PHASES.values())}
+def phases(rec, table=PHASES, tile_event=2):
+    """Cycles per phase (table: (previous event, event) -> phase) over every warpgroup, the busy span,
+    the items (event 0) and the tiles (tile_event)."""
+    acc = {name: 0 for name in set(table.values())}
     acc["other"] = 0
     span = items = tiles = 0
     for region in rec:
@@ -66,9 +68,9 @@ def phases(rec):
         ev = (region[:n, 1] >> np.uint64(32)).astype(np.int64)
         span += int(clk[-1] - clk[0])
         items += int(np.count_nonzero(ev == 0))
-        tiles += int(np.count_nonzero(ev == 2))
+        tiles += int(np.count_nonzero(ev == tile_event))
         for a, b, d in zip(ev[:-1], ev[1:], np.diff(clk)):
-            acc[PHASES.get((int(a), int(b)), "other")] += int(d)
+            acc[table.get((int(a), int(b)), "other")] += int(d)
     return acc, span, items, tiles
 
 

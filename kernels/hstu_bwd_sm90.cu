@@ -60,6 +60,7 @@
 #include <string.h>
 
 #include "hstu_mma.cuh"
+#include "tf_phase_trace.cuh"
 #include "tf_sm90.cuh"
 #include "tf_wgmma.cuh"
 
@@ -123,25 +124,18 @@ __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
 }
 #endif
 
-/* Phase trace (a measurement build only: -DTF_HSTU_BWD_TRACE, setup.py's TORCHFUSE_HSTU_BWD_TRACE_BUILD=1;
- * benchmarks/trace_hstu_bwd.py reads it). Thread 0 of each consumer warpgroup records (clock64, event,
- * index) pairs into its own region of kTraceCap records; the launch writes them to the file named by
- * TORCHFUSE_HSTU_BWD_TRACE_FILE. Events: 0 item handed over (index: the item's tile count), 1 K / V in
- * shared memory, 2 a tile's Q / dO in shared memory, 3 S^T / dP^T done, 7 the mask and SiLU applied,
+/* Phase trace (a measurement build only: -DTF_HSTU_BWD_TRACE, setup.py's TORCHFUSE_HSTU_TRACE_BUILD=1;
+ * benchmarks/trace_hstu_bwd.py reads it; tf_phase_trace.cuh). Thread 0 of each consumer warpgroup records
+ * into its own region; the launch writes them to the file named by TORCHFUSE_HSTU_BWD_TRACE_FILE.
+ * Events: 0 item handed over (index: the item's tile count), 1 K / V in shared memory, 2 a tile's Q / dO in shared memory, 3 S^T / dP^T done, 7 the mask and SiLU applied,
  * 8 dZ^T stored and dK / dV's GEMMs issued, 4 dZ^T shared (past dQ's barrier), 5 the tile's dQ staged
  * and its reduce issued, 6 the item's dK / dV stored. (7 and 8 came after session 13's trace.) */
 #ifdef TF_HSTU_BWD_TRACE
-constexpr int kTraceCap = 4096;
 __device__ unsigned long long *g_bwd_trace;
-#define BWD_TRACE(ev, idx)                                                                                        \
-    do {                                                                                                          \
-        if (g_bwd_trace && threadIdx.x % 128 == 0) {                                                              \
-            unsigned long long *r_ = g_bwd_trace + 2 * ((int64_t)(blockIdx.x * 2 + cw) * kTraceCap +              \
-                                                        (trace_n < kTraceCap - 1 ? trace_n : kTraceCap - 1));    \
-            r_[0] = clock64();                                                                                    \
-            r_[1] = ((unsigned long long)(ev) << 32) | (unsigned)(idx);                                          \
-            ++trace_n;                                                                                            \
-        }                                                                                                         \
+#define BWD_TRACE(ev, idx)                                                                     \
+    do {                                                                                       \
+        if (g_bwd_trace && threadIdx.x % 128 == 0)                                             \
+            TF_TRACE_RECORD(g_bwd_trace, blockIdx.x * 2 + cw, trace_n, ev, idx);               \
     } while (0)
 #else
 #define BWD_TRACE(ev, idx) \
@@ -631,16 +625,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
 #ifdef TF_HSTU_BWD_TRACE
     // the measurement build: every launch's trace, written to TORCHFUSE_HSTU_BWD_TRACE_FILE (waits for it)
     const char *trace_file = getenv("TORCHFUSE_HSTU_BWD_TRACE_FILE");
-    static unsigned long long *trace_buf = nullptr;
-    static int64_t trace_blocks = 0;
-    const size_t trace_bytes = (size_t)grid * 2 * kTraceCap * 16;
-    if (trace_file && grid > trace_blocks) {
-        if (trace_buf) cudaFree(trace_buf);
-        if (cudaMalloc(&trace_buf, trace_bytes) != cudaSuccess) return cudaErrorMemoryAllocation;
-        trace_blocks = grid;
-    }
-    unsigned long long *trace_ptr = trace_file ? trace_buf : nullptr;
-    if (trace_file) cudaMemsetAsync(trace_buf, 0, trace_bytes, stream);
+    unsigned long long *trace_ptr = tf_trace_begin(trace_file, 2 * grid, stream);
     cudaMemcpyToSymbolAsync(g_bwd_trace, &trace_ptr, sizeof(trace_ptr), 0, cudaMemcpyHostToDevice, stream);
 #endif
     // dK / dV by 16-byte stores where rows and columns allow (head dims that are multiples of 8, aligned
@@ -651,19 +636,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
                                                                   (int)items, (dq_tma ? 1 : 0) | (vec ? 2 : 0));
 #ifdef TF_HSTU_BWD_TRACE
-    if (trace_file) {
-        unsigned long long *host = (unsigned long long *)malloc(trace_bytes);
-        cudaStreamSynchronize(stream);
-        cudaMemcpy(host, trace_buf, trace_bytes, cudaMemcpyDeviceToHost);
-        FILE *f = fopen(trace_file, "wb");
-        if (f) {
-            const long long hdr[2] = {(long long)grid, (long long)kTraceCap};
-            fwrite(hdr, sizeof(hdr), 1, f);
-            fwrite(host, 1, trace_bytes, f);
-            fclose(f);
-        }
-        free(host);
-    }
+    tf_trace_end(trace_file, trace_ptr, 2 * grid, stream);
 #endif
     return cudaGetLastError();
 }

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "hstu_mma.cuh"
+#include "tf_phase_trace.cuh"
 #include "tf_sm90.cuh"
 #include "tf_wgmma.cuh"
 
@@ -53,9 +54,14 @@ struct Sm90Cfg {
  * spans: small code (a per-element mask test unrolled over a tile overflowed the instruction cache)
  * and cheap (the per-element test in a rolled loop made a boundary tile ~5x an interior one). */
 template <int BN>
-__device__ __forceinline__ void mask_bits(const tf_hstu_mask &m, int p, int key0, uint32_t (&bits)[2]) {
-    bits[0] = hstu_row_bits<BN / 8>(m, p, key0);
-    bits[1] = hstu_row_bits<BN / 8>(m, p + 8, key0);
+__device__ __forceinline__ void mask_bits(const tf_hstu_mask &m, bool causal, int p, int key0, uint32_t (&bits)[2]) {
+    if (causal) {  // tf_hstu_causal(m), uniform per item: plain causal sequences skip the spans
+        bits[0] = hstu_causal_row_bits<BN / 8>(m.n, p, key0);
+        bits[1] = hstu_causal_row_bits<BN / 8>(m.n, p + 8, key0);
+    } else {
+        bits[0] = hstu_row_bits<BN / 8>(m, p, key0);
+        bits[1] = hstu_row_bits<BN / 8>(m, p + 8, key0);
+    }
 }
 /* SiLU(z) for z = 2 h, h = c_t x (c_t = alpha / 2): z sigmoid(z) = h (1 + tanh h), one multiply, a tanh
  * and an FMA. P's 1 / S is not applied here: O takes it once, before its store. */
@@ -67,6 +73,24 @@ __device__ __forceinline__ __attribute__((unused)) float silu_h(float x, float c
 __device__ __noinline__ __attribute__((unused)) float bias_at(const tf_hstu_params &p, int64_t b, int h, int pos, int key) {
     return tf_bias_load(p.bias, p.bias_dtype, b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key);
 }
+
+/* Phase trace (a measurement build only: -DTF_HSTU_FWD_TRACE, setup.py's TORCHFUSE_HSTU_TRACE_BUILD=1;
+ * benchmarks/trace_hstu_fwd.py reads it; tf_phase_trace.cuh). Thread 0 of each consumer warpgroup records,
+ * in the ping-pong loop: 0 item handed over (index: its key tiles), 1 Q in shared memory, 2 a key tile's
+ * K / V in shared memory, 3 this consumer's turn (named barrier), 4 its GEMMs of the turn done,
+ * 5 SiLU applied and P packed, 6 O stored. TORCHFUSE_HSTU_FWD_TRACE_FILE names the file. */
+#ifdef TF_HSTU_FWD_TRACE
+__device__ unsigned long long *g_fwd_trace;
+#define FWD_TRACE(ev, idx)                                                                     \
+    do {                                                                                       \
+        if (g_fwd_trace && threadIdx.x % 128 == 0)                                             \
+            TF_TRACE_RECORD(g_fwd_trace, blockIdx.x * 2 + cw, trace_n, ev, idx);               \
+    } while (0)
+#else
+#define FWD_TRACE(ev, idx) \
+    do {                   \
+    } while (0)
+#endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 /* Zero rows [r0, BN) of a V tile (all panels) in shared memory, by one warpgroup, and make the zeros
@@ -91,7 +115,8 @@ __device__ __forceinline__ void zero_tail_rows(uint8_t *tile, int r0, int cw) {
  * wpos0: the warpgroup's first row position; k0: the tile's first key. */
 template <typename T, int BN>
 __device__ __forceinline__ void elementwise(float (&sacc)[BN / 2], uint32_t (&pa)[BN / 16][4], const tf_hstu_params &p,
-                                            const tf_hstu_mask &mask, int64_t b, int h, int wpos0, int k0, float c_t) {
+                                            const tf_hstu_mask &mask, bool causal, int64_t b, int h, int wpos0, int k0,
+                                            float c_t) {
     const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
     const int prow = wpos0 + 16 * ((threadIdx.x / 32) % 4) + g;  // this thread's rows: prow, prow + 8
     if (tf_hstu_tile_full(&mask, wpos0, wpos0 + 64, k0, k0 + BN) && !p.bias) {
@@ -99,7 +124,7 @@ __device__ __forceinline__ void elementwise(float (&sacc)[BN / 2], uint32_t (&pa
         for (int i = 0; i < BN / 2; ++i) sacc[i] = silu_h(sacc[i], c_t);
     } else {
         uint32_t bits[2];
-        mask_bits<BN>(mask, prow, k0 + 2 * t4, bits);
+        mask_bits<BN>(mask, causal, prow, k0 + 2 * t4, bits);
         if (p.bias) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i)
@@ -233,7 +258,7 @@ template <typename T, int D, bool PP>
 __global__ void __launch_bounds__(kWsThreads, 1)
     hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const tf_hstu_params p, int q_tiles, int section,
-                int64_t items, bool vec_store) {
+                int64_t items, bool vec_store, bool fast_causal) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Cfg = Sm90Cfg<D>;
     constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, ST = Cfg::ST;
@@ -329,13 +354,18 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const float c_t = 0.5f * (float)p.alpha;
         const uint32_t q_addr = smem_u32(Qs) + cw * 64 * 128;
         int g = 0, qn = 0;
+#ifdef TF_HSTU_FWD_TRACE
+        int trace_n = 0;
+#endif
         for (int k = 0;; ++k) {
             named_bar_sync_n(5, 288);
             // copied before arriving at 6: from then on the producer may rewrite this slot (hand-over k + 2)
             const WorkSlot w = work_slot[k & 1];
             if (!w.active) break;
             named_bar_arrive_n(6, 288);
+            FWD_TRACE(0, w.kt_hi - w.kt_lo + 1);
             const tf_hstu_mask mask = tf_hstu_mask_make(w.n, w.t, p.contextual, p.max_attn_len, p.min_full, p.group);
+            const bool causal = fast_causal && tf_hstu_causal(mask);
             const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
             const int wpos0 = w.pos0 + 64 * cw;
             float o[D / 2];
@@ -344,6 +374,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             if (kt_lo <= kt_hi) {
                 mbar_wait(&q_full, qn & 1);
                 ++qn;
+                FWD_TRACE(1, 0);
                 const Reach reach(mask, wpos0);
                 float sacc[BN / 2];
                 uint32_t pa[BN / 16][4];
@@ -360,7 +391,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                             tf_wgmma_commit();
                             tf_wgmma_wait<0>();
                             tf_wgmma_reg_fence(sacc);
-                            elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, kt * BN, c_t);
+                            elementwise<T, BN>(sacc, pa, p, mask, causal, w.b, w.h, wpos0, kt * BN, c_t);
                             tf_wgmma_fence();
                             tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
                             tf_wgmma_commit();
@@ -383,18 +414,24 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     const int mine = 1 + cw, other = 2 - cw;
                     if (cw == 1) named_bar_arrive(1);  // consumer 0 goes first
                     mbar_wait(&full_bar[g % ST], (g / ST) & 1);
+                    FWD_TRACE(2, kt_lo);
                     named_bar_sync(mine);
+                    FWD_TRACE(3, kt_lo);
                     tf_wgmma_fence();
                     tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + (g % ST) * KV_BYTES));
                     tf_wgmma_commit();
                     named_bar_arrive(other);
                     tf_wgmma_wait<0>();
                     tf_wgmma_reg_fence(sacc);
+                    FWD_TRACE(4, kt_lo);
                     for (int j = kt_lo; j < kt_hi; ++j) {
                         const int gi = g + j - kt_lo, st = gi % ST, nst = (gi + 1) % ST;
-                        elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, j * BN, c_t);
+                        elementwise<T, BN>(sacc, pa, p, mask, causal, w.b, w.h, wpos0, j * BN, c_t);
+                        FWD_TRACE(5, j);
                         mbar_wait(&full_bar[nst], ((gi + 1) / ST) & 1);
+                        FWD_TRACE(2, j + 1);
                         named_bar_sync(mine);
+                        FWD_TRACE(3, j + 1);
                         tf_wgmma_fence();
                         tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
                         tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + nst * KV_BYTES));
@@ -403,22 +440,26 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                         tf_wgmma_wait<0>();
                         tf_wgmma_reg_fence(sacc);
                         tf_wgmma_reg_fence(o);
+                        FWD_TRACE(4, j + 1);
                         __syncwarp();
                         if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);  // tile j is done with
                     }
                     if (threadIdx.x % 32 == 0) mbar_arrive(&q_empty);  // every S of this item is done
                     {  // the last tile: its P V alone
                         const int st = (g + kt_hi - kt_lo) % ST;
-                        elementwise<T, BN>(sacc, pa, p, mask, w.b, w.h, wpos0, kt_hi * BN, c_t);
+                        elementwise<T, BN>(sacc, pa, p, mask, causal, w.b, w.h, wpos0, kt_hi * BN, c_t);
+                        FWD_TRACE(5, kt_hi);
                         // only the last tile can run past the sequence's end
                         if (kt_hi * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, w.n - kt_hi * BN, cw);
                         named_bar_sync(mine);
+                        FWD_TRACE(3, kt_hi + 1);
                         tf_wgmma_fence();
                         tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
                         tf_wgmma_commit();
                         if (cw == 0) named_bar_arrive(other);  // every sync gets exactly one arrival
                         tf_wgmma_wait<0>();
                         tf_wgmma_reg_fence(o);
+                        FWD_TRACE(4, kt_hi + 1);
                         __syncwarp();
                         if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);
                     }
@@ -428,6 +469,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] *= (float)p.inv_scale;  // P's 1 / S_norm
             store_o<T, D>(o, p, w.q_start + w.i0, w.h, 64 * cw, w.rows_here, vec_store);
+            FWD_TRACE(6, 0);
         }
     }
 #endif
@@ -460,12 +502,24 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     // 16x4096x256 full, +2.7% with U[N/2,N] lengths; at head dims up to 128 the quad transpose's shuffles
     // cost more than the whole sectors save (-3% to -4% at 128x1024x128, 0% at 4096).
     // TORCHFUSE_HSTU_FWD_VEC_STORE=0 / 1 forces 4- / 16-byte stores (A/B runs, tests).
+    // plain causal sequences' mask bits without the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0: the spans, the A/B)
+    const char *cb_env = getenv("TORCHFUSE_HSTU_CAUSAL_BITS");
+    const bool fast_causal = !(cb_env && cb_env[0] == '0');
     const char *vec_env = getenv("TORCHFUSE_HSTU_FWD_VEC_STORE");
     const bool vec = (vec_env && (vec_env[0] == '0' || vec_env[0] == '1') ? vec_env[0] == '1' : D > 128) &&
                      p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0;
+#ifdef TF_HSTU_FWD_TRACE
+    // the measurement build: every launch's trace, written to TORCHFUSE_HSTU_FWD_TRACE_FILE (waits for it)
+    const char *trace_file = getenv("TORCHFUSE_HSTU_FWD_TRACE_FILE");
+    unsigned long long *trace_ptr = tf_trace_begin(trace_file, 2 * grid, stream);
+    cudaMemcpyToSymbolAsync(g_fwd_trace, &trace_ptr, sizeof(trace_ptr), 0, cudaMemcpyHostToDevice, stream);
+#endif
     hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(
         tq, tk, tv, p, g.q_tiles, l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles), (int)g.blocks,
-        vec);
+        vec, fast_causal);
+#ifdef TF_HSTU_FWD_TRACE
+    tf_trace_end(trace_file, trace_ptr, 2 * grid, stream);
+#endif
     return cudaGetLastError();
 }
 

@@ -214,6 +214,27 @@ __device__ __forceinline__ uint32_t hstu_row_bits(const tf_hstu_mask &m, int pos
     tf_hstu_row_spans(&m, pos, lo, hi);
     return hstu_span_bits<J>(lo, hi, key0);
 }
+/* Masks of plain causal sequences (no context, targets or window: tf_hstu_causal) in a few integer ops
+ * instead of hstu_row_bits' spans (the sm_90a forward). Bit 2 j + e stands for offset 8 j + e from the
+ * thread's first column (row), increasing with the bit, so "offset <= d" is the lowest `count` bits. The
+ * span forms evaluate four or five spans and spread two 16-bit sets per row: on the diagonal tile of
+ * every item that made the forward's masked element-wise step 2.8x a full tile's (trace_hstu_fwd.py,
+ * session 16); this form gained 1-4% (the ping-pong hid most of it). The same for the backward's
+ * key-major bits (rows key <= row0 + 8 j + e < n: prefix(n - 1 - row0) & ~prefix(key - 1 - row0)) measured
+ * +1.4% at head dim 128 and -3..-5% at 64 (session 16, commit history): not kept. */
+template <int J>
+__device__ __forceinline__ uint32_t hstu_prefix_bits(int d) {
+    if (d < 0) return 0;
+    const int count = min(2 * (d >> 3) + 1 + ((d & 7) != 0 ? 1 : 0), 2 * J);  // bits b with 8 (b / 2) + b % 2 <= d
+    return count >= 32 ? ~0u : (1u << count) - 1u;
+}
+/* hstu_row_bits of a plain causal sequence: columns key0 + 8 j + e <= pos (all < n when pos is) */
+template <int J>
+__device__ __forceinline__ uint32_t hstu_causal_row_bits(int n, int pos, int key0) {
+    return pos < 0 || pos >= n ? 0u : hstu_prefix_bits<J>(pos - key0);
+}
+__device__ __forceinline__ bool tf_hstu_causal(const tf_hstu_mask &m) { return m.c == 0 && m.t == 0 && m.m == 0; }
+
 /* The transpose, for key-major tiles: key `key`'s mask over the rows row0 + 8 j + e at bit 2 j + e, from
  * tf_hstu_col_spans' five spans written out, so that those the sequence's options leave empty (window
  * exemptions, context, target groups) are skipped by branches uniform over the sequence: a causal or

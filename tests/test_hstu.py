@@ -141,10 +141,13 @@ CUDA_ONLY_CASES = {"many_short_seqs"}
 # or builds the mma.sync one runs), "cuda-mma" the mma.sync kernel (=0), so a Hopper GPU checks both
 # on every case (by default the head-dim-64 and windowed ones would take mma.sync only). "cuda-wgmma" writes
 # O by 16-byte stores (the default), "cuda-wgmmaplain" (no ping-pong, the A/B form) by 4-byte stores
-# (TORCHFUSE_HSTU_FWD_VEC_STORE=0), so every case checks both store paths.
+# (TORCHFUSE_HSTU_FWD_VEC_STORE=0), so every case checks both store paths; it also takes plain causal
+# sequences' mask bits from the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0), "cuda-wgmma" from hstu_causal_row_bits.
 FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmaplain", "cuda-mma"] if torch.cuda.is_available() else [])
-SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1", "TORCHFUSE_HSTU_FWD_VEC_STORE": "1"},
-            "cuda-wgmmaplain": {"TORCHFUSE_HSTU_SM90": "2", "TORCHFUSE_HSTU_FWD_VEC_STORE": "0"},
+SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1", "TORCHFUSE_HSTU_FWD_VEC_STORE": "1",
+                           "TORCHFUSE_HSTU_CAUSAL_BITS": "1"},
+            "cuda-wgmmaplain": {"TORCHFUSE_HSTU_SM90": "2", "TORCHFUSE_HSTU_FWD_VEC_STORE": "0",
+                                "TORCHFUSE_HSTU_CAUSAL_BITS": "0"},
             "cuda-mma": {"TORCHFUSE_HSTU_SM90": "0"}}
 # Backward targets: "cuda-wgmma" lets the sm_90a wgmma backward run where it applies (bf16 / fp16, head
 # dims up to 256, no attn_bias: the other cases still take mma.sync), in its persistent form (the
