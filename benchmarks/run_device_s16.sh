@@ -20,10 +20,12 @@
 #   causal: plain causal sequences' mask bits in a few integer ops (hstu_causal_row_bits / _col_bits) instead of
 #           the spans: every HSTU GPU test, memcheck on a few, then the one-process A/Bs against
 #           TORCHFUSE_HSTU_CAUSAL_BITS=0 (forward back to back and single calls; backward, N <= 2048, no Triton)
+#   qpf:    each item's Q fetched into L2 at its hand-over: the forward GPU tests, memcheck on a few, the one-process
+#           A/B against TORCHFUSE_HSTU_FWD_Q_PREFETCH=0 (back to back and single calls)
 #   table:  the dynamic-embedding GPU tests, then the full HSTU table (bench_hstu.py --cases full,special
 #           --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: check, dynab, split, trace, causal or table}
+PART=${1:?part: check, dynab, split, trace, causal, qpf or table}
 [ "$PART" = trace ] && export TORCHFUSE_HSTU_TRACE_BUILD=1
 source "$(dirname "$0")/device_build.sh"
 T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
@@ -102,6 +104,18 @@ elif [ "$PART" = causal ]; then
   timeout ${AB_TO:-150} python3 benchmarks/ab_hstu_bwd.py --forms pers,persspans --rounds 3 --no-triton --shapes short \
     --out "$OUT/ab_bwd_causal.md" > "$OUT/ab_bwd_causal.log" 2>&1
   echo "ab bwd exit $?"; grep "^|" "$OUT/ab_bwd_causal.log"
+elif [ "$PART" = qpf ]; then
+  timeout ${TEST_TO:-150} $T -k "(test_forward or cached) and not cpu" > "$OUT/pytest_fwd.log" 2>&1
+  echo "fwd pytest exit $?"; summary "$OUT/pytest_fwd.log"
+  timeout ${MEM_TO:-80} compute-sanitizer --tool memcheck --print-limit 5 $T -x \
+    -k "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d128_h4 or window or targets or many_short or plain_h2)" \
+    > "$OUT/memcheck_fwd.log" 2>&1
+  echo "fwd memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_fwd.log" | tail -2
+  for mode in --b2b ""; do
+    timeout ${AB_TO:-90} python3 benchmarks/ab_hstu_fwd.py --envs "1,1+TORCHFUSE_HSTU_FWD_Q_PREFETCH=0" --rounds 3 $mode \
+      --out "$OUT/ab_fwd_qpf${mode}.md" > "$OUT/ab_qpf${mode}.log" 2>&1
+    echo "ab ${mode:-single} exit $?"; grep "^|" "$OUT/ab_fwd_qpf${mode}.md"
+  done
 elif [ "$PART" = table ]; then
   timeout ${DYN_TO:-100} $D -k cuda > "$OUT/pytest_dyn.log" 2>&1
   echo "dynemb pytest exit $?"; summary "$OUT/pytest_dyn.log" 12; grep -B30 "short test summary" "$OUT/pytest_dyn.log" | grep -E "^E " | head -12
