@@ -258,7 +258,7 @@ template <typename T, int D, bool PP>
 __global__ void __launch_bounds__(kWsThreads, 1)
     hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const tf_hstu_params p, int q_tiles, int section,
-                int64_t items, bool vec_store, bool fast_causal, bool q_prefetch) {
+                int64_t items, bool vec_store, bool fast_causal) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Cfg = Sm90Cfg<D>;
     constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, ST = Cfg::ST;
@@ -318,13 +318,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     w = block_work<BN>(p, q_tiles, section, item);
                     if (leader) work_slot[handed & 1] = work_slot_of(w);
                     if (w.active) break;
-                }
-                // The item's Q into L2 now, while the consumers still work on the previous item (this warp
-                // runs ST tiles ahead of them): its load below waits for their q_empty, then on L2, not HBM
-                // (the trace had the consumers waiting 6-9% of their time on Q at 1024-long sequences).
-                if (q_prefetch && leader && item < items && w.kt_lo <= w.kt_hi) {
-#pragma unroll
-                    for (int c = 0; c < D / 64; ++c) tma_prefetch_l2(&tm_q, 64 * c, w.h, (int)(w.s.q_start + w.i0));
                 }
                 __syncwarp();
                 if (handed++ > 0) named_bar_sync_n(6, 288);  // the consumers have taken the last hand-over
@@ -512,9 +505,6 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     // plain causal sequences' mask bits without the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0: the spans, the A/B)
     const char *cb_env = getenv("TORCHFUSE_HSTU_CAUSAL_BITS");
     const bool fast_causal = !(cb_env && cb_env[0] == '0');
-    // each item's Q fetched into L2 at its hand-over (TORCHFUSE_HSTU_FWD_Q_PREFETCH=0: not, the A/B)
-    const char *qp_env = getenv("TORCHFUSE_HSTU_FWD_Q_PREFETCH");
-    const bool q_prefetch = !(qp_env && qp_env[0] == '0');
     const char *vec_env = getenv("TORCHFUSE_HSTU_FWD_VEC_STORE");
     const bool vec = (vec_env && (vec_env[0] == '0' || vec_env[0] == '1') ? vec_env[0] == '1' : D > 128) &&
                      p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0;
@@ -526,7 +516,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
 #endif
     hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(
         tq, tk, tv, p, g.q_tiles, l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles), (int)g.blocks,
-        vec, fast_causal, q_prefetch);
+        vec, fast_causal);
 #ifdef TF_HSTU_FWD_TRACE
     tf_trace_end(trace_file, trace_ptr, 2 * grid, stream);
 #endif

@@ -45,13 +45,6 @@ static __device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *ma
         "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(tf_smem_u32(bar))
         : "memory");
 }
-/* The box tma_load would read, fetched into L2 only (no shared memory, no barrier): a later tma_load of it
- * then waits on L2, not on HBM. */
-static __device__ __forceinline__ void tma_prefetch_l2(const CUtensorMap *map, int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"((uint64_t)map), "r"(c0),
-                 "r"(c1), "r"(c2)
-                 : "memory");
-}
 /* generic-proxy writes to shared memory (st.shared) -> visible to the async proxy (wgmma, TMA) */
 static __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 /* smem (shared-space address src) -> global reduce-add (element-wise atomic, the map's element type) of one
