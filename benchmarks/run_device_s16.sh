@@ -22,10 +22,15 @@
 #           TORCHFUSE_HSTU_CAUSAL_BITS=0 (forward back to back and single calls; backward, N <= 2048, no Triton)
 #   qpf:    each item's Q fetched into L2 at its hand-over: the forward GPU tests, memcheck on a few, the one-process
 #           A/B against TORCHFUSE_HSTU_FWD_Q_PREFETCH=0 (back to back and single calls)
+#   vec:    O by 16-byte stores with the butterfly transpose (quad_chunk): the forward GPU tests, memcheck on the
+#           store-form tests, the one-process A/B of 16- against 4-byte O stores at every head dim
+#   bwdvec: the backward's dK / dV transpose by quad_chunk's butterfly: the backward GPU tests, memcheck on a few,
+#           ab_hstu_bwd.py --forms pers,pers4b (16- against 4-byte stores, no Triton, N <= 2048) on this build,
+#           then on OLD_BWD / OLD_MMA (the previous hstu_bwd_sm90.cu and hstu_mma.cuh, carried) rebuilt in place
 #   table:  the dynamic-embedding GPU tests, then the full HSTU table (bench_hstu.py --cases full,special
 #           --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: check, dynab, split, trace, causal, qpf or table}
+PART=${1:?part: check, dynab, split, trace, causal, qpf, vec, bwdvec or table}
 [ "$PART" = trace ] && export TORCHFUSE_HSTU_TRACE_BUILD=1
 source "$(dirname "$0")/device_build.sh"
 T="python3 -m pytest tests/test_hstu.py -q -p no:cacheprovider"
@@ -116,6 +121,33 @@ elif [ "$PART" = qpf ]; then
       --out "$OUT/ab_fwd_qpf${mode}.md" > "$OUT/ab_qpf${mode}.log" 2>&1
     echo "ab ${mode:-single} exit $?"; grep "^|" "$OUT/ab_fwd_qpf${mode}.md"
   done
+elif [ "$PART" = vec ]; then
+  timeout ${TEST_TO:-150} $T -k "(test_forward or cached) and not cpu" > "$OUT/pytest_fwd.log" 2>&1
+  echo "fwd pytest exit $?"; summary "$OUT/pytest_fwd.log"
+  timeout ${MEM_TO:-80} compute-sanitizer --tool memcheck --print-limit 5 $T -x -k "store_forms" > "$OUT/memcheck_fwd.log" 2>&1
+  echo "fwd memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_fwd.log" | tail -2
+  for mode in --b2b ""; do
+    timeout ${AB_TO:-90} python3 benchmarks/ab_hstu_fwd.py \
+      --envs "1+TORCHFUSE_HSTU_FWD_VEC_STORE=1,1+TORCHFUSE_HSTU_FWD_VEC_STORE=0" --rounds 3 $mode \
+      --out "$OUT/ab_fwd_vec${mode}.md" > "$OUT/ab_vec${mode}.log" 2>&1
+    echo "ab ${mode:-single} exit $?"; grep "^|" "$OUT/ab_fwd_vec${mode}.md"
+  done
+elif [ "$PART" = bwdvec ]; then
+  timeout ${TEST_TO:-200} $T -k "backward and not cpu" > "$OUT/pytest_bwd.log" 2>&1
+  echo "bwd pytest exit $?"; summary "$OUT/pytest_bwd.log"
+  timeout ${MEM_TO:-90} compute-sanitizer --tool memcheck --print-limit 5 $T -x \
+    -k "test_backward and cuda-wgmma and not wgmmared and bfloat16 and (d128_h4 or plain_h2 or many_short or d192 or dv32)" \
+    > "$OUT/memcheck_bwd.log" 2>&1
+  echo "bwd memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_bwd.log" | tail -2
+  timeout ${AB_TO:-120} python3 benchmarks/ab_hstu_bwd.py --forms pers,pers4b --rounds 3 --no-triton --shapes short \
+    --out "$OUT/ab_bwd_new.md" > "$OUT/ab_bwd_new.log" 2>&1
+  echo "ab (new) exit $?"
+  cp "${OLD_BWD:?}" kernels/hstu_bwd_sm90.cu; cp "${OLD_MMA:?}" kernels/hstu_mma.cuh
+  ( time python3 -m pip install --no-build-isolation --no-deps -e . ) > "$OUT/build_old.log" 2>&1 || { tail -20 "$OUT/build_old.log"; exit 1; }
+  echo "rebuilt at ${SECONDS}s"
+  timeout ${AB_TO:-120} python3 benchmarks/ab_hstu_bwd.py --forms pers,pers4b --rounds 3 --no-triton --shapes short \
+    --out "$OUT/ab_bwd_old.md" > "$OUT/ab_bwd_old.log" 2>&1
+  echo "ab (old) exit $?"; echo "new:"; grep "^|" "$OUT/ab_bwd_new.md"; echo "old:"; grep "^|" "$OUT/ab_bwd_old.md"
 elif [ "$PART" = table ]; then
   timeout ${DYN_TO:-100} $D -k cuda > "$OUT/pytest_dyn.log" 2>&1
   echo "dynemb pytest exit $?"; summary "$OUT/pytest_dyn.log" 12; grep -B30 "short test summary" "$OUT/pytest_dyn.log" | grep -E "^E " | head -12

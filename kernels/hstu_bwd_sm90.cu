@@ -536,24 +536,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const int64_t row = (w.start + key) * p.H + h;
 #pragma unroll
                     for (int m = 0; m < NC / 32; ++m) {
-                        uint32_t uk[4], uv[4], ok[4] = {0, 0, 0, 0}, ov[4] = {0, 0, 0, 0};
-#pragma unroll
-                        for (int jj = 0; jj < 4; ++jj) {
-                            const int j = 4 * m + jj;
-                            uk[jj] = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
-                            uv[jj] = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
-                        }
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) {  // round r: from quad lane (t4 + r) & 3 its columns of j
-                            const int src = (t4 + r) & 3, give = (t4 - r) & 3;
-                            const uint32_t gk = __shfl_sync(0xffffffffu, sel4(uk, give), (lane & ~3) | src);
-                            const uint32_t gv = __shfl_sync(0xffffffffu, sel4(uv, give), (lane & ~3) | src);
-                            set4(ok, src, gk);
-                            set4(ov, src, gv);
-                        }
+                        const uint4 ck = quad_chunk<T>(dk, hh, m), cv = quad_chunk<T>(dv, hh, m);  // every lane
                         const int col = nc0 + 8 * (4 * m + t4);
-                        if (key < len && col < dqk) *(uint4 *)(dkp + row * dqk + col) = make_uint4(ok[0], ok[1], ok[2], ok[3]);
-                        if (key < len && col < dvd) *(uint4 *)(dvp + row * dvd + col) = make_uint4(ov[0], ov[1], ov[2], ov[3]);
+                        if (key < len && col < dqk) *(uint4 *)(dkp + row * dqk + col) = ck;
+                        if (key < len && col < dvd) *(uint4 *)(dvp + row * dvd + col) = cv;
                     }
                 }
             } else {  // 4-byte stores of the accumulator layout

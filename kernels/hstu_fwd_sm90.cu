@@ -497,16 +497,16 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const int64_t grid = g.blocks < device_sizes().sms ? g.blocks : device_sizes().sms;
     err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
     if (err != cudaSuccess) return err;
-    // O by 16-byte stores at head dims above 128, where the rows allow (dv a multiple of 8, an aligned
-    // output: always, as the op allocates it). Measured in one process (H100, back to back): +8.5% at
-    // 16x4096x256 full, +2.7% with U[N/2,N] lengths; at head dims up to 128 the quad transpose's shuffles
-    // cost more than the whole sectors save (-3% to -4% at 128x1024x128, 0% at 4096).
-    // TORCHFUSE_HSTU_FWD_VEC_STORE=0 / 1 forces 4- / 16-byte stores (A/B runs, tests).
     // plain causal sequences' mask bits without the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0: the spans, the A/B)
     const char *cb_env = getenv("TORCHFUSE_HSTU_CAUSAL_BITS");
     const bool fast_causal = !(cb_env && cb_env[0] == '0');
+    // O by 16-byte stores where the rows allow (dv a multiple of 8, an aligned output: always, as the op
+    // allocates it). One-process A/B on an H100 against 4-byte stores, back to back: +7.5% at 128x1024x128,
+    // +3.7% at 16x4096x128, +12.7% at head dim 256 (session 16, with quad_chunk's butterfly transpose; its
+    // first, lane-indexed form lost 3-4% at head dims up to 128). TORCHFUSE_HSTU_FWD_VEC_STORE=0 / 1 forces
+    // 4- / 16-byte stores (A/B runs, tests).
     const char *vec_env = getenv("TORCHFUSE_HSTU_FWD_VEC_STORE");
-    const bool vec = (vec_env && (vec_env[0] == '0' || vec_env[0] == '1') ? vec_env[0] == '1' : D > 128) &&
+    const bool vec = !(vec_env && vec_env[0] == '0') &&
                      p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0;
 #ifdef TF_HSTU_FWD_TRACE
     // the measurement build: every launch's trace, written to TORCHFUSE_HSTU_FWD_TRACE_FILE (waits for it)

@@ -95,34 +95,29 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
     return *reinterpret_cast<uint32_t *>(&v);
 }
 
-// a[i] for a lane-dependent i (selects: the array stays in registers)
-__device__ __forceinline__ uint32_t sel4(const uint32_t (&a)[4], int i) {
-    return i == 0 ? a[0] : i == 1 ? a[1] : i == 2 ? a[2] : a[3];
-}
-__device__ __forceinline__ void set4(uint32_t (&a)[4], int i, uint32_t v) {
-    a[0] = i == 0 ? v : a[0];
-    a[1] = i == 1 ? v : a[1];
-    a[2] = i == 2 ? v : a[2];
-    a[3] = i == 3 ? v : a[3];
-}
-
 /* One 16-byte chunk of an accumulator row for a vector store. In the m16n8 / wgmma accumulator layout a
  * quad (lanes t4 = 0..3 of a row group) holds columns 8 j .. 8 j + 7 of its rows, two per thread:
- * acc[4 j + 2 hh], acc[4 j + 2 hh + 1] for the row of half hh. A 4 x 4 transpose by shuffles over
- * j = 4 m .. 4 m + 3 gives lane t4 all eight columns of chunk j = 4 m + t4, packed to 16 bits. Every
- * lane of the warp must call it (shuffles). */
+ * acc[4 j + 2 hh], acc[4 j + 2 hh + 1] for the row of half hh. A 4 x 4 transpose over j = 4 m .. 4 m + 3
+ * (thread = row, j = column) gives lane t4 all eight columns of chunk j = 4 m + t4, packed to 16 bits: two
+ * butterfly stages, 4 shuffles and ~12 selects (lane-indexed rounds took 28 selects). Every lane of the
+ * warp must call it (shuffles). */
 template <typename T, int N>
 __device__ __forceinline__ uint4 quad_chunk(const float (&acc)[N], int hh, int m) {
-    const int lane = threadIdx.x % 32, t4 = lane % 4;
-    uint32_t u[4], o[4] = {0, 0, 0, 0};
+    const int t4 = threadIdx.x % 4;
+    const bool odd = t4 & 1, hi = t4 & 2;
+    uint32_t u[4];
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) u[jj] = pack2<T>(acc[4 * (4 * m + jj) + 2 * hh], acc[4 * (4 * m + jj) + 2 * hh + 1]);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {  // round r: from quad lane (t4 + r) & 3, its two columns of chunk t4
-        const int src = (t4 + r) & 3, give = (t4 - r) & 3;
-        set4(o, src, __shfl_sync(0xffffffffu, sel4(u, give), (lane & ~3) | src));
-    }
-    return make_uint4(o[0], o[1], o[2], o[3]);
+    // stage 1 (lanes t4, t4 ^ 1): each keeps the columns of its parity, c = t4 & 1 and c + 2, for both rows
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? u[0] : u[1], 1);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? u[2] : u[3], 1);
+    const uint32_t c_even = odd ? r0 : u[0], c_odd = odd ? u[1] : r0;        // column c, rows 2k, 2k + 1
+    const uint32_t c2_even = odd ? r1 : u[2], c2_odd = odd ? u[3] : r1;      // column c + 2, the same rows
+    // stage 2 (lanes t4, t4 ^ 2): the low pair keeps column c and takes its rows 2, 3; the high pair keeps
+    // column c + 2 and takes its rows 0, 1
+    const uint32_t y0 = __shfl_xor_sync(0xffffffffu, hi ? c_even : c2_even, 2);
+    const uint32_t y1 = __shfl_xor_sync(0xffffffffu, hi ? c_odd : c2_odd, 2);
+    return hi ? make_uint4(y0, y1, c2_even, c2_odd) : make_uint4(c_even, c_odd, y0, y1);
 }
 
 __device__ __forceinline__ float tf_bias_load(const void *b, int dt, int64_t i) {
