@@ -74,9 +74,11 @@ def phases(rec, table=PHASES, tile_event=2):
     return acc, span, items, tiles
 
 
-def main():
+def trace_table(call_for, table, tile_event, env, default_shapes="128x1024x128,16x4096x128"):
+    """The script's table: for each --shapes case (full lengths, --window), call_for(case, N, window) is
+    the op call traced (env names the trace file); its phases (table) as shares of the busy span."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="128x1024x128,16x4096x128")
+    ap.add_argument("--shapes", default=default_shapes)
     ap.add_argument("--window", type=int, default=0)
     a = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H = {bh.H}, full lengths, "
@@ -84,23 +86,24 @@ def main():
     rows, heads = {}, []
     for shape in a.shapes.split(","):
         B, N, D = (int(x) for x in shape.split("x"))
-        c = bh.make_case(B, N, D, varied=False, window=a.window)
-        dout = torch.randn_like(c["v"])
-
-        def bwd():
-            return torch.ops.torchfuse.hstu_bwd(dout, c["q"], c["k"], c["v"], c["offsets"], c["nt"], None, N,
-                                                c["alpha"], None, 0, a.window, 0, 1, False)
-        us = device_time_us(bwd, "cuda")
+        fn = call_for(bh.make_case(B, N, D, varied=False, window=a.window), N, a.window)
+        us = device_time_us(fn, "cuda")
         with tempfile.TemporaryDirectory() as tmp:
-            acc, span, items, tiles = phases(run_trace(bwd, os.path.join(tmp, "trace.bin")))
+            acc, span, items, tiles = phases(run_trace(fn, os.path.join(tmp, "trace.bin"), env), table, tile_event)
         heads.append(f"{shape} ({us:.0f} us; {items} items, {tiles / max(items, 1):.1f} tiles each)")
         for name, cyc in acc.items():
             rows.setdefault(name, []).append(f"{100.0 * cyc / max(span, 1):.1f}% ({cyc / max(tiles, 1):.0f}/tile)")
     print("| phase | " + " | ".join(heads) + " |")
     print("|---|" + "---|" * len(heads))
-    for name in list(dict.fromkeys(PHASES.values())) + ["other"]:
+    for name in list(dict.fromkeys(table.values())) + ["other"]:
         print(f"| {name} | " + " | ".join(rows[name]) + " |")
 
 
+def backward_call(c, N, window):
+    dout = torch.randn_like(c["v"])
+    return lambda: torch.ops.torchfuse.hstu_bwd(dout, c["q"], c["k"], c["v"], c["offsets"], c["nt"], None, N,
+                                                c["alpha"], None, 0, window, 0, 1, False)
+
+
 if __name__ == "__main__":
-    main()
+    trace_table(backward_call, PHASES, 2, "TORCHFUSE_HSTU_BWD_TRACE_FILE")

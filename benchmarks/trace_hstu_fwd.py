@@ -10,19 +10,15 @@ over, 1 Q in shared memory, 2 a key tile's K / V in shared memory, 3 the consume
 barrier passed), 4 its GEMMs of the turn done, 5 SiLU applied and P packed, 6 O stored. The phases are
 the gaps between consecutive events, summed over every warpgroup of the launch (SM cycles), as shares
 of the consumers' busy span (first hand-over to last store), and per key tile."""
-import argparse
 import os
 import sys
-import tempfile
 
 import torch
 
 import torchfuse  # noqa: F401
-from torchfuse._timing import device_time_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_hstu as bh  # noqa: E402
-from trace_hstu_bwd import phases, run_trace  # noqa: E402
+from trace_hstu_bwd import trace_table  # noqa: E402
 
 # (previous event, event) -> phase
 PHASES = {
@@ -39,33 +35,10 @@ PHASES = {
 }
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="128x1024x128,16x4096x128")
-    ap.add_argument("--window", type=int, default=0)
-    a = ap.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H = {bh.H}, full lengths, "
-          f"window {a.window}; shares of the consumers' busy span (SM cycles, both warpgroups of every block)\n")
-    rows, heads = {}, []
-    for shape in a.shapes.split(","):
-        B, N, D = (int(x) for x in shape.split("x"))
-        c = bh.make_case(B, N, D, varied=False, window=a.window)
-
-        def fwd():
-            return torch.ops.torchfuse.hstu_fwd(c["q"], c["k"], c["v"], c["offsets"], c["nt"], None, N, c["alpha"],
-                                                None, 0, a.window, 0, 1, 0, False)
-        us = device_time_us(fwd, "cuda")
-        with tempfile.TemporaryDirectory() as tmp:
-            rec = run_trace(fwd, os.path.join(tmp, "trace.bin"), "TORCHFUSE_HSTU_FWD_TRACE_FILE")
-            acc, span, items, tiles = phases(rec, PHASES, tile_event=5)
-        heads.append(f"{shape} ({us:.0f} us; {items} items, {tiles / max(items, 1):.1f} tiles each)")
-        for name, cyc in acc.items():
-            rows.setdefault(name, []).append(f"{100.0 * cyc / max(span, 1):.1f}% ({cyc / max(tiles, 1):.0f}/tile)")
-    print("| phase | " + " | ".join(heads) + " |")
-    print("|---|" + "---|" * len(heads))
-    for name in list(dict.fromkeys(PHASES.values())) + ["other"]:
-        print(f"| {name} | " + " | ".join(rows[name]) + " |")
+def forward_call(c, N, window):
+    return lambda: torch.ops.torchfuse.hstu_fwd(c["q"], c["k"], c["v"], c["offsets"], c["nt"], None, N, c["alpha"],
+                                                None, 0, window, 0, 1, 0, False)
 
 
 if __name__ == "__main__":
-    main()
+    trace_table(forward_call, PHASES, 5, "TORCHFUSE_HSTU_FWD_TRACE_FILE")
