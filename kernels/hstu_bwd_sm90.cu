@@ -127,7 +127,8 @@ __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
 /* Phase trace (a measurement build only: -DTF_HSTU_BWD_TRACE, setup.py's TORCHFUSE_HSTU_TRACE_BUILD=1;
  * benchmarks/trace_hstu_bwd.py reads it; tf_phase_trace.cuh). Thread 0 of each consumer warpgroup records
  * into its own region; the launch writes them to the file named by TORCHFUSE_HSTU_BWD_TRACE_FILE.
- * Events: 0 item handed over (index: the item's tile count), 1 K / V in shared memory, 2 a tile's Q / dO in shared memory, 3 S^T / dP^T done, 7 the mask and SiLU applied,
+ * Events: 0 item handed over (index: the item's tile count), 1 K / V in shared memory, 2 a tile's Q / dO
+ * in shared memory, 3 S^T / dP^T done, 7 the mask and SiLU applied,
  * 8 dZ^T stored and dK / dV's GEMMs issued, 4 dZ^T shared (past dQ's barrier), 5 the tile's dQ staged
  * and its reduce issued, 6 the item's dK / dV stored. (7 and 8 came after session 13's trace.) */
 #ifdef TF_HSTU_BWD_TRACE

@@ -227,8 +227,9 @@ def test_forward(target, dtype, case, monkeypatch):
 @pytest.mark.parametrize("case", ["plain_h2_d64", "d128_h4_int64", "d192_dv256_h2", "d256_dv32_h8_msl_scaling",
                                   "targets_groups_context", "many_short_seqs"])
 def test_forward_store_forms_identical(case, monkeypatch):
-    """O by 16-byte stores after the quad transpose and by 4-byte stores: the same values, bit for bit,
-    in the same rows (rows past a sequence's end included: neither form may write them)."""
+    """O by 16-byte stores after the quad transpose and by 4-byte stores: the same output, bit for bit,
+    every row included (a form writing past a sequence's end would overwrite the next sequence's rows,
+    which test_forward's comparison with the reference catches for each form on its own)."""
     B, H, dqk, dv, max_len, mk, kw = CASES[case]
     q, k, v, offsets, msl, nt, bias = make_inputs("cuda", torch.bfloat16, B, H, dqk, dv, max_len, **mk)
     monkeypatch.setenv("TORCHFUSE_HSTU_SM90", "1")
