@@ -3,17 +3,21 @@
  * Same semantics as hstu_fwd_mma (hstu_fwd.cu); work item = (query tile of BM = 128 rows, sequence,
  * head), whose key tiles tf_hstu_col_range() allows. Persistent: one block per SM takes items from a
  * global counter, longest first, and overlaps the next item's loads with this one's end. Per block:
- *   - warpgroup 0 produces: one warp takes the items, its first lane issues the copy engine's (TMA) tile loads, the Q tile once and
- *     each K/V tile into a ring of ST stages, each completing on the stage's `full` mbarrier; the
- *     warpgroup hands most of its registers to the consumers (setmaxnreg);
+ *   - warpgroup 0 produces: one warp takes the items, its first lane issues the copy engine's (TMA)
+ *     tile loads: each item's Q tile into one of QB buffers, each K tile and each V tile into rings of
+ *     their own (STK, STV stages), each completing on its stage's `full` mbarrier; the warpgroup hands
+ *     most of its registers to the consumers (setmaxnreg);
  *   - warpgroups 1 and 2 consume 64 query rows each: S = Q K^T by wgmma m64nBNk16 with Q and K read
  *     by the tensor cores from shared memory, P = SiLU(...) masked in registers, O += P V with P from
  *     registers (S's fp32 accumulators repacked to 16 bits: mma.sync's A fragment shape) and V through
- *     the MN-major ("transposed") descriptor; then free the stage on its `empty` mbarrier. At head
+ *     the MN-major ("transposed") descriptor; then free the stages on their `empty` mbarriers. At head
  *     dims up to 128 the two take turns (ping-pong, named barriers): one issues P V of tile j and S
  *     of tile j + 1 while the other runs its SiLU; at 256 they run free and drift apart (with all
  *     256 threads loading by cp.async and a __syncthreads per tile both SiLUs ran at once with the
  *     tensor cores idle: 302 against 358 TFLOP/s at 16x4096x128);
+ *   - at head dims up to 128 each consumer stages its O in its own rows of its item's Q buffer and the
+ *     copy engine stores it (one TMA store per 64 columns), where the register stores took 10-15% of the
+ *     consumers' time at 1024-long sequences (session 16's trace);
  *   - tiles are 128-byte swizzled in shared memory (rows of 64 elements, 16-byte chunk index XOR row
  *     mod 8): what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and what the wgmma descriptors read;
  *   - a warpgroup skips the MMAs of a key tile its own rows cannot reach (the causal diagonal at
@@ -41,12 +45,19 @@ constexpr int kBM = 128;  // query rows per block: two consumer warpgroups of 64
 template <int D>
 struct Sm90Cfg {
     static constexpr int BN = D >= 256 ? 64 : 128;
-    // K/V ring stages: as many as 227 KB of shared memory allows (one block per SM)
-    static constexpr int ST = D <= 64 ? 4 : D <= 128 ? 3 : 2;
     static constexpr int Q_BYTES = kBM * D * 2, KV_BYTES = BN * D * 2;
-    // Q, then the K and V rings; +1024: the swizzle pattern repeats every 1024 bytes, so tiles start on
-    // a 1024-byte boundary
-    static constexpr int SMEM = Q_BYTES + 2 * ST * KV_BYTES + 1024;
+    // Q buffers: two up to D = 128, so the next item's Q loads during this one (not after its last S) and
+    // each consumer's O is staged in its own rows of its item's Q buffer for a TMA store; at 256 a Q tile
+    // is 64 KB and there is one.
+    static constexpr int QB = D <= 128 ? 2 : 1;
+    // K and V in rings of their own: a K tile is free once both consumers' S = Q K^T of it are done, a
+    // turn before its V tile (P V), so 2 K stages keep the lead that 3 joint K/V stages had, and the
+    // 32 KB this frees at D = 128 holds the second Q buffer. As many stages as 227 KB of shared memory
+    // allows (one block per SM).
+    static constexpr int STK = D <= 64 ? 4 : 2;
+    static constexpr int STV = D <= 64 ? 4 : D <= 128 ? 3 : 2;
+    // +1024: the swizzle pattern repeats every 1024 bytes, so tiles start on a 1024-byte boundary
+    static constexpr int SMEM = QB * Q_BYTES + (STK + STV) * KV_BYTES + 1024;
 };
 
 /* Validity of this thread's accumulator elements in a key tile: bit 2 j + e of bits[h] is row p + 8 h,
@@ -177,6 +188,32 @@ __device__ __forceinline__ void store_o(const float (&o)[D / 2], const tf_hstu_p
     }
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* four 8 x 8 16-bit matrices (mma.sync fragment layout) -> shared memory: lane 8 m + i gives the address of
+ * row i of matrix m */
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+/* This warpgroup's O (64 rows, fp32 accumulators) -> 16 bits in 128-byte-swizzled panels at dst (panel c:
+ * columns 64 c.., 64 rows of 128 bytes; panels kBM x 128 bytes apart, as this warpgroup's rows of a Q
+ * buffer lie), for the copy engine to store. Step q stores the 8 x 8 blocks (rows 8 (m & 1), columns
+ * 8 (2 q + (m >> 1))) of this warp's 16 rows: the accumulators' chunks 4 j + 2 half, j = 2 q + (m >> 1). */
+template <typename T, int D>
+__device__ __forceinline__ void stage_o(const float (&o)[D / 2], uint32_t dst) {
+    const int lane = threadIdx.x % 32, m = lane / 8, i = lane % 8;
+    const int r = 16 * ((threadIdx.x / 32) % 4) + 8 * (m & 1) + i;
+#pragma unroll
+    for (int q = 0; q < D / 16; ++q) {
+        const uint32_t f[4] = {pack2<T>(o[8 * q], o[8 * q + 1]), pack2<T>(o[8 * q + 2], o[8 * q + 3]),
+                               pack2<T>(o[8 * q + 4], o[8 * q + 5]), pack2<T>(o[8 * q + 6], o[8 * q + 7])};
+        const int jj = 2 * q + (m >> 1);  // this lane's row's 16-byte chunk (column 8 jj)
+        stmatrix_x4(dst + (jj / 8) * kBM * 128 + r * 128 + (((jj % 8) ^ (r % 8)) * 16), f);
+    }
+}
+#endif
+
 /* A block's work: which (sequence, head, query tile) and its key-tile range.
  * Block order: (sequence, head) pairs in sections of `section` pairs whose K and V fit in L2 together;
  * within a section the query tiles with the most keys first (load balance), all pairs of the section
@@ -257,26 +294,33 @@ constexpr int kWsThreads = 384;
 template <typename T, int D, bool PP>
 __global__ void __launch_bounds__(kWsThreads, 1)
     hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                const __grid_constant__ CUtensorMap tm_v, const tf_hstu_params p, int q_tiles, int section,
-                int64_t items, bool vec_store, bool fast_causal) {
+                const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                const tf_hstu_params p, int q_tiles, int section, int64_t items, bool vec_store, bool o_tma,
+                bool fast_causal) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Cfg = Sm90Cfg<D>;
-    constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, ST = Cfg::ST;
+    constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, STK = Cfg::STK, STV = Cfg::STV, QB = Cfg::QB;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-    uint8_t *Qs = smem, *Ks = smem + Cfg::Q_BYTES, *Vs = Ks + ST * KV_BYTES;
-    // full / empty: the K/V ring; q_full / q_empty: the one Q buffer, refilled per work item once
-    // both consumers' S = Q K^T are done with it
-    __shared__ __align__(8) uint64_t full_bar[ST], empty_bar[ST], q_full, q_empty;
+    uint8_t *Qs = smem, *Ks = smem + QB * Cfg::Q_BYTES, *Vs = Ks + STK * KV_BYTES;
+    // k_full / k_empty, v_full / v_empty: the K and V rings; q_full / q_empty: the QB Q buffers, one per
+    // work item in turn, each refilled once both consumers' S = Q K^T of its item are done with it
+    __shared__ __align__(8) uint64_t k_full[STK], k_empty[STK], v_full[STV], v_empty[STV], q_full[QB], q_empty[QB];
 
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
-        for (int i = 0; i < ST; ++i) {
-            mbar_init(&full_bar[i], 1);
-            mbar_init(&empty_bar[i], 8);  // the 8 consumer warps
+        for (int i = 0; i < STK; ++i) {
+            mbar_init(&k_full[i], 1);
+            mbar_init(&k_empty[i], 8);  // the 8 consumer warps
         }
-        mbar_init(&q_full, 1);
-        mbar_init(&q_empty, 8);
+        for (int i = 0; i < STV; ++i) {
+            mbar_init(&v_full[i], 1);
+            mbar_init(&v_empty[i], 8);
+        }
+        for (int i = 0; i < QB; ++i) {
+            mbar_init(&q_full[i], 1);
+            mbar_init(&q_empty[i], 8);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -325,25 +369,31 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 if (item >= items) break;
                 item = next_item();  // the next one, fetched ahead
                 if (w.kt_lo > w.kt_hi) continue;  // nothing to load: the consumers write zeros
-                if (qn > 0) mbar_wait(&q_empty, (qn - 1) & 1);  // both consumers are done with Q
+                const int qb = qn % QB;
+                if (qn >= QB) mbar_wait(&q_empty[qb], (qn / QB - 1) & 1);  // both consumers are done with it
                 ++qn;
                 if (leader) {
-                    mbar_expect_tx(&q_full, Cfg::Q_BYTES);
+                    mbar_expect_tx(&q_full[qb], Cfg::Q_BYTES);
 #pragma unroll
                     for (int c = 0; c < D / 64; ++c)
-                        tma_load(Qs + c * kBM * 128, &tm_q, 64 * c, w.h, (int)(w.s.q_start + w.i0), &q_full);
+                        tma_load(Qs + qb * Cfg::Q_BYTES + c * kBM * 128, &tm_q, 64 * c, w.h, (int)(w.s.q_start + w.i0),
+                                 &q_full[qb]);
                 }
                 for (int kt = w.kt_lo; kt <= w.kt_hi; ++kt, ++g) {
-                    const int st = g % ST;
-                    if (g >= ST) mbar_wait(&empty_bar[st], (g / ST - 1) & 1);
+                    const int sk = g % STK, sv = g % STV, row = (int)(w.s.start + kt * BN);
+                    if (g >= STK) mbar_wait(&k_empty[sk], (g / STK - 1) & 1);
                     if (leader) {
-                        mbar_expect_tx(&full_bar[st], 2 * KV_BYTES);
-                        const int row = (int)(w.s.start + kt * BN);
+                        mbar_expect_tx(&k_full[sk], KV_BYTES);
 #pragma unroll
-                        for (int c = 0; c < D / 64; ++c) {
-                            tma_load(Ks + st * KV_BYTES + c * BN * 128, &tm_k, 64 * c, w.h, row, &full_bar[st]);
-                            tma_load(Vs + st * KV_BYTES + c * BN * 128, &tm_v, 64 * c, w.h, row, &full_bar[st]);
-                        }
+                        for (int c = 0; c < D / 64; ++c)
+                            tma_load(Ks + sk * KV_BYTES + c * BN * 128, &tm_k, 64 * c, w.h, row, &k_full[sk]);
+                    }
+                    if (g >= STV) mbar_wait(&v_empty[sv], (g / STV - 1) & 1);
+                    if (leader) {
+                        mbar_expect_tx(&v_full[sv], KV_BYTES);
+#pragma unroll
+                        for (int c = 0; c < D / 64; ++c)
+                            tma_load(Vs + sv * KV_BYTES + c * BN * 128, &tm_v, 64 * c, w.h, row, &v_full[sv]);
                     }
                 }
             }
@@ -352,11 +402,29 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
         const int cw = wg - 1;
         const float c_t = 0.5f * (float)p.alpha;
-        const uint32_t q_addr = smem_u32(Qs) + cw * 64 * 128;
         int g = 0, qn = 0;
 #ifdef TF_HSTU_FWD_TRACE
         int trace_n = 0;
 #endif
+        // this warp is done with ring stage s (k_empty / v_empty: 8 arrivals, one per consumer warp)
+        auto release = [](uint64_t *bar) {
+            __syncwarp();
+            if (threadIdx.x % 32 == 0) mbar_arrive(bar);
+        };
+        // O through the copy engine (o_tma): this warpgroup's O staged in its own rows of the item's Q buffer
+        // (free once its last S is done), stored by TMA, so the consumer goes on to the next item while the
+        // rows are written. The warpgroup's warp 0 then frees that Q buffer (its q_empty arrival) only once
+        // the store has read the staging: at the next item, after its first turn (pending_q).
+        int pending_q = -1;
+        auto flush_o = [&]() {
+            if (pending_q >= 0) {
+                if (threadIdx.x % 128 == 0) {
+                    bulk_wait_group_read0();
+                    mbar_arrive(&q_empty[pending_q]);
+                }
+                pending_q = -1;
+            }
+        };
         for (int k = 0;; ++k) {
             named_bar_sync_n(5, 288);
             // copied before arriving at 6: from then on the producer may rewrite this slot (hand-over k + 2)
@@ -368,13 +436,21 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             const bool causal = fast_causal && tf_hstu_causal(mask);
             const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
             const int wpos0 = w.pos0 + 64 * cw;
+            // staged: this warpgroup's 64 rows all in the sequence (a partial tile's rows past its end belong to
+            // the next sequence, which a whole-box store would overwrite) and a Q buffer to stage in
+            const bool staged = QB == 2 && o_tma && kt_lo <= kt_hi && w.rows_here >= 64 * (cw + 1);
+            const bool q_release = !staged || (threadIdx.x / 32) % 4 != 0;  // warp 0 of a staged one frees later
+            if (!PP || kt_lo > kt_hi) flush_o();
             float o[D / 2];
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+            int qb = 0;
             if (kt_lo <= kt_hi) {
-                mbar_wait(&q_full, qn & 1);
+                qb = qn % QB;
+                mbar_wait(&q_full[qb], (qn / QB) & 1);
                 ++qn;
                 FWD_TRACE(1, 0);
+                const uint32_t q_addr = smem_u32(Qs + qb * Cfg::Q_BYTES) + cw * 64 * 128;
                 const Reach reach(mask, wpos0);
                 float sacc[BN / 2];
                 uint32_t pa[BN / 16][4];
@@ -382,26 +458,30 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 for (int i = 0; i < BN / 2; ++i) sacc[i] = 0.f;
                 if constexpr (!PP) {
                     for (int kt = kt_lo; kt <= kt_hi; ++kt) {
-                        const int gi = g + kt - kt_lo, st = gi % ST;
-                        mbar_wait(&full_bar[st], (gi / ST) & 1);
-                        if (kt * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, w.n - kt * BN, cw);
+                        const int gi = g + kt - kt_lo, sk = gi % STK, sv = gi % STV;
+                        mbar_wait(&k_full[sk], (gi / STK) & 1);
+                        mbar_wait(&v_full[sv], (gi / STV) & 1);
+                        if (kt * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + sv * KV_BYTES, w.n - kt * BN, cw);
                         if (reach.tile<BN>(kt)) {
                             tf_wgmma_fence();
-                            tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + st * KV_BYTES));
+                            tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + sk * KV_BYTES));
                             tf_wgmma_commit();
                             tf_wgmma_wait<0>();
                             tf_wgmma_reg_fence(sacc);
                             elementwise<T, BN>(sacc, pa, p, mask, causal, w.b, w.h, wpos0, kt * BN, c_t);
                             tf_wgmma_fence();
-                            tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                            tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + sv * KV_BYTES));
                             tf_wgmma_commit();
                             tf_wgmma_wait<0>();
                             tf_wgmma_reg_fence(o);
                         }
                         __syncwarp();
-                        if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);
+                        if (threadIdx.x % 32 == 0) {
+                            mbar_arrive(&k_empty[sk]);
+                            mbar_arrive(&v_empty[sv]);
+                        }
                     }
-                    if (threadIdx.x % 32 == 0) mbar_arrive(&q_empty);  // this warp is done with Q
+                    if (q_release) release(&q_empty[qb]);  // this warp is done with Q
                 } else {
                     // Ping-pong: after the SiLU of tile j, one batch issues P V of tile j and S of tile
                     // j + 1, in turns with the other consumer (named barriers 1 + cw: sync on mine before
@@ -410,31 +490,34 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     // reach): a branch around the MMAs or the code defining P makes ptxas serialize the
                     // wgmmas (C7520). Each item's turns balance (every sync gets exactly one arrival),
                     // and neither consumer can start the next item's turns before the other has taken
-                    // its last one of this item.
+                    // its last one of this item. A turn's end frees tile j's V and tile j + 1's K.
                     const int mine = 1 + cw, other = 2 - cw;
                     if (cw == 1) named_bar_arrive(1);  // consumer 0 goes first
-                    mbar_wait(&full_bar[g % ST], (g / ST) & 1);
+                    mbar_wait(&k_full[g % STK], (g / STK) & 1);
                     FWD_TRACE(2, kt_lo);
                     named_bar_sync(mine);
                     FWD_TRACE(3, kt_lo);
                     tf_wgmma_fence();
-                    tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + (g % ST) * KV_BYTES));
+                    tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + (g % STK) * KV_BYTES));
                     tf_wgmma_commit();
                     named_bar_arrive(other);
                     tf_wgmma_wait<0>();
                     tf_wgmma_reg_fence(sacc);
                     FWD_TRACE(4, kt_lo);
+                    release(&k_empty[g % STK]);
+                    flush_o();  // the previous item's O store has long read its staging
                     for (int j = kt_lo; j < kt_hi; ++j) {
-                        const int gi = g + j - kt_lo, st = gi % ST, nst = (gi + 1) % ST;
+                        const int gi = g + j - kt_lo, sv = gi % STV, nsk = (gi + 1) % STK;
                         elementwise<T, BN>(sacc, pa, p, mask, causal, w.b, w.h, wpos0, j * BN, c_t);
                         FWD_TRACE(5, j);
-                        mbar_wait(&full_bar[nst], ((gi + 1) / ST) & 1);
+                        mbar_wait(&v_full[sv], (gi / STV) & 1);
+                        mbar_wait(&k_full[nsk], ((gi + 1) / STK) & 1);
                         FWD_TRACE(2, j + 1);
                         named_bar_sync(mine);
                         FWD_TRACE(3, j + 1);
                         tf_wgmma_fence();
-                        tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
-                        tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + nst * KV_BYTES));
+                        tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + sv * KV_BYTES));
+                        tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + nsk * KV_BYTES));
                         tf_wgmma_commit();
                         named_bar_arrive(other);
                         tf_wgmma_wait<0>();
@@ -442,35 +525,53 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                         tf_wgmma_reg_fence(o);
                         FWD_TRACE(4, j + 1);
                         __syncwarp();
-                        if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);  // tile j is done with
+                        if (threadIdx.x % 32 == 0) {
+                            mbar_arrive(&v_empty[sv]);
+                            mbar_arrive(&k_empty[nsk]);
+                        }
                     }
-                    if (threadIdx.x % 32 == 0) mbar_arrive(&q_empty);  // every S of this item is done
+                    if (q_release) release(&q_empty[qb]);  // every S of this item is done
                     {  // the last tile: its P V alone
-                        const int st = (g + kt_hi - kt_lo) % ST;
+                        const int gi = g + kt_hi - kt_lo, sv = gi % STV;
                         elementwise<T, BN>(sacc, pa, p, mask, causal, w.b, w.h, wpos0, kt_hi * BN, c_t);
                         FWD_TRACE(5, kt_hi);
+                        mbar_wait(&v_full[sv], (gi / STV) & 1);
                         // only the last tile can run past the sequence's end
-                        if (kt_hi * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + st * KV_BYTES, w.n - kt_hi * BN, cw);
+                        if (kt_hi * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + sv * KV_BYTES, w.n - kt_hi * BN, cw);
                         named_bar_sync(mine);
                         FWD_TRACE(3, kt_hi + 1);
                         tf_wgmma_fence();
-                        tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + st * KV_BYTES));
+                        tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + sv * KV_BYTES));
                         tf_wgmma_commit();
                         if (cw == 0) named_bar_arrive(other);  // every sync gets exactly one arrival
                         tf_wgmma_wait<0>();
                         tf_wgmma_reg_fence(o);
                         FWD_TRACE(4, kt_hi + 1);
-                        __syncwarp();
-                        if (threadIdx.x % 32 == 0) mbar_arrive(&empty_bar[st]);
+                        release(&v_empty[sv]);
                     }
                 }
                 g += kt_hi - kt_lo + 1;
             }
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] *= (float)p.inv_scale;  // P's 1 / S_norm
-            store_o<T, D>(o, p, w.q_start + w.i0, w.h, 64 * cw, w.rows_here, vec_store);
+            if (staged) {
+                const uint32_t dst = smem_u32(Qs + qb * Cfg::Q_BYTES) + cw * 64 * 128;
+                stage_o<T, D>(o, dst);
+                fence_proxy_async();
+                named_bar_sync_n(3 + cw, 128);  // the warpgroup's rows all staged
+                if (threadIdx.x % 128 == 0) {
+#pragma unroll
+                    for (int c = 0; c < D / 64; ++c)
+                        if (64 * c < p.dv) tma_store(&tm_o, dst + c * kBM * 128, 64 * c, w.h, (int)(w.q_start + w.i0 + 64 * cw));
+                    bulk_commit_group();
+                }
+                pending_q = qb;
+            } else {
+                store_o<T, D>(o, p, w.q_start + w.i0, w.h, 64 * cw, w.rows_here, vec_store);
+            }
             FWD_TRACE(6, 0);
         }
+        if (threadIdx.x % 128 == 0) bulk_wait_group0();  // the stores done before the block's shared memory goes
     }
 #endif
 }
@@ -483,7 +584,7 @@ template <typename T, int D, bool PP>
 int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const HstuFwdGrid g = hstu_fwd_grid(p, kBM);
     if (g.err != cudaSuccess || g.blocks == 0) return g.err;
-    CUtensorMap tq, tk, tv;
+    CUtensorMap tq, tk, tv, to;
     const int64_t q_rows = p.delta > 0 ? p.B * p.delta : p.L;
     if (!tensor_map(&tq, p.dtype, p.q, q_rows, p.H, p.dqk, p.q_sr, p.q_sh, kBM) ||
         !tensor_map(&tk, p.dtype, p.k, p.L, p.H, p.dqk, p.k_sr, p.k_sh, Sm90Cfg<D>::BN) ||
@@ -508,6 +609,13 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const char *vec_env = getenv("TORCHFUSE_HSTU_FWD_VEC_STORE");
     const bool vec = !(vec_env && vec_env[0] == '0') &&
                      p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0;
+    // O staged in shared memory and stored by the copy engine where a second Q buffer holds the staging
+    // (QB = 2: head dims up to 128) and the copy engine can address the output; the 16- or 4-byte stores
+    // above take the rest. TORCHFUSE_HSTU_FWD_O_TMA=0 turns it off (A/B runs, tests).
+    const char *ot_env = getenv("TORCHFUSE_HSTU_FWD_O_TMA");
+    bool o_tma = Sm90Cfg<D>::QB == 2 && !(ot_env && ot_env[0] == '0');
+    if (o_tma) o_tma = tensor_map(&to, p.dtype, p.o, q_rows, p.H, p.dv, p.H * p.dv, p.dv, 64);
+    if (!o_tma) to = tq;  // unused
 #ifdef TF_HSTU_FWD_TRACE
     // the measurement build: every launch's trace, written to TORCHFUSE_HSTU_FWD_TRACE_FILE (waits for it)
     const char *trace_file = getenv("TORCHFUSE_HSTU_FWD_TRACE_FILE");
@@ -515,8 +623,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     cudaMemcpyToSymbolAsync(g_fwd_trace, &trace_ptr, sizeof(trace_ptr), 0, cudaMemcpyHostToDevice, stream);
 #endif
     hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(
-        tq, tk, tv, p, g.q_tiles, l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles), (int)g.blocks,
-        vec, fast_causal);
+        tq, tk, tv, to, p, g.q_tiles, l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles),
+        (int)g.blocks, vec, o_tma, fast_causal);
 #ifdef TF_HSTU_FWD_TRACE
     tf_trace_end(trace_file, trace_ptr, 2 * grid, stream);
 #endif

@@ -57,6 +57,15 @@ static __device__ __forceinline__ void tma_reduce_add(const CUtensorMap *map, ui
         "r"(src), "r"(c0), "r"(c1), "r"(c2)
         : "memory");
 }
+/* smem (128-byte-swizzled rows, shared-space address src) -> global: one box at (c0, c1, c2) of a 3-d map,
+ * asynchronous, tracked by the issuing thread's bulk async-groups; a box reaching past the map's dims is
+ * clipped (nothing written there) */
+static __device__ __forceinline__ void tma_store(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                     (uint64_t)map),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
 static __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 /* this thread's bulk groups have finished reading their shared-memory sources (which may be rewritten) */
 static __device__ __forceinline__ void bulk_wait_group_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }

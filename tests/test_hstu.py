@@ -145,9 +145,9 @@ CUDA_ONLY_CASES = {"many_short_seqs"}
 # sequences' mask bits from the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0), "cuda-wgmma" from hstu_causal_row_bits.
 FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmaplain", "cuda-mma"] if torch.cuda.is_available() else [])
 SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1", "TORCHFUSE_HSTU_FWD_VEC_STORE": "1",
-                           "TORCHFUSE_HSTU_CAUSAL_BITS": "1"},
+                           "TORCHFUSE_HSTU_FWD_O_TMA": "1", "TORCHFUSE_HSTU_CAUSAL_BITS": "1"},
             "cuda-wgmmaplain": {"TORCHFUSE_HSTU_SM90": "2", "TORCHFUSE_HSTU_FWD_VEC_STORE": "0",
-                                "TORCHFUSE_HSTU_CAUSAL_BITS": "0"},
+                                "TORCHFUSE_HSTU_FWD_O_TMA": "0", "TORCHFUSE_HSTU_CAUSAL_BITS": "0"},
             "cuda-mma": {"TORCHFUSE_HSTU_SM90": "0"}}
 # Backward targets: "cuda-wgmma" lets the sm_90a wgmma backward run where it applies (bf16 / fp16, head
 # dims up to 256, no attn_bias: the other cases still take mma.sync), in its persistent form (the
@@ -224,20 +224,24 @@ def test_forward(target, dtype, case, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-@pytest.mark.parametrize("case", ["plain_h2_d64", "d128_h4_int64", "d192_dv256_h2", "d256_dv32_h8_msl_scaling",
-                                  "targets_groups_context", "many_short_seqs"])
+@pytest.mark.parametrize("case", ["plain_h2_d64", "dqk32_dv96_h1", "d128_h4_int64", "d192_dv256_h2",
+                                  "d256_dv32_h8_msl_scaling", "targets_groups_context", "many_short_seqs",
+                                  "long_d128_targets"])
 def test_forward_store_forms_identical(case, monkeypatch):
-    """O by 16-byte stores after the quad transpose and by 4-byte stores: the same output, bit for bit,
-    every row included (a form writing past a sequence's end would overwrite the next sequence's rows,
-    which test_forward's comparison with the reference catches for each form on its own)."""
+    """O staged in shared memory and stored by the copy engine (head dims up to 128), by 16-byte stores
+    after the quad transpose and by 4-byte stores: the same output, bit for bit, every row included (a
+    form writing past a sequence's end would overwrite the next sequence's rows, which test_forward's
+    comparison with the reference catches for each form on its own)."""
     B, H, dqk, dv, max_len, mk, kw = CASES[case]
     q, k, v, offsets, msl, nt, bias = make_inputs("cuda", torch.bfloat16, B, H, dqk, dv, max_len, **mk)
     monkeypatch.setenv("TORCHFUSE_HSTU_SM90", "1")
     outs = []
-    for vec in ("1", "0"):
+    for o_tma, vec in (("1", "1"), ("0", "1"), ("0", "0")):
+        monkeypatch.setenv("TORCHFUSE_HSTU_FWD_O_TMA", o_tma)
         monkeypatch.setenv("TORCHFUSE_HSTU_FWD_VEC_STORE", vec)
         outs.append(torchfuse.hstu_attention(q, k, v, offsets, msl, 0.3, num_targets=nt, attn_bias=bias, **kw))
     assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[1], outs[2])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 17's device calls (each under the 10-minute limit).
+#   qbuf:  the forward's K and V in rings of their own and two Q buffers at head dims up to 128: the forward
+#          GPU tests, memcheck and racecheck on a few, then ab_hstu_fwd.py against one Q buffer
+#          (TORCHFUSE_HSTU_FWD_QBUF=1, the K ring then 3 stages) in one process, back to back and single calls
+#   otma:  O staged in the item's Q buffer and stored by TMA (head dims up to 128), on top of qbuf: the forward GPU
+#          tests, memcheck and racecheck on a few, then ab_hstu_fwd.py against register stores
+#          (TORCHFUSE_HSTU_FWD_O_TMA=0) and against one Q buffer in one process
+#   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
+set -uo pipefail
+PART=${1:?part: qbuf, otma or table}
+source "$(dirname "$0")/device_build.sh"
+source "$(dirname "$0")/device_helpers.sh"
+case "$PART" in
+qbuf)
+  fwd_tests
+  sanitize memcheck memcheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d128_h4 or window or targets or many_short or plain_h2)"
+  sanitize racecheck racecheck_fwd "test_forward and cuda-wgmma and bfloat16 and (d128_h4_int64 or many_short or plain_h2)"
+  fwd_ab "1,1+TORCHFUSE_HSTU_FWD_QBUF=1" qbuf ;;
+otma)
+  fwd_tests
+  sanitize memcheck memcheck_fwd "store_forms or (test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d128_h4 or window or targets or plain_h2))"
+  MEM_TO=${RACE_TO:-150} sanitize racecheck racecheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d128_h4_int64 or plain_h2)"
+  fwd_ab "1,1+TORCHFUSE_HSTU_FWD_O_TMA=0,1+TORCHFUSE_HSTU_FWD_QBUF=1" otma ;;
+table)
+  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  timeout ${BENCH_TO:-420} python3 benchmarks/bench_hstu.py --cases full,special --compile --b2b \
+    --out "$OUT/bench_hstu_full.md" > "$OUT/bench_hstu.log" 2>"$OUT/bench_hstu.err"
+  echo "hstu bench exit $?"; cat "$OUT/bench_hstu_full.md"; tail -3 "$OUT/bench_hstu.err" ;;
+esac
