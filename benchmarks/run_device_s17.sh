@@ -6,7 +6,7 @@
 #   otma:  O staged in the item's Q buffer and stored by TMA (head dims up to 128), on top of qbuf: the forward GPU
 #          tests, memcheck and racecheck on a few, then ab_hstu_fwd.py against register stores
 #          (TORCHFUSE_HSTU_FWD_O_TMA=0) and against one Q buffer in one process
-#   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
+#   table: the forward GPU tests on the final code, then the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
 PART=${1:?part: qbuf, otma or table}
 source "$(dirname "$0")/device_build.sh"
@@ -23,6 +23,7 @@ otma)
   MEM_TO=${RACE_TO:-150} sanitize racecheck racecheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d128_h4_int64 or plain_h2)"
   fwd_ab "1,1+TORCHFUSE_HSTU_FWD_O_TMA=0,1+TORCHFUSE_HSTU_FWD_QBUF=1" otma ;;
 table)
+  fwd_tests
   [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
   timeout ${BENCH_TO:-420} python3 benchmarks/bench_hstu.py --cases full,special --compile --b2b \
     --out "$OUT/bench_hstu_full.md" > "$OUT/bench_hstu.log" 2>"$OUT/bench_hstu.err"
