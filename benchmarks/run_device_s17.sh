@@ -6,9 +6,11 @@
 #   otma:  O staged in the item's Q buffer and stored by TMA (head dims up to 128), on top of qbuf: the forward GPU
 #          tests, memcheck and racecheck on a few, then ab_hstu_fwd.py against register stores
 #          (TORCHFUSE_HSTU_FWD_O_TMA=0) and against one Q buffer in one process
+#   d256:  O staged in the single Q buffer at head dim 256 too (TORCHFUSE_HSTU_FWD_O_TMA=2, the next item's Q
+#          load waiting for the store's read): the forward GPU tests, memcheck on the store forms, the A/B
 #   table: the forward GPU tests on the final code, then the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: qbuf, otma or table}
+PART=${1:?part: qbuf, otma, d256 or table}
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_helpers.sh"
 case "$PART" in
@@ -22,6 +24,10 @@ otma)
   sanitize memcheck memcheck_fwd "store_forms or (test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d128_h4 or window or targets or plain_h2))"
   MEM_TO=${RACE_TO:-150} sanitize racecheck racecheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d128_h4_int64 or plain_h2)"
   fwd_ab "1,1+TORCHFUSE_HSTU_FWD_O_TMA=0,1+TORCHFUSE_HSTU_FWD_QBUF=1" otma ;;
+d256)
+  fwd_tests
+  sanitize memcheck memcheck_fwd "store_forms"
+  fwd_ab "1,1+TORCHFUSE_HSTU_FWD_O_TMA=2" d256 ;;
 table)
   fwd_tests
   [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"

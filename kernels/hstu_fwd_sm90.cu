@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             const int wpos0 = w.pos0 + 64 * cw;
             // staged: this warpgroup's 64 rows all in the sequence (a partial tile's rows past its end belong to
             // the next sequence, which a whole-box store would overwrite) and a Q buffer to stage in
-            const bool staged = QB == 2 && o_tma && kt_lo <= kt_hi && w.rows_here >= 64 * (cw + 1);
+            const bool staged = o_tma && kt_lo <= kt_hi && w.rows_here >= 64 * (cw + 1);
             const bool q_release = !staged || (threadIdx.x / 32) % 4 != 0;  // warp 0 of a staged one frees later
             if (!PP || kt_lo > kt_hi) flush_o();
             float o[D / 2];
@@ -613,7 +613,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     // (QB = 2: head dims up to 128) and the copy engine can address the output; the 16- or 4-byte stores
     // above take the rest. TORCHFUSE_HSTU_FWD_O_TMA=0 turns it off (A/B runs, tests).
     const char *ot_env = getenv("TORCHFUSE_HSTU_FWD_O_TMA");
-    bool o_tma = Sm90Cfg<D>::QB == 2 && !(ot_env && ot_env[0] == '0');
+    // TEMPORARY A/B: 2 stages O in the single Q buffer at head dim 256 too (the next item's Q then waits for it)
+    bool o_tma = (Sm90Cfg<D>::QB == 2 || (ot_env && ot_env[0] == '2')) && !(ot_env && ot_env[0] == '0');
     if (o_tma) o_tma = tensor_map(&to, p.dtype, p.o, q_rows, p.H, p.dv, p.H * p.dv, p.dv, 64);
     if (!o_tma) to = tq;  // unused
 #ifdef TF_HSTU_FWD_TRACE
