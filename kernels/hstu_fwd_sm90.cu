@@ -15,9 +15,9 @@
  *     of tile j + 1 while the other runs its SiLU; at 256 they run free and drift apart (with all
  *     256 threads loading by cp.async and a __syncthreads per tile both SiLUs ran at once with the
  *     tensor cores idle: 302 against 358 TFLOP/s at 16x4096x128);
- *   - at head dims up to 128 each consumer stages its O in its own rows of its item's Q buffer and the
- *     copy engine stores it (one TMA store per 64 columns), where the register stores took 10-15% of the
- *     consumers' time at 1024-long sequences (session 16's trace);
+ *   - each consumer stages its O in its own rows of its item's Q buffer and the copy engine stores it
+ *     (one TMA store per 64 columns), where the register stores took 10-15% of the consumers' time at
+ *     1024-long sequences (session 16's trace);
  *   - tiles are 128-byte swizzled in shared memory (rows of 64 elements, 16-byte chunk index XOR row
  *     mod 8): what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and what the wgmma descriptors read;
  *   - a warpgroup skips the MMAs of a key tile its own rows cannot reach (the causal diagonal at
@@ -46,9 +46,8 @@ template <int D>
 struct Sm90Cfg {
     static constexpr int BN = D >= 256 ? 64 : 128;
     static constexpr int Q_BYTES = kBM * D * 2, KV_BYTES = BN * D * 2;
-    // Q buffers: two up to D = 128, so the next item's Q loads during this one (not after its last S) and
-    // each consumer's O is staged in its own rows of its item's Q buffer for a TMA store; at 256 a Q tile
-    // is 64 KB and there is one.
+    // Q buffers: two up to D = 128, so the next item's Q loads during this one (not after its last S, nor
+    // after the TMA store of O staged in the buffer has read it); at 256 a Q tile is 64 KB and there is one.
     static constexpr int QB = D <= 128 ? 2 : 1;
     // K and V in rings of their own: a K tile is free once both consumers' S = Q K^T of it are done, a
     // turn before its V tile (P V), so 2 K stages keep the lead that 3 joint K/V stages had, and the
@@ -414,7 +413,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         // O through the copy engine (o_tma): this warpgroup's O staged in its own rows of the item's Q buffer
         // (free once its last S is done), stored by TMA, so the consumer goes on to the next item while the
         // rows are written. The warpgroup's warp 0 then frees that Q buffer (its q_empty arrival) only once
-        // the store has read the staging: at the next item, after its first turn (pending_q).
+        // the store has read the staging (pending_q): with ping-pong at the next item, after its first turn;
+        // in the plain loop (and before an item with no key tiles) at the next item's start, before its Q
+        // wait, which with one Q buffer (D = 256) waits for this very arrival.
         int pending_q = -1;
         auto flush_o = [&]() {
             if (pending_q >= 0) {
@@ -609,12 +610,13 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const char *vec_env = getenv("TORCHFUSE_HSTU_FWD_VEC_STORE");
     const bool vec = !(vec_env && vec_env[0] == '0') &&
                      p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0;
-    // O staged in shared memory and stored by the copy engine where a second Q buffer holds the staging
-    // (QB = 2: head dims up to 128) and the copy engine can address the output; the 16- or 4-byte stores
-    // above take the rest. TORCHFUSE_HSTU_FWD_O_TMA=0 turns it off (A/B runs, tests).
+    // O staged in the item's Q buffer and stored by the copy engine where it can address the output; the 16-
+    // or 4-byte stores above take the rest. One-process A/B on an H100 (session 17), back to back: +20% at
+    // 128x1024x128 (with the second Q buffer, which alone gave +3%), +5% at 16x4096x128, +12% with a window;
+    // at head dim 256, where the next item's Q load waits for the store to read its staging, +1-4%.
+    // TORCHFUSE_HSTU_FWD_O_TMA=0 turns it off (A/B runs, tests).
     const char *ot_env = getenv("TORCHFUSE_HSTU_FWD_O_TMA");
-    // TEMPORARY A/B: 2 stages O in the single Q buffer at head dim 256 too (the next item's Q then waits for it)
-    bool o_tma = (Sm90Cfg<D>::QB == 2 || (ot_env && ot_env[0] == '2')) && !(ot_env && ot_env[0] == '0');
+    bool o_tma = !(ot_env && ot_env[0] == '0');
     if (o_tma) o_tma = tensor_map(&to, p.dtype, p.o, q_rows, p.H, p.dv, p.H * p.dv, p.dv, 64);
     if (!o_tma) to = tq;  // unused
 #ifdef TF_HSTU_FWD_TRACE
