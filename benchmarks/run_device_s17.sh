@@ -8,9 +8,12 @@
 #          (TORCHFUSE_HSTU_FWD_O_TMA=0) and against one Q buffer in one process
 #   d256:  O staged in the single Q buffer at head dim 256 too (TORCHFUSE_HSTU_FWD_O_TMA=2, the next item's Q
 #          load waiting for the store's read): the forward GPU tests, memcheck on the store forms, the A/B
+#   dkv:   the backward's dK / dV staged in the Z buffers and dQ's staging tiles and stored by TMA: the backward
+#          GPU tests, memcheck and racecheck on a few, then ab_hstu_bwd.py --forms pers,pers16b (TMA against
+#          16-byte register stores, no Triton, N <= 2048 and head dims <= 128)
 #   table: the forward GPU tests on the final code, then the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: qbuf, otma, d256 or table}
+PART=${1:?part: qbuf, otma, d256, dkv or table}
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_helpers.sh"
 case "$PART" in
@@ -28,6 +31,13 @@ d256)
   fwd_tests
   sanitize memcheck memcheck_fwd "store_forms"
   fwd_ab "1,1+TORCHFUSE_HSTU_FWD_O_TMA=2" d256 ;;
+dkv)
+  run_tests pytest_bwd ${TEST_TO:-200} $T -k "backward and not cpu"
+  sanitize memcheck memcheck_bwd "store_forms or (test_backward and cuda-wgmma and not wgmmared and bfloat16 and (d128_h4 or plain_h2 or many_short or long_d128 or dqk32))"
+  MEM_TO=${RACE_TO:-150} sanitize racecheck racecheck_bwd "test_backward and cuda-wgmma and not wgmmared and bfloat16 and (d128_h4_int64 or plain_h2)"
+  timeout ${AB_TO:-150} python3 benchmarks/ab_hstu_bwd.py --forms pers,pers16b --rounds 3 --no-triton --shapes short \
+    --out "$OUT/ab_bwd_dkv.md" > "$OUT/ab_bwd_dkv.log" 2>&1
+  echo "ab bwd exit $?"; grep "^|" "$OUT/ab_bwd_dkv.md" ;;
 table)
   fwd_tests
   [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"

@@ -187,32 +187,6 @@ __device__ __forceinline__ void store_o(const float (&o)[D / 2], const tf_hstu_p
     }
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* four 8 x 8 16-bit matrices (mma.sync fragment layout) -> shared memory: lane 8 m + i gives the address of
- * row i of matrix m */
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
-                 "r"(r[2]), "r"(r[3])
-                 : "memory");
-}
-/* This warpgroup's O (64 rows, fp32 accumulators) -> 16 bits in 128-byte-swizzled panels at dst (panel c:
- * columns 64 c.., 64 rows of 128 bytes; panels kBM x 128 bytes apart, as this warpgroup's rows of a Q
- * buffer lie), for the copy engine to store. Step q stores the 8 x 8 blocks (rows 8 (m & 1), columns
- * 8 (2 q + (m >> 1))) of this warp's 16 rows: the accumulators' chunks 4 j + 2 half, j = 2 q + (m >> 1). */
-template <typename T, int D>
-__device__ __forceinline__ void stage_o(const float (&o)[D / 2], uint32_t dst) {
-    const int lane = threadIdx.x % 32, m = lane / 8, i = lane % 8;
-    const int r = 16 * ((threadIdx.x / 32) % 4) + 8 * (m & 1) + i;
-#pragma unroll
-    for (int q = 0; q < D / 16; ++q) {
-        const uint32_t f[4] = {pack2<T>(o[8 * q], o[8 * q + 1]), pack2<T>(o[8 * q + 2], o[8 * q + 3]),
-                               pack2<T>(o[8 * q + 4], o[8 * q + 5]), pack2<T>(o[8 * q + 6], o[8 * q + 7])};
-        const int jj = 2 * q + (m >> 1);  // this lane's row's 16-byte chunk (column 8 jj)
-        stmatrix_x4(dst + (jj / 8) * kBM * 128 + r * 128 + (((jj % 8) ^ (r % 8)) * 16), f);
-    }
-}
-#endif
-
 /* A block's work: which (sequence, head, query tile) and its key-tile range.
  * Block order: (sequence, head) pairs in sections of `section` pairs whose K and V fit in L2 together;
  * within a section the query tiles with the most keys first (load balance), all pairs of the section
@@ -557,7 +531,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             for (int i = 0; i < D / 2; ++i) o[i] *= (float)p.inv_scale;  // P's 1 / S_norm
             if (staged) {
                 const uint32_t dst = smem_u32(Qs + qb * Cfg::Q_BYTES) + cw * 64 * 128;
-                stage_o<T, D>(o, dst);
+                stage_acc<T, D>(o, dst, kBM * 128);  // this warpgroup's rows of each Q panel
                 fence_proxy_async();
                 named_bar_sync_n(3 + cw, 128);  // the warpgroup's rows all staged
                 if (threadIdx.x % 128 == 0) {

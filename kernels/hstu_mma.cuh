@@ -120,6 +120,33 @@ __device__ __forceinline__ uint4 quad_chunk(const float (&acc)[N], int hh, int m
     return hi ? make_uint4(y0, y1, c2_even, c2_odd) : make_uint4(c_even, c_odd, y0, y1);
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* four 8 x 8 16-bit matrices (mma.sync fragment layout) -> shared memory: lane 8 m + i gives the address of
+ * row i of matrix m */
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+/* A warpgroup's wgmma accumulator (64 rows x N columns, fp32, acc[4 j + 2 hh + e] at row 16 warp + g + 8 hh,
+ * column 8 j + 2 t4 + e) -> 16 bits in 128-byte-swizzled panels at dst (panel c: columns 64 c.., 64 rows of
+ * 128 bytes, 16-byte chunk k of row r at chunk k ^ (r % 8); panels panel_bytes apart, dst 1024-aligned), the
+ * layout a TMA store with CU_TENSOR_MAP_SWIZZLE_128B reads. Step q stores the 8 x 8 blocks (rows 8 (m & 1),
+ * columns 8 (2 q + (m >> 1))) of this warp's 16 rows: accumulator chunks 4 j + 2 hh, j = 2 q + (m >> 1). */
+template <typename T, int N>
+__device__ __forceinline__ void stage_acc(const float (&acc)[N / 2], uint32_t dst, uint32_t panel_bytes) {
+    const int lane = threadIdx.x % 32, m = lane / 8, i = lane % 8;
+    const int r = 16 * ((threadIdx.x / 32) % 4) + 8 * (m & 1) + i;
+#pragma unroll
+    for (int q = 0; q < N / 16; ++q) {
+        const uint32_t f[4] = {pack2<T>(acc[8 * q], acc[8 * q + 1]), pack2<T>(acc[8 * q + 2], acc[8 * q + 3]),
+                               pack2<T>(acc[8 * q + 4], acc[8 * q + 5]), pack2<T>(acc[8 * q + 6], acc[8 * q + 7])};
+        const int jj = 2 * q + (m >> 1);  // this lane's row's 16-byte chunk (column 8 jj)
+        stmatrix_x4(dst + (jj / 8) * panel_bytes + r * 128 + (((jj % 8) ^ (r % 8)) * 16), f);
+    }
+}
+#endif
+
 __device__ __forceinline__ float tf_bias_load(const void *b, int dt, int64_t i) {
     if (dt == TF_F32) return ((const float *)b)[i];
     if (dt == TF_BF16) return __bfloat162float(((const __nv_bfloat16 *)b)[i]);
