@@ -10,7 +10,8 @@
 #          load waiting for the store's read): the forward GPU tests, memcheck on the store forms, the A/B
 #   dkv:   the backward's dK / dV staged in the Z buffers and dQ's staging tiles and stored by TMA: the backward
 #          GPU tests, memcheck and racecheck on a few, then ab_hstu_bwd.py --forms pers,pers16b (TMA against
-#          16-byte register stores, no Triton, N <= 2048 and head dims <= 128)
+#          16-byte register stores, no Triton, N <= 2048 and head dims <= 128). Measured +1% (call 5) and
+#          reverted: its switch, test and A/B form are in the commit before the revert.
 #   table: the forward GPU tests on the final code, then the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
 PART=${1:?part: qbuf, otma, d256, dkv or table}

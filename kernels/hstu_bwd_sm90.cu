@@ -186,8 +186,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
-                const __grid_constant__ CUtensorMap tm_dq, const __grid_constant__ CUtensorMap tm_dk,
-                const __grid_constant__ CUtensorMap tm_dv, const tf_hstu_params p, int k_tiles, int section,
+                const __grid_constant__ CUtensorMap tm_dq, const tf_hstu_params p, int k_tiles, int section,
                 int items, int flags) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
@@ -201,8 +200,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t *DQs = Zs + 2 * C::Z_BYTES;
     const bool dq_tma = C::DQ_TMA && (flags & 1);  // uniform over the block
     const bool vec_store = (flags & 2) != 0;        // dK / dV by 16-byte stores (see the item's end)
-    // dK / dV staged in shared memory and stored by TMA (the item's end; needs dQ's staging tiles)
-    const bool dkv_tma = dq_tma && (flags & 4) != 0;
     // kv_full / kv_empty: the one K/V buffer, phase k for the block's k-th item; full / empty: the Q/dO
     // ring, slot gt % ST and phase gt / ST for the block's gt-th query tile (counted across items, the
     // same count on both sides: the consumers take exactly the items, and their tiles, the producer
@@ -399,12 +396,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                         pp[kk][r] = pack2<T>(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
                         pz[kk][r] = pack2<T>(dpacc[8 * kk + 2 * r], dpacc[8 * kk + 2 * r + 1]);
                     }
-                if (dkv_tma && it == 0 && k > 0) {
-                    // the previous item's dK / dV stores (staged in the Z buffers) have read them: each warpgroup's
-                    // thread 0 waits for its own, the barrier for both (uniform: dkv_tma, it, k)
-                    if (threadIdx.x % 128 == 0) bulk_wait_group_read0();
-                    named_bar_sync_n(10, 256);
-                }
                 // dZ^T -> Zt as dZ (query rows, keys along the row; this warpgroup's 64 keys = panel cw, or at
                 // D = 256 the block's 64 keys = panel 0, which both warpgroups hold: each stores half its
                 // query rows, warpgroup cw steps kk = 2 cw, 2 cw + 1):
@@ -534,38 +525,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 0; i < NC / 2; ++i) dv[i] *= (float)p.inv_scale;
             T *dkp = (T *)p.dk, *dvp = (T *)p.dvv;
             const int dqk = (int)p.dqk, dvd = (int)p.dv;
-            if constexpr (C::DQ_TMA) {
-                if (dkv_tma) {
-                    // Staged: dK in Z buffer cw, dV in this warpgroup's dQ staging tile (16-bit, NC / 64 panels of
-                    // 64 rows each), stored by TMA; the next item's first tile waits for the stores' reads (above)
-                    // before it writes the Z buffers again, and its dQ staging already waits for this thread's
-                    // bulk groups. First: every wgmma reading the Z buffers done (the other warpgroup's last dQ
-                    // reads both panels) and this warpgroup's last dQ reduce done reading its staging tile
-                    // (uniform over both warpgroups: every item, staged or not).
-                    if (threadIdx.x % 128 == 0) bulk_wait_group_read0();
-                    named_bar_sync_n(9, 256);
-                    // a whole box of 64 keys: only where all are the sequence's (the rows past its end are the
-                    // next sequence's)
-                    if (kw0 + 64 <= len) {
-                        const uint32_t zk = smem_u32(Zs + cw * C::Z_BYTES), zv = smem_u32(DQs + cw * C::DQ_WG_BYTES);
-                        stage_acc<T, NC>(dk, zk, 64 * 128);
-                        stage_acc<T, NC>(dv, zv, 64 * 128);
-                        fence_proxy_async();
-                        named_bar_sync_n(7 + cw, 128);
-                        if (threadIdx.x % 128 == 0) {
-                            const int row = (int)(w.start + kw0);
-#pragma unroll
-                            for (int c = 0; c < NC / 64; ++c) {
-                                if (nc0 + 64 * c < dqk) tma_store(&tm_dk, zk + c * 64 * 128, nc0 + 64 * c, h, row);
-                                if (nc0 + 64 * c < dvd) tma_store(&tm_dv, zv + c * 64 * 128, nc0 + 64 * c, h, row);
-                            }
-                            bulk_commit_group();
-                        }
-                        BWD_TRACE(6, 0);
-                        continue;
-                    }
-                }
-            }
             if (vec_store) {
                 // A quad (t4 = 0..3) holds columns 8 j .. 8 j + 7 of a row, two per thread: a 4 x 4 transpose
                 // by shuffles gives thread t4 all eight of j = 4 m + t4, one 16-byte store. A warp's store
@@ -661,17 +620,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const char *vec_env = getenv("TORCHFUSE_HSTU_BWD_VEC_STORE");
     const bool vec = !(vec_env && vec_env[0] == '0') && p.dqk % 8 == 0 && p.dv % 8 == 0 &&
                      reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 && reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
-    // dK / dV staged in shared memory (the Z buffers and dQ's staging tiles, free at an item's end) and stored
-    // by TMA, where dQ takes the TMA path and the copy engine can address dK and dV (contiguous (L, H, d));
-    // TORCHFUSE_HSTU_BWD_DKV_TMA=0 turns it off (A/B runs, tests)
-    const char *dkv_env = getenv("TORCHFUSE_HSTU_BWD_DKV_TMA");
-    CUtensorMap tdk = tdq, tdv = tdq;  // unread unless the flag is set
-    const bool dkv_tma = dq_tma && !(dkv_env && dkv_env[0] == '0') &&
-                         tensor_map(&tdk, p.dtype, p.dk, p.L, p.H, p.dqk, p.H * p.dqk, p.dqk, 64) &&
-                         tensor_map(&tdv, p.dtype, p.dvv, p.L, p.H, p.dv, p.H * p.dv, p.dv, 64);
-    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(
-        tq, tk, tv, tdo, tdq, tdk, tdv, kp, (int)k_tiles, section, (int)items,
-        (dq_tma ? 1 : 0) | (vec ? 2 : 0) | (dkv_tma ? 4 : 0));
+    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
+                                                                  (int)items, (dq_tma ? 1 : 0) | (vec ? 2 : 0));
 #ifdef TF_HSTU_BWD_TRACE
     tf_trace_end(trace_file, trace_ptr, 2 * grid, stream);
 #endif
