@@ -12,9 +12,11 @@
 #          GPU tests, memcheck and racecheck on a few, then ab_hstu_bwd.py --forms pers,pers16b (TMA against
 #          16-byte register stores, no Triton, N <= 2048 and head dims <= 128). Measured +1% (call 5) and
 #          reverted: its switch, test and A/B form are in the commit before the revert.
+#   pp256: ping-pong at head dim 256 (TORCHFUSE_HSTU_FWD_PP256=1; its loop no longer spills): the forward GPU tests
+#          with it, memcheck on the head-dim-256 ones, then the one-process A/B against the plain loop
 #   table: the forward GPU tests on the final code, then the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: qbuf, otma, d256, dkv or table}
+PART=${1:?part: qbuf, otma, d256, dkv, pp256 or table}
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_helpers.sh"
 case "$PART" in
@@ -39,6 +41,10 @@ dkv)
   timeout ${AB_TO:-150} python3 benchmarks/ab_hstu_bwd.py --forms pers,pers16b --rounds 3 --no-triton --shapes short \
     --out "$OUT/ab_bwd_dkv.md" > "$OUT/ab_bwd_dkv.log" 2>&1
   echo "ab bwd exit $?"; grep "^|" "$OUT/ab_bwd_dkv.md" ;;
+pp256)
+  TORCHFUSE_HSTU_FWD_PP256=1 fwd_tests
+  TORCHFUSE_HSTU_FWD_PP256=1 sanitize memcheck memcheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d256 or d192)"
+  fwd_ab "1,1+TORCHFUSE_HSTU_FWD_PP256=1" pp256 ;;
 table)
   fwd_tests
   [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"

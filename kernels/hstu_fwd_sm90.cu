@@ -616,6 +616,10 @@ int dispatch(const tf_hstu_params &p, cudaStream_t stream, bool pp) {
         // loop (16 x 4096, H100); at 128 1.05x, at 64 level.
         if constexpr (d <= 128) {
             if (pp) return launch<T, d, true>(p, stream);
+        } else {
+            // TEMPORARY A/B: TORCHFUSE_HSTU_FWD_PP256=1 takes ping-pong at 256 too (its loop no longer spills)
+            const char *pp256 = getenv("TORCHFUSE_HSTU_FWD_PP256");
+            if (pp && pp256 && pp256[0] == '1') return launch<T, d, true>(p, stream);
         }
         return launch<T, d, false>(p, stream);
     });
