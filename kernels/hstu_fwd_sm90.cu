@@ -415,7 +415,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             // the next sequence, which a whole-box store would overwrite) and a Q buffer to stage in
             const bool staged = o_tma && kt_lo <= kt_hi && w.rows_here >= 64 * (cw + 1);
             const bool q_release = !staged || (threadIdx.x / 32) % 4 != 0;  // warp 0 of a staged one frees later
-            if (!PP || kt_lo > kt_hi) flush_o();
+            if (!PP || QB == 1 || kt_lo > kt_hi) flush_o();  // one Q buffer: its next load waits for this
             float o[D / 2];
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
