@@ -12,7 +12,8 @@
 #          GPU tests, memcheck and racecheck on a few, then ab_hstu_bwd.py --forms pers,pers16b (TMA against
 #          16-byte register stores, no Triton, N <= 2048 and head dims <= 128). Measured +1% (call 5) and
 #          reverted: its switch, test and A/B form are in the commit before the revert.
-#   pp256: ping-pong at head dim 256 (TORCHFUSE_HSTU_FWD_PP256=1; its loop no longer spills): the forward GPU tests
+#   pp256: ping-pong at head dim 256 (TORCHFUSE_HSTU_FWD_PP256=1, since merged as the default and the switch removed;
+#          its loop no longer spills): the forward GPU tests
 #          with it, memcheck on the head-dim-256 ones, then the one-process A/B against the plain loop
 #   table: the forward GPU tests on the final code, then the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail

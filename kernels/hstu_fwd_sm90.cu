@@ -10,18 +10,18 @@
  *   - warpgroups 1 and 2 consume 64 query rows each: S = Q K^T by wgmma m64nBNk16 with Q and K read
  *     by the tensor cores from shared memory, P = SiLU(...) masked in registers, O += P V with P from
  *     registers (S's fp32 accumulators repacked to 16 bits: mma.sync's A fragment shape) and V through
- *     the MN-major ("transposed") descriptor; then free the stages on their `empty` mbarriers. At head
- *     dims up to 128 the two take turns (ping-pong, named barriers): one issues P V of tile j and S
- *     of tile j + 1 while the other runs its SiLU; at 256 they run free and drift apart (with all
- *     256 threads loading by cp.async and a __syncthreads per tile both SiLUs ran at once with the
- *     tensor cores idle: 302 against 358 TFLOP/s at 16x4096x128);
+ *     the MN-major ("transposed") descriptor; then free the stages on their `empty` mbarriers. The two
+ *     take turns (ping-pong, named barriers): one issues P V of tile j and S of tile j + 1 while the
+ *     other runs its SiLU (with all 256 threads loading by cp.async and a __syncthreads per tile both
+ *     SiLUs ran at once with the tensor cores idle: 302 against 358 TFLOP/s at 16x4096x128); the plain
+ *     loop without turns (TORCHFUSE_HSTU_SM90=2) stays as the A/B form;
  *   - each consumer stages its O in its own rows of its item's Q buffer and the copy engine stores it
  *     (one TMA store per 64 columns), where the register stores took 10-15% of the consumers' time at
  *     1024-long sequences (session 16's trace);
  *   - tiles are 128-byte swizzled in shared memory (rows of 64 elements, 16-byte chunk index XOR row
  *     mod 8): what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and what the wgmma descriptors read;
- *   - a warpgroup skips the MMAs of a key tile its own rows cannot reach (the causal diagonal at
- *     D = 256, where key tiles are 64 wide; rows past the sequence's end);
+ *   - in the plain loop a warpgroup skips the MMAs of a key tile its own rows cannot reach (the causal
+ *     diagonal at D = 256, where key tiles are 64 wide; rows past the sequence's end);
  *   - items are ordered so that those sharing a (sequence, head)'s K and V run together (L2 reuse),
  *     longest tiles first within.
  * Built only for sm_90a (wgmma and setmaxnreg are not in plain sm_90). The entry point declines (and
@@ -612,15 +612,10 @@ template <typename T>
 int dispatch(const tf_hstu_params &p, cudaStream_t stream, bool pp) {
     return hstu_with_head_dim(p, [&](auto D) {
         constexpr int d = decltype(D)::value;
-        // Ping-pong only up to 128: at 256 its extra live registers spill and it measured 0.86x the plain
-        // loop (16 x 4096, H100); at 128 1.05x, at 64 level.
-        if constexpr (d <= 128) {
-            if (pp) return launch<T, d, true>(p, stream);
-        } else {
-            // TEMPORARY A/B: TORCHFUSE_HSTU_FWD_PP256=1 takes ping-pong at 256 too (its loop no longer spills)
-            const char *pp256 = getenv("TORCHFUSE_HSTU_FWD_PP256");
-            if (pp && pp256 && pp256[0] == '1') return launch<T, d, true>(p, stream);
-        }
+        // Ping-pong at every head dim. At 256 it once spilled and measured 0.86x the plain loop; on the
+        // current code its loop has no spills and a one-process A/B on an H100 (session 17) has it 1.19-1.23x
+        // the plain loop at 16x4096x256, back to back and single calls.
+        if (pp) return launch<T, d, true>(p, stream);
         return launch<T, d, false>(p, stream);
     });
 }
@@ -642,7 +637,7 @@ extern "C" int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream) {
         // sequence) keeps the earlier rule, measured before: above head dim 128 only.
         if (p->delta > 0 && d <= 128) return -1;
     }
-    // Ping-pong at every shape (head dims up to 128; dispatch keeps 192 / 256 plain). Session 6 measured it
+    // Ping-pong at every shape and head dim (dispatch). Session 6 measured it
     // 0.93-0.97x on 1024-long sequences and with a window of 256, so it ran from 2048 only; since the
     // persistent scheduling and the hand-over of the item, one process (session 10, ab_hstu_fwd.py) has
     // it 1.00-1.02x at 16 x 1024, 1.05-1.07x at 128 x 1024, 1.06x with the window, 1.08-1.11x at 4096.
