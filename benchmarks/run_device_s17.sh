@@ -15,7 +15,8 @@
 #   pp256: ping-pong at head dim 256 (TORCHFUSE_HSTU_FWD_PP256=1, since merged as the default and the switch removed;
 #          its loop no longer spills): the forward GPU tests
 #          with it, memcheck on the head-dim-256 ones, then the one-process A/B against the plain loop
-#   table: the forward GPU tests on the final code, then the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
+#   table: the forward GPU tests on the final code (RACE=1: and racecheck on the ping-pong loop at head dims 192 /
+#          256), then the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
 PART=${1:?part: qbuf, otma, d256, dkv, pp256 or table}
 source "$(dirname "$0")/device_build.sh"
@@ -48,6 +49,7 @@ pp256)
   fwd_ab "1,1+TORCHFUSE_HSTU_FWD_PP256=1" pp256 ;;
 table)
   fwd_tests
+  [ "${RACE:-0}" = 1 ] && MEM_TO=${RACE_TO:-150} sanitize racecheck racecheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d256_dv32 or d192)"
   [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
   timeout ${BENCH_TO:-420} python3 benchmarks/bench_hstu.py --cases full,special --compile --b2b \
     --out "$OUT/bench_hstu_full.md" > "$OUT/bench_hstu.log" 2>"$OUT/bench_hstu.err"
