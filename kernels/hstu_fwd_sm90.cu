@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #ifdef TF_HSTU_FWD_TRACE
         int trace_n = 0;
 #endif
-        // this warp is done with ring stage s (k_empty / v_empty: 8 arrivals, one per consumer warp)
+        // this warp is done with a ring stage or a Q buffer (the empty barriers count 8: one per consumer warp)
         auto release = [](uint64_t *bar) {
             __syncwarp();
             if (threadIdx.x % 32 == 0) mbar_arrive(bar);
