@@ -15,10 +15,13 @@
 #   pp256: ping-pong at head dim 256 (TORCHFUSE_HSTU_FWD_PP256=1, since merged as the default and the switch removed;
 #          its loop no longer spills): the forward GPU tests
 #          with it, memcheck on the head-dim-256 ones, then the one-process A/B against the plain loop
+#   trace: a measurement build (TORCHFUSE_HSTU_TRACE_BUILD=1): the forward's phase trace on the final code at
+#          128x1024x128 and with max_attn_len = 256 at 16x4096x128 (full lengths)
 #   table: the forward GPU tests on the final code (RACE=1: and racecheck on the ping-pong loop at head dims 192 /
 #          256), then the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: qbuf, otma, d256, dkv, pp256 or table}
+PART=${1:?part: qbuf, otma, d256, dkv, pp256, trace or table}
+[ "$PART" = trace ] && export TORCHFUSE_HSTU_TRACE_BUILD=1
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_helpers.sh"
 case "$PART" in
@@ -47,6 +50,11 @@ pp256)
   TORCHFUSE_HSTU_FWD_PP256=1 fwd_tests
   TORCHFUSE_HSTU_FWD_PP256=1 sanitize memcheck memcheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d256 or d192)"
   fwd_ab "1,1+TORCHFUSE_HSTU_FWD_PP256=1" pp256 ;;
+trace)
+  timeout ${TRACE_TO:-120} python3 benchmarks/trace_hstu_fwd.py --shapes 128x1024x128 > "$OUT/trace_fwd.md" 2>&1
+  echo "fwd trace exit $?"; cat "$OUT/trace_fwd.md"
+  timeout ${TRACE_TO:-120} python3 benchmarks/trace_hstu_fwd.py --shapes 16x4096x128 --window 256 > "$OUT/trace_fwd_window.md" 2>&1
+  echo "fwd window trace exit $?"; cat "$OUT/trace_fwd_window.md" ;;
 table)
   fwd_tests
   [ "${RACE:-0}" = 1 ] && MEM_TO=${RACE_TO:-150} sanitize racecheck racecheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d256_dv32 or d192)"
