@@ -17,10 +17,13 @@
 #          with it, memcheck on the head-dim-256 ones, then the one-process A/B against the plain loop
 #   trace: a measurement build (TORCHFUSE_HSTU_TRACE_BUILD=1): the forward's phase trace on the final code at
 #          128x1024x128 and with max_attn_len = 256 at 16x4096x128 (full lengths)
+#   band:  a plain window's mask bits as a band of two prefixes (hstu_band_row_bits): the forward GPU tests, memcheck
+#          on the window cases, the one-process A/B against the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0, which
+#          also switches plain causal sequences to the spans)
 #   table: the forward GPU tests on the final code (RACE=1: and racecheck on the ping-pong loop at head dims 192 /
 #          256), then the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: qbuf, otma, d256, dkv, pp256, trace or table}
+PART=${1:?part: qbuf, otma, d256, dkv, pp256, trace, band or table}
 [ "$PART" = trace ] && export TORCHFUSE_HSTU_TRACE_BUILD=1
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_helpers.sh"
@@ -55,6 +58,10 @@ trace)
   echo "fwd trace exit $?"; cat "$OUT/trace_fwd.md"
   timeout ${TRACE_TO:-120} python3 benchmarks/trace_hstu_fwd.py --shapes 16x4096x128 --window 256 > "$OUT/trace_fwd_window.md" 2>&1
   echo "fwd window trace exit $?"; cat "$OUT/trace_fwd_window.md" ;;
+band)
+  fwd_tests
+  sanitize memcheck memcheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and (window or plain_h2)"
+  fwd_ab "1,1+TORCHFUSE_HSTU_CAUSAL_BITS=0" band ;;
 table)
   fwd_tests
   [ "${RACE:-0}" = 1 ] && MEM_TO=${RACE_TO:-150} sanitize racecheck racecheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (d256_dv32 or d192)"

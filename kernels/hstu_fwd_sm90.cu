@@ -64,10 +64,13 @@ struct Sm90Cfg {
  * spans: small code (a per-element mask test unrolled over a tile overflowed the instruction cache)
  * and cheap (the per-element test in a rolled loop made a boundary tile ~5x an interior one). */
 template <int BN>
-__device__ __forceinline__ void mask_bits(const tf_hstu_mask &m, bool causal, int p, int key0, uint32_t (&bits)[2]) {
-    if (causal) {  // tf_hstu_causal(m), uniform per item: plain causal sequences skip the spans
+__device__ __forceinline__ void mask_bits(const tf_hstu_mask &m, int fast, int p, int key0, uint32_t (&bits)[2]) {
+    if (fast == 1) {  // tf_hstu_causal(m), uniform per item: plain causal sequences skip the spans
         bits[0] = hstu_causal_row_bits<BN / 8>(m.n, p, key0);
         bits[1] = hstu_causal_row_bits<BN / 8>(m.n, p + 8, key0);
+    } else if (fast == 2) {  // tf_hstu_band(m): a plain window, the band [p - m, p]
+        bits[0] = hstu_band_row_bits<BN / 8>(m.n, m.m, p, key0);
+        bits[1] = hstu_band_row_bits<BN / 8>(m.n, m.m, p + 8, key0);
     } else {
         bits[0] = hstu_row_bits<BN / 8>(m, p, key0);
         bits[1] = hstu_row_bits<BN / 8>(m, p + 8, key0);
@@ -125,7 +128,7 @@ __device__ __forceinline__ void zero_tail_rows(uint8_t *tile, int r0, int cw) {
  * wpos0: the warpgroup's first row position; k0: the tile's first key. */
 template <typename T, int BN>
 __device__ __forceinline__ void elementwise(float (&sacc)[BN / 2], uint32_t (&pa)[BN / 16][4], const tf_hstu_params &p,
-                                            const tf_hstu_mask &mask, bool causal, int64_t b, int h, int wpos0, int k0,
+                                            const tf_hstu_mask &mask, int fast, int64_t b, int h, int wpos0, int k0,
                                             float c_t) {
     const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
     const int prow = wpos0 + 16 * ((threadIdx.x / 32) % 4) + g;  // this thread's rows: prow, prow + 8
@@ -134,7 +137,7 @@ __device__ __forceinline__ void elementwise(float (&sacc)[BN / 2], uint32_t (&pa
         for (int i = 0; i < BN / 2; ++i) sacc[i] = silu_h(sacc[i], c_t);
     } else {
         uint32_t bits[2];
-        mask_bits<BN>(mask, causal, prow, k0 + 2 * t4, bits);
+        mask_bits<BN>(mask, fast, prow, k0 + 2 * t4, bits);
         if (p.bias) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i)
@@ -408,7 +411,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             named_bar_arrive_n(6, 288);
             FWD_TRACE(0, w.kt_hi - w.kt_lo + 1);
             const tf_hstu_mask mask = tf_hstu_mask_make(w.n, w.t, p.contextual, p.max_attn_len, p.min_full, p.group);
-            const bool causal = fast_causal && tf_hstu_causal(mask);
+            // the mask bits' form (mask_bits), uniform per item: 1 plain causal, 2 a plain window, 0 the spans
+            const int fast = !fast_causal ? 0 : tf_hstu_causal(mask) ? 1 : tf_hstu_band(mask) ? 2 : 0;
             const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
             const int wpos0 = w.pos0 + 64 * cw;
             // staged: this warpgroup's 64 rows all in the sequence (a partial tile's rows past its end belong to
@@ -443,7 +447,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                             tf_wgmma_commit();
                             tf_wgmma_wait<0>();
                             tf_wgmma_reg_fence(sacc);
-                            elementwise<T, BN>(sacc, pa, p, mask, causal, w.b, w.h, wpos0, kt * BN, c_t);
+                            elementwise<T, BN>(sacc, pa, p, mask, fast, w.b, w.h, wpos0, kt * BN, c_t);
                             tf_wgmma_fence();
                             tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + sv * KV_BYTES));
                             tf_wgmma_commit();
@@ -483,7 +487,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     flush_o();  // the previous item's O store has long read its staging
                     for (int j = kt_lo; j < kt_hi; ++j) {
                         const int gi = g + j - kt_lo, sv = gi % STV, nsk = (gi + 1) % STK;
-                        elementwise<T, BN>(sacc, pa, p, mask, causal, w.b, w.h, wpos0, j * BN, c_t);
+                        elementwise<T, BN>(sacc, pa, p, mask, fast, w.b, w.h, wpos0, j * BN, c_t);
                         FWD_TRACE(5, j);
                         mbar_wait(&v_full[sv], (gi / STV) & 1);
                         mbar_wait(&k_full[nsk], ((gi + 1) / STK) & 1);
@@ -508,7 +512,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     if (q_release) release(&q_empty[qb]);  // every S of this item is done
                     {  // the last tile: its P V alone
                         const int gi = g + kt_hi - kt_lo, sv = gi % STV;
-                        elementwise<T, BN>(sacc, pa, p, mask, causal, w.b, w.h, wpos0, kt_hi * BN, c_t);
+                        elementwise<T, BN>(sacc, pa, p, mask, fast, w.b, w.h, wpos0, kt_hi * BN, c_t);
                         FWD_TRACE(5, kt_hi);
                         mbar_wait(&v_full[sv], (gi / STV) & 1);
                         // only the last tile can run past the sequence's end
@@ -573,7 +577,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const int64_t grid = g.blocks < device_sizes().sms ? g.blocks : device_sizes().sms;
     err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
     if (err != cudaSuccess) return err;
-    // plain causal sequences' mask bits without the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0: the spans, the A/B)
+    // plain causal and plain window sequences' mask bits without the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0: the spans, the A/B)
     const char *cb_env = getenv("TORCHFUSE_HSTU_CAUSAL_BITS");
     const bool fast_causal = !(cb_env && cb_env[0] == '0');
     // O by 16-byte stores where the rows allow (dv a multiple of 8, an aligned output: always, as the op

@@ -256,6 +256,12 @@ __device__ __forceinline__ uint32_t hstu_causal_row_bits(int n, int pos, int key
     return pos < 0 || pos >= n ? 0u : hstu_prefix_bits<J>(pos - key0);
 }
 __device__ __forceinline__ bool tf_hstu_causal(const tf_hstu_mask &m) { return m.c == 0 && m.t == 0 && m.m == 0; }
+/* A plain window (no context, targets or exempt rows): row pos keeps the band of keys [pos - m, pos] */
+__device__ __forceinline__ bool tf_hstu_band(const tf_hstu_mask &m) { return m.c == 0 && m.t == 0 && m.m > 0 && m.f == 0; }
+template <int J>
+__device__ __forceinline__ uint32_t hstu_band_row_bits(int n, int m, int pos, int key0) {
+    return pos < 0 || pos >= n ? 0u : hstu_prefix_bits<J>(pos - key0) & ~hstu_prefix_bits<J>(pos - m - 1 - key0);
+}
 
 /* The transpose, for key-major tiles: key `key`'s mask over the rows row0 + 8 j + e at bit 2 j + e, from
  * tf_hstu_col_spans' five spans written out, so that those the sequence's options leave empty (window
