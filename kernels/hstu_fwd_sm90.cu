@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                 const tf_hstu_params p, int q_tiles, int section, int64_t items, bool vec_store, bool o_tma,
-                bool fast_causal) {
+                bool fast_bits) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Cfg = Sm90Cfg<D>;
     constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, STK = Cfg::STK, STV = Cfg::STV, QB = Cfg::QB;
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             FWD_TRACE(0, w.kt_hi - w.kt_lo + 1);
             const tf_hstu_mask mask = tf_hstu_mask_make(w.n, w.t, p.contextual, p.max_attn_len, p.min_full, p.group);
             // the mask bits' form (mask_bits), uniform per item: 1 plain causal, 2 a plain window, 0 the spans
-            const int fast = !fast_causal ? 0 : tf_hstu_causal(mask) ? 1 : tf_hstu_band(mask) ? 2 : 0;
+            const int fast = !fast_bits ? 0 : tf_hstu_causal(mask) ? 1 : tf_hstu_band(mask) ? 2 : 0;
             const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
             const int wpos0 = w.pos0 + 64 * cw;
             // staged: this warpgroup's 64 rows all in the sequence (a partial tile's rows past its end belong to
@@ -579,7 +579,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     // plain causal and plain window sequences' mask bits without the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0: the spans, the A/B)
     const char *cb_env = getenv("TORCHFUSE_HSTU_CAUSAL_BITS");
-    const bool fast_causal = !(cb_env && cb_env[0] == '0');
+    const bool fast_bits = !(cb_env && cb_env[0] == '0');
     // O by 16-byte stores where the rows allow (dv a multiple of 8, an aligned output: always, as the op
     // allocates it). One-process A/B on an H100 against 4-byte stores, back to back: +7.5% at 128x1024x128,
     // +3.7% at 16x4096x128, +12.7% at head dim 256 (session 16, with quad_chunk's butterfly transpose; its
@@ -605,7 +605,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
 #endif
     hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(
         tq, tk, tv, to, p, g.q_tiles, l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles),
-        (int)g.blocks, vec, o_tma, fast_causal);
+        (int)g.blocks, vec, o_tma, fast_bits);
 #ifdef TF_HSTU_FWD_TRACE
     tf_trace_end(trace_file, trace_ptr, 2 * grid, stream);
 #endif
