@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Session 18's device calls (each under the 10-minute limit).
+#   mask:  the mask's AND apart from the SiLU arithmetic (forward: one SiLU loop for every tile, the AND in a second
+#          loop on masked tiles only; backward: the same, full tiles no longer running the mask): a GPU-test smoke
+#          (bf16, wgmma, masked cases), then a cross-build A/B in one call: ab_hstu_fwd.py (mma.sync as the
+#          unchanged anchor, back to back) and ab_hstu_bwd.py (mma as the anchor) on the new build, the previous
+#          sources (carried in $OLD) rebuilt, the same two again
+#   checks: the forward and backward GPU tests, memcheck on the masked cases
+#   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
+set -uo pipefail
+PART=${1:?part: mask, checks or table}
+source "$(dirname "$0")/device_build.sh"
+source "$(dirname "$0")/device_helpers.sh"
+ab_both() {  # TAG
+  timeout ${AB_TO:-150} python3 benchmarks/ab_hstu_fwd.py --envs 0,1 --rounds 3 --b2b --out "$OUT/ab_fwd_$1.md" \
+    > "$OUT/ab_fwd_$1.log" 2>&1
+  echo "ab fwd ($1) exit $?"; grep "^|" "$OUT/ab_fwd_$1.md"
+  timeout ${AB_TO:-150} python3 benchmarks/ab_hstu_bwd.py --forms mma,pers --rounds 3 --no-triton \
+    --out "$OUT/ab_bwd_$1.md" > "$OUT/ab_bwd_$1.log" 2>&1
+  echo "ab bwd ($1) exit $?"; grep "^|" "$OUT/ab_bwd_$1.md"
+}
+case "$PART" in
+mask)
+  run_tests smoke ${TEST_TO:-150} $T -x -k "((test_forward or test_backward) and cuda-wgmma and not wgmmaplain and not wgmmared and bfloat16) or (nonfinite and not cpu)"
+  ab_both new
+  OLD=${OLD:-.gl/old}
+  rebuild_with "$OLD/hstu_fwd_sm90.cu" kernels/hstu_fwd_sm90.cu "$OLD/hstu_bwd_sm90.cu" kernels/hstu_bwd_sm90.cu
+  ab_both old ;;
+checks)
+  fwd_tests
+  run_tests pytest_bwd ${TEST_TO:-200} $T -k "backward and not cpu"
+  sanitize memcheck memcheck_fwd "test_forward and cuda-wgmma and not wgmmaplain and bfloat16 and (window or targets or d128_h4 or plain_h2)"
+  sanitize memcheck memcheck_bwd "test_backward and cuda-wgmma and not wgmmared and bfloat16 and (window or targets or d128_h4 or plain_h2)" ;;
+table)
+  fwd_tests
+  [ -n "${PEERS:-}" ] && export PYTHONPATH="$(cd "$PEERS" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  timeout ${BENCH_TO:-420} python3 benchmarks/bench_hstu.py --cases full,special --compile --b2b \
+    --out "$OUT/bench_hstu_full.md" > "$OUT/bench_hstu.log" 2>"$OUT/bench_hstu.err"
+  echo "hstu bench exit $?"; cat "$OUT/bench_hstu_full.md"; tail -3 "$OUT/bench_hstu.err" ;;
+esac
