@@ -366,25 +366,25 @@ __global__ void __launch_bounds__(kThreads, 1)
                 BWD_TRACE(3, it);
 
                 // accumulator element i = 4 j + 2 hh + e: key key_a + 8 hh, query q0 + 8 j + 2 t4 + e
-                // The full tile's arithmetic on every tile, then the mask as an AND with all ones or zero on
-                // masked ones only. Selects here had ptxas move and spill registers around the masked path (46
-                // spill instructions in the tile loop at head dim 128; 247 -> 283 TFLOP/s at 128 x 1024 x 128);
-                // the AND in the arithmetic's own statements let the compiler merge the two paths, so full tiles
-                // ran the mask too (6 integer instructions per element against the math's 7).
+                if (tf_hstu_tile_full(&mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
 #pragma unroll
-                for (int i = 0; i < kBQ / 2; ++i) {
-                    const float hv = h_s * sacc[i], t = tanh_approx(hv), w = fmaf(t, kz, kz);
-                    sacc[i] = fmaf(hv, t, hv);
-                    dpacc[i] *= fmaf(w, fmaf(-hv, t, hv), w);
-                }
-                if (!tf_hstu_tile_full(&mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
+                    for (int i = 0; i < kBQ / 2; ++i) {
+                        const float hv = h_s * sacc[i], t = tanh_approx(hv), w = fmaf(t, kz, kz);
+                        sacc[i] = fmaf(hv, t, hv);
+                        dpacc[i] *= fmaf(w, fmaf(-hv, t, hv), w);
+                    }
+                } else {
                     const uint32_t bits[2] = {hstu_col_bits<kBQ / 8>(mask, key_a, q0 + 2 * t4),
                                               hstu_col_bits<kBQ / 8>(mask, key_a + 8, q0 + 2 * t4)};
 #pragma unroll
                     for (int i = 0; i < kBQ / 2; ++i) {
+                        // the full tile's arithmetic, then the mask as an AND with all ones or zero: selects here had
+                        // ptxas move and spill registers around the masked path (46 spill instructions in the tile
+                        // loop at head dim 128, none with the AND; 247 -> 283 TFLOP/s at 128 x 1024 x 128)
                         const uint32_t keep = 0u - (uint32_t)pair_bit(bits, i);
-                        sacc[i] = __uint_as_float(__float_as_uint(sacc[i]) & keep);
-                        dpacc[i] = __uint_as_float(__float_as_uint(dpacc[i]) & keep);
+                        const float hv = h_s * sacc[i], t = tanh_approx(hv), w = fmaf(t, kz, kz);
+                        sacc[i] = __uint_as_float(__float_as_uint(fmaf(hv, t, hv)) & keep);
+                        dpacc[i] = __uint_as_float(__float_as_uint(dpacc[i] * fmaf(w, fmaf(-hv, t, hv), w)) & keep);
                     }
                 }
                 BWD_TRACE(7, it);

@@ -132,12 +132,11 @@ __device__ __forceinline__ void elementwise(float (&sacc)[BN / 2], uint32_t (&pa
                                             float c_t) {
     const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
     const int prow = wpos0 + 16 * ((threadIdx.x / 32) % 4) + g;  // this thread's rows: prow, prow + 8
-    // SiLU over every element in one loop, then the mask's AND in a second: with the AND in the same
-    // statement ptxas mapped each element's bit to a predicate (R2P, 7 predicate registers) and ran one
-    // element at a time, every tanh's latency exposed (a masked tile ~1.6x an interior one, call 8's trace)
-    const bool full = tf_hstu_tile_full(&mask, wpos0, wpos0 + 64, k0, k0 + BN) && !p.bias;
-    uint32_t bits[2] = {~0u, ~0u};
-    if (!full) {
+    if (tf_hstu_tile_full(&mask, wpos0, wpos0 + 64, k0, k0 + BN) && !p.bias) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) sacc[i] = silu_h(sacc[i], c_t);
+    } else {
+        uint32_t bits[2];
         mask_bits<BN>(mask, fast, prow, k0 + 2 * t4, bits);
         if (p.bias) {
 #pragma unroll
@@ -145,15 +144,11 @@ __device__ __forceinline__ void elementwise(float (&sacc)[BN / 2], uint32_t (&pa
                 if (pair_bit(bits, i))
                     sacc[i] += bias_at(p, b, h, prow + ((i & 2) ? 8 : 0), k0 + (i / 4) * 8 + 2 * t4 + (i & 1));
         }
-    }
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) sacc[i] = silu_h(sacc[i], c_t);
-    if (!full) {
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) {
             // the mask as an AND with all ones or zero (selects made ptxas spill in the backward's tile loop)
             const uint32_t keep = 0u - (uint32_t)pair_bit(bits, i);
-            sacc[i] = __uint_as_float(__float_as_uint(sacc[i]) & keep);
+            sacc[i] = __uint_as_float(__float_as_uint(silu_h(sacc[i], c_t)) & keep);
         }
     }
 #pragma unroll
