@@ -6,10 +6,13 @@
 #          unchanged anchor, back to back) and ab_hstu_bwd.py (mma as the anchor) on the new build, the previous
 #          sources (carried in $OLD) rebuilt, the same two again. Measured neutral (call 1: forward -3..+1%,
 #          window -2%; backward -2..+3.5%) and reverted: the change is commit 02e9d04.
+#   zero:  the backward's fp32 dQ accumulator zeroed inside the kernel (zero_dq_units), no memset: the backward GPU
+#          tests (test_backward_dq_zeroed_in_kernel among them) and the rows-outside test, memcheck on the new test and
+#          a few backward cases, then ab_hstu_bwd.py --forms persmemset,pers in one process (all shapes, single calls)
 #   checks: the forward and backward GPU tests, memcheck on the masked cases
 #   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: mask, checks or table}
+PART=${1:?part: mask, zero, checks or table}
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_helpers.sh"
 ab_both() {  # TAG
@@ -27,6 +30,12 @@ mask)
   OLD=${OLD:-.gl/old}
   rebuild_with "$OLD/hstu_fwd_sm90.cu" kernels/hstu_fwd_sm90.cu "$OLD/hstu_bwd_sm90.cu" kernels/hstu_bwd_sm90.cu
   ab_both old ;;
+zero)
+  run_tests pytest_bwd ${TEST_TO:-200} $T -k "(backward and not cpu) or (rows_outside and not cpu)"
+  MEM_TO=${MEM_TO:-150} sanitize memcheck memcheck_bwd "dq_zeroed_in_kernel or (test_backward and cuda-wgmma and not wgmmared and bfloat16 and (window or d128_h4 or many_short or d256_dv32))"
+  timeout ${AB_TO:-150} python3 benchmarks/ab_hstu_bwd.py --forms persmemset,pers --rounds 3 --no-triton \
+    --out "$OUT/ab_bwd_zero.md" > "$OUT/ab_bwd_zero.log" 2>&1
+  echo "ab bwd exit $?"; grep "^|" "$OUT/ab_bwd_zero.md" ;;
 checks)
   fwd_tests
   run_tests pytest_bwd ${TEST_TO:-200} $T -k "backward and not cpu"
