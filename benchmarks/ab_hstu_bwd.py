@@ -8,7 +8,8 @@ in each of the chosen forms (`--forms`, comma-separated, in turns, best of `--ro
     pers4b     `pers` with dK / dV written by 4-byte stores (TORCHFUSE_HSTU_BWD_VEC_STORE=0; the default:
                16-byte stores after a quad transpose)
     persmemset `pers` with the fp32 dQ accumulator zeroed by a memset before the kernel
-               (TORCHFUSE_HSTU_BWD_ZERO_DQ=0) instead of inside it, section by section (the default)
+               (TORCHFUSE_HSTU_BWD_ZERO_DQ=0) instead of inside it, a section ahead of the items (the default)
+    perszeroall `pers` with the accumulator zeroed inside the kernel all at once (TORCHFUSE_HSTU_BWD_ZERO_DQ=2)
     persred    `pers` with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red) instead
                of TMA reduce-adds from shared memory (the other forms: the default, which head dims up to 128
                take; 192 / 256 always add with red.global.add: there `persred` is `pers`)
@@ -45,6 +46,7 @@ FORMS = {
     "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", "", "", ""),
     "pers": ("wgmma, persistent", "1", "", "1", "", "", ""),
     "persmemset": ("wgmma, persistent, dQ memset", "1", "", "1", "", "", "0"),
+    "perszeroall": ("wgmma, persistent, dQ zeroed at once", "1", "", "1", "", "", "2"),
     "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red", "", ""),
     "pers4b": ("wgmma, persistent, dK/dV 4-byte stores", "1", "", "1", "", "0", ""),
 }

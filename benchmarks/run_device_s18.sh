@@ -8,7 +8,9 @@
 #          window -2%; backward -2..+3.5%) and reverted: the change is commit 02e9d04.
 #   zero:  the backward's fp32 dQ accumulator zeroed inside the kernel (zero_dq_units), no memset: the backward GPU
 #          tests (test_backward_dq_zeroed_in_kernel among them) and the rows-outside test, memcheck on the new test and
-#          a few backward cases, then ab_hstu_bwd.py --forms persmemset,pers in one process (all shapes, single calls)
+#          a few backward cases, then ab_hstu_bwd.py --forms persmemset,pers in one process (all shapes, single calls).
+#          Call 2 (zeroing all at once): 4-10% slower than the memset at N <= 2048, +1% at 4096; call 3: paced a
+#          section ahead (FORMS=persmemset,pers,perszeroall)
 #   checks: the forward and backward GPU tests, memcheck on the masked cases
 #   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
@@ -33,7 +35,7 @@ mask)
 zero)
   run_tests pytest_bwd ${TEST_TO:-200} $T -k "(backward and not cpu) or (rows_outside and not cpu)"
   MEM_TO=${MEM_TO:-150} sanitize memcheck memcheck_bwd "dq_zeroed_in_kernel or (test_backward and cuda-wgmma and not wgmmared and bfloat16 and (window or d128_h4 or many_short or d256_dv32))"
-  timeout ${AB_TO:-150} python3 benchmarks/ab_hstu_bwd.py --forms persmemset,pers --rounds 3 --no-triton \
+  timeout ${AB_TO:-150} python3 benchmarks/ab_hstu_bwd.py --forms ${FORMS:-persmemset,pers} --rounds 3 --no-triton \
     --out "$OUT/ab_bwd_zero.md" > "$OUT/ab_bwd_zero.log" 2>&1
   echo "ab bwd exit $?"; grep "^|" "$OUT/ab_bwd_zero.md" ;;
 checks)

@@ -191,16 +191,32 @@ __device__ __forceinline__ __attribute__((unused)) int q_tile(const BwdItem &w, 
  * SM busy with another kernel) holds nothing up. Rows past a sequence's end that its last query tile's
  * reduce reaches (zeros added, 63 rows at most) belong to the next sequence's own units, zeroed in their
  * section, before or after that add: an add of 0 is atomic per element and leaves either value as it is;
- * rows no sequence covers are zeroed by the caller before the launch. */
+ * rows no sequence covers are zeroed by the caller before the launch. Paced (paced = 1): a section's units are
+ * taken only once the items have reached the section before it (the item counter p.sched[0]), so the zeros
+ * stream out a section ahead of the reduce-adds; all at once, 268 MB of zeros at 128 x 1024 x 128 pushed the
+ * sections' Q and dO out of L2 (4-10% slower than the memset at N <= 2048, call 2). */
 constexpr int kZeroRows = 128;
-__device__ __forceinline__ __attribute__((unused)) void zero_dq_units(const tf_hstu_params &p, int section, int cpp) {
+__device__ __forceinline__ __attribute__((unused)) void zero_dq_units(const tf_hstu_params &p, int section, int cpp,
+                                                                      int per_section, bool paced) {
     const int lane = threadIdx.x % 32, H = (int)p.H, BH = (int)(p.B * p.H), units = BH * cpp, dqk = (int)p.dqk;
     for (;;) {
         int u = 0;
         if (lane == 0) u = atomicAdd(p.sched + 1, 1);
         u = __shfl_sync(0xffffffffu, u, 0);
         if (u >= units) break;
-        const int bh = u / cpp, h = bh % H;
+        const int bh = u / cpp, h = bh % H, sec = bh / section;
+        if (paced && sec >= 2) {  // wait until some item of section sec - 1 has been taken
+            if (lane == 0) {
+                const int want = (sec - 1) * per_section;
+                for (;;) {
+                    int v;
+                    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p.sched) : "memory");
+                    if (v > want) break;
+                    __nanosleep(256);
+                }
+            }
+            __syncwarp();
+        }
         const int64_t start = tf_idx_load(p.offsets, p.offsets_i64, bh / H);
         const int n = (int)(tf_idx_load(p.offsets, p.offsets_i64, bh / H + 1) - start);
         // the pair's last unit takes the rest of a sequence longer than max_seq_len (an unvalidated call)
@@ -216,7 +232,7 @@ __device__ __forceinline__ __attribute__((unused)) void zero_dq_units(const tf_h
         __syncwarp();  // every lane's zeros, then (fence.sc, cumulative) the count that publishes them
         if (lane == 0) {
             __threadfence();
-            atomicAdd(p.sched + 2 + bh / section, 1);
+            atomicAdd(p.sched + 2 + sec, 1);
         }
     }
 }
@@ -247,8 +263,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
-    // flags: bit 0 dQ by TMA reduce-adds, bit 1 dK / dV by 16-byte stores, bit 2 p.dq_acc zeroed here (the
-    // launch's choices; zero_dq_units)
+    // flags: bit 0 dQ by TMA reduce-adds, bit 1 dK / dV by 16-byte stores, bit 2 p.dq_acc zeroed here, bit 3
+    // all at once rather than a section ahead (the launch's choices; zero_dq_units)
     // dQ's staging tiles (launched with SMEM_TMA bytes only when flags bit 0 is set): consumer cw's at
     // DQs + cw * DQ_WG_BYTES
     uint8_t *DQs = Zs + 2 * C::Z_BYTES;
@@ -371,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
             }
         } else if (zero_dq) {  // warps 1-3: dQ's zeros, ahead of the items
-            zero_dq_units(p, section, zero_cpp);
+            zero_dq_units(p, section, zero_cpp, k_tiles * section, (flags & 8) == 0);
         }
     } else {  // consumers: warpgroups 1, 2 own keys k0 + 0-63, k0 + 64-127 (at D = 256: the same 64 keys,
               // columns 0-127 / 128-255 of dK and dV)
@@ -674,7 +690,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     tf_hstu_params kp = p;
     int64_t grid = items;
     // dQ's accumulator zeroed in the kernel (zero_dq_units) where it is persistent and the scratch holds the
-    // sections' counts, else by a memset first; TORCHFUSE_HSTU_BWD_ZERO_DQ=0: the memset (A/B runs, tests)
+    // sections' counts, else by a memset first; TORCHFUSE_HSTU_BWD_ZERO_DQ=0: the memset, =2: zeroed in the
+    // kernel all at once, not a section ahead (A/B runs, tests)
     const int64_t sections = (p.B * p.H + section - 1) / section;
     const char *zero_env = getenv("TORCHFUSE_HSTU_BWD_ZERO_DQ");
     bool zero_dq = false;
@@ -703,7 +720,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
                      reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 && reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
     hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
                                                                   (int)items,
-                                                                  (dq_tma ? 1 : 0) | (vec ? 2 : 0) | (zero_dq ? 4 : 0));
+                                                                  (dq_tma ? 1 : 0) | (vec ? 2 : 0) | (zero_dq ? 4 : 0) |
+                                                                      (zero_dq && zero_env && zero_env[0] == '2' ? 8 : 0));
 #ifdef TF_HSTU_BWD_TRACE
     tf_trace_end(trace_file, trace_ptr, 2 * grid, stream);
 #endif

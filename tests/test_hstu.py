@@ -294,7 +294,8 @@ def test_backward_one_block_per_item(dtype, case, monkeypatch):
 # is allocated uninitialised, so NaN-filled blocks of its size, freed just before, are what the allocator
 # hands it: a row left unzeroed, or an item started before its section's zeros, shows as NaN or as a
 # difference from the memset form. Sections of 3 pairs (TORCHFUSE_HSTU_BWD_SECTION=3) make every case
-# wait on several sections; dK and dV (no atomics) must match bit for bit.
+# wait on several sections; dK and dV (no atomics) must match bit for bit. Both zeroing forms: a section
+# ahead of the items (the default, =1) and all at once (=2).
 ZERO_DQ_CASES = ["plain_h2_d64", "d128_h4_int64", "d256_dv32_h8_msl_scaling", "window_minfull_targets_ctx",
                  "targets_groups_context", "long_d128_targets", "many_short_seqs"]
 
@@ -302,7 +303,8 @@ ZERO_DQ_CASES = ["plain_h2_d64", "d128_h4_int64", "d256_dv32_h8_msl_scaling", "w
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 @pytest.mark.parametrize("case", ZERO_DQ_CASES)
 @pytest.mark.parametrize("section", ["3", ""], ids=["sections_of_3", "l2_sections"])
-def test_backward_dq_zeroed_in_kernel(case, section, monkeypatch):
+@pytest.mark.parametrize("paced", ["1", "2"], ids=["paced", "at_once"])
+def test_backward_dq_zeroed_in_kernel(case, section, paced, monkeypatch):
     set_kernel_env(monkeypatch, "cuda-wgmma", SM90_BWD_ENV)
     monkeypatch.setenv("TORCHFUSE_HSTU_BWD_SECTION", section)
     B, H, dqk, dv, max_len, mk, kw = CASES[case]
@@ -313,7 +315,7 @@ def test_backward_dq_zeroed_in_kernel(case, section, monkeypatch):
     dout = torch.randn_like(out)
     monkeypatch.setenv("TORCHFUSE_HSTU_BWD_ZERO_DQ", "0")
     want = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    monkeypatch.setenv("TORCHFUSE_HSTU_BWD_ZERO_DQ", "1")
+    monkeypatch.setenv("TORCHFUSE_HSTU_BWD_ZERO_DQ", paced)
     for _ in range(2):
         junk = [torch.full((q.shape[0], H, dqk), float("nan"), device="cuda") for _ in range(4)]
         del junk
