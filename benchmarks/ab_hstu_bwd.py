@@ -7,9 +7,6 @@ in each of the chosen forms (`--forms`, comma-separated, in turns, best of `--ro
     pers1sec   the same, items in one section
     pers4b     `pers` with dK / dV written by 4-byte stores (TORCHFUSE_HSTU_BWD_VEC_STORE=0; the default:
                16-byte stores after a quad transpose)
-    persmemset `pers` with the fp32 dQ accumulator zeroed by a memset before the kernel
-               (TORCHFUSE_HSTU_BWD_ZERO_DQ=0) instead of inside it, a section ahead of the items (the default)
-    perszeroall `pers` with the accumulator zeroed inside the kernel all at once (TORCHFUSE_HSTU_BWD_ZERO_DQ=2)
     persred    `pers` with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red) instead
                of TMA reduce-adds from shared memory (the other forms: the default, which head dims up to 128
                take; 192 / 256 always add with red.global.add: there `persred` is `pers`)
@@ -37,21 +34,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_hstu as bh  # noqa: E402
 
 # form: (column title, TORCHFUSE_HSTU_SM90_BWD, TORCHFUSE_HSTU_BWD_SECTION, TORCHFUSE_HSTU_BWD_PERSISTENT,
-# TORCHFUSE_HSTU_BWD_DQ, TORCHFUSE_HSTU_BWD_VEC_STORE, TORCHFUSE_HSTU_BWD_ZERO_DQ); "" sets the variable
-# empty, which the library reads as unset (the default)
+# TORCHFUSE_HSTU_BWD_DQ, TORCHFUSE_HSTU_BWD_VEC_STORE); "" sets the variable empty, which the library reads
+# as unset (the default)
 FORMS = {
-    "mma": ("mma.sync", "0", "", "", "", "", ""),
-    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0", "", "", ""),
-    "1blk": ("wgmma, 1 block/item", "1", "", "0", "", "", ""),
-    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", "", "", ""),
-    "pers": ("wgmma, persistent", "1", "", "1", "", "", ""),
-    "persmemset": ("wgmma, persistent, dQ memset", "1", "", "1", "", "", "0"),
-    "perszeroall": ("wgmma, persistent, dQ zeroed at once", "1", "", "1", "", "", "2"),
-    "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red", "", ""),
-    "pers4b": ("wgmma, persistent, dK/dV 4-byte stores", "1", "", "1", "", "0", ""),
+    "mma": ("mma.sync", "0", "", "", "", ""),
+    "1blk1sec": ("wgmma, 1 block/item, one section", "1", "0", "0", "", ""),
+    "1blk": ("wgmma, 1 block/item", "1", "", "0", "", ""),
+    "pers1sec": ("wgmma, persistent, one section", "1", "0", "1", "", ""),
+    "pers": ("wgmma, persistent", "1", "", "1", "", ""),
+    "persred": ("wgmma, persistent, dQ red.add", "1", "", "1", "red", ""),
+    "pers4b": ("wgmma, persistent, dK/dV 4-byte stores", "1", "", "1", "", "0"),
 }
 ENV_NAMES = ("TORCHFUSE_HSTU_SM90_BWD", "TORCHFUSE_HSTU_BWD_SECTION", "TORCHFUSE_HSTU_BWD_PERSISTENT",
-             "TORCHFUSE_HSTU_BWD_DQ", "TORCHFUSE_HSTU_BWD_VEC_STORE", "TORCHFUSE_HSTU_BWD_ZERO_DQ")
+             "TORCHFUSE_HSTU_BWD_DQ", "TORCHFUSE_HSTU_BWD_VEC_STORE")
 assert all(len(v) == 1 + len(ENV_NAMES) for v in FORMS.values())
 
 

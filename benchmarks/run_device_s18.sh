@@ -9,8 +9,11 @@
 #   zero:  the backward's fp32 dQ accumulator zeroed inside the kernel (zero_dq_units), no memset: the backward GPU
 #          tests (test_backward_dq_zeroed_in_kernel among them) and the rows-outside test, memcheck on the new test and
 #          a few backward cases, then ab_hstu_bwd.py --forms persmemset,pers in one process (all shapes, single calls).
-#          Call 2 (zeroing all at once): 4-10% slower than the memset at N <= 2048, +1% at 4096; call 3: paced a
-#          section ahead (FORMS=persmemset,pers,perszeroall)
+#          Measured slower than the memset and reverted (the code: commit fe43e39, where this part runs):
+#          call 2, all at once: 4-10% slower at N <= 2048, +1% at 4096; call 3, paced a section ahead: the same
+#          (16x1024x128 186 vs 197, 16x2048x64 237 vs 270); call 4, the proxy fence once per section instead of
+#          per item: the same (183 vs 196, 231 vs 253). The first section's zeros are not hidden behind anything
+#          (~10 us), and the rest still costs more inside the kernel than the memset does before it.
 #   checks: the forward and backward GPU tests, memcheck on the masked cases
 #   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail

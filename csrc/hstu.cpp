@@ -179,7 +179,7 @@ void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda
     p.dk = g.dk.data_ptr();
     p.dvv = g.dv.data_ptr();
     if (cuda) {
-        g.dq = at::empty({p.L, p.H, p.dqk}, opt.dtype(at::kFloat));  // fp32 accumulator, cast after (see dq_acc)
+        g.dq = at::zeros({p.L, p.H, p.dqk}, opt.dtype(at::kFloat));  // fp32 accumulator, cast after
         p.dq_acc = g.dq.data_ptr<float>();
         p.dq = nullptr;
     } else {

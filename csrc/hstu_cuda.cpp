@@ -45,7 +45,6 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
     // the sm_90a kernel's work counter (it zeroes it on the stream before its launch)
     const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
-    g.p.sched_n = 1;
     zero_uncovered_rows(g, {g.o});
     check_launch(tf_hstu_fwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU forward kernel");
     return g.o;
@@ -63,14 +62,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
                                    min_full_attn_seq_len, target_group_size, 0, false},
                           true);
     prepare_hstu_bwd(g, dout, bias_grad, true);
-    // the persistent sm_90a backward's work counter, its dQ-zeroing counter and one count per L2 section
-    // (at most one per (sequence, head) pair), zeroed by the launch on the stream
-    const at::Tensor sched = at::empty({2 + g.p.B * g.p.H}, q.options().dtype(at::kInt));
+    // the persistent sm_90a backward's work counter, its own (zeroed by the launch on the stream)
+    const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
-    g.p.sched_n = sched.numel();
-    // the fp32 dQ accumulator is allocated uninitialised: its rows inside the sequences are zeroed by the
-    // backward (in the sm_90a kernel, or a memset), the others here
-    zero_uncovered_rows(g, {g.dk, g.dv, g.dq});
+    zero_uncovered_rows(g, {g.dk, g.dv});
     check_launch(tf_hstu_bwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU backward kernel");
     at::Tensor dq = g.dq.to(g.q.scalar_type());
     at::Tensor db = g.dbias.defined() ? g.dbias.to(g.bias.scalar_type()) : no_output(g.o);

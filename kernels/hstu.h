@@ -48,11 +48,8 @@ typedef struct {
     /* backward only */
     const void *dout; int64_t do_sr, do_sh;      /* dout, dq, dk, dv shaped like o, q, k, v; */
     void *dq, *dk, *dvv;                         /* dq/dk/dv contiguous */
-    float *dq_acc; /* CUDA: fp32 (rows, H, dqk), or NULL: the rows no sequence covers zeroed, the others
-                      anything (tf_hstu_bwd_cuda zeroes them, the sm_90a backward inside its kernel) */
-    int *sched;    /* CUDA: sched_n ints of device scratch (the sm_90a kernels' work queue; the backward's
-                      in-kernel zeroing of dq_acc needs 2 + B x H), or NULL */
-    int64_t sched_n;
+    float *dq_acc;                               /* CUDA: fp32 (rows, H, dqk) zeroed, or NULL */
+    int *sched;    /* CUDA: one int of device scratch (the sm_90a kernels' work queue), or NULL */
     void *dbias;   /* NULL: no bias gradient; else zeroed, bias's (contiguous) shape: double on the CPU, fp32 on CUDA */
 } tf_hstu_params;
 
@@ -207,7 +204,7 @@ int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream);
  * whole (the kernels write every row inside [offsets[0], offsets[B])). n <= 3. */
 int tf_hstu_zero_outside(void *const *rows, const int64_t *row_bytes, int n, int64_t L, const void *offsets,
                          int offsets_i64, int64_t B, void *stream);
-/* Needs p->dq_acc (fp32; see the params) and, with a bias gradient, p->dbias (fp32, zeroed). */
+/* Needs p->dq_acc (fp32, zeroed) and, with a bias gradient, p->dbias (fp32, zeroed). */
 int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream);
 /* The sm_90a (TMA + wgmma) backward, 16-bit dtypes, head dims up to 256, no attn_bias: -1 when it does
  * not apply (as tf_hstu_fwd_sm90, or TORCHFUSE_HSTU_SM90_BWD=0); tf_hstu_bwd_cuda tries it first. */

@@ -371,10 +371,6 @@ extern "C" int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
     const int sm90 = tf_hstu_bwd_sm90(p, stream_);
     if (sm90 != -1) return sm90;
-    if (p->dq_acc && p->L > 0) {  // the kernels here add into it (the fp32 one writes the rows it covers)
-        const cudaError_t err = cudaMemsetAsync(p->dq_acc, 0, (size_t)(p->L * p->H * p->dqk) * sizeof(float), stream);
-        if (err != cudaSuccess) return (int)err;
-    }
     if (p->dtype == TF_BF16) return (int)dispatch_bwd<__nv_bfloat16>(*p, stream);
     if (p->dtype == TF_F16) return (int)dispatch_bwd<__half>(*p, stream);
     if (p->L == 0 || p->H == 0) return 0;

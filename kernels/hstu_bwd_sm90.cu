@@ -182,78 +182,6 @@ __device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles
 }
 __device__ __forceinline__ __attribute__((unused)) int q_tile(const BwdItem &w, int i) { return i < w.nctx ? i : w.lo_t + i - w.nctx; }
 
-/* p.dq_acc zeroed inside the kernel (flags bit 2), where a memset of the whole fp32 buffer before it cost
- * 81 us of a 1.2 ms backward at 128 x 1024 x 128 (6-10% across the shapes). The producer warpgroup's three
- * idle warps take units of kZeroRows rows of one (sequence, head) pair from a counter (p.sched[1]) in item
- * order, zero them, and count them per L2 section (p.sched[2 + section]); the producer warp hands over an
- * item only once its section's count is complete, so every reduce-add into a section's rows comes after
- * the zeros. Units are taken from a counter, not by block index, so a block that has not started yet (an
- * SM busy with another kernel) holds nothing up. Rows past a sequence's end that its last query tile's
- * reduce reaches (zeros added, 63 rows at most) belong to the next sequence's own units, zeroed in their
- * section, before or after that add: an add of 0 is atomic per element and leaves either value as it is;
- * rows no sequence covers are zeroed by the caller before the launch. Paced (paced = 1): a section's units are
- * taken only once the items have reached the section before it (the item counter p.sched[0]), so the zeros
- * stream out a section ahead of the reduce-adds; all at once, 268 MB of zeros at 128 x 1024 x 128 pushed the
- * sections' Q and dO out of L2 (4-10% slower than the memset at N <= 2048, call 2). */
-constexpr int kZeroRows = 128;
-__device__ __forceinline__ __attribute__((unused)) void zero_dq_units(const tf_hstu_params &p, int section, int cpp,
-                                                                      int per_section, bool paced) {
-    const int lane = threadIdx.x % 32, H = (int)p.H, BH = (int)(p.B * p.H), units = BH * cpp, dqk = (int)p.dqk;
-    for (;;) {
-        int u = 0;
-        if (lane == 0) u = atomicAdd(p.sched + 1, 1);
-        u = __shfl_sync(0xffffffffu, u, 0);
-        if (u >= units) break;
-        const int bh = u / cpp, h = bh % H, sec = bh / section;
-        if (paced && sec >= 2) {  // wait until some item of section sec - 1 has been taken
-            if (lane == 0) {
-                const int want = (sec - 1) * per_section;
-                for (;;) {
-                    int v;
-                    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p.sched) : "memory");
-                    if (v > want) break;
-                    __nanosleep(256);
-                }
-            }
-            __syncwarp();
-        }
-        const int64_t start = tf_idx_load(p.offsets, p.offsets_i64, bh / H);
-        const int n = (int)(tf_idx_load(p.offsets, p.offsets_i64, bh / H + 1) - start);
-        // the pair's last unit takes the rest of a sequence longer than max_seq_len (an unvalidated call)
-        const int r1 = u % cpp == cpp - 1 ? n : min(n, (u % cpp + 1) * kZeroRows);
-        for (int r = (u % cpp) * kZeroRows; r < r1; ++r) {
-            float *row = p.dq_acc + ((start + r) * H + h) * dqk;
-            if (dqk % 4 == 0) {
-                for (int c = 4 * lane; c < dqk; c += 128) *(float4 *)(row + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-            } else {
-                for (int c = lane; c < dqk; c += 32) row[c] = 0.f;
-            }
-        }
-        __syncwarp();  // every lane's zeros, then (fence.sc, cumulative) the count that publishes them
-        if (lane == 0) {
-            __threadfence();
-            atomicAdd(p.sched + 2 + sec, 1);
-        }
-    }
-}
-/* The producer's wait for section sec's zeros (flags bit 2): every unit of its pairs counted. */
-__device__ __forceinline__ __attribute__((unused)) void wait_dq_zeroed(const tf_hstu_params &p, int section, int cpp, int sec) {
-    const int BH = (int)(p.B * p.H), want = min(section, BH - sec * section) * cpp;
-    if (threadIdx.x % 32 == 0) {
-        const int *cnt = p.sched + 2 + sec;
-        for (;;) {
-            int v;
-            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(cnt) : "memory");
-            if (v >= want) break;
-            __nanosleep(128);
-        }
-        // the zeros (generic stores) before the section's reduce-adds through the copy engine (the async
-        // proxy), once per section here: in each consumer before each item it cost 4-12% at N <= 2048 (call 3)
-        asm volatile("fence.proxy.async.global;\n" ::: "memory");
-    }
-    __syncwarp();
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -266,15 +194,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
-    // flags: bit 0 dQ by TMA reduce-adds, bit 1 dK / dV by 16-byte stores, bit 2 p.dq_acc zeroed here, bit 3
-    // all at once rather than a section ahead (the launch's choices; zero_dq_units)
+    // flags: bit 0 dQ by TMA reduce-adds, bit 1 dK / dV by 16-byte stores (the launch's choices)
     // dQ's staging tiles (launched with SMEM_TMA bytes only when flags bit 0 is set): consumer cw's at
     // DQs + cw * DQ_WG_BYTES
     uint8_t *DQs = Zs + 2 * C::Z_BYTES;
     const bool dq_tma = C::DQ_TMA && (flags & 1);  // uniform over the block
     const bool vec_store = (flags & 2) != 0;        // dK / dV by 16-byte stores (see the item's end)
-    const bool zero_dq = (flags & 4) != 0;
-    const int zero_cpp = (int)((p.max_seq_len + kZeroRows - 1) / kZeroRows);  // zeroing units per pair
     // kv_full / kv_empty: the one K/V buffer, phase k for the block's k-th item; full / empty: the Q/dO
     // ring, slot gt % ST and phase gt / ST for the block's gt-th query tile (counted across items, the
     // same count on both sides: the consumers take exactly the items, and their tiles, the producer
@@ -329,8 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (!p.sched) return taken++ == 0 ? (int)blockIdx.x : items;
                 return __shfl_sync(0xffffffffu, leader ? atomicAdd(p.sched, 1) : 0, 0);
             };
-            int gt = 0;           // query tiles loaded so far (the ring position)
-            int zeroed_sec = -1;  // the last section whose dQ rows this block saw zeroed
+            int gt = 0;  // query tiles loaded so far (the ring position)
             for (int k = 0;; ++k) {  // hand-over k: the block's k-th item with keys (or the end)
                 BwdItem w;
                 int item;
@@ -345,11 +269,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                     else work_slot[k & 1] = w;
                 }
                 __syncwarp();
-                if (zero_dq && item < items) {  // items come in order: the sections too
-                    const int sec = item / (k_tiles * section);
-                    if (sec > zeroed_sec) wait_dq_zeroed(p, section, zero_cpp, sec);
-                    zeroed_sec = sec;
-                }
                 if (k > 0) named_bar_sync_n(6, 288);  // the consumers have taken hand-over k - 1
                 named_bar_arrive_n(5, 288);
                 if (item >= items) break;
@@ -389,8 +308,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                     }
                 }
             }
-        } else if (zero_dq) {  // warps 1-3: dQ's zeros, ahead of the items
-            zero_dq_units(p, section, zero_cpp, k_tiles * section, (flags & 8) == 0);
         }
     } else {  // consumers: warpgroups 1, 2 own keys k0 + 0-63, k0 + 64-127 (at D = 256: the same 64 keys,
               // columns 0-127 / 128-255 of dK and dV)
@@ -656,8 +573,7 @@ template <typename T, int D>
 int launch(const tf_hstu_params &p, cudaStream_t stream) {
     constexpr int kBN = BwdSm90Cfg<D>::BN;
     const int64_t k_tiles = (p.max_seq_len + kBN - 1) / kBN, items = k_tiles * p.B * p.H;
-    const size_t dq_bytes = (size_t)(p.L * p.H * p.dqk) * sizeof(float);
-    if (items == 0) return p.L > 0 ? (int)cudaMemsetAsync(p.dq_acc, 0, dq_bytes, stream) : 0;
+    if (items == 0) return 0;
     if (items > 0x7fff0000) return -1;  // item numbers (and the counter, up to items + grid) are ints
     CUtensorMap tq, tk, tv, tdo;
     if (!tensor_map(&tq, p.dtype, p.q, p.L, p.H, p.dqk, p.q_sr, p.q_sh, kBQ) ||
@@ -676,36 +592,22 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const int smem = dq_tma ? BwdSm90Cfg<D>::SMEM_TMA : BwdSm90Cfg<D>::SMEM;
     cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    // TORCHFUSE_HSTU_BWD_SECTION=0: one section of every pair (the A/B of the L2 sections); =n > 0: sections
-    // of n pairs (tests: many sections at small sizes, for the in-kernel zeroing's per-section waits)
+    // TORCHFUSE_HSTU_BWD_SECTION=0: one section of every pair (the A/B of the L2 sections)
     const char *env = getenv("TORCHFUSE_HSTU_BWD_SECTION");
-    const int env_sec = env ? atoi(env) : -1;
     const int section = env && env[0] == '0' ? (int)(p.B * p.H)
-                        : env_sec > 0 ? (int)(env_sec < p.B * p.H ? env_sec : p.B * p.H)
-                                      : l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, (int)k_tiles);
+                                            : l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, (int)k_tiles);
     // Persistent (default, where the caller gave a counter): one block per SM (one fits: shared memory),
     // each taking items from p.sched, zeroed here on the stream. TORCHFUSE_HSTU_BWD_PERSISTENT=0: one
     // block per item, the block's item its index (the kernel sees p.sched NULL).
     const char *pers = getenv("TORCHFUSE_HSTU_BWD_PERSISTENT");
     tf_hstu_params kp = p;
     int64_t grid = items;
-    // dQ's accumulator zeroed in the kernel (zero_dq_units) where it is persistent and the scratch holds the
-    // sections' counts, else by a memset first; TORCHFUSE_HSTU_BWD_ZERO_DQ=0: the memset, =2: zeroed in the
-    // kernel all at once, not a section ahead (A/B runs, tests)
-    const int64_t sections = (p.B * p.H + section - 1) / section;
-    const char *zero_env = getenv("TORCHFUSE_HSTU_BWD_ZERO_DQ");
-    bool zero_dq = false;
     if (p.sched && !(pers && pers[0] == '0')) {
         if (grid > device_sizes().sms) grid = device_sizes().sms;
-        zero_dq = !(zero_env && zero_env[0] == '0') && p.sched_n >= 2 + sections;
-        err = cudaMemsetAsync(p.sched, 0, (zero_dq ? 2 + sections : 1) * sizeof(int), stream);
+        err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
         if (err != cudaSuccess) return err;
     } else {
         kp.sched = nullptr;
-    }
-    if (!zero_dq) {
-        err = cudaMemsetAsync(p.dq_acc, 0, dq_bytes, stream);
-        if (err != cudaSuccess) return err;
     }
 #ifdef TF_HSTU_BWD_TRACE
     // the measurement build: every launch's trace, written to TORCHFUSE_HSTU_BWD_TRACE_FILE (waits for it)
@@ -719,9 +621,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const bool vec = !(vec_env && vec_env[0] == '0') && p.dqk % 8 == 0 && p.dv % 8 == 0 &&
                      reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 && reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
     hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
-                                                                  (int)items,
-                                                                  (dq_tma ? 1 : 0) | (vec ? 2 : 0) | (zero_dq ? 4 : 0) |
-                                                                      (zero_dq && zero_env && zero_env[0] == '2' ? 8 : 0));
+                                                                  (int)items, (dq_tma ? 1 : 0) | (vec ? 2 : 0));
 #ifdef TF_HSTU_BWD_TRACE
     tf_trace_end(trace_file, trace_ptr, 2 * grid, stream);
 #endif

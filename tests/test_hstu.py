@@ -289,44 +289,6 @@ def test_backward_one_block_per_item(dtype, case, monkeypatch):
     run_case("cuda", dtype, case, grad=True)
 
 
-# The persistent wgmma backward zeroes its fp32 dQ accumulator inside the kernel, L2 section by section
-# ahead of the items (TORCHFUSE_HSTU_BWD_ZERO_DQ=0: a memset first, as the other paths do). The accumulator
-# is allocated uninitialised, so NaN-filled blocks of its size, freed just before, are what the allocator
-# hands it: a row left unzeroed, or an item started before its section's zeros, shows as NaN or as a
-# difference from the memset form. Sections of 3 pairs (TORCHFUSE_HSTU_BWD_SECTION=3) make every case
-# wait on several sections; dK and dV (no atomics) must match bit for bit. Both zeroing forms: a section
-# ahead of the items (the default, =1) and all at once (=2).
-ZERO_DQ_CASES = ["plain_h2_d64", "d128_h4_int64", "d256_dv32_h8_msl_scaling", "window_minfull_targets_ctx",
-                 "targets_groups_context", "long_d128_targets", "many_short_seqs"]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-@pytest.mark.parametrize("case", ZERO_DQ_CASES)
-@pytest.mark.parametrize("section", ["3", ""], ids=["sections_of_3", "l2_sections"])
-@pytest.mark.parametrize("paced", ["1", "2"], ids=["paced", "at_once"])
-def test_backward_dq_zeroed_in_kernel(case, section, paced, monkeypatch):
-    set_kernel_env(monkeypatch, "cuda-wgmma", SM90_BWD_ENV)
-    monkeypatch.setenv("TORCHFUSE_HSTU_BWD_SECTION", section)
-    B, H, dqk, dv, max_len, mk, kw = CASES[case]
-    q, k, v, offsets, msl, nt, _ = make_inputs("cuda", torch.bfloat16, B, H, dqk, dv, max_len, **mk)
-    for x in (q, k, v):
-        x.requires_grad_(True)
-    out = torchfuse.hstu_attention(q, k, v, offsets, msl, 0.3, num_targets=nt, **kw)
-    dout = torch.randn_like(out)
-    monkeypatch.setenv("TORCHFUSE_HSTU_BWD_ZERO_DQ", "0")
-    want = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    monkeypatch.setenv("TORCHFUSE_HSTU_BWD_ZERO_DQ", paced)
-    for _ in range(2):
-        junk = [torch.full((q.shape[0], H, dqk), float("nan"), device="cuda") for _ in range(4)]
-        del junk
-        got = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        assert torch.isfinite(got[0]).all(), "dq"
-        # the same fp32 sums added in another order, then rounded to bf16: one unit in the last place
-        scale = max(want[0].abs().max().item(), 1e-30)
-        torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2 ** -7, atol=2 ** -7 * scale)
-        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), "dk / dv"
-
-
 def bwd_kernel_grids(d, B, n, monkeypatch, persistent):
     """The grids of the hstu_bwd_ws launches of one backward (B sequences of n rows, 2 heads), from the
     profiler's trace."""
