@@ -14,10 +14,12 @@
 #          (16x1024x128 186 vs 197, 16x2048x64 237 vs 270); call 4, the proxy fence once per section instead of
 #          per item: the same (183 vs 196, 231 vs 253). The first section's zeros are not hidden behind anything
 #          (~10 us), and the rest still costs more inside the kernel than the memset does before it.
+#   slot:  issue 4's lead (NOTES item 0): probe_dynemb_slot_order.py, the training step's segment update with the rows
+#          visited in slot order against key order, beside the forward's pool and plain gathers (SGD and Adam)
 #   checks: the forward and backward GPU tests, memcheck on the masked cases
 #   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: mask, zero, checks or table}
+PART=${1:?part: mask, zero, slot, checks or table}
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_helpers.sh"
 ab_both() {  # TAG
@@ -41,6 +43,11 @@ zero)
   timeout ${AB_TO:-150} python3 benchmarks/ab_hstu_bwd.py --forms ${FORMS:-persmemset,pers} --rounds 3 --no-triton \
     --out "$OUT/ab_bwd_zero.md" > "$OUT/ab_bwd_zero.log" 2>&1
   echo "ab bwd exit $?"; grep "^|" "$OUT/ab_bwd_zero.md" ;;
+slot)
+  for opt in sgd adam; do
+    timeout ${AB_TO:-150} python3 benchmarks/probe_dynemb_slot_order.py --opt $opt > "$OUT/slot_$opt.md" 2>&1
+    echo "slot order ($opt) exit $?"; cat "$OUT/slot_$opt.md" | tail -8
+  done ;;
 checks)
   fwd_tests
   run_tests pytest_bwd ${TEST_TO:-200} $T -k "backward and not cpu"
