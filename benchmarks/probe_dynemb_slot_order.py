@@ -71,7 +71,8 @@ def main():
         for k, fn in forms.items():
             best[k] = min(best[k], bd.timed(fn, 1))
     row = bag._values.shape[1] * bag._values.element_size()
-    moved = {  # bytes each form must move at least (rows of the table; gradient rows are L2-resident)
+    moved = {  # bytes counted: table rows read and written, one gradient row per occurrence (L2-resident: the
+               # 16384 bags' gradient is 8 MB), the pool's output
         "segment update, by id": 2 * nu * row + n * row,
         "segment update, by slot": 2 * nu * row + n * row,
         "pool (forward, bag order)": n * row + grad.numel() * 4,
@@ -79,7 +80,7 @@ def main():
         "gather unique rows, by slot": 2 * nu * row,
     }
     print(f"{torch.cuda.get_device_name()}, {n} ids, {nu} unique, dim {bag._values.shape[1]}, {a.opt}")
-    print("| form | us | GB/s (bytes counted: rows read + written, gradient rows once per id) |")
+    print("| form | us | GB/s (table rows read + written, a gradient row per occurrence, the pool's output) |")
     print("|---|---:|---:|")
     for k in forms:
         print(f"| {k} | {best[k] * 1e6:.0f} | {moved[k] / best[k] / 1e9:.0f} |")
