@@ -16,10 +16,12 @@
 #          (~10 us), and the rest still costs more inside the kernel than the memset does before it.
 #   slot:  issue 4's lead (NOTES item 0): probe_dynemb_slot_order.py, the training step's segment update with the rows
 #          visited in slot order against key order, beside the forward's pool and plain gathers (SGD and Adam)
+#   ncu:   Nsight Compute on the SGD segment update and the plain gather of the same rows (probe_dynemb_slot_order.py,
+#          one round): what holds the update at 535 us when the gather moves its rows in 355
 #   checks: the forward and backward GPU tests, memcheck on the masked cases
 #   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: mask, zero, slot, checks or table}
+PART=${1:?part: mask, zero, slot, ncu, checks or table}
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_helpers.sh"
 ab_both() {  # TAG
@@ -48,6 +50,13 @@ slot)
     timeout ${AB_TO:-150} python3 benchmarks/probe_dynemb_slot_order.py --opt $opt > "$OUT/slot_$opt.md" 2>&1
     echo "slot order ($opt) exit $?"; cat "$OUT/slot_$opt.md" | tail -8
   done ;;
+ncu)
+  timeout ${NCU_TO:-300} ncu --clock-control none -k regex:"segsum_update_kernel|gather_kernel|pool_kernel" -c 3 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats --section SchedulerStats \
+    python3 benchmarks/probe_dynemb_slot_order.py --rounds 1 > "$OUT/ncu_dynemb.txt" 2>&1
+  echo "ncu exit $?"
+  grep -E "segsum_update_kernel|gather_kernel|pool_kernel|Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit Reg|Warp Cycles Per Issued|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Stall|Mem Busy|Max Bandwidth" "$OUT/ncu_dynemb.txt" | head -90 ;;
 checks)
   fwd_tests
   run_tests pytest_bwd ${TEST_TO:-200} $T -k "backward and not cpu"
