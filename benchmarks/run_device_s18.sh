@@ -16,7 +16,7 @@
 #          (~10 us), and the rest still costs more inside the kernel than the memset does before it.
 #   slot:  issue 4's lead (NOTES item 0): probe_dynemb_slot_order.py, the training step's segment update with the rows
 #          visited in slot order against key order, beside the forward's pool and plain gathers (SGD and Adam)
-#   ncu:   Nsight Compute on the SGD segment update and the plain gather of the same rows (probe_dynemb_slot_order.py,
+#   ncu:   Nsight Compute on the SGD segment update and the forward pool (probe_dynemb_slot_order.py,
 #          one round): what holds the update at 535 us when the gather moves its rows in 355
 #   checks: the forward and backward GPU tests, memcheck on the masked cases
 #   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
@@ -51,7 +51,7 @@ slot)
     echo "slot order ($opt) exit $?"; cat "$OUT/slot_$opt.md" | tail -8
   done ;;
 ncu)
-  timeout ${NCU_TO:-300} ncu --clock-control none -k regex:"segsum_update_kernel|gather_kernel|pool_kernel" -c 3 \
+  timeout ${NCU_TO:-300} ncu --clock-control none -k regex:"segsum_update_kernel|pool_kernel" -c 2 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
     --section LaunchStats --section SchedulerStats \
     python3 benchmarks/probe_dynemb_slot_order.py --rounds 1 > "$OUT/ncu_dynemb.txt" 2>&1
