@@ -16,8 +16,9 @@
 #          (~10 us), and the rest still costs more inside the kernel than the memset does before it.
 #   slot:  issue 4's lead (NOTES item 0): probe_dynemb_slot_order.py, the training step's segment update with the rows
 #          visited in slot order against key order, beside the forward's pool and plain gathers (SGD and Adam)
-#   ncu:   Nsight Compute on the SGD segment update and the forward pool (probe_dynemb_slot_order.py,
-#          one round): what holds the update at 535 us when the gather moves its rows in 355
+#   ncu:   Nsight Compute on the SGD segment update (probe_dynemb_slot_order.py, one round: the first two launches,
+#          key and slot order): what holds it at 535 us when the gather moves its rows in 355 (call 8, with gathers
+#          in the filter, profiled the table's setup instead)
 #   checks: the forward and backward GPU tests, memcheck on the masked cases
 #   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
