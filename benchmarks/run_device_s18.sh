@@ -19,10 +19,14 @@
 #   ncu:   Nsight Compute on the SGD segment update (probe_dynemb_slot_order.py, one round: the first two launches,
 #          key and slot order): what holds it at 535 us when the gather moves its rows in 355 (call 8, with gathers
 #          in the filter, profiled the table's setup instead)
+#   hsort: the training batch sorted by its ids' 32-bit hashes (4 radix passes of 4-byte keys, collisions put in id
+#          order after) instead of the ids (8 of 8-byte keys): the dynamic-embedding GPU tests, memcheck on the
+#          sort-group tests, then ab_train_step.py over TORCHFUSE_DYNEMB_SORT_HASH_BITS=0 / 32 (SGD and Adam) and the
+#          sort-group op alone
 #   checks: the forward and backward GPU tests, memcheck on the masked cases
 #   table: the full HSTU table (bench_hstu.py --cases full,special --compile --b2b, one process, Triton from PEERS)
 set -uo pipefail
-PART=${1:?part: mask, zero, slot, ncu, checks or table}
+PART=${1:?part: mask, zero, slot, ncu, hsort, checks or table}
 source "$(dirname "$0")/device_build.sh"
 source "$(dirname "$0")/device_helpers.sh"
 ab_both() {  # TAG
@@ -58,6 +62,29 @@ ncu)
     python3 benchmarks/probe_dynemb_slot_order.py --rounds 1 > "$OUT/ncu_dynemb.txt" 2>&1
   echo "ncu exit $?"
   grep -E "segsum_update_kernel|gather_kernel|pool_kernel|Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit Reg|Warp Cycles Per Issued|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Stall|Mem Busy|Max Bandwidth" "$OUT/ncu_dynemb.txt" | head -90 ;;
+hsort)
+  run_tests pytest_dyn ${TEST_TO:-300} $D -k "not cpu"
+  MEM_TO=${MEM_TO:-120} sanitize memcheck memcheck_dyn "sort_group and not cpu" "$D"
+  for opt in sgd adam; do
+    ( cd benchmarks && timeout ${AB_TO:-150} python3 ab_train_step.py --switch TORCHFUSE_DYNEMB_SORT_HASH_BITS \
+      --values 0,32 --opt $opt --rounds 3 ) > "$OUT/ab_hsort_$opt.md" 2>&1
+    echo "ab hsort ($opt) exit $?"; grep "^|" "$OUT/ab_hsort_$opt.md"
+  done
+  timeout 60 python3 - <<'PY'
+import os, torch
+ids = torch.randint(-2**63, 2**63 - 1, (4 << 20,), dtype=torch.int64, device="cuda")[torch.randint(0, 4 << 20, (1 << 20,), device="cuda")]
+for bits in ("0", "32", "0", "32"):
+    os.environ["TORCHFUSE_DYNEMB_SORT_HASH_BITS"] = bits
+    for _ in range(3):
+        torch.ops.torchfuse.dynemb_sort_group(ids)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(20):
+        torch.ops.torchfuse.dynemb_sort_group(ids)
+    b.record(); torch.cuda.synchronize()
+    print(f"dynemb_sort_group, 1M ids from 4M keys, hash bits {bits}: {a.elapsed_time(b) / 20 * 1e3:.0f} us back to back")
+PY
+  ;;
 checks)
   fwd_tests
   run_tests pytest_bwd ${TEST_TO:-200} $T -k "backward and not cpu"

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+
 #include "dynemb_batch.h"
 
 namespace torchfuse {
@@ -89,6 +91,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_grou
     p.g.perm = nullptr;
     p.g.perm32 = p.perm32;
     p.g.perm_out = perm.data_ptr<int64_t>();
+    // the sort key: the top 32 bits of each id's hash (4 radix passes, where the ids take 8);
+    // TORCHFUSE_DYNEMB_SORT_HASH_BITS=0 sorts the ids themselves, =1..31 fewer hash bits (tests: collisions)
+    const char *env = std::getenv("TORCHFUSE_DYNEMB_SORT_HASH_BITS");
+    p.hash_bits = env && env[0] ? std::atoi(env) : 32;
     check_launch(tf_dynemb_sort_group_cuda(&p, s), "dynemb sort-group kernels");
     return {perm, g.uniq, g.seg, g.inv, g.n_unique};
 }

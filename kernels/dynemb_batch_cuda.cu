@@ -8,6 +8,7 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
+#include "dynemb.h"
 #include "dynemb_batch.h"
 
 namespace {
@@ -84,6 +85,59 @@ __global__ void iota_kernel(int32_t *__restrict__ out, int64_t n) {
     if (j < n) out[j] = (int32_t)j;
 }
 
+/* The hash sort's keys (the top `bits` bits of each id's hash) and the iota beside them. */
+__global__ void hash_keys_kernel(const int64_t *__restrict__ ids, int64_t n, int bits, uint32_t *__restrict__ keys,
+                                 int32_t *__restrict__ iota) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    keys[j] = (uint32_t)(tf_mix64((uint64_t)ids[j]) >> (64 - bits));
+    iota[j] = (int32_t)j;
+}
+
+/* After the hash sort: each position's id (sorted[j] = ids[perm[j]]). */
+__global__ void gather_ids_kernel(const int64_t *__restrict__ ids, const int32_t *__restrict__ perm, int64_t n,
+                                  int64_t *__restrict__ sorted) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n) sorted[j] = ids[perm[j]];
+}
+
+/* coll[j] = 1 where position j holds another id than j - 1 under the same hash key (a collision). */
+__global__ void hash_collisions_kernel(const uint32_t *__restrict__ keys, const int64_t *__restrict__ sorted,
+                                       int64_t n, int32_t *__restrict__ coll) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n) coll[j] = j > 0 && keys[j] == keys[j - 1] && sorted[j] != sorted[j - 1];
+}
+
+/* A run of equal hash keys with a collision is put in id order, stably (insertion sort of (id, perm)
+ * pairs: batch order kept within an id), by the thread of its first collision, chosen from coll and
+ * the keys, which nothing here writes; every other position returns after one load. Runs with a
+ * collision are rare and short (a pair of ids in a run of a few occurrences), so one thread suffices;
+ * a run of a hot id with a colliding one costs its length in shifts per occurrence of the other. */
+__global__ void hash_runs_fix_kernel(const uint32_t *__restrict__ keys, const int32_t *__restrict__ coll, int64_t n,
+                                     int64_t *__restrict__ sorted, int32_t *__restrict__ perm) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n || !coll[j]) return;
+    const uint32_t k = keys[j];
+    int64_t r0 = j - 1;  // the run's start; an earlier collision of the run takes it instead
+    while (r0 > 0 && keys[r0 - 1] == k) {
+        if (coll[r0]) return;
+        --r0;
+    }
+    int64_t r1 = j + 1;
+    while (r1 < n && keys[r1] == k) ++r1;
+    for (int64_t i = r0 + 1; i < r1; ++i) {
+        const int64_t x = sorted[i];
+        const int32_t px = perm[i];
+        int64_t m = i - 1;
+        for (; m >= r0 && sorted[m] > x; --m) {
+            sorted[m + 1] = sorted[m];
+            perm[m + 1] = perm[m];
+        }
+        sorted[m + 1] = x;
+        perm[m + 1] = px;
+    }
+}
+
 unsigned blocks_for(int64_t n) { return (unsigned)((n + kThreads - 1) / kThreads); }
 
 }  // namespace
@@ -120,11 +174,14 @@ extern "C" int tf_dynemb_group_cuda(const tf_dynemb_group_params *p, void *strea
 }
 
 extern "C" size_t tf_dynemb_sort_temp_bytes(int64_t n) {
-    size_t bytes = 0;
-    if (n > 0)
+    size_t bytes = 0, bytes32 = 0;
+    if (n > 0) {  // the larger of the two sorts' (the ids' and the hash keys')
         cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const int64_t *)nullptr, (int64_t *)nullptr,
                                         (const int32_t *)nullptr, (int32_t *)nullptr, (int)n);
-    return bytes;
+        cub::DeviceRadixSort::SortPairs(nullptr, bytes32, (const uint32_t *)nullptr, (uint32_t *)nullptr,
+                                        (const int32_t *)nullptr, (int32_t *)nullptr, (int)n);
+    }
+    return bytes > bytes32 ? bytes : bytes32;
 }
 
 extern "C" int tf_dynemb_sort_group_cuda(const tf_dynemb_sort_group_params *p, void *stream) {
@@ -132,11 +189,24 @@ extern "C" int tf_dynemb_sort_group_cuda(const tf_dynemb_sort_group_params *p, v
     const int64_t n = p->g.n;
     if (n <= 0) return (int)cudaSuccess;
     if (n >= (int64_t{1} << 31)) return (int)cudaErrorInvalidValue;
-    iota_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->iota, n);
     size_t bytes = p->sort_temp_bytes;
-    // all 64 bits: any int64 is a key; radix sort is stable, so equal ids keep batch order
-    cudaError_t e = cub::DeviceRadixSort::SortPairs(p->sort_temp, bytes, p->ids, p->sorted, p->iota, p->perm32, (int)n,
-                                                    0, 64, s);
-    if (e != cudaSuccess) return (int)e;
+    cudaError_t e;
+    if (p->hash_bits > 0 && p->hash_bits <= 32) {
+        // the hash keys in g.flags, sorted into g.run's first half (both free until the grouping)
+        uint32_t *keys = reinterpret_cast<uint32_t *>(p->g.flags), *keys_sorted = reinterpret_cast<uint32_t *>(p->g.run);
+        hash_keys_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->ids, n, p->hash_bits, keys, p->iota);
+        e = cub::DeviceRadixSort::SortPairs(p->sort_temp, bytes, keys, keys_sorted, p->iota, p->perm32, (int)n, 0,
+                                            p->hash_bits, s);
+        if (e != cudaSuccess) return (int)e;
+        gather_ids_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->ids, p->perm32, n, p->sorted);
+        // the collision flags in iota (free after the sort)
+        hash_collisions_kernel<<<blocks_for(n), kThreads, 0, s>>>(keys_sorted, p->sorted, n, p->iota);
+        hash_runs_fix_kernel<<<blocks_for(n), kThreads, 0, s>>>(keys_sorted, p->iota, n, p->sorted, p->perm32);
+    } else {
+        iota_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->iota, n);
+        // all 64 bits: any int64 is a key; radix sort is stable, so equal ids keep batch order
+        e = cub::DeviceRadixSort::SortPairs(p->sort_temp, bytes, p->ids, p->sorted, p->iota, p->perm32, (int)n, 0, 64, s);
+        if (e != cudaSuccess) return (int)e;
+    }
     return tf_dynemb_group_cuda(&p->g, stream);
 }

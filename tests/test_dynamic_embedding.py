@@ -707,16 +707,42 @@ def test_pool_early_with_evictions(device, early, mode, monkeypatch):
     assert len(bag) == n and torch.equal(bag.find(uniq)[0], snapshot)
 
 
+def check_grouping(ids, perm, uniq, seg, inv, n_unique):
+    """A grouping of ids in any order of the groups: each group one distinct id, its occurrences in
+    batch order (perm increasing within it), seg its bounds, inv each occurrence's group; uniq and seg
+    defined past n_unique as dynemb_group_sorted_async leaves them (seg n there)."""
+    n, nu = ids.numel(), int(n_unique)
+    assert nu == torch.unique(ids).numel()
+    assert torch.equal(torch.sort(perm)[0], torch.arange(n, device=ids.device))  # a permutation
+    u = uniq[:nu]
+    assert torch.unique(u).numel() == nu
+    group = inv[perm]  # the group of each sorted position
+    assert torch.equal(ids[perm], u[group])
+    if n:
+        step = group[1:] - group[:-1]
+        assert int(group[0]) == 0 and int(group[-1]) == nu - 1 and bool(((step == 0) | (step == 1)).all())
+        same = step == 0
+        assert bool((perm[1:][same] > perm[:-1][same]).all())  # batch order within a group
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=ids.device), torch.nonzero(~same).flatten() + 1])
+        assert torch.equal(seg[:nu], starts)
+    assert bool((seg[nu:] == n).all())
+
+
 @pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (9, 4), (3000, 50), (4097, 100000), (200003, 150001)])
-def test_sort_group(device, n, universe):
+def test_sort_group(device, n, universe, monkeypatch):
     """dynemb_sort_group (the sort and the grouping in one op; on CUDA a radix sort with int32
-    values) against torch.sort(stable=True) then dynemb_group_sorted_async: the same permutation
-    (stable: batch order within a run), bit for bit, and the same grouping; extreme keys included."""
+    values) against torch.sort(stable=True) then dynemb_group_sorted_async. Sorting the ids themselves
+    (the CPU; CUDA with TORCHFUSE_DYNEMB_SORT_HASH_BITS=0): the same permutation (stable: batch order
+    within a run), bit for bit, and the same grouping; extreme keys included. CUDA's default sort by
+    the ids' 32-bit hashes: a valid grouping (check_grouping), its groups in hash order."""
     base = torch.randint(-2**63, 2**63 - 1, (universe,), dtype=torch.int64)
     base[0] = -2**63
     if universe > 2:
         base[1], base[2] = 2**63 - 1, -1
     ids = base[torch.randint(0, universe, (n,))].to(device)
+    if device == "cuda":
+        check_grouping(ids, *torch.ops.torchfuse.dynemb_sort_group(ids))
+        monkeypatch.setenv("TORCHFUSE_DYNEMB_SORT_HASH_BITS", "0")
     perm, uniq, seg, inv, n_unique = torch.ops.torchfuse.dynemb_sort_group(ids)
     sorted_ids, ref_perm = torch.sort(ids, stable=True)
     ref = torch.ops.torchfuse.dynemb_group_sorted_async(sorted_ids, ref_perm)
@@ -729,12 +755,34 @@ def test_sort_group(device, n, universe):
         torch.ops.torchfuse.dynemb_sort_group(ids.view(1, -1))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("bits", ["3", "12"])
+@pytest.mark.parametrize("n,universe", [(3000, 50), (5000, 2000), (20000, 300)])
+def test_sort_group_hash_collisions(n, universe, bits, monkeypatch):
+    """CUDA's hash sort with few hash bits (TORCHFUSE_DYNEMB_SORT_HASH_BITS=3 or 12: most runs of equal
+    keys hold several ids, where 32 bits give about a hundred such pairs in a million distinct ids):
+    the runs are put in id order and the grouping is still exact; a hot id (a fifth of the batch) in
+    them too."""
+    monkeypatch.setenv("TORCHFUSE_DYNEMB_SORT_HASH_BITS", bits)
+    base = torch.randint(-2**63, 2**63 - 1, (universe,), dtype=torch.int64)
+    ids = base[torch.randint(0, universe, (n,))]
+    ids[torch.randperm(n)[: n // 5]] = base[0]
+    ids = ids.cuda()
+    check_grouping(ids, *torch.ops.torchfuse.dynemb_sort_group(ids))
+
+
+@pytest.mark.parametrize("hash_bits", ["0", ""], ids=["sort_ids", "sort_hashes"])
 @pytest.mark.parametrize("one_sync", [False, True])
-def test_sort_group_training_matches(device, one_sync, monkeypatch):
+def test_sort_group_training_matches(device, one_sync, hash_bits, monkeypatch):
     """Training through dynemb_sort_group and through torch.sort + dynemb_group_sorted_async (the
-    A/B switch): the same outputs and rows, step for step, on the one-wait and two-wait paths."""
+    A/B switch): the same outputs and rows, step for step, on the one-wait and two-wait paths. With
+    the ids sorted themselves, bit for bit. With CUDA's default hash sort the groups come in another
+    order, so the segment sums' chunks (32 occurrences) cut the runs elsewhere and a run's sum may be
+    added in other parts: equal within fp32 rounding."""
     import torchfuse.dynamic_embedding as de
     monkeypatch.setattr(de, "_ONE_SYNC", one_sync)
+    monkeypatch.setenv("TORCHFUSE_DYNEMB_SORT_HASH_BITS", hash_bits)
+    tol = dict(rtol=0, atol=0) if hash_bits == "0" or device == "cpu" else dict(rtol=1e-6, atol=1e-6)
     bags = {v: DynamicEmbeddingBag(6, 512, device=device, optimizer=tfo.Adam(0.05), seed=4,
                                    initializer=("uniform", -1.0, 1.0)) for v in (False, True)}
     pool = _keys(150)
@@ -747,9 +795,9 @@ def test_sort_group_training_matches(device, one_sync, monkeypatch):
             monkeypatch.setattr(de, "_SORT_GROUP", v)
             outs[v] = bag(ids, offsets)
             (outs[v] * g).sum().backward()
-        torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+        torch.testing.assert_close(outs[True], outs[False], **tol)
     q = _t(pool, device)
-    torch.testing.assert_close(bags[True].find(q)[0], bags[False].find(q)[0], rtol=0, atol=0)
+    torch.testing.assert_close(bags[True].find(q)[0], bags[False].find(q)[0], **tol)
 
 
 @pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (9, 4), (3000, 50), (4097, 100000)])
