@@ -57,7 +57,8 @@ void tf_dynemb_group_cpu(const tf_dynemb_group_params *p);
  * CUDA, hash_bits in 1..32: the sort key is the top hash_bits bits of the id's hash (tf_mix64), 4 radix
  * passes of 4-byte keys at 32 where the ids themselves take 8 of 8-byte keys; the ids are gathered
  * after, and a run of equal keys holding different ids (a hash collision: about a hundred pairs in a
- * million distinct ids at 32 bits) is put in id order stably by one thread, so equal ids end up
+ * million distinct ids at 32 bits) is put in id order by one thread, by a heap sort on (id, batch
+ * position): stable, and O(L log L) for a run of L even if ids were chosen to collide. Equal ids end up
  * adjacent and in batch order as the id sort leaves them. The groups then come in hash order, not id
  * order. hash_bits 0: the ids themselves (64 bits). The hash keys use g.flags and g.run as scratch
  * (free until the grouping). */

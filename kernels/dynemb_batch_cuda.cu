@@ -108,11 +108,37 @@ __global__ void hash_collisions_kernel(const uint32_t *__restrict__ keys, const 
     if (j < n) coll[j] = j > 0 && keys[j] == keys[j - 1] && sorted[j] != sorted[j - 1];
 }
 
-/* A run of equal hash keys with a collision is put in id order, stably (insertion sort of (id, perm)
- * pairs: batch order kept within an id), by the thread of its first collision, chosen from coll and
- * the keys, which nothing here writes; every other position returns after one load. Runs with a
- * collision are rare and short (a pair of ids in a run of a few occurrences), so one thread suffices;
- * a run of a hot id with a colliding one costs its length in shifts per occurrence of the other. */
+/* Heap sort of positions [0, len) of (id, perm) pairs by id then perm: the perms are distinct, so this
+ * order is the stable one (batch order within an id), in place and O(len log len) on one thread even
+ * for a long run of distinct ids (an insertion sort would be quadratic there). */
+__device__ void sort_run_by_id(int64_t *ids, int32_t *perm, int64_t len) {
+    auto less = [&](int64_t a, int64_t b) { return ids[a] < ids[b] || (ids[a] == ids[b] && perm[a] < perm[b]); };
+    auto swap = [&](int64_t a, int64_t b) {
+        const int64_t x = ids[a];
+        ids[a] = ids[b];
+        ids[b] = x;
+        const int32_t y = perm[a];
+        perm[a] = perm[b];
+        perm[b] = y;
+    };
+    auto sift = [&](int64_t root, int64_t end) {  // the heap [0, end) below root
+        for (int64_t child; (child = 2 * root + 1) < end; root = child) {
+            if (child + 1 < end && less(child, child + 1)) ++child;
+            if (!less(root, child)) return;
+            swap(root, child);
+        }
+    };
+    for (int64_t i = len / 2; i-- > 0;) sift(i, len);
+    for (int64_t end = len - 1; end > 0; --end) {
+        swap(0, end);
+        sift(0, end);
+    }
+}
+
+/* A run of equal hash keys with a collision is put in id order, stably, by the thread of its first
+ * collision, chosen from coll and the keys, which nothing here writes; every other position returns
+ * after one load. Runs with a collision are rare and short (a pair of ids in a run of a few
+ * occurrences), so one thread suffices. */
 __global__ void hash_runs_fix_kernel(const uint32_t *__restrict__ keys, const int32_t *__restrict__ coll, int64_t n,
                                      int64_t *__restrict__ sorted, int32_t *__restrict__ perm) {
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -125,17 +151,7 @@ __global__ void hash_runs_fix_kernel(const uint32_t *__restrict__ keys, const in
     }
     int64_t r1 = j + 1;
     while (r1 < n && keys[r1] == k) ++r1;
-    for (int64_t i = r0 + 1; i < r1; ++i) {
-        const int64_t x = sorted[i];
-        const int32_t px = perm[i];
-        int64_t m = i - 1;
-        for (; m >= r0 && sorted[m] > x; --m) {
-            sorted[m + 1] = sorted[m];
-            perm[m + 1] = perm[m];
-        }
-        sorted[m + 1] = x;
-        perm[m + 1] = px;
-    }
+    sort_run_by_id(sorted + r0, perm + r0, r1 - r0);
 }
 
 unsigned blocks_for(int64_t n) { return (unsigned)((n + kThreads - 1) / kThreads); }

@@ -756,13 +756,13 @@ def test_sort_group(device, n, universe, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-@pytest.mark.parametrize("bits", ["3", "12"])
+@pytest.mark.parametrize("bits", ["1", "3", "12"])
 @pytest.mark.parametrize("n,universe", [(3000, 50), (5000, 2000), (20000, 300)])
 def test_sort_group_hash_collisions(n, universe, bits, monkeypatch):
-    """CUDA's hash sort with few hash bits (TORCHFUSE_DYNEMB_SORT_HASH_BITS=3 or 12: most runs of equal
-    keys hold several ids, where 32 bits give about a hundred such pairs in a million distinct ids):
-    the runs are put in id order and the grouping is still exact; a hot id (a fifth of the batch) in
-    them too."""
+    """CUDA's hash sort with few hash bits (TORCHFUSE_DYNEMB_SORT_HASH_BITS=1, 3 or 12: most runs of
+    equal keys hold several ids, at 1 bit two runs hold the whole batch; 32 bits give about a hundred
+    such pairs in a million distinct ids): the runs are put in id order and the grouping is still
+    exact; a hot id (a fifth of the batch) in them too."""
     monkeypatch.setenv("TORCHFUSE_DYNEMB_SORT_HASH_BITS", bits)
     base = torch.randint(-2**63, 2**63 - 1, (universe,), dtype=torch.int64)
     ids = base[torch.randint(0, universe, (n,))]
