@@ -29,8 +29,9 @@ _SORT_GROUP = True
 
 
 def _sort_group(flat: Tensor):
-    """A batch sorted stably by id and grouped, without a host sync: (perm, uniq, seg, inv, n_unique)
-    as dynemb_sort_group returns them (uniq and seg valid up to n_unique[0] and n_unique[0] + 1)."""
+    """A batch grouped by id, without a host sync: (perm, uniq, seg, inv, n_unique) as dynemb_sort_group
+    returns them (uniq and seg valid up to n_unique[0] and n_unique[0] + 1). Each group's occurrences
+    in batch order; the groups in id order, or on CUDA in the order of the ids' hashes (its sort key)."""
     if _SORT_GROUP:
         return _ops.dynemb_sort_group(flat)
     sorted_ids, perm = torch.sort(flat, stable=True)
