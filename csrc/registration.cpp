@@ -112,8 +112,11 @@ TORCH_LIBRARY(torchfuse, m) {
     // n + 1, valid up to n_unique[0] (a one-element device tensor) and n_unique[0] + 1; past that, uniq
     // holds sorted_ids' entries and seg holds n. For dynemb_find_or_insert_sync's n_valid: one wait.
     m.def("dynemb_group_sorted_async(Tensor sorted_ids, Tensor perm) -> (Tensor, Tensor, Tensor, Tensor)");
-    // torch.sort(ids, stable=True) and dynemb_group_sorted_async in one: (perm, uniq, seg, inv, n_unique),
-    // on CUDA a CUB radix sort with int32 values (kernels/dynemb_batch.h).
+    // A batch grouped by id in one op: (perm, uniq, seg, inv, n_unique) as dynemb_group_sorted_async gives
+    // them after torch.sort(ids, stable=True). On the CPU exactly that; on CUDA a CUB radix sort of the ids'
+    // 32-bit hashes with int32 values, collisions put in id order after, so each group's occurrences stay
+    // in batch order but the groups come in hash order (TORCHFUSE_DYNEMB_SORT_HASH_BITS=0: the ids' order;
+    // kernels/dynemb_batch.h).
     m.def("dynemb_sort_group(Tensor ids) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
     // A bag batch's layout from its offsets (kernels/dynemb_batch.h): (full (n_bags + 1), bag_of (n),
     // scale (n mean-mode scales when mean, else empty), bad (one uint8 flag: offsets that do not start

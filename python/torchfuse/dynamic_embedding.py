@@ -711,9 +711,9 @@ class DynamicEmbedding(torch.nn.Module):
 
     def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None, grouped=None,
                bad: Optional[Tensor] = None, pool=None):
-        """One stable sort of the batch: (perm, seg, slots_u, uniq, slots_id). perm lists the ids
-        grouped by unique id, seg the group bounds, slots_u the unique ids' slots (inserted in
-        training mode), slots_id each id's slot. check (if given) runs before the table is touched,
+        """One grouping of the batch (_sort_group): (perm, seg, slots_u, uniq, slots_id). perm lists the
+        ids grouped by unique id (batch order within a group), seg the group bounds, slots_u the unique
+        ids' slots (inserted in training mode), slots_id each id's slot. check (if given) runs before the table is touched,
         right after the grouping's host sync, so a check that reads the device waits on nothing.
         grouped: _sort_group(flat) when the caller launched it already (so that its own host work
         overlaps the sort on the GPU). bad: check's device flag; with it a training
