@@ -338,6 +338,7 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     p.evicted_slots = ev + n;
     p.evicted_scores = ev + 2 * n;
     f.p.evicted_new = ev + 3 * n;
+    f.p.keep_victims = 1;
     p.counts = f.counts.data_ptr<int64_t>();
     f.p.init = dynemb_init_params(f.slots, query, std::nullopt, values, values_host, state, state_host, init_kind, a,
                                   b, seed);
@@ -511,14 +512,14 @@ void segment_update_cpu(const at::Tensor &grad, const at::Tensor &perm, const at
                eps, beta1, beta2, step_size);
 }
 
-// The reference order of tf_dynemb_foi_params: lookup (marks), insert, init of the new rows that
-// evicted nobody, touch, rows out.
-DynembFoiResult find_or_insert_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                   at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
-                                   at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                   int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                   int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                   bool with_rows) {
+// The reference order of tf_dynemb_foi_params: lookup (marks), insert, init of the new rows (those
+// that evicted nobody, when keep_victims), touch, rows out.
+DynembFoiResult find_or_insert_kept_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                        at::Tensor &scores, at::Tensor &marks, at::Tensor &values,
+                                        at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                                        int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
+                                        int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
+                                        bool with_rows, bool keep_victims) {
     DynembFoi f = prepare_find_or_insert(query, keys, digests, scores, marks, nullptr, values, values_host, state,
                                          state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b,
                                          seed, with_rows);
@@ -537,7 +538,7 @@ DynembFoiResult find_or_insert_cpu(const at::Tensor &query, at::Tensor &keys, at
         for (int64_t e = 0; e < n_ev; ++e) {
             const int64_t i = key_of_slot.at(f.p.p.evicted_slots[e]);
             f.p.evicted_new[e] = i;
-            mask.data_ptr<uint8_t>()[i] = 0;
+            if (keep_victims) mask.data_ptr<uint8_t>()[i] = 0;
         }
     }
     f.p.init.mask = mask.data_ptr<uint8_t>();
@@ -548,24 +549,37 @@ DynembFoiResult find_or_insert_cpu(const at::Tensor &query, at::Tensor &keys, at
     return f.result();
 }
 
+DynembFoiResult find_or_insert_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
+                                   at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
+                                   at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
+                                   int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
+                                   int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
+                                   bool with_rows) {
+    (void)locks;  // the CPU insert runs alone
+    return find_or_insert_kept_cpu(query, keys, digests, scores, marks, values, values_host, state, state_host,
+                                   bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
+                                   true);
+}
+
 DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
                                             at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
                                             at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
                                             int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
                                             int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
                                             bool with_rows, const std::optional<at::Tensor> &n_valid,
-                                            const std::optional<at::Tensor> &abort) {
+                                            const std::optional<at::Tensor> &abort, bool keep_evicted) {
     const DynembFoiLimits lim = dynemb_foi_limits(query, keys, n_valid, abort);
     const bool aborted = lim.abort && *lim.abort;
     const int64_t n = aborted ? 0 : lim.n_valid ? std::min(std::max<int64_t>(*lim.n_valid, 0), query.numel()) : query.numel();
     // the keys taken, as the CUDA kernels take them (the CPU reads the limits directly)
     const at::Tensor q = n == query.numel() ? query : query.narrow(0, 0, n);
-    const DynembFoiResult r = find_or_insert_cpu(q, keys, digests, scores, marks, locks, values, values_host, state,
-                                                 state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind,
-                                                 a, b, seed, with_rows);
+    (void)locks;
+    const DynembFoiResult r = find_or_insert_kept_cpu(q, keys, digests, scores, marks, values, values_host, state,
+                                                      state_host, bucket_size, epoch, allow_evict, policy, clock,
+                                                      init_kind, a, b, seed, with_rows, keep_evicted);
     const int64_t *h = std::get<4>(r).data_ptr<int64_t>();
     const int64_t c[5] = {h[0], h[1], h[2], n, aborted ? 1 : 0};
-    return finish_find_or_insert(r, c, values, state, dynemb_slot_order(values_host, state_host), [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
+    return finish_find_or_insert(r, c, values, state, dynemb_slot_order(values_host, state_host), keep_evicted, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
         return evict_rows_cpu(sl, ni, q, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
 }
@@ -578,10 +592,10 @@ DynembFoiPoolResult find_or_insert_pool_cpu(const at::Tensor &query, at::Tensor 
                                             bool with_rows, const std::optional<at::Tensor> &n_valid,
                                             const std::optional<at::Tensor> &abort, const at::Tensor &pool_offsets,
                                             const at::Tensor &pool_inv, const std::optional<at::Tensor> &pool_weights,
-                                            bool pool_mean) {
+                                            bool pool_mean, bool keep_evicted) {
     DynembFoiSyncResult r = find_or_insert_sync_cpu(query, keys, digests, scores, marks, locks, values, values_host,
                                                     state, state_host, bucket_size, epoch, allow_evict, policy, clock,
-                                                    init_kind, a, b, seed, with_rows, n_valid, abort);
+                                                    init_kind, a, b, seed, with_rows, n_valid, abort, keep_evicted);
     return std::tuple_cat(r, std::make_tuple(pool_cpu(std::get<0>(r), pool_offsets, pool_weights, values, values_host,
                                                       pool_mean, pool_inv)));
 }

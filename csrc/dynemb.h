@@ -129,15 +129,18 @@ inline DynembFoiResult narrow_foi(const DynembFoiResult &r, const int64_t (&c)[5
     if (n == slots.numel()) return r;
     return {slots.narrow(0, 0, n), rows.size(0) ? rows.narrow(0, 0, n) : rows, is_new.narrow(0, 0, n), evicted, counts};
 }
-// c: (inserted, evicted, failed, keys taken, aborted), returned as the op's CPU counts.
+// c: (inserted, evicted, failed, keys taken, aborted), returned as the op's CPU counts. keep: the
+// victims' rows are saved (evict_rows) before the evicting keys' rows are written; !keep: the kernels
+// wrote those rows (tf_dynemb_foi_params.keep_victims = 0); the list and the victims' values and state
+// come back empty (the counts still say how many keys were evicted).
 template <typename EvictRows>
 DynembFoiSyncResult finish_find_or_insert(const DynembFoiResult &r, const int64_t (&c)[5], const at::Tensor &values,
-                                          const at::Tensor &state, bool slot_order, EvictRows evict_rows) {
+                                          const at::Tensor &state, bool slot_order, bool keep, EvictRows evict_rows) {
     const auto &[slots, rows, is_new, evicted, counts] = r;
     const int64_t n_ev = c[4] ? 0 : c[1];
     at::Tensor host = at::empty({5}, evicted.options().device(at::kCPU));
     std::copy(c, c + 5, host.data_ptr<int64_t>());
-    if (n_ev == 0)
+    if (n_ev == 0 || !keep)
         return {slots, rows, is_new, at::empty({4, 0}, evicted.options()), at::empty({0, values.size(1)}, values.options()),
                 at::empty({0, state.size(1)}, state.options()), host};
     // its own storage: the (4, n) buffer is freed now

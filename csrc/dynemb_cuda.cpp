@@ -227,7 +227,8 @@ DynembFoiResult launch_find_or_insert(const at::Tensor &query, at::Tensor &keys,
                                       at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
                                       int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
                                       int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                      bool with_rows, const int64_t *n_valid, const uint8_t *abort) {
+                                      bool with_rows, const int64_t *n_valid, const uint8_t *abort,
+                                      bool keep_victims = true) {
     const c10::cuda::CUDAGuard guard(keys.device());
     // 128-slot buckets: step 1 writes the outputs' defined contents itself (tf_dynemb_foi_params.fill_outputs)
     const bool kernel_fills = bucket_size == 128 && query.numel() > 0;
@@ -235,6 +236,7 @@ DynembFoiResult launch_find_or_insert(const at::Tensor &query, at::Tensor &keys,
                                          state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b,
                                          seed, with_rows, !kernel_fills);
     f.p.fill_outputs = kernel_fills;
+    f.p.keep_victims = keep_victims;
     f.p.n_valid = n_valid;
     f.p.abort = abort;
     map_host(f.p.init.values, values_host);
@@ -290,13 +292,14 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
                                              bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
                                              double a, double b, int64_t seed, bool with_rows,
                                              const std::optional<at::Tensor> &n_valid,
-                                             const std::optional<at::Tensor> &abort,
+                                             const std::optional<at::Tensor> &abort, bool keep_evicted,
                                              const std::function<void(const at::Tensor &)> &before_wait = nullptr) {
     const c10::cuda::CUDAGuard guard(keys.device());
     const DynembFoiLimits lim = dynemb_foi_limits(query, keys, n_valid, abort);
     const DynembFoiResult r = launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host,
                                                     state, state_host, bucket_size, epoch, allow_evict, policy, clock,
-                                                    init_kind, a, b, seed, with_rows, lim.n_valid, lim.abort);
+                                                    init_kind, a, b, seed, with_rows, lim.n_valid, lim.abort,
+                                                    keep_evicted);
     // counts, then how many keys were taken and the abort flag: one copy behind the kernels, one wait
     int64_t c[5] = {0, 0, 0, query.numel(), 0};
     if (query.numel() > 0 || lim.abort) {  // an empty batch's flag is read too: its caller raises on it
@@ -329,14 +332,16 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
         if (c[4]) c[3] = 0;  // none taken
     }
     return finish_find_or_insert(narrow_foi(r, c), c, values, state, dynemb_slot_order(values_host, state_host),
+                                 keep_evicted,
                                  [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
         return evict_rows_cuda(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
     });
 }
 
 // find_or_insert_sync with the batch's bags pooled (dynemb_pool through inv) queued before the host's
-// wait. Keys evicted: their slots' rows changed after that pool (the eviction row work runs after the
-// wait), so the bags are pooled again.
+// wait. Keys evicted with keep_evicted: their slots' rows changed after that pool (the eviction row
+// work runs after the wait), so the bags are pooled again; without it the kernels wrote those rows
+// before the pool.
 DynembFoiPoolResult find_or_insert_pool_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
                                              at::Tensor &scores, at::Tensor &marks, at::Tensor &locks,
                                              at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
@@ -346,15 +351,17 @@ DynembFoiPoolResult find_or_insert_pool_cuda(const at::Tensor &query, at::Tensor
                                              const std::optional<at::Tensor> &n_valid,
                                              const std::optional<at::Tensor> &abort, const at::Tensor &pool_offsets,
                                              const at::Tensor &pool_inv, const std::optional<at::Tensor> &pool_weights,
-                                             bool pool_mean) {
+                                             bool pool_mean, bool keep_evicted) {
     at::Tensor pooled;
     auto pool = [&](const at::Tensor &slots) {
         pooled = pool_cuda(slots, pool_offsets, pool_weights, values, values_host, pool_mean, pool_inv);
     };
     DynembFoiSyncResult r = find_or_insert_sync_cuda(query, keys, digests, scores, marks, locks, values, values_host,
                                                      state, state_host, bucket_size, epoch, allow_evict, policy,
-                                                     clock, init_kind, a, b, seed, with_rows, n_valid, abort, pool);
-    if (!pooled.defined() || std::get<3>(r).size(1) > 0) pool(std::get<0>(r));  // none queued, or keys evicted
+                                                     clock, init_kind, a, b, seed, with_rows, n_valid, abort,
+                                                     keep_evicted, pool);
+    if (!pooled.defined() || (keep_evicted && std::get<3>(r).size(1) > 0))  // none queued, or rows changed since
+        pool(std::get<0>(r));
     return std::tuple_cat(r, std::make_tuple(pooled));
 }
 
@@ -450,10 +457,10 @@ TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
               at::Tensor &locks, at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
               at::Tensor &state_host, int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
               int64_t clock, int64_t init_kind, double a, double b, int64_t seed, bool with_rows,
-              const std::optional<at::Tensor> &n_valid, const std::optional<at::Tensor> &abort) {
+              const std::optional<at::Tensor> &n_valid, const std::optional<at::Tensor> &abort, bool keep_evicted) {
                return find_or_insert_sync_cuda(query, keys, digests, scores, marks, locks, values, values_host, state,
                                                state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind,
-                                               a, b, seed, with_rows, n_valid, abort);
+                                               a, b, seed, with_rows, n_valid, abort, keep_evicted);
            });
     m.impl("dynemb_find_or_insert_pool", &find_or_insert_pool_cuda);
     m.impl("dynemb_group_lookup", &group_lookup_cuda);

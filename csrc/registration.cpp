@@ -150,11 +150,14 @@ TORCH_LIBRARY(torchfuse, m) {
     // values; their optimizer state; the counts (inserted, n_evicted, failed) on the CPU). Every output
     // is complete when the op returns. A table with host rows gets its evictions sorted by victim slot
     // (the eviction rows visit host rows in address order); otherwise they are in no particular order.
+    // keep_evicted=False (a caller that keeps no record of evictions): the kernels write the evicting
+    // keys' rows over the victims', with no row work after the wait; the list and the victims' values
+    // and state come back with 0 entries (the counts still say how many were evicted).
     m.def("dynemb_find_or_insert_sync(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
           "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
           "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
-          "int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid=None, Tensor? abort=None) "
-          "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+          "int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid=None, Tensor? abort=None, "
+          "bool keep_evicted=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
     // dynemb_find_or_insert_sync, then the batch's bags pooled from the keys' slots (dynemb_pool with
     // inv): on CUDA the pool is queued before the host's wait, and queued again after the eviction row
     // work when keys were evicted. The eighth output is the pooled bags.
@@ -162,7 +165,7 @@ TORCH_LIBRARY(torchfuse, m) {
           "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
           "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
           "int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid, Tensor? abort, "
-          "Tensor pool_offsets, Tensor pool_inv, Tensor? pool_weights, bool pool_mean) "
+          "Tensor pool_offsets, Tensor pool_inv, Tensor? pool_weights, bool pool_mean, bool keep_evicted=True) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
     // find_or_insert's eviction row work (tf_dynemb_evict_params): returns the victims' (values,
     // state); their slots get the new keys' initial rows, copied into rows (n or 0 x dim) too.

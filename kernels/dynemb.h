@@ -111,9 +111,10 @@ typedef struct {
 /* find-or-insert of distinct keys (required: the CUDA insert claims slots without a bucket lock, by
  * swapping the slot's mark to the epoch, and would place a repeated key twice) with the row work folded in (the table ops' semantics, in order:
  * lookup marking found slots; insert of the missing keys; init of the new rows; touch of every key;
- * the rows copied out). Except: a key that took an evicted key's slot gets neither its row initialized
- * nor copied out: evicted_new[e] names it (e < counts[1]); the caller saves the victim's row, then
- * initializes and copies it. Used: the probe's query, slots, epoch, allow_evict, is_new, evicted
+ * the rows copied out). Except, when keep_victims: a key that took an evicted key's slot gets neither
+ * its row initialized nor copied out: evicted_new[e] names it (e < counts[1]); the caller saves the
+ * victim's row, then initializes and copies it. keep_victims = 0 (a caller that records no evicted
+ * rows): such keys get their rows like any new key, and the victims' rows are overwritten. Used: the probe's query, slots, epoch, allow_evict, is_new, evicted
  * arrays and counts; the init's values/state/dtype/dim/initializer are used (init.slots = p.slots, init.keys =
  * p.query, init.mask unused). policy: TF_DYNEMB_LRU / LFU, or -1 for no touch. */
 typedef struct {
@@ -122,6 +123,7 @@ typedef struct {
     int policy; int64_t clock;
     void *out;                 /* n rows of values.row_bytes, or NULL */
     int64_t *evicted_new;      /* capacity n */
+    int keep_victims;          /* 1: evicting keys' rows are left to the caller (above); 0: written here */
     uint8_t *miss;             /* CUDA with 128-slot buckets: scratch of tf_dynemb_foi_miss_bytes(n) */
     int fill_outputs;          /* CUDA with 128-slot buckets: step 1 sets is_new to 0, the evicted arrays and
                                   evicted_new to -1 and counts to 0 (the caller left them unwritten) */

@@ -801,8 +801,8 @@ __device__ __forceinline__ int64_t claim_one(const tf_dynemb_table &t, const tf_
 }
 
 /* Step 2, a warp per missing key: claim_one, then the new row from the initializer, the touch, and
- * the row copied out. A key that evicted another leaves its row alone (the caller saves the victim's
- * row first, then initializes: evicted_new[e] = i). */
+ * the row copied out. A key that evicted another leaves its row alone when keep_victims (the caller
+ * saves the victim's row first, then initializes: evicted_new[e] = i). */
 template <typename T>
 __global__ void foi_insert_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
     const int64_t i = warp_index();
@@ -815,7 +815,7 @@ __global__ void foi_insert_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
     if (lane == 0) touch_slot(t, p.policy, p.clock, slot);
     if (e >= 0) {
         if (lane == 0) p.evicted_new[e] = i;
-        return;
+        if (p.keep_victims) return;
     }
     init_one(p.init, i, lane);
     __syncwarp();
@@ -1002,7 +1002,7 @@ __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_
  * round, a quarter warp each: quarter_claim, then the key, digest and score written, the row
  * initialized and, when asked, written out too (from registers, not read back). Evictions and the
  * counts are numbered with one global atomic per block and round. An evicting key leaves its row to
- * the caller (evicted_new). */
+ * the caller (evicted_new) when keep_victims; otherwise it gets its row here like any new key. */
 template <typename T>
 __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p,
                                                                         int read_marks) {
@@ -1063,7 +1063,7 @@ __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb
             p.p.slots[i] = slot;
             p.p.is_new[i] = 1;
         }
-        if (c.evicted) continue;  // the caller saves the victim's row first
+        if (c.evicted && p.keep_victims) continue;  // the caller saves the victim's row first
         quarter_new_row<T>(p.init, slot, key, p.out ? static_cast<char *>(p.out) + i * p.init.values.row_bytes : nullptr, ql);
     }
 }

@@ -674,17 +674,20 @@ def test_pool_inv_and_clamped_bounds(device, mean):
             torch.testing.assert_close(got, direct, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("record", [1 << 20, 0])
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_pool_early_with_evictions(device, early, mode, monkeypatch):
+def test_pool_early_with_evictions(device, early, mode, record, monkeypatch):
     """A training batch into a full LRU table that evicts: with the pool queued before the host's wait
     (dynemb_find_or_insert_pool) the bags must be pooled again after the eviction row work (the new
     keys' rows replace the victims'), so the output equals the bags of the rows the table holds right
-    after the forward. Also: bad offsets raise and leave the table untouched on both paths."""
+    after the forward. With no eviction record (record 0) the kernels write those rows before the pool,
+    which then runs once. Also: bad offsets raise and leave the table untouched on both paths."""
     import torchfuse.dynamic_embedding as de
     monkeypatch.setattr(de, "_POOL_EARLY", early)
     bag = DynamicEmbeddingBag(8, 256, device=device, bucket_size=128, eviction="lru", mode=mode,
-                              optimizer=tfo.SGD(0.1), initializer=("uniform", -1.0, 1.0), seed=11)
+                              optimizer=tfo.SGD(0.1), initializer=("uniform", -1.0, 1.0), seed=11,
+                              evicted_record_limit=record)
     assert bag.capacity == bag.max_capacity
     evicted = 0
     for step in range(6):
@@ -700,6 +703,7 @@ def test_pool_early_with_evictions(device, early, mode, monkeypatch):
         evicted += bag.evicted_dropped + sum(e[0].numel() for e in bag._evicted) - before
         (out * torch.randn_like(out)).sum().backward()
     assert evicted > 0  # the re-pool was exercised
+    assert (bag.evicted_dropped == evicted) == (record == 0) and (not bag._evicted) == (record == 0)
     snapshot = bag.find(uniq)[0].clone()
     n = len(bag)
     with pytest.raises(ValueError, match="offsets must start at 0"):
@@ -1226,6 +1230,70 @@ def test_find_or_insert_sync_matches_its_parts(device, policy, bucket_size):
         for x, y in zip(_sorted_by_key(*t._compact()), _sorted_by_key(*want)):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert n_evicted > 0
+
+
+@pytest.mark.parametrize("with_rows", [False, True])
+@pytest.mark.parametrize("bucket_size", [32, 128])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_find_or_insert_without_eviction_record(device, policy, bucket_size, with_rows):
+    """A table keeping no eviction record (evicted_record_limit=0: dynemb_find_or_insert_sync with
+    keep_evicted=False, where the kernels write the evicting keys' rows over the victims' at once)
+    against the op keeping them (the victims' rows copied out first, then the new rows written), run on
+    a copy of the table's tensors before each batch: the same rows returned, the same keys, rows, state
+    and scores in the table, the same counts; the evictions only counted (evicted_dropped), no rows
+    kept. A full table of 4 buckets with Adam state; 128-slot buckets take the quarter-warp kernels on
+    the GPU. insert(..., return_evicted=True) on it still returns the victims' rows."""
+    ops = torch.ops.torchfuse
+    n_first, n_batch = 15 * bucket_size // 8, 15 * bucket_size // 16
+    t = DynamicEmbedding(6, 4 * bucket_size, device=device, bucket_size=bucket_size, eviction=policy,
+                         optimizer=tfo.Adam(0.1), initializer=("uniform", -1.0, 1.0), seed=3, evicted_record_limit=0)
+    first = _t(_keys(n_first), device)
+    t.insert(first, torch.randn(n_first, 6, device=device))
+    t._state.copy_(torch.randn(t._state.shape, device=device))
+    pool = first.tolist() + _keys(4 * n_first)
+    n_evicted = 0
+    for step in range(6):
+        c = {name: getattr(t, name).clone() for name in _TABLE_TENSORS}
+        q = torch.unique(_t(random.sample(pool, n_batch), device))
+        size, epoch, clock, dropped = len(t), t._epoch + 1, t._clock + 1, t.evicted_dropped
+        slots, rows, is_new, ev, old_values, old_state, counts = ops.dynemb_find_or_insert_sync(
+            q, c["_keys"], c["_digests"], c["_scores"], c["_marks"], c["_locks"], c["_values"], c["_values_host"],
+            c["_state"], c["_state_host"], bucket_size, epoch, True, 1 if policy == "lfu" else 0, clock, 2, -1.0, 1.0,
+            3, True)
+        inserted, n_ev, failed, _, _ = counts.tolist()
+        assert ev.shape == (4, n_ev) and old_values.shape[0] == n_ev and failed == 0
+        if with_rows:
+            got = t.find_or_insert(q, unique=True)
+            torch.testing.assert_close(got, rows, rtol=0, atol=0)
+        else:  # the op without rows out, as DynamicEmbedding's training forward calls it
+            t._find_or_insert(q)
+        assert (t._epoch, t._clock) == (epoch, clock)
+        assert len(t) == size + inserted - n_ev == int((t._digests != 0).sum())
+        assert t.evicted_dropped == dropped + n_ev and t.drain_evicted()[0].numel() == 0
+        n_evicted += n_ev
+        occ = torch.nonzero(c["_digests"]).squeeze(1)
+        want = (c["_keys"][occ], c["_values"][occ], c["_state"][occ], c["_scores"][occ])
+        for x, y in zip(_sorted_by_key(*t._compact()), _sorted_by_key(*want)):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert n_evicted > 0
+    # the op itself: with keep_evicted=False the list and the victims' rows come back empty
+    q = torch.unique(_t(_keys(n_batch), device))
+    out = ops.dynemb_find_or_insert_sync(
+        q, t._keys, t._digests, t._scores, t._marks, t._locks, t._values, t._values_host, t._state, t._state_host,
+        bucket_size, t._next_epoch(), True, 0, t._bump("_clock"), 2, -1.0, 1.0, 3, True, None, None, False)
+    n_ev = out[6].tolist()[1]
+    assert n_ev > 0 and out[3].shape == (4, 0) and out[4].shape == (0, 6) and out[5].shape == (0, 12)
+    t._size += out[6].tolist()[0] - n_ev
+    # an insert asking for its evictions gets them, rows included
+    present = t._compact()
+    keys = _t(_keys(n_batch), device)
+    keys = keys[~t.contains(keys)]
+    ev_keys, ev_rows, ev_state, _ = t.insert(keys, torch.randn(keys.numel(), 6, device=device), return_evicted=True,
+                                             unique=True)
+    assert ev_keys.numel() > 0
+    where = {k: i for i, k in enumerate(present[0].tolist())}
+    idx = torch.tensor([where[k] for k in ev_keys.tolist()], device=device)
+    assert torch.equal(ev_rows, present[1][idx]) and torch.equal(ev_state, present[2][idx])
 
 
 def test_find_or_insert_concurrent_claims(device):

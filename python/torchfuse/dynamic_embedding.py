@@ -173,7 +173,10 @@ class DynamicEmbedding(torch.nn.Module):
         max_load_factor: growth threshold (default 0.75).
         bucket_size: slots per bucket (power of two, 4..128; default 128, smaller for tiny tables).
         evicted_record_limit: at most this many evicted keys are kept for drain_evicted (oldest dropped,
-            counted in ``evicted_dropped``).
+            counted in ``evicted_dropped``). 0 keeps none: evictions are only counted in
+            ``evicted_dropped``, and the kernels write the new keys' rows over the victims' at once (no
+            copy of the victims' rows; HierarchicalKV's find_or_insert semantics). ``insert(...,
+            return_evicted=True)`` still returns what it evicted.
     """
 
     def __init__(self, embedding_dim: int, capacity: int, *, max_capacity: Optional[int] = None,
@@ -400,7 +403,8 @@ class DynamicEmbedding(torch.nn.Module):
 
     def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool, init_rows: bool = True,
                               n_valid: Optional[Tensor] = None, abort: Optional[Tensor] = None,
-                              on_abort: Optional[Callable[[], None]] = None, pool=None):
+                              on_abort: Optional[Callable[[], None]] = None, pool=None,
+                              keep_evicted: Optional[bool] = None):
         """_find_or_insert at full capacity (no growth to decide first) in one op: dynemb_find_or_insert_sync
         (probe, insert, init, touch and the rows out in two kernels on the GPU, then the host's wait on
         the counts and, when keys were evicted, the eviction-rows kernel). Returns (slots, is_new,
@@ -417,7 +421,11 @@ class DynamicEmbedding(torch.nn.Module):
         not read yet): when set nothing is touched and on_abort() must raise. The result's fifth
         entry is the number of keys taken. pool (offsets, inv, weights, mean): the batch's bags are
         pooled from the keys' slots too (dynemb_find_or_insert_pool: on CUDA queued before the host's
-        wait, so the GPU pools while the host does its bookkeeping); the sixth entry is the bags."""
+        wait, so the GPU pools while the host does its bookkeeping); the sixth entry is the bags.
+        keep_evicted (default: evicted_record_limit > 0): the victims' rows are copied out before the
+        new keys take their slots; False: only counted (evicted_dropped), the third entry is None."""
+        if keep_evicted is None:
+            keep_evicted = self.evicted_record_limit > 0
         epoch = self._next_epoch()
         policy = (1 if self.eviction == "lfu" else 0) if touch else -1
         clock = self._bump("_clock") if touch else self._clock
@@ -429,9 +437,10 @@ class DynamicEmbedding(torch.nn.Module):
         pooled = None
         if pool is not None:
             assert not by_slot
-            slots, rows, is_new, ev, old_values, old_state, counts, pooled = _find_or_insert_pool_op(*args, *pool)
+            slots, rows, is_new, ev, old_values, old_state, counts, pooled = _find_or_insert_pool_op(
+                *args, *pool, keep_evicted)
         else:
-            slots, rows, is_new, ev, old_values, old_state, counts = _find_or_insert_sync_op(*args)
+            slots, rows, is_new, ev, old_values, old_state, counts = _find_or_insert_sync_op(*args, keep_evicted)
         inserted, n_ev, failed, n_taken, aborted = counts.tolist()
         if aborted:
             if on_abort is not None:
@@ -441,9 +450,12 @@ class DynamicEmbedding(torch.nn.Module):
             keys = keys[:n_taken]
         self._bump("_size", inserted - n_ev)
         saved = None
-        if n_ev:  # ev: the op's own (4, n_ev) copy, so its rows are kept as they are
+        if n_ev and keep_evicted:  # ev: the op's own (4, n_ev) copy, so its rows are kept as they are
             saved = (ev[0], old_values, old_state, ev[2])
             self._record_evicted(saved)
+            self._bump("_version")
+        elif n_ev:  # the kernels wrote the new rows over the victims'
+            self.evicted_dropped += n_ev
             self._bump("_version")
         if by_slot:  # before a failure raises, as the op's own init would have run
             # is_new covers the keys that took evicted slots too (their old rows saved above); new rows are
@@ -471,12 +483,13 @@ class DynamicEmbedding(torch.nn.Module):
                    if self.eviction == "none" else
                    " of keys used by this same batch; use smaller batches or a larger max_capacity"))
 
-    def _find_or_insert(self, keys: Tensor, touch: bool = True, init_rows: bool = True):
+    def _find_or_insert(self, keys: Tensor, touch: bool = True, init_rows: bool = True,
+                        keep_evicted: Optional[bool] = None):
         """Slots of unique `keys`, inserting the missing ones (growing or evicting as configured).
-        Returns (slots, is_new uint8, evicted (keys, values, state, scores) or None). init_rows: as
-        _find_or_insert_fused."""
+        Returns (slots, is_new uint8, evicted (keys, values, state, scores) or None). init_rows,
+        keep_evicted: as _find_or_insert_fused."""
         if self.capacity >= self.max_capacity:
-            return self._find_or_insert_fused(keys, touch, False, init_rows)[:3]
+            return self._find_or_insert_fused(keys, touch, False, init_rows, keep_evicted=keep_evicted)[:3]
         evicted = None
         while True:
             epoch = self._next_epoch()
@@ -654,7 +667,8 @@ class DynamicEmbedding(torch.nn.Module):
             scores = scores[torch.argsort(inv)] if scores is not None and n else scores
         values = values.contiguous()  # here, not between the insert's host sync and the scatter's launch
         # new keys' rows are written by the scatter: no initializer pass over them first
-        slots, _, evicted = self._find_or_insert(uniq, touch=scores is None, init_rows=False)
+        slots, _, evicted = self._find_or_insert(uniq, touch=scores is None, init_rows=False,
+                                                 keep_evicted=return_evicted or self.evicted_record_limit > 0)
         self._scatter(slots, values, self._values, self._values_host)
         if scores is not None:
             self._scores.index_copy_(0, slots, scores)
@@ -992,7 +1006,7 @@ def _find_or_insert_fake(query, keys, digests, scores, marks, locks, values, val
 @torch.library.register_fake("torchfuse::dynemb_find_or_insert_sync")
 def _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
                               bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                              n_valid=None, abort=None):
+                              n_valid=None, abort=None, keep_evicted=True):
     ctx = torch.library.get_ctx()
     n = query.shape[0] if n_valid is None and abort is None else ctx.new_dynamic_size()  # the keys taken
     n_ev = ctx.new_dynamic_size()
@@ -1005,10 +1019,10 @@ def _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values
 @torch.library.register_fake("torchfuse::dynemb_find_or_insert_pool")
 def _find_or_insert_pool_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
                               bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                              n_valid, abort, pool_offsets, pool_inv, pool_weights, pool_mean):
+                              n_valid, abort, pool_offsets, pool_inv, pool_weights, pool_mean, keep_evicted=True):
     out = _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
                                     bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                                    n_valid, abort)
+                                    n_valid, abort, keep_evicted)
     return out + (values.new_empty((pool_offsets.shape[0] - 1, values.shape[1])),)
 
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Session 19's device calls (each under the 10-minute limit).
+#   norec: find_or_insert / insert_or_assign on a table keeping no eviction record (evicted_record_limit=0:
+#          the kernels write the evicting keys' rows over the victims' at once; no eviction-rows kernel after the
+#          host's wait), which is HierarchicalKV's find_or_insert semantics: the new tests first, then every
+#          dynamic-embedding and TorchRec GPU test, memcheck on the find_or_insert tests, HierarchicalKV's benchmark
+#          ($1: the git-ignored peers folder holding hkv_bench) and bench_dynamic_embedding.py --parts hbm (both
+#          forms of each inserting op, alternating on one table) in the same call. Short table last.
+set -uo pipefail
+PART=${1:?part: norec}
+PEERS=${2:-}
+source "$(dirname "$0")/device_build.sh"
+case "$PART" in
+norec)
+  timeout 90 python3 -m pytest tests/test_dynamic_embedding.py -q -x -p no:cacheprovider \
+    -k "cuda and (without_eviction_record or pool_early)" > "$OUT/smoke.log" 2>&1
+  rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 0 ] || { grep -E "^E  " "$OUT/smoke.log" | head -20; exit 1; }
+  timeout 150 python3 -m pytest tests/test_dynamic_embedding.py tests/test_torchrec.py -q -p no:cacheprovider -k cuda \
+    > "$OUT/pytest.log" 2>&1
+  echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -8
+  timeout 100 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q -x \
+    -p no:cacheprovider -k "cuda and (without_eviction_record or full_table_rows or eviction_record or pool_early)" \
+    > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+  if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
+    timeout 120 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"
+  fi
+  timeout 200 python3 benchmarks/bench_dynamic_embedding.py --parts hbm --out "$OUT/bench_dynemb.md" > "$OUT/bench.log" 2>&1
+  echo "bench exit $?"
+  [ -f "$OUT/hkv.txt" ] && grep -E "^dim|^\|" "$OUT/hkv.txt"
+  cat "$OUT/bench_dynemb.md"
+  ;;
+*) echo "unknown part $PART"; exit 2 ;;
+esac
