@@ -6,8 +6,15 @@
 #          dynamic-embedding and TorchRec GPU test, memcheck on the find_or_insert tests, HierarchicalKV's benchmark
 #          ($1: the git-ignored peers folder holding hkv_bench) and bench_dynamic_embedding.py --parts hbm (both
 #          forms of each inserting op, alternating on one table) in the same call. Short table last.
+#   prof:  where find_or_insert's time goes per load factor with no record (call 1: 0.75 no faster than with the
+#          record, both ~25% slower than at 0.5): profile_dynemb.py (kernels, median wall) at dims 8 and 128, load
+#          factors 0.5 / 0.75 / 1.0; host_gap_dynemb.py at dim 8, 0.5 and 0.75 (api / gpu / op split, one call's trace)
+#   cost:  the fixed host cost of a find_or_insert call piece by piece (host_cost_dynemb.py), then the table
+#          operations again with the load factor held (bench_dynamic_embedding.py now erases each inserting call's
+#          new keys after it; call 1's no-record columns ran 6 inserting calls later, at a fuller table), beside
+#          HierarchicalKV's benchmark
 set -uo pipefail
-PART=${1:?part: norec}
+PART=${1:?part: norec, prof, cost}
 PEERS=${2:-}
 source "$(dirname "$0")/device_build.sh"
 case "$PART" in
@@ -28,6 +35,29 @@ norec)
   timeout 200 python3 benchmarks/bench_dynamic_embedding.py --parts hbm --out "$OUT/bench_dynemb.md" > "$OUT/bench.log" 2>&1
   echo "bench exit $?"
   [ -f "$OUT/hkv.txt" ] && grep -E "^dim|^\|" "$OUT/hkv.txt"
+  cat "$OUT/bench_dynemb.md"
+  ;;
+prof)
+  cd benchmarks
+  for d in 8 128; do
+    timeout 120 python3 profile_dynemb.py --dim $d --lfs 0.5,0.75,1.0 --norec > "$OUT/prof_$d.txt" 2>&1; echo "prof $d exit $?"
+  done
+  for lf in 0.5 0.75; do
+    timeout 100 python3 host_gap_dynemb.py --dim 8 --lf $lf --trace "$OUT/trace_$lf.json" > "$OUT/gap_$lf.txt" 2>&1
+    echo "gap $lf exit $?"
+  done
+  for d in 8 128; do grep -E "wall|Name|foi|kernel|memcpy|memset|Memcpy|Memset|Self CUDA time" "$OUT/prof_$d.txt" | grep -v "^-" | cut -c1-150; done
+  for lf in 0.5 0.75; do head -30 "$OUT/gap_$lf.txt"; done
+  ;;
+cost)
+  (cd benchmarks && timeout 120 python3 host_cost_dynemb.py) > "$OUT/host_cost.txt" 2>&1; echo "host cost exit $?"
+  if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
+    timeout 120 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"
+  fi
+  timeout 240 python3 benchmarks/bench_dynamic_embedding.py --parts hbm --out "$OUT/bench_dynemb.md" > "$OUT/bench.log" 2>&1
+  echo "bench exit $?"
+  cat "$OUT/host_cost.txt"
+  [ -f "$OUT/hkv.txt" ] && grep -E "^\* dim|^\|" "$OUT/hkv.txt"
   cat "$OUT/bench_dynemb.md"
   ;;
 *) echo "unknown part $PART"; exit 2 ;;
