@@ -13,8 +13,14 @@
 #          operations again with the load factor held (bench_dynamic_embedding.py now erases each inserting call's
 #          new keys after it; call 1's no-record columns ran 6 inserting calls later, at a fuller table), beside
 #          HierarchicalKV's benchmark
+#   split: host_split_foi.py: the public call against the op with its wait inside, the op without a wait followed by
+#          a blocking sync or by polling, and the GPU's work alone (1M keys, dims 8 and 128, load factor 0.5)
+#   mapped: the counts handed over by the insert kernel's last block in mapped pinned memory, the host spinning on a
+#          sequence word, instead of a copy behind the kernels and a stream sync; and no eviction list written or
+#          allocated when no record is kept. The GPU tests, memcheck, then ab_foi.py --set mapped --norec (one
+#          process, forms alternating), host_split_foi.py, HierarchicalKV and bench_dynamic_embedding.py --parts hbm.
 set -uo pipefail
-PART=${1:?part: norec, prof, cost}
+PART=${1:?part: norec, prof, cost, split, mapped}
 PEERS=${2:-}
 source "$(dirname "$0")/device_build.sh"
 case "$PART" in
@@ -59,6 +65,35 @@ cost)
   cat "$OUT/host_cost.txt"
   [ -f "$OUT/hkv.txt" ] && grep -E "^\* dim|^\|" "$OUT/hkv.txt"
   cat "$OUT/bench_dynemb.md"
+  ;;
+split)
+  cd benchmarks
+  for d in 8 128; do
+    timeout 120 python3 host_split_foi.py --dim $d > "$OUT/split_$d.txt" 2>&1; echo "split $d exit $?"; cat "$OUT/split_$d.txt"
+  done
+  ;;
+mapped)
+  timeout 90 python3 -m pytest tests/test_dynamic_embedding.py -q -x -p no:cacheprovider \
+    -k "cuda and (without_eviction_record or pool_early or n_valid_and_abort or matches_its_parts)" > "$OUT/smoke.log" 2>&1
+  rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 0 ] || { grep -E "^E  " "$OUT/smoke.log" | head -20; exit 1; }
+  timeout 150 python3 -m pytest tests/test_dynamic_embedding.py tests/test_torchrec.py -q -p no:cacheprovider -k cuda \
+    > "$OUT/pytest.log" 2>&1
+  echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -8
+  timeout 100 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q -x \
+    -p no:cacheprovider -k "cuda and (without_eviction_record or full_table_rows or eviction_record or n_valid_and_abort)" \
+    > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+  (cd benchmarks && timeout 120 python3 ab_foi.py --set mapped --norec --dims 8,128 --reps 4) > "$OUT/ab_mapped.txt" 2>&1
+  echo "ab exit $?"
+  (cd benchmarks && timeout 60 python3 host_split_foi.py --dim 8) > "$OUT/split.txt" 2>&1; echo "split exit $?"
+  if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
+    timeout 120 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"
+  fi
+  [ "${BENCH:-1}" = 1 ] && { timeout 200 python3 benchmarks/bench_dynamic_embedding.py --parts hbm --out "$OUT/bench_dynemb.md" \
+    > "$OUT/bench.log" 2>&1; echo "bench exit $?"; }
+  tail -16 "$OUT/ab_mapped.txt"; cat "$OUT/split.txt"
+  [ -f "$OUT/hkv.txt" ] && grep -E "^\* dim|^\|" "$OUT/hkv.txt"
+  [ -f "$OUT/bench_dynemb.md" ] && head -12 "$OUT/bench_dynemb.md"
   ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac

@@ -312,7 +312,7 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
                                  at::Tensor &marks, at::Tensor *locks, at::Tensor &values, at::Tensor &values_host,
                                  at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
                                  bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind, double a,
-                                 double b, int64_t seed, bool with_rows, bool filled) {
+                                 double b, int64_t seed, bool with_rows, bool filled, bool evicted_list) {
     const char *op = "torchfuse.dynemb_find_or_insert";
     TORCH_CHECK(policy >= -1 && policy <= TF_DYNEMB_LFU, op, ": policy must be -1 (no touch), 0 (LRU) or 1 (LFU)");
     TORCH_CHECK(epoch > 0, op, ": epoch must be > 0 (found keys are marked with it)");
@@ -324,7 +324,9 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     // entries past the evicted count hold -1 (defined contents: the op is then a function of its inputs);
     // !filled: the caller's first kernel writes these contents (one launch instead of three fills)
     f.is_new = filled ? at::zeros({n}, o.dtype(at::kByte)) : at::empty({n}, o.dtype(at::kByte));
-    f.evicted = filled ? at::full({4, n}, -1, o) : at::empty({4, n}, o);
+    // !evicted_list (CUDA, 128-slot buckets, a caller keeping no evictions): the kernels write no list
+    const int64_t n_list = evicted_list ? n : 0;
+    f.evicted = filled ? at::full({4, n_list}, -1, o) : at::empty({4, n_list}, o);
     f.counts = filled ? at::zeros({3}, o) : at::empty({3}, o);
     tf_dynemb_probe &p = f.p.p;
     p.n = n;
@@ -333,11 +335,11 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     p.epoch = (int32_t)epoch;
     p.allow_evict = allow_evict;
     p.is_new = f.is_new.data_ptr<uint8_t>();
-    int64_t *ev = f.evicted.data_ptr<int64_t>();
+    int64_t *ev = evicted_list ? f.evicted.data_ptr<int64_t>() : nullptr;
     p.evicted_keys = ev;
-    p.evicted_slots = ev + n;
-    p.evicted_scores = ev + 2 * n;
-    f.p.evicted_new = ev + 3 * n;
+    p.evicted_slots = ev ? ev + n : nullptr;
+    p.evicted_scores = ev ? ev + 2 * n : nullptr;
+    f.p.evicted_new = ev ? ev + 3 * n : nullptr;
     f.p.keep_victims = 1;
     p.counts = f.counts.data_ptr<int64_t>();
     f.p.init = dynemb_init_params(f.slots, query, std::nullopt, values, values_host, state, state_host, init_kind, a,

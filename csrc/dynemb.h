@@ -90,7 +90,8 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
                                  at::Tensor &marks, at::Tensor *locks, at::Tensor &values, at::Tensor &values_host,
                                  at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
                                  bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind, double a,
-                                 double b, int64_t seed, bool with_rows, bool filled = true);
+                                 double b, int64_t seed, bool with_rows, bool filled = true,
+                                 bool evicted_list = true);
 
 // dynemb_find_or_insert_sync: find_or_insert, the host's wait for its counts, and the eviction row
 // work, in one op (what a find_or_insert call must finish before it returns, without the Python of a

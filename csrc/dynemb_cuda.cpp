@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <functional>
 #include <unordered_map>
 
@@ -228,15 +230,18 @@ DynembFoiResult launch_find_or_insert(const at::Tensor &query, at::Tensor &keys,
                                       int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
                                       int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
                                       bool with_rows, const int64_t *n_valid, const uint8_t *abort,
-                                      bool keep_victims = true) {
+                                      bool keep_victims = true, int64_t *host_counts = nullptr,
+                                      int64_t host_seq = 0) {
     const c10::cuda::CUDAGuard guard(keys.device());
     // 128-slot buckets: step 1 writes the outputs' defined contents itself (tf_dynemb_foi_params.fill_outputs)
     const bool kernel_fills = bucket_size == 128 && query.numel() > 0;
     DynembFoi f = prepare_find_or_insert(query, keys, digests, scores, marks, &locks, values, values_host, state,
                                          state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b,
-                                         seed, with_rows, !kernel_fills);
+                                         seed, with_rows, !kernel_fills, keep_victims || bucket_size != 128);
     f.p.fill_outputs = kernel_fills;
     f.p.keep_victims = keep_victims;
+    f.p.host_counts = bucket_size == 128 ? host_counts : nullptr;
+    f.p.host_seq = host_seq;
     f.p.n_valid = n_valid;
     f.p.abort = abort;
     map_host(f.p.init.values, values_host);
@@ -275,6 +280,47 @@ int64_t *pinned_counts() {
     return buf;
 }
 
+// Mapped pinned memory per thread and device for tf_dynemb_foi_params.host_counts (6 int64: the
+// counts, keys taken, abort flag, sequence word), its device address, and the thread's last sequence
+// number there (each call waits for a new one, so a late write of an earlier call never matches).
+struct MappedCounts {
+    int64_t *host = nullptr;
+    int64_t *dev = nullptr;
+    int64_t seq = 0;
+};
+MappedCounts &mapped_counts() {
+    thread_local std::unordered_map<int, MappedCounts> bufs;
+    MappedCounts &m = bufs[c10::cuda::current_device()];
+    if (!m.host) {
+        void *h = nullptr, *d = nullptr;
+        cudaError_t e = cudaHostAlloc(&h, 8 * sizeof(int64_t), cudaHostAllocPortable | cudaHostAllocMapped);
+        TORCH_CHECK(e == cudaSuccess, "torchfuse.dynemb: cudaHostAlloc of the mapped counts failed: ", cudaGetErrorString(e));
+        e = cudaHostGetDevicePointer(&d, h, 0);
+        TORCH_CHECK(e == cudaSuccess, "torchfuse.dynemb: cudaHostGetDevicePointer of the mapped counts failed: ",
+                    cudaGetErrorString(e));
+        m.host = static_cast<int64_t *>(h);
+        m.dev = static_cast<int64_t *>(d);
+        m.host[5] = 0;
+    }
+    return m;
+}
+
+// Waits until step 2's last block has written sequence word `seq` (foi_counts_to_host). The stream is
+// queried now and then, so a failed kernel raises here instead of leaving the host spinning.
+void wait_mapped_counts(const MappedCounts &m, int64_t seq, cudaStream_t s) {
+    const volatile int64_t *h = m.host;
+    for (uint32_t spins = 1; h[5] != seq; ++spins) {
+        if (spins % 4096 == 0) {
+            const cudaError_t e = cudaStreamQuery(s);
+            if (e == cudaErrorNotReady) continue;
+            check_launch(e, "dynemb find-or-insert kernels (at the host's wait)");
+            TORCH_CHECK(h[5] == seq, "torchfuse.dynemb_find_or_insert_sync: internal error: the stream finished "
+                        "without the kernels' counts");
+        }
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+}
+
 // An event per thread and device, recorded behind the counts' copy when later work is queued before
 // the host's wait (created once: every training batch into a full table waits on it).
 cudaEvent_t counts_event() {
@@ -296,13 +342,27 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
                                              const std::function<void(const at::Tensor &)> &before_wait = nullptr) {
     const c10::cuda::CUDAGuard guard(keys.device());
     const DynembFoiLimits lim = dynemb_foi_limits(query, keys, n_valid, abort);
+    // 128-slot buckets: step 2 hands the counts over in mapped memory (TORCHFUSE_DYNEMB_MAPPED_COUNTS=0:
+    // the copy and the stream wait below, for the A/B)
+    const char *env = getenv("TORCHFUSE_DYNEMB_MAPPED_COUNTS");
+    const bool mapped = bucket_size == 128 && query.numel() > 0 && !(env && env[0] == '0');
+    MappedCounts *m = mapped ? &mapped_counts() : nullptr;
+    const int64_t seq = m ? ++m->seq : 0;
     const DynembFoiResult r = launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host,
                                                     state, state_host, bucket_size, epoch, allow_evict, policy, clock,
                                                     init_kind, a, b, seed, with_rows, lim.n_valid, lim.abort,
-                                                    keep_evicted);
-    // counts, then how many keys were taken and the abort flag: one copy behind the kernels, one wait
+                                                    keep_evicted, m ? m->dev : nullptr, seq);
     int64_t c[5] = {0, 0, 0, query.numel(), 0};
-    if (query.numel() > 0 || lim.abort) {  // an empty batch's flag is read too: its caller raises on it
+    if (m) {
+        if (before_wait) before_wait(std::get<0>(r));  // queued behind step 2; the host does not wait for it
+        wait_mapped_counts(*m, seq, c10::cuda::getCurrentCUDAStream().stream());
+        const int64_t *h = m->host;
+        for (int i = 0; i < 3; ++i) c[i] = h[i];
+        c[3] = std::min(std::max<int64_t>(h[3], 0), query.numel());
+        c[4] = h[4] ? 1 : 0;
+        if (c[4]) c[3] = 0;  // none taken
+    } else if (query.numel() > 0 || lim.abort) {  // counts, keys taken, abort flag: one copy each, one wait
+        // (an empty batch's flag is read too: its caller raises on it)
         int64_t *h = pinned_counts();
         h[4] = 0;  // the flag is one byte
         const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();

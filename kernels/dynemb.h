@@ -135,11 +135,19 @@ typedef struct {
      * queued before the host's wait reads every one); the other outputs there are unwritten. */
     const int64_t *n_valid;
     const uint8_t *abort;
+    /* CUDA with 128-slot buckets, may be NULL: mapped pinned host memory of 6 int64. Step 2's last
+     * block writes the counts, the keys taken (*n_valid, or n) and the abort flag into [0..4], then,
+     * after a system-wide fence, host_seq into [5]: the host waits for that word instead of copying
+     * the counts and synchronizing the stream (each a round trip through the driver). */
+    int64_t *host_counts;
+    int64_t host_seq;
 } tf_dynemb_foi_params;
 
-/* Step 1 lists the keys it left to step 2: a count and step 1's insert count (8 bytes each), then n
- * keys (int64), n indices (int32: n < 2^31) and n slot choices (bytes). */
-TF_HD int64_t tf_dynemb_foi_miss_bytes(int64_t n) { return 16 + 13 * n; }
+/* Step 1 lists the keys it left to step 2: a count, step 1's insert count and step 2's count of
+ * finished blocks (8 bytes each; the caller zeroes these tf_dynemb_foi_miss_zeroed bytes), a pad word,
+ * then n keys (int64), n indices (int32: n < 2^31) and n slot choices (bytes). */
+TF_HD int64_t tf_dynemb_foi_miss_bytes(int64_t n) { return 32 + 13 * n; }
+#define tf_dynemb_foi_miss_zeroed 24
 
 /* The row work of find_or_insert's evictions, after the call's counts are known: per eviction e,
  * old_values[e] / old_state[e] = the victim's row and optimizer state (slot slots[e]), then the slot

@@ -273,8 +273,9 @@ __device__ __forceinline__ int64_t quarter_probe(const tf_dynemb_table &t, int64
  * was deterministic). The header's second word counts the keys step 1 inserted itself (step 2 adds
  * it to counts[0]). Layout: tf_dynemb_foi_miss_bytes. */
 struct MissList {
-    unsigned long long *count;     // zeroed before step 1, with `inserted`
+    unsigned long long *count;     // zeroed before step 1, with `inserted` and `done`
     unsigned long long *inserted;
+    unsigned long long *done;      // step 2's finished blocks (tf_dynemb_foi_params.host_counts)
     int64_t *keys;
     int32_t *index;
     uint8_t *first;
@@ -290,9 +291,9 @@ __device__ __forceinline__ int64_t foi_count(const tf_dynemb_foi_params &p) {
 }
 
 __device__ __forceinline__ MissList miss_list(uint8_t *miss, int64_t n) {
-    return MissList{reinterpret_cast<unsigned long long *>(miss), reinterpret_cast<unsigned long long *>(miss) + 1,
-                    reinterpret_cast<int64_t *>(miss + 16), reinterpret_cast<int32_t *>(miss + 16 + 8 * n),
-                    miss + 16 + 12 * n};
+    unsigned long long *h = reinterpret_cast<unsigned long long *>(miss);
+    return MissList{h, h + 1, h + 2, reinterpret_cast<int64_t *>(miss + 32), reinterpret_cast<int32_t *>(miss + 32 + 8 * n),
+                    miss + 32 + 12 * n};
 }
 
 // Every thread of the block calls it; `missed` and `inserted` are read at the quarter leaders
@@ -974,7 +975,8 @@ __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_
         p.p.slots[i] = slot;
         if (p.fill_outputs) {  // coalesced: four consecutive keys per warp
             p.p.is_new[i] = inserted ? 1 : 0;
-            p.p.evicted_keys[i] = p.p.evicted_slots[i] = p.p.evicted_scores[i] = p.evicted_new[i] = -1;
+            if (p.p.evicted_keys)  // NULL: a caller keeping no evictions (keep_victims = 0) has no list
+                p.p.evicted_keys[i] = p.p.evicted_slots[i] = p.p.evicted_scores[i] = p.evicted_new[i] = -1;
         } else if (inserted) {
             p.p.is_new[i] = 1;
         }
@@ -996,6 +998,24 @@ __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_
                                  p.init.values.row_bytes / static_cast<int64_t>(sizeof(T)), ql);
         }
     }
+}
+
+/* The last block of step 2 to finish hands the counts to the host (tf_dynemb_foi_params.host_counts):
+ * every block's count atomics precede its arrival on `done`, so the last one reads final counts. The
+ * sequence word goes last, behind a system-wide fence, so a host that sees it reads complete counts. */
+__device__ __forceinline__ void foi_counts_to_host(const tf_dynemb_foi_params &p, const MissList &ml,
+                                                   unsigned long long *counts) {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    __threadfence();
+    if (atomicAdd(ml.done, 1ull) != gridDim.x - 1) return;
+    __threadfence();
+    volatile int64_t *h = p.host_counts;
+    for (int k = 0; k < 3; ++k) h[k] = static_cast<int64_t>(atomicAdd(&counts[k], 0ull));
+    h[3] = p.n_valid ? *reinterpret_cast<const volatile int64_t *>(p.n_valid) : p.p.n;
+    h[4] = p.abort ? *reinterpret_cast<const volatile uint8_t *>(p.abort) : 0;
+    __threadfence_system();
+    h[5] = p.host_seq;
 }
 
 /* Step 2 for 128-slot buckets: a resident grid walks step 1's list of misses, 32 keys per block per
@@ -1052,7 +1072,7 @@ __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb
         if (c.slot < 0) continue;  // invalid, or no room (counted as failed)
         const int64_t slot = c.slot;
         if (ql == 0) {
-            if (c.evicted) {
+            if (c.evicted && p.p.evicted_keys) {
                 const int64_t e = ev_base + ev_prefix[w] + __popc(eb & ((1u << (8 * q)) - 1u));
                 p.p.evicted_keys[e] = c.victim_key;
                 p.p.evicted_slots[e] = slot;
@@ -1066,6 +1086,7 @@ __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb
         if (c.evicted && p.keep_victims) continue;  // the caller saves the victim's row first
         quarter_new_row<T>(p.init, slot, key, p.out ? static_cast<char *>(p.out) + i * p.init.values.row_bytes : nullptr, ql);
     }
+    if (p.host_counts) foi_counts_to_host(p, ml, counts);
 }
 
 /* pool_one for fp32 rows of at most 128 columns, a multiple of 4: lane l sums columns 4l..4l+3 with
@@ -1673,7 +1694,8 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
         const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
         // step 2: one resident wave (4 blocks per SM by its launch bounds), or fewer for small batches
         const unsigned g2 = g4 < 4u * static_cast<unsigned>(sm_count()) ? g4 : 4u * static_cast<unsigned>(sm_count());
-        cudaError_t err = cudaMemsetAsync(p->miss, 0, 16, s);  // the list's count and step 1's inserts
+        // the list's count, step 1's inserts and step 2's finished blocks
+        cudaError_t err = cudaMemsetAsync(p->miss, 0, tf_dynemb_foi_miss_zeroed, s);
         if (err != cudaSuccess) return static_cast<int>(err);
         if (wide) {
             foi_probe_quarter_kernel<uint4><<<g4, kBlock, 0, s>>>(*t, *p, claim);

@@ -854,11 +854,15 @@ def test_one_sync_training_matches_two(device, opt, monkeypatch):
     assert 100 < len(bags[True]) <= 200
 
 
+@pytest.mark.parametrize("mapped", ["1", "0"])
 @pytest.mark.parametrize("bucket_size", [16, 128])
-def test_find_or_insert_sync_n_valid_and_abort(device, bucket_size):
+def test_find_or_insert_sync_n_valid_and_abort(device, bucket_size, mapped, monkeypatch):
     """dynemb_find_or_insert_sync's n_valid (take the first n_valid[0] keys of the query) and abort
     (take none): a padded query with n_valid gives the result of the unpadded one, the padding is never
-    inserted; an aborted call leaves every table tensor as it was and returns no rows."""
+    inserted; an aborted call leaves every table tensor as it was and returns no rows. On CUDA with
+    128-slot buckets the counts, keys taken and flag reach the host both ways: written by the insert
+    kernel into mapped memory (the default) and copied after it (TORCHFUSE_DYNEMB_MAPPED_COUNTS=0)."""
+    monkeypatch.setenv("TORCHFUSE_DYNEMB_MAPPED_COUNTS", mapped)
     ops = torch.ops.torchfuse
     t = DynamicEmbedding(5, 4 * bucket_size, device=device, bucket_size=bucket_size, initializer=("uniform", -1.0, 1.0),
                          seed=3, optimizer=tfo.Adagrad(0.1))
