@@ -19,8 +19,10 @@
 #          sequence word, instead of a copy behind the kernels and a stream sync; and no eviction list written or
 #          allocated when no record is kept. The GPU tests, memcheck, then ab_foi.py --set mapped --norec (one
 #          process, forms alternating), host_split_foi.py, HierarchicalKV and bench_dynamic_embedding.py --parts hbm.
+#   train: the training step with the mapped counts against the copy and stream sync (ab_train_step.py, SGD and
+#          Adam, one process), then bench_dynamic_embedding.py --parts train,gather
 set -uo pipefail
-PART=${1:?part: norec, prof, cost, split, mapped}
+PART=${1:?part: norec, prof, cost, split, mapped, train}
 PEERS=${2:-}
 source "$(dirname "$0")/device_build.sh"
 case "$PART" in
@@ -94,6 +96,16 @@ mapped)
   tail -16 "$OUT/ab_mapped.txt"; cat "$OUT/split.txt"
   [ -f "$OUT/hkv.txt" ] && grep -E "^\* dim|^\|" "$OUT/hkv.txt"
   [ -f "$OUT/bench_dynemb.md" ] && head -12 "$OUT/bench_dynemb.md"
+  ;;
+train)
+  for opt in sgd adam; do
+    (cd benchmarks && timeout 150 python3 ab_train_step.py --switch TORCHFUSE_DYNEMB_MAPPED_COUNTS --values 0,1 --opt $opt \
+      --rounds 4) > "$OUT/ab_train_$opt.txt" 2>&1; echo "ab $opt exit $?"
+  done
+  timeout 150 python3 benchmarks/bench_dynamic_embedding.py --parts train,gather --out "$OUT/bench_train.md" \
+    > "$OUT/bench_train.log" 2>&1; echo "bench exit $?"
+  for opt in sgd adam; do tail -12 "$OUT/ab_train_$opt.txt"; done
+  cat "$OUT/bench_train.md"
   ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
