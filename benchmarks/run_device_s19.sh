@@ -21,8 +21,10 @@
 #          process, forms alternating), host_split_foi.py, HierarchicalKV and bench_dynamic_embedding.py --parts hbm.
 #   train: the training step with the mapped counts against the copy and stream sync (ab_train_step.py, SGD and
 #          Adam, one process), then bench_dynamic_embedding.py --parts train,gather
+#   tprof: the SGD training step's kernels (profile_dynemb_train.py, torchfuse and PyTorch sparse) and its GPU idle
+#          gaps (gaps_dynemb_train.py): the sum of the kernels against the 2x target's 1.05 ms
 set -uo pipefail
-PART=${1:?part: norec, prof, cost, split, mapped, train}
+PART=${1:?part: norec, prof, cost, split, mapped, train, tprof}
 PEERS=${2:-}
 source "$(dirname "$0")/device_build.sh"
 case "$PART" in
@@ -106,6 +108,13 @@ train)
     > "$OUT/bench_train.log" 2>&1; echo "bench exit $?"
   for opt in sgd adam; do tail -12 "$OUT/ab_train_$opt.txt"; done
   cat "$OUT/bench_train.md"
+  ;;
+tprof)
+  cd benchmarks
+  timeout 120 python3 profile_dynemb_train.py --opt sgd > "$OUT/tprof.txt" 2>&1; echo "tprof exit $?"
+  timeout 120 python3 gaps_dynemb_train.py --opt sgd > "$OUT/gaps.txt" 2>&1; echo "gaps exit $?"
+  grep -vE "^-+$" "$OUT/tprof.txt" | cut -c1-60,100-200 | head -60
+  head -50 "$OUT/gaps.txt"
   ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
