@@ -23,8 +23,10 @@
 #          Adam, one process), then bench_dynamic_embedding.py --parts train,gather
 #   tprof: the SGD training step's kernels (profile_dynemb_train.py, torchfuse and PyTorch sparse) and its GPU idle
 #          gaps (gaps_dynemb_train.py): the sum of the kernels against the 2x target's 1.05 ms
+#   floor: one machine for the block's figures: HierarchicalKV's benchmark, host_split_foi.py at dims 8 and 128
+#          (the GPU's work alone against the public call) and host_cost_dynemb.py (the fixed cost with one key)
 set -uo pipefail
-PART=${1:?part: norec, prof, cost, split, mapped, train, tprof}
+PART=${1:?part: norec, prof, cost, split, mapped, train, tprof, floor}
 PEERS=${2:-}
 source "$(dirname "$0")/device_build.sh"
 case "$PART" in
@@ -115,6 +117,16 @@ tprof)
   timeout 120 python3 gaps_dynemb_train.py --opt sgd > "$OUT/gaps.txt" 2>&1; echo "gaps exit $?"
   grep -vE "^-+$" "$OUT/tprof.txt" | cut -c1-60,100-200 | head -60
   head -50 "$OUT/gaps.txt"
+  ;;
+floor)
+  if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
+    timeout 120 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"
+  fi
+  cd benchmarks
+  for d in 8 128; do timeout 90 python3 host_split_foi.py --dim $d > "$OUT/split_$d.txt" 2>&1; echo "split $d exit $?"; done
+  timeout 90 python3 host_cost_dynemb.py > "$OUT/host_cost.txt" 2>&1; echo "cost exit $?"
+  [ -f "$OUT/hkv.txt" ] && grep -E "^\* dim|^\|" "$OUT/hkv.txt"
+  cat "$OUT/split_8.txt" "$OUT/split_128.txt" "$OUT/host_cost.txt"
   ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
