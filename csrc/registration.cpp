@@ -149,8 +149,9 @@ TORCH_LIBRARY(torchfuse, m) {
     // victims' keys, slots, scores and the indices of the keys that took their slots; the victims'
     // values; their optimizer state; the counts (inserted, n_evicted, failed) on the CPU). Every output
     // is complete when the op returns (with 128-slot buckets on CUDA the host waits for the insert
-    // kernel's counts in mapped memory, which its last block writes after every block's work). A table with host rows gets its evictions sorted by victim slot
-    // (the eviction rows visit host rows in address order); otherwise they are in no particular order.
+    // kernel's counts in mapped memory, which its last block writes after every block's work). A
+    // table with host rows gets its evictions sorted by victim slot (the eviction rows visit host rows
+    // in address order); otherwise they are in no particular order.
     // keep_evicted=False (a caller that keeps no record of evictions): the kernels write the evicting
     // keys' rows over the victims', with no row work after the wait; the list and the victims' values
     // and state come back with 0 entries (the counts still say how many were evicted).

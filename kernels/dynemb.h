@@ -114,15 +114,16 @@ typedef struct {
  * the rows copied out). Except, when keep_victims: a key that took an evicted key's slot gets neither
  * its row initialized nor copied out: evicted_new[e] names it (e < counts[1]); the caller saves the
  * victim's row, then initializes and copies it. keep_victims = 0 (a caller that records no evicted
- * rows): such keys get their rows like any new key, and the victims' rows are overwritten. Used: the probe's query, slots, epoch, allow_evict, is_new, evicted
- * arrays and counts; the init's values/state/dtype/dim/initializer are used (init.slots = p.slots, init.keys =
+ * rows): such keys get their rows like any new key, and the victims' rows are overwritten. Used: the
+ * probe's query, slots, epoch, allow_evict, is_new, evicted arrays and counts; the init's values/state/dtype/dim/initializer are used (init.slots = p.slots, init.keys =
  * p.query, init.mask unused). policy: TF_DYNEMB_LRU / LFU, or -1 for no touch. */
 typedef struct {
     tf_dynemb_probe p;
     tf_dynemb_init_params init;
     int policy; int64_t clock;
     void *out;                 /* n rows of values.row_bytes, or NULL */
-    int64_t *evicted_new;      /* capacity n */
+    int64_t *evicted_new;      /* capacity n; NULL with the probe's evicted arrays on CUDA with 128-slot
+                                  buckets when keep_victims is 0 (no eviction list is written) */
     int keep_victims;          /* 1: evicting keys' rows are left to the caller (above); 0: written here */
     uint8_t *miss;             /* CUDA with 128-slot buckets: scratch of tf_dynemb_foi_miss_bytes(n) */
     int fill_outputs;          /* CUDA with 128-slot buckets: step 1 sets is_new to 0, the evicted arrays and
