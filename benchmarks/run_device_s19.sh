@@ -29,18 +29,23 @@ set -uo pipefail
 PART=${1:?part: norec, prof, cost, split, mapped, train, tprof, floor}
 PEERS=${2:-}
 source "$(dirname "$0")/device_build.sh"
-case "$PART" in
-norec)
-  timeout 90 python3 -m pytest tests/test_dynamic_embedding.py -q -x -p no:cacheprovider \
-    -k "cuda and (without_eviction_record or pool_early)" > "$OUT/smoke.log" 2>&1
-  rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 0 ] || { grep -E "^E  " "$OUT/smoke.log" | head -20; exit 1; }
+gpu_checks() {  # SMOKE_SELECTION MEMCHECK_SELECTION: the smoke tests (stop on a failure), every dynamic-embedding and
+                # TorchRec GPU test, memcheck
+  timeout 90 python3 -m pytest tests/test_dynamic_embedding.py -q -x -p no:cacheprovider -k "cuda and ($1)" \
+    > "$OUT/smoke.log" 2>&1
+  local rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"
+  [ $rc = 0 ] || { grep -E "^E  " "$OUT/smoke.log" | head -20; return 1; }
   timeout 150 python3 -m pytest tests/test_dynamic_embedding.py tests/test_torchrec.py -q -p no:cacheprovider -k cuda \
     > "$OUT/pytest.log" 2>&1
   echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -8
   timeout 100 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q -x \
-    -p no:cacheprovider -k "cuda and (without_eviction_record or full_table_rows or eviction_record or pool_early)" \
-    > "$OUT/memcheck.log" 2>&1
+    -p no:cacheprovider -k "cuda and ($2)" > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+}
+case "$PART" in
+norec)
+  gpu_checks "without_eviction_record or pool_early" \
+    "without_eviction_record or full_table_rows or eviction_record or pool_early" || exit 1
   if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
     timeout 120 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"
   fi
@@ -79,16 +84,8 @@ split)
   done
   ;;
 mapped)
-  timeout 90 python3 -m pytest tests/test_dynamic_embedding.py -q -x -p no:cacheprovider \
-    -k "cuda and (without_eviction_record or pool_early or n_valid_and_abort or matches_its_parts)" > "$OUT/smoke.log" 2>&1
-  rc=$?; echo "smoke exit $rc"; tail -3 "$OUT/smoke.log"; [ $rc = 0 ] || { grep -E "^E  " "$OUT/smoke.log" | head -20; exit 1; }
-  timeout 150 python3 -m pytest tests/test_dynamic_embedding.py tests/test_torchrec.py -q -p no:cacheprovider -k cuda \
-    > "$OUT/pytest.log" 2>&1
-  echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -8
-  timeout 100 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest tests/test_dynamic_embedding.py -q -x \
-    -p no:cacheprovider -k "cuda and (without_eviction_record or full_table_rows or eviction_record or n_valid_and_abort)" \
-    > "$OUT/memcheck.log" 2>&1
-  echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+  gpu_checks "without_eviction_record or pool_early or n_valid_and_abort or matches_its_parts" \
+    "without_eviction_record or full_table_rows or eviction_record or n_valid_and_abort" || exit 1
   (cd benchmarks && timeout 120 python3 ab_foi.py --set mapped --norec --dims 8,128 --reps 4) > "$OUT/ab_mapped.txt" 2>&1
   echo "ab exit $?"
   (cd benchmarks && timeout 60 python3 host_split_foi.py --dim 8) > "$OUT/split.txt" 2>&1; echo "split exit $?"
