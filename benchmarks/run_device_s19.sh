@@ -42,15 +42,21 @@ gpu_checks() {  # SMOKE_SELECTION MEMCHECK_SELECTION: the smoke tests (stop on a
     -p no:cacheprovider -k "cuda and ($2)" > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
 }
+hkv() {  # HierarchicalKV's benchmark, when its binary is carried in $PEERS
+  if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
+    timeout 120 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"
+  fi
+}
+bench_hbm() {  # TIMEOUT: the table operations of bench_dynamic_embedding.py
+  timeout "$1" python3 benchmarks/bench_dynamic_embedding.py --parts hbm --out "$OUT/bench_dynemb.md" > "$OUT/bench.log" 2>&1
+  echo "bench exit $?"
+}
 case "$PART" in
 norec)
   gpu_checks "without_eviction_record or pool_early" \
     "without_eviction_record or full_table_rows or eviction_record or pool_early" || exit 1
-  if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
-    timeout 120 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"
-  fi
-  timeout 200 python3 benchmarks/bench_dynamic_embedding.py --parts hbm --out "$OUT/bench_dynemb.md" > "$OUT/bench.log" 2>&1
-  echo "bench exit $?"
+  hkv
+  bench_hbm 200
   [ -f "$OUT/hkv.txt" ] && grep -E "^dim|^\|" "$OUT/hkv.txt"
   cat "$OUT/bench_dynemb.md"
   ;;
@@ -68,11 +74,8 @@ prof)
   ;;
 cost)
   (cd benchmarks && timeout 120 python3 host_cost_dynemb.py) > "$OUT/host_cost.txt" 2>&1; echo "host cost exit $?"
-  if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
-    timeout 120 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"
-  fi
-  timeout 240 python3 benchmarks/bench_dynamic_embedding.py --parts hbm --out "$OUT/bench_dynemb.md" > "$OUT/bench.log" 2>&1
-  echo "bench exit $?"
+  hkv
+  bench_hbm 240
   cat "$OUT/host_cost.txt"
   [ -f "$OUT/hkv.txt" ] && grep -E "^\* dim|^\|" "$OUT/hkv.txt"
   cat "$OUT/bench_dynemb.md"
@@ -89,11 +92,8 @@ mapped)
   (cd benchmarks && timeout 120 python3 ab_foi.py --set mapped --norec --dims 8,128 --reps 4) > "$OUT/ab_mapped.txt" 2>&1
   echo "ab exit $?"
   (cd benchmarks && timeout 60 python3 host_split_foi.py --dim 8) > "$OUT/split.txt" 2>&1; echo "split exit $?"
-  if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
-    timeout 120 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"
-  fi
-  [ "${BENCH:-1}" = 1 ] && { timeout 200 python3 benchmarks/bench_dynamic_embedding.py --parts hbm --out "$OUT/bench_dynemb.md" \
-    > "$OUT/bench.log" 2>&1; echo "bench exit $?"; }
+  hkv
+  [ "${BENCH:-1}" = 1 ] && bench_hbm 200
   tail -16 "$OUT/ab_mapped.txt"; cat "$OUT/split.txt"
   [ -f "$OUT/hkv.txt" ] && grep -E "^\* dim|^\|" "$OUT/hkv.txt"
   [ -f "$OUT/bench_dynemb.md" ] && head -12 "$OUT/bench_dynemb.md"
@@ -116,9 +116,7 @@ tprof)
   head -50 "$OUT/gaps.txt"
   ;;
 floor)
-  if [ -n "$PEERS" ] && [ -x "$PEERS/hkv_bench" ]; then
-    timeout 120 "$PEERS/hkv_bench" > "$OUT/hkv.txt" 2>&1; echo "hkv exit $?"
-  fi
+  hkv
   cd benchmarks
   for d in 8 128; do timeout 90 python3 host_split_foi.py --dim $d > "$OUT/split_$d.txt" 2>&1; echo "split $d exit $?"; done
   timeout 90 python3 host_cost_dynemb.py > "$OUT/host_cost.txt" 2>&1; echo "cost exit $?"
