@@ -74,8 +74,8 @@ def main():
                 res[name].append(ev[0].elapsed_time(ev[1]) * 1e3)
             del out
             t.erase(new)
-            t._size = size  # the raw ops do not count their inserts; the erase took them off
-            # (the public forms counted theirs, and the erase took them off: size is right either way)
+            # the erase subtracted the new keys; only the public forms had added them: reset either way
+            t._size = size
     print(f"{torch.cuda.get_device_name()}: find_or_insert, dim {a.dim}, load factor {a.lf} ({t.load_factor:.3f}), "
           f"1M-key batches, {a.calls} calls: median / min us")
     print("| form | median us | min us |\n| --- | ---: | ---: |")
