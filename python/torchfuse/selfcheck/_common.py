@@ -169,4 +169,8 @@ def bench_row(ctx: Context, family: str, op: str, shape, dtype, ours: Callable, 
     elif flops:
         row.roofline_pct = 100.0 * flops / us["torchfuse"] / matmul_flops_per_us(ctx)
         row.roofline = "matmul"
+    if row.roofline_pct is not None and row.roofline_pct > 110:
+        # faster than a copy of its own bytes: another process slowed some timings, not others
+        row.note = "; ".join(filter(None, [row.note, "timings disturbed (above the roofline): rerun on an idle "
+                                           "machine" + (" or with OMP_NUM_THREADS=1" if ctx.device == "cpu" else "")]))
     return row

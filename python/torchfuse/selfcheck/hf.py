@@ -69,6 +69,23 @@ def checks(ctx):
     return out
 
 
+def _liger(model):
+    """`model` with Liger-Kernel's RMSNorm patched in (its norms only, the part torchfuse replaces),
+    or None when Liger is not installed. Liger swaps the class in transformers' module too: put back."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from transformers.models.llama import modeling_llama
+    except Exception:
+        return None
+    saved = modeling_llama.LlamaRMSNorm
+    try:
+        apply_liger_kernel_to_llama(rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
+                                    rms_norm=True, swiglu=False, model=model)
+    finally:
+        modeling_llama.LlamaRMSNorm = saved
+    return model
+
+
 def bench(ctx):
     if _unavailable():
         return None
@@ -79,12 +96,14 @@ def bench(ctx):
         dt, (hidden, layers, inter, heads), (batch, seq) = torch.float32, (256, 2, 512, 4), (2, 64)
     base = _model(dev, dt, hidden, layers, inter, heads)
     patched = torchfuse.patch_hf(copy.deepcopy(base))
+    liger = _liger(copy.deepcopy(base)) if dev == "cuda" else None
     ids = torch.randint(3, VOCAB, (batch, seq), device=dev)
     # compiling a whole model takes longer than --quick's budget
     heavy = dataclasses.replace(ctx, compile=ctx.compile and not ctx.quick)
     with torch.no_grad():
         row = bench_row(heavy, FAMILY, f"patched Llama forward ({layers} layers)", f"{batch}x{seq}x{hidden}", dt,
-                        lambda: patched(ids), lambda: base(ids))
+                        lambda: patched(ids), lambda: base(ids),
+                        (lambda: liger(ids)) if liger is not None else None, "Liger")
     if ctx.compile and not heavy.compile:
-        row.note = "torch.compile of the model left out in --quick"
+        row.note = "torch.compile of the model left out in --quick" + (f"; {row.note}" if row.note else "")
     return row

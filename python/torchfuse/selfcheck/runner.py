@@ -123,6 +123,9 @@ def plot(rows: List[BenchRow], path: str) -> None:
         xs = [j + (i - (len(cols) - 1) / 2) * width for j in range(len(rows))]
         ax.bar(xs, [r.ratio(k) or 0.0 for r in rows], width, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
+    ratios = [r.ratio(k) for r in rows for k, _ in cols if r.ratio(k)]
+    if ratios and max(ratios) / min(ratios) > 20:
+        ax.set_yscale("log")
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([f"{r.family}\n{r.op}" for r in rows], fontsize=7)
     ax.set_ylabel("speedup of torchfuse (x)")
@@ -184,11 +187,12 @@ def run(argv=None) -> dict:
                     prog.write(_check_line(fam.FAMILY, c), out)
                 prog.done()
         if not args.check_only:
-            how = ("CUDA events (triton.testing.do_bench)" if device == "cuda" else "host clock") + \
+            how = ("median of CUDA-event timings" if device == "cuda" else
+                   f"best of host-clock rounds, {torch.get_num_threads()} threads") + \
                   ("" if ctx.compile else "; torch.compile left out (--quick on a CPU)")
-            prog.write(f"\nbenchmark ({device}; median time per call, inference; {how}; Nx = torchfuse is N times "
-                       "faster; roofline: % of a copy of the same bytes, or of a large matmul's rate, measured "
-                       "in this run)", out)
+            prog.write(f"\nbenchmark ({device}, inference, microseconds per call: {how}). Nx: torchfuse is N times "
+                       "as fast; roofline: % of the speed of a copy of the same bytes, or of a large matmul's "
+                       "FLOP rate, both measured in this run", out)
             rows = []
             for fam in fams:
                 prog.step(f"bench {fam.FAMILY}")
