@@ -15,14 +15,14 @@ from torchfuse.selfcheck import runner
 FAMILIES = {f.FAMILY for f in selfcheck.FAMILIES}
 
 
-def test_cli_checks_every_family_and_passes():
+def test_cli_checks_every_family_and_passes(device):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(torchfuse.__file__)), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torchfuse", "--quick", "--check-only", "--json", "--device", "cpu"],
+    proc = subprocess.run([sys.executable, "-m", "torchfuse", "--quick", "--check-only", "--json", "--device", device],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert result["ok"] and result["device"] == "cpu" and result["env"]["torch"] == torch.__version__
+    assert result["ok"] and result["device"] == device and result["env"]["torch"] == torch.__version__
     checks = result["checks"]
     assert {c["family"] for c in checks} == FAMILIES
     for c in checks:
@@ -74,7 +74,8 @@ def test_benchmark_rows_have_every_column(capsys):
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys):
     real = runner.importlib.util.find_spec
-    monkeypatch.setattr(runner.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(runner.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert runner.main(["--quick", "--plot", "speedups.png"]) == 2
     assert "needs matplotlib" in capsys.readouterr().err
 

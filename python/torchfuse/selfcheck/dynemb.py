@@ -55,7 +55,8 @@ def checks(ctx):
         ref_fwd, ref_rows = _train_reference(rows, idx, g, name, lr, torch.float64)
         lp_fwd, lp_rows = _train_reference(rows, idx, g, name, lr, torch.float32)
         out.append(exact(f"DynamicEmbedding forward ({name} table)", fwd, lp_fwd))
-        out.append(close(f"DynamicEmbedding training step ({name}): rows", after, ref_rows, lp_rows, 2.0, torch.float32))
+        out.append(close(f"DynamicEmbedding training step ({name}): rows", after, ref_rows, lp_rows, 2.0,
+                         torch.float32))
 
     bag = torchfuse.DynamicEmbeddingBag(dim, 1024, device=dev, mode="mean").eval()
     bag.insert(keys, rows)

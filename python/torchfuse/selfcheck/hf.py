@@ -58,7 +58,8 @@ def checks(ctx):
                 got = model(ids, output_hidden_states=True)
             # every layer's output; the line shows the one nearest its tolerance
             layers = [close(f"patch_hf Llama hidden state {i} ({path})", got.hidden_states[i].detach(),
-                            ref.hidden_states[i], lp.hidden_states[i], 2.0, dt) for i in range(1, len(ref.hidden_states))]
+                            ref.hidden_states[i], lp.hidden_states[i], 2.0, dt)
+                      for i in range(1, len(ref.hidden_states))]
             out.append(max(layers, key=lambda c: c.err / c.tol if c.tol else float("inf")))
             out.append(close(f"patch_hf Llama logits ({path})", got.logits.detach(), ref.logits, lp.logits, 2.0, dt))
             missing = sum(abs(calls.get(k, 0) - v) for k, v in want.items())

@@ -43,19 +43,23 @@ class _Progress:
         try:
             from tqdm import tqdm
             if sys.stderr.isatty():
-                self.bar = tqdm(total=total, file=sys.stderr, leave=False, bar_format="{l_bar}{bar}| {n}/{total} [{elapsed}]")
+                self.bar = tqdm(total=total, file=sys.stderr, leave=False,
+                                bar_format="{l_bar}{bar}| {n}/{total} [{elapsed}]")
         except ImportError:
             pass
         self.n, self.total = 0, total
+        self.seconds = {}  # per step: where the run's time goes
 
     def step(self, what: str):
         self.n += 1
+        self.what, self.t0 = what, time.perf_counter()
         if self.bar is not None:
             self.bar.set_description(what)
         elif not self.quiet:
             print(f"[{self.n}/{self.total}] {what} ...", file=sys.stderr, flush=True)
 
     def done(self):
+        self.seconds[self.what] = round(time.perf_counter() - self.t0, 2)
         if self.bar is not None:
             self.bar.update(1)
 
@@ -104,7 +108,8 @@ def _bench_lines(rows: List[BenchRow]) -> List[str]:
     for r in rows:
         roof = "-" if r.roofline_pct is None else f"{r.roofline_pct:.0f}% {r.roofline}"
         lines.append(f"{r.family:<18} {r.op:<36} {r.shape:<20} {r.dtype:<9} {_fmt_us(r.us['torchfuse']):>12} "
-                     f"{_fmt_us(r.us.get('eager')):>9} {_fmt_x(r.ratio('eager')):>8} {_fmt_us(r.us.get('compile')):>10} "
+                     f"{_fmt_us(r.us.get('eager')):>9} {_fmt_x(r.ratio('eager')):>8} "
+                     f"{_fmt_us(r.us.get('compile')):>10} "
                      f"{_fmt_x(r.ratio('compile')):>10} {(r.peer or '-'):<10} {_fmt_x(r.ratio('peer')):>8} {roof:>16}")
         if r.note:
             lines.append(f"{'':<18} note: {r.note}")
@@ -136,6 +141,10 @@ def plot(rows: List[BenchRow], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:120] if str(e) else ""
+
+
 def _module_exists(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -148,6 +157,8 @@ def run(argv=None) -> dict:
     with ``"ok"`` False when a check failed."""
     args = _parser().parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("python -m torchfuse: --device cuda, but torch sees no GPU")
     ctx = Context(device=device, quick=args.quick, compile=not (args.quick and device == "cpu"))
     fams = FAMILIES
     if args.families:
@@ -160,7 +171,8 @@ def run(argv=None) -> dict:
     env = _env()
     result = {"env": env, "device": device, "quick": args.quick, "checks": [], "bench": [], "ok": True}
     if out:
-        print(f"torchfuse {env['torchfuse']} | torch {env['torch']} | CUDA {env['cuda']} | Python {env['python']}", file=out)
+        print(f"torchfuse {env['torchfuse']} | torch {env['torch']} | CUDA {env['cuda']} | "
+              f"Python {env['python']}", file=out)
         print(f"device: {env['device']['name']}" + (f" ({env['device']['capability']})" if device == "cuda" else
                                                     " (no GPU: checking and timing the CPU paths)"), file=out)
     steps = (0 if args.bench_only else len(fams)) + (0 if args.check_only else len(fams))
@@ -178,7 +190,7 @@ def run(argv=None) -> dict:
                     checks = fam.checks(ctx)
                 except Exception as e:  # a crash is a failed check, and the other families still run
                     checks = [Check(f"{fam.FAMILY} raised {type(e).__name__}", "-", float("inf"), 0.0,
-                                    note=str(e).splitlines()[0][:120] if str(e) else "")]
+                                    note=_first_line(e))]
                 for c in checks:
                     result["checks"].append(dict(family=fam.FAMILY, op=c.op, shape=c.shape, err=c.err, tol=c.tol,
                                                  result="SKIP" if c.skipped else ("PASS" if c.passed else "FAIL"),
@@ -201,7 +213,7 @@ def run(argv=None) -> dict:
                     row = fam.bench(ctx)
                 except Exception as e:
                     row = BenchRow(fam.FAMILY, "-", "-", "-", {"torchfuse": None},
-                                   note=f"not run: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+                                   note=f"not run: {type(e).__name__}: {_first_line(e)}")
                 if row is not None:
                     rows.append(row)
                 prog.done()
@@ -216,6 +228,7 @@ def run(argv=None) -> dict:
     finally:
         prog.close()
     result["seconds"] = round(time.perf_counter() - t0, 1)
+    result["step_seconds"] = prog.seconds
     return result
 
 
@@ -235,7 +248,7 @@ def main(argv=None) -> int:
         failed = sum(c["result"] == "FAIL" for c in result["checks"])
         if n:
             print(f"\n{n - failed} of {n} checks passed" if not failed else f"\n{failed} of {n} CHECKS FAILED")
-        print(f"({result['seconds']} s)")
+        print(f"done in {result['seconds']} s")
         if _module_exists(TRAIN_SCRIPT):
             print(f"next: train a recommender end to end with `python -m {TRAIN_SCRIPT} --quick`")
     return 0 if result["ok"] else 1
