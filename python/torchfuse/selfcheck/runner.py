@@ -3,6 +3,7 @@ row per family; exit status 1 if any check fails. Timings never decide a check."
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import sys
 import time
@@ -145,6 +146,16 @@ def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0][:120] if str(e) else ""
 
 
+def _busy_cpu() -> str:
+    """Why the CPU benchmark should run on one thread, or "": other processes keep the cores busy."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return ""
+    cores = os.cpu_count() or 1
+    return f"the machine is busy: load {load:.1f} on {cores} cores" if load > cores else ""
+
+
 def _module_exists(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -199,8 +210,12 @@ def run(argv=None) -> dict:
                     prog.write(_check_line(fam.FAMILY, c), out)
                 prog.done()
         if not args.check_only:
+            threads = torch.get_num_threads()
+            busy = _busy_cpu() if device == "cpu" else None
+            if busy:  # other processes hold the cores: parallel regions would wait on preempted threads
+                torch.set_num_threads(1)
             how = ("median of CUDA-event timings" if device == "cuda" else
-                   f"best of host-clock rounds, {torch.get_num_threads()} threads") + \
+                   f"best of host-clock rounds, {torch.get_num_threads()} threads" + (f" ({busy})" if busy else "")) + \
                   ("" if ctx.compile else "; torch.compile left out (--quick on a CPU)")
             prog.write(f"\nbenchmark ({device}, inference, microseconds per call: {how}). Nx: torchfuse is N times "
                        "as fast; roofline: % of the speed of a copy of the same bytes, or of a large matmul's "
@@ -222,6 +237,7 @@ def run(argv=None) -> dict:
             result["bench"] = [dict(family=r.family, op=r.op, shape=r.shape, dtype=r.dtype, us=r.us, peer=r.peer,
                                     speedup={k: r.ratio(k) for k in ("eager", "compile", "peer")},
                                     roofline_pct=r.roofline_pct, roofline=r.roofline, note=r.note) for r in rows]
+            torch.set_num_threads(threads)
             if args.plot:
                 plot([r for r in rows if r.us.get("torchfuse")], args.plot)
                 prog.write(f"\nspeedup chart written to {args.plot}", out)
