@@ -59,13 +59,16 @@ def jagged_dense_add(values, offsets, dense):
     return torch.cat(parts) if parts else values[:0]
 
 
+def jagged_concat(values_list, offsets_list):
+    """Sample b: ``[v0_b; v1_b; ...]``. Returns (values, offsets)."""
+    bounds = [_bounds(o) for o in offsets_list]
+    parts = [v[o[b]:o[b + 1]] for b in range(len(bounds[0]) - 1) for v, o in zip(values_list, bounds)]
+    return torch.cat(parts), sum(offsets_list[1:], offsets_list[0])
+
+
 def concat_2d_jagged(values_left, offsets_left, values_right, offsets_right):
     """Sample b: ``[left_b; right_b]``. Returns (values, offsets)."""
-    ol, orr = _bounds(offsets_left), _bounds(offsets_right)
-    parts = []
-    for b in range(len(ol) - 1):
-        parts += [values_left[ol[b]:ol[b + 1]], values_right[orr[b]:orr[b + 1]]]
-    return torch.cat(parts), offsets_left + offsets_right
+    return jagged_concat([values_left, values_right], [offsets_left, offsets_right])
 
 
 def jagged_index_select(values, lengths, indices):

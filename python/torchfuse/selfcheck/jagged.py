@@ -67,6 +67,17 @@ def checks(ctx):
     back_l, back_r = torchfuse.split_2d_jagged(got, off_l, off_r)
     out.append(exact("split_2d_jagged (inverse of concat)", torch.cat([back_l, back_r]), torch.cat([left, right])))
 
+    lens_3 = _lengths(B, 5, dev)
+    off_3 = _offsets(lens_3, torch.int64)
+    third = torch.randn(int(off_3[-1]), D, device=dev, dtype=dt)
+    parts, offs = [left, right, third], [off_l, off_r, off_3]
+    got, got_off = torchfuse.jagged_concat(parts, offs)
+    ref, ref_off = reference.jagged_concat(parts, offs)
+    out.append(exact("jagged_concat (3-way)", got, ref))
+    out.append(exact("jagged_concat offsets", got_off, ref_off))
+    back = torchfuse.jagged_split(got, offs, [p.shape[0] for p in parts])
+    out.append(exact("jagged_split (inverse of jagged_concat)", torch.cat(back), torch.cat(parts)))
+
     idx = torch.randint(0, B, (B + 3,), device=dev)  # repeats and omissions
     got, got_len = torchfuse.jagged_index_select(left, lens, idx)
     ref, ref_len = reference.jagged_index_select(left, lens, idx)
