@@ -215,7 +215,8 @@ def run(argv=None) -> dict:
             if busy:  # other processes hold the cores: parallel regions would wait on preempted threads
                 torch.set_num_threads(1)
             how = ("median of CUDA-event timings" if device == "cuda" else
-                   f"best of host-clock rounds, {torch.get_num_threads()} thread(s)" + (f" ({busy})" if busy else "")) + \
+                   f"best of host-clock rounds, {torch.get_num_threads()} thread(s)" +
+                   (f" ({busy})" if busy else "")) + \
                   ("" if ctx.compile else "; torch.compile left out (--quick on a CPU)")
             prog.write(f"\nbenchmark ({device}, inference, microseconds per call: {how}). Nx: torchfuse is N times "
                        "as fast; roofline: % of the speed of a copy of the same bytes, or of a large matmul's "
