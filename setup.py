@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -131,7 +131,7 @@ else:
 
 setup(
     version=_version(),
-    packages=["torchfuse"],
+    packages=find_packages("python"),  # torchfuse and its subpackages (hf, compat, recsys, ...)
     package_dir={"": "python"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension},
