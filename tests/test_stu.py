@@ -5,70 +5,16 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-import torchfuse
+from torchfuse.reference import stu_layer_reference
 from torchfuse.stu import STULayer, STULayerConfig, STUStack
 
 GR_KEYS = ["_uvqk_weight", "_uvqk_beta", "_input_norm_weight", "_input_norm_bias", "_output_weight",
            "_output_norm_weight", "_output_norm_bias"]
 
 
-def _mask(n, t, c, m):
-    """generative-recommenders' _get_valid_attn_mask for one causal sequence: (n, n) bool [row, col]."""
-    ids = torch.arange(n).view(1, n)
-    max_ids = torch.tensor(n)
-    if c > 0:
-        ids = torch.clamp(ids - c + 1, min=0)
-        max_ids = max_ids - c + 1
-    if t is not None:
-        max_ids = max_ids - t
-        ids = torch.clamp(ids, max=max_ids)
-    row, col = ids.view(n, 1).expand(n, n), ids.view(1, n).expand(n, n)
-    dist = row - col
-    valid = torch.eye(n, dtype=torch.bool) | (dist > 0)
-    if m > 0:
-        valid = valid & (dist <= m)
-    if c > 0:
-        valid = valid | ((row == 0) & (col < max_ids))
-    return valid
-
-
-def _ref_attention(q, k, v, offsets, N, alpha, num_targets, c, m):
-    outs = []
-    offs = offsets.tolist()
-    for b in range(len(offs) - 1):
-        s, e = offs[b], offs[b + 1]
-        n = e - s
-        qb, kb, vb = (t[s:e].transpose(0, 1) for t in (q, k, v))
-        p = F.silu(alpha * qb @ kb.transpose(1, 2)) / N
-        p = p * _mask(n, int(num_targets[b]) if num_targets is not None else None, c, m).to(p.dtype)
-        outs.append((p @ vb).transpose(0, 1))
-    return torch.cat(outs) if outs else v.new_zeros((0,) + v.shape[1:])
-
-
 def ref_layer(P, cfg, x, offsets, N, num_targets, dtype):
-    """GR's STULayer forward (dropout off) in ``dtype``, parameters P cast to it."""
-    P = {k: v.to(dtype) for k, v in P.items()}
-    x = x.to(dtype)
-    H, Dh, Da = cfg.num_heads, cfg.hidden_dim, cfg.attention_dim
-    normed = F.layer_norm(x, (x.shape[1],), P["_input_norm_weight"], P["_input_norm_bias"], eps=1e-6)
-    uvqk = torch.addmm(P["_uvqk_beta"], normed, P["_uvqk_weight"])
-    u, v, q, k = torch.split(uvqk, [Dh * H, Dh * H, Da * H, Da * H], dim=1)
-    u = F.silu(u)
-    alpha = cfg.attn_alpha or 1.0 / Da ** 0.5
-    attn = _ref_attention(q.reshape(-1, H, Da), k.reshape(-1, H, Da), v.reshape(-1, H, Dh), offsets, N, alpha,
-                          num_targets if cfg.target_aware else None, cfg.contextual_seq_len, cfg.max_attn_len or 0)
-    attn = attn.reshape(-1, H * Dh)
-    a32, u32 = attn.to(torch.float64 if dtype == torch.float64 else torch.float32), u.to(
-        torch.float64 if dtype == torch.float64 else torch.float32)
-    w, b = P["_output_norm_weight"].to(a32.dtype), P["_output_norm_bias"].to(a32.dtype)
-    if cfg.use_group_norm:
-        normed_a = F.group_norm(a32.view(-1, H, Dh), H, w, b, eps=1e-6).view(-1, H * Dh)
-    else:
-        normed_a = F.layer_norm(a32, (H * Dh,), w, b, eps=1e-6)
-    y = torch.cat([u32, a32, u32 * normed_a], dim=1).to(dtype)
-    return torch.addmm(x, y, P["_output_weight"])
+    return stu_layer_reference(P, cfg, x, offsets, N, num_targets, dtype=dtype)
 
 
 def _batch(B, N, E, device, dtype, targets):

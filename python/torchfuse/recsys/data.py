@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["Histories", "Batch", "synthetic_histories", "load_movielens", "leave_one_out", "batches",
+__all__ = ["Histories", "Batch", "synthetic_histories", "load_movielens", "leave_one_out", "batches", "windows",
            "item_popularity"]
 
 
@@ -204,6 +204,22 @@ def batches(h: Histories, batch_size: int, *, max_len: int, shuffle: bool = True
         inputs = window[_ranges(wo[:-1], n)]
         targets = window[_ranges(wo[:-1] + 1, n)]
         yield Batch(inputs, targets, offsets, h.user_ids[sel], int(n.max()) if n.numel() else 0)
+
+
+def windows(h: Histories, batch_size: int, *, max_len: int) -> Iterator[Batch]:
+    """Evaluation batches in user order: each user's most recent ``max_len`` items as the input, no
+    targets (``targets`` is empty). Users with no items are skipped."""
+    if batch_size < 1 or max_len < 1:
+        raise ValueError("windows: batch_size and max_len must be >= 1")
+    lengths = h.lengths
+    users = (lengths >= 1).nonzero().flatten()
+    for b in range(0, users.numel(), batch_size):
+        sel = users[b:b + batch_size]
+        take = torch.clamp(lengths[sel], max=max_len)
+        offsets = torch.zeros(sel.numel() + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(take, 0)
+        items = h.items[_ranges(h.offsets[sel + 1] - take, take)]
+        yield Batch(items, items.new_empty(0), offsets, h.user_ids[sel], int(take.max()))
 
 
 def item_popularity(h: Histories):
