@@ -131,7 +131,7 @@ else:
 
 setup(
     version=_version(),
-    packages=find_packages("python"),  # torchfuse and its subpackages (hf, compat, selfcheck)
+    packages=find_packages("python"),  # torchfuse and its subpackages (hf, compat, selfcheck, recsys)
     package_dir={"": "python"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension},

@@ -51,3 +51,4 @@ class RMSNorm(torch.nn.Module):
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+from .stu import STULayer, STULayerConfig, STUStack  # noqa: E402,F401  (HSTU encoder layers)

@@ -149,3 +149,97 @@ def hstu_attention_cached(delta_q, k, v, seq_offsets, max_seq_len, alpha, **kw):
     full = hstu_attention(q, k, v, seq_offsets, max_seq_len, alpha, **kw)
     out = full.new_zeros((B * D,) + tuple(full.shape[1:]))
     return out.index_copy(0, keep_t, full[rows_t])
+
+
+# ---- HSTU: generative-recommenders' PyTorch formulations (the oracle for the STU layer and the recommender) ----
+
+
+def hstu_mask_batched(N, lengths, num_targets=None, contextual_seq_len=0, max_attn_len=0):
+    """generative-recommenders' ``_get_valid_attn_mask`` for a padded batch: (B, N, N) bool for
+    sequences of ``lengths`` (B,) (rows and columns past a sequence's end are don't-cares)."""
+    dev = lengths.device
+    ids = torch.arange(N, device=dev).view(1, N)
+    max_ids = lengths.view(-1, 1, 1)
+    c = contextual_seq_len
+    if c > 0:
+        ids = torch.clamp(ids - c + 1, min=0)
+        max_ids = max_ids - c + 1
+    if num_targets is not None:
+        max_ids = max_ids - num_targets.view(-1, 1, 1)
+        ids = torch.clamp(ids, max=max_ids)
+        row, col = ids.view(-1, N, 1).expand(-1, N, N), ids.view(-1, 1, N).expand(-1, N, N)
+    else:
+        row, col = ids.view(1, N, 1).expand(1, N, N), ids.view(1, 1, N).expand(1, N, N)
+    dist = row - col
+    valid = torch.eye(N, dtype=torch.bool, device=dev).view(1, N, N) | (dist > 0)
+    if max_attn_len > 0:
+        valid = valid & (dist <= max_attn_len)
+    if c > 0:
+        valid = valid | ((row == 0) & (col < max_ids))
+    return valid.expand(lengths.numel(), N, N)
+
+
+def hstu_attention_reference(q, k, v, offsets, max_seq_len, alpha, num_targets=None, contextual_seq_len=0,
+                             max_attn_len=0):
+    """generative-recommenders' ``pytorch_hstu_mha``: pad to (B, N), (M * SiLU(alpha q k^T)) / N @ v,
+    back to jagged; in q's dtype, differentiable."""
+    L, H, _ = q.shape
+    B, N = offsets.numel() - 1, max_seq_len
+    lengths = offsets[1:] - offsets[:-1]
+    seg = torch.repeat_interleave(torch.arange(B, device=q.device), lengths, output_size=L)
+    pos = torch.arange(L, device=q.device) - offsets[:-1].to(q.device)[seg]
+
+    def pad(t):
+        out = t.new_zeros((B, N) + tuple(t.shape[1:]))
+        return out.index_put((seg, pos), t)
+
+    qp, kp, vp = pad(q), pad(k), pad(v)  # (B, N, H, D)
+    p = F.silu(alpha * torch.einsum("bxhd,byhd->bhxy", qp, kp)) / N
+    mask = hstu_mask_batched(N, lengths.to(q.device), num_targets.to(q.device) if num_targets is not None else None,
+                             contextual_seq_len, max_attn_len)
+    p = p * mask.unsqueeze(1).to(p.dtype)
+    return torch.einsum("bhxy,byhd->bxhd", p, vp)[seg, pos]
+
+
+def stu_layer_reference(params, cfg, x, offsets, max_seq_len, num_targets=None, dtype=None, training=False):
+    """generative-recommenders' STULayer forward in plain PyTorch: ``params`` is its state_dict (names
+    ``_uvqk_weight`` ...), cast to ``dtype`` (default x's); the output norm and product in fp32
+    (fp64 when dtype is fp64), as GR's ``pytorch_norm_mul_dropout`` computes them."""
+    dtype = dtype or x.dtype
+    P = {k: v.to(dtype) for k, v in params.items()}
+    x = x.to(dtype)
+    H, Dh, Da = cfg.num_heads, cfg.hidden_dim, cfg.attention_dim
+    normed = F.layer_norm(x, (x.shape[1],), P["_input_norm_weight"], P["_input_norm_bias"], eps=1e-6)
+    uvqk = torch.addmm(P["_uvqk_beta"], normed, P["_uvqk_weight"])
+    u, v, q, k = torch.split(uvqk, [Dh * H, Dh * H, Da * H, Da * H], dim=1)
+    u = F.silu(u)
+    alpha = cfg.attn_alpha or 1.0 / Da ** 0.5
+    attn = hstu_attention_reference(q.reshape(-1, H, Da), k.reshape(-1, H, Da), v.reshape(-1, H, Dh), offsets,
+                                    max_seq_len, alpha, num_targets if cfg.target_aware else None,
+                                    cfg.contextual_seq_len, cfg.max_attn_len or 0).reshape(-1, H * Dh)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    a, u = attn.to(acc), u.to(acc)
+    w, b = P["_output_norm_weight"].to(acc), P["_output_norm_bias"].to(acc)
+    if cfg.use_group_norm:
+        normed_a = F.group_norm(a.view(-1, H, Dh), H, w, b, eps=1e-6).view(-1, H * Dh)
+    else:
+        normed_a = F.layer_norm(a, (H * Dh,), w, b, eps=1e-6)
+    y = F.dropout(torch.cat([u, a, u * normed_a], dim=1), p=cfg.output_dropout_ratio, training=training).to(dtype)
+    return torch.addmm(x, y, P["_output_weight"])
+
+
+def sampled_softmax_loss(query, positive, negatives, temperature, l2_norm=True, eps=1e-6, positive_ids=None,
+                         negative_ids=None, weights=None):
+    """generative-recommenders' ``SampledSoftmaxLoss`` on given negatives: (R, D) shared or (T, R, D) per
+    row; a negative whose id equals the row's positive id gets the logit -5e4; weighted mean over rows."""
+    if l2_norm:
+        query, positive, negatives = (F.normalize(t, dim=-1, eps=eps) for t in (query, positive, negatives))
+    pos = (query * positive).sum(-1, keepdim=True) / temperature
+    neg = (query @ negatives.t() if negatives.dim() == 2 else torch.einsum("td,trd->tr", query, negatives))
+    neg = neg / temperature
+    if positive_ids is not None and negative_ids is not None:
+        nid = negative_ids.unsqueeze(0) if negative_ids.dim() == 1 else negative_ids
+        neg = torch.where(positive_ids.unsqueeze(1) == nid, torch.full_like(neg, -5e4), neg)
+    loss = -F.log_softmax(torch.cat([pos, neg], dim=1), dim=1)[:, 0]
+    w = torch.ones_like(loss) if weights is None else weights.to(loss.dtype)
+    return (loss * w).sum() / w.sum()

@@ -1,0 +1,171 @@
+"""HSTURecommender: a generative (next-item) retrieval model on torchfuse.
+
+ids -> item rows from a ``torchfuse.DynamicEmbedding`` (any int64 id, LRU eviction at a capacity)
+-> optional contextual rows (the user's id, from a second table) put in front of each history with
+``concat_2d_jagged`` -> scaled item rows + learned positions -> an ``STUStack`` -> the contextual rows
+split off -> L2-normalised user vectors, one per history position. Items are scored by the inner
+product of L2-normalised vectors (cosine), as generative-recommenders' retrieval recipe does.
+"""
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import optim as _optim
+from ..dynamic_embedding import DynamicEmbedding
+from ..jagged import concat_2d_jagged, split_2d_jagged
+from ..stu import STULayer, STULayerConfig, STUStack
+
+__all__ = ["HSTURecommenderConfig", "HSTURecommender"]
+
+
+@dataclasses.dataclass
+class HSTURecommenderConfig:
+    """The model's shape. ``item_capacity`` rows are kept (LRU eviction past it, growth from
+    ``item_initial_capacity``); ``user_context`` puts one row per user id in front of its history."""
+
+    embedding_dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    attention_dim: int = 32
+    hidden_dim: int = 32
+    max_seq_len: int = 200
+    dropout: float = 0.2
+    item_capacity: int = 1 << 20
+    item_initial_capacity: int = 1 << 12
+    user_context: bool = False
+    user_capacity: int = 1 << 20
+    embedding_lr: float = 1e-3
+    embedding_optimizer: str = "adam"   # "adam" | "sgd" | "rowwise_adagrad"
+    init_std: float = 0.02
+    seed: int = 0
+    compute_dtype: torch.dtype = torch.float32  # the STU stack's dtype (bfloat16 on GPUs for speed)
+
+    @property
+    def num_contextual(self) -> int:
+        return 1 if self.user_context else 0
+
+
+def _table_optimizer(name: str, lr: float):
+    if name == "adam":
+        return _optim.Adam(lr=lr)
+    if name == "sgd":
+        return _optim.SGD(lr=lr)
+    if name == "rowwise_adagrad":
+        return _optim.RowWiseAdagrad(lr=lr)
+    raise ValueError(f"HSTURecommenderConfig.embedding_optimizer: expected 'adam', 'sgd' or 'rowwise_adagrad', "
+                     f"got {name!r}")
+
+
+class HSTURecommender(torch.nn.Module):
+    """Encodes jagged item histories into per-position user vectors and scores items against them.
+
+    The embedding tables train themselves (their backward applies their own optimizer in place, one
+    step per backward); the dense part (positions, STU layers) trains with any torch optimizer over
+    ``dense_parameters()``."""
+
+    def __init__(self, config: HSTURecommenderConfig, device="cuda"):
+        super().__init__()
+        self.config = c = config
+        device = torch.device(device)
+        self.items = DynamicEmbedding(
+            c.embedding_dim, min(c.item_initial_capacity, c.item_capacity), max_capacity=c.item_capacity,
+            device=device, eviction="lru", initializer=("normal", 0.0, c.init_std),
+            optimizer=_table_optimizer(c.embedding_optimizer, c.embedding_lr), seed=c.seed)
+        self.users = DynamicEmbedding(
+            c.embedding_dim, min(1 << 12, c.user_capacity), max_capacity=c.user_capacity, device=device,
+            eviction="lru", initializer=("normal", 0.0, c.init_std),
+            optimizer=_table_optimizer(c.embedding_optimizer, c.embedding_lr), seed=c.seed + 1) \
+            if c.user_context else None
+        self.positions = torch.nn.Embedding(c.max_seq_len + c.num_contextual, c.embedding_dim, device=device)
+        torch.nn.init.normal_(self.positions.weight, std=math.sqrt(1.0 / c.embedding_dim))
+        layer_cfg = STULayerConfig(embedding_dim=c.embedding_dim, num_heads=c.num_heads, hidden_dim=c.hidden_dim,
+                                   attention_dim=c.attention_dim, output_dropout_ratio=c.dropout,
+                                   target_aware=False, contextual_seq_len=c.num_contextual)
+        self.stack = STUStack([STULayer(layer_cfg) for _ in range(c.num_layers)]).to(device)
+        if c.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"HSTURecommenderConfig.compute_dtype: float32, bfloat16 or float16, got {c.compute_dtype}")
+
+    def dense_parameters(self):
+        return [p for n, p in self.named_parameters()]
+
+    def _positions(self, offsets: Tensor, total: int) -> Tensor:
+        lengths = offsets[1:] - offsets[:-1]
+        starts = torch.repeat_interleave(offsets[:-1], lengths, output_size=total)
+        return torch.arange(total, device=offsets.device) - starts
+
+    def encode(self, items: Tensor, offsets: Tensor, max_len: int, user_ids: Optional[Tensor] = None,
+               item_rows: Optional[Tensor] = None) -> Tensor:
+        """Per-position user vectors (T, E), L2-normalised: row i summarises its history up to and
+        including item i (causal). ``item_rows`` (T, E) skips the table lookup (the caller looked
+        the items up together with others, so the table takes one optimizer step per backward)."""
+        return self._encode(items, offsets, max_len, user_ids, item_rows)
+
+    def _encode(self, items, offsets, max_len, user_ids, item_rows, kv_caching_lengths=None):
+        c = self.config
+        if max_len > c.max_seq_len:
+            raise ValueError(f"HSTURecommender.encode: max_len {max_len} exceeds max_seq_len {c.max_seq_len}")
+        T = items.numel()
+        x = self.items(items) if item_rows is None else item_rows
+        x = x * math.sqrt(c.embedding_dim)
+        B = offsets.numel() - 1
+        n_ctx = c.num_contextual
+        hist_offsets = offsets
+        if n_ctx:
+            if user_ids is None or user_ids.numel() != B:
+                raise ValueError("HSTURecommender.encode: user_ids (B,) is required with user_context")
+            ctx = self.users(user_ids) * math.sqrt(c.embedding_dim)
+            x, offsets = concat_2d_jagged(ctx, None, x, offsets, max_len_left=1, max_len_right=max_len)
+        total = T + B * n_ctx
+        pos = self._positions(offsets, total)
+        x = F.dropout(x + self.positions(pos), p=c.dropout, training=self.training)
+        lengths = offsets[1:] - offsets[:-1]
+        y = self.stack(x.to(c.compute_dtype), lengths, offsets, max_len + n_ctx, None,
+                       kv_caching_lengths=kv_caching_lengths).float()
+        if n_ctx:
+            _, y = split_2d_jagged(y, None, hist_offsets, max_len_left=n_ctx, total_len_left=B * n_ctx,
+                                   total_len_right=T)
+        return F.normalize(y, dim=-1, eps=1e-6)
+
+    def item_vectors(self, item_ids: Tensor) -> Tensor:
+        """L2-normalised rows of ``item_ids`` (no insertion in eval mode: unseen ids read as zeros)."""
+        return F.normalize(self.items(item_ids), dim=-1, eps=1e-6)
+
+    # ---- serving: the STU stack's K/V cache ----
+
+    @torch.no_grad()
+    def prefill(self, items: Tensor, offsets: Tensor, max_len: int, user_ids: Optional[Tensor] = None) -> Tensor:
+        """Encode whole histories once and keep every layer's K/V for :meth:`extend`. Returns the last
+        position's user vector of each history (B, E). Every history needs at least one item."""
+        lengths = offsets[1:] - offsets[:-1]
+        n_ctx = self.config.num_contextual
+        y = self._encode(items, offsets, max_len, user_ids, None, kv_caching_lengths=lengths + n_ctx)
+        self._cached_lengths = lengths.clone()
+        return y[offsets[1:] - 1]
+
+    @torch.no_grad()
+    def extend(self, new_items: Tensor, user_ids: Optional[Tensor] = None) -> Tensor:
+        """Score d new events per cached user: ``new_items`` (B * d,), row ``b * d + i`` the i-th new
+        event of user b. Returns their user vectors (B * d, E), equal to :meth:`encode` over the
+        extended histories at those positions, at O(d x history) cost; the cache grows by d."""
+        if getattr(self, "_cached_lengths", None) is None:
+            raise RuntimeError("HSTURecommender.extend: no cached histories; call prefill first")
+        c = self.config
+        B = self._cached_lengths.numel()
+        if B == 0 or new_items.numel() % B:
+            raise ValueError(f"HSTURecommender.extend: new_items must have B * d entries (B = {B}), "
+                             f"got {new_items.numel()}")
+        d = new_items.numel() // B
+        if int(self._cached_lengths.max()) + d > c.max_seq_len:
+            raise ValueError(f"HSTURecommender.extend: histories would exceed max_seq_len {c.max_seq_len}")
+        x = self.items(new_items) * math.sqrt(c.embedding_dim)
+        pos = (self._cached_lengths.unsqueeze(1) + c.num_contextual
+               + torch.arange(d, device=new_items.device)).reshape(-1)
+        x = x + self.positions(pos)
+        self._cached_lengths = self._cached_lengths + d
+        y = self.stack.cached_forward(x.to(c.compute_dtype), None,
+                                      kv_caching_lengths=self._cached_lengths + c.num_contextual).float()
+        return F.normalize(y, dim=-1, eps=1e-6)

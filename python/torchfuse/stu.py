@@ -1,0 +1,245 @@
+"""STU layers (the HSTU encoder's layer, "Actions Speak Louder than Words", Zhai et al. 2024) on
+torchfuse ops, as drop-ins for generative-recommenders' ``modules/stu.py``: the same configuration,
+parameter names, shapes and ``state_dict`` keys, so checkpoints load either way.
+
+One layer, for jagged input x (L, E) with sequence offsets:
+    normed = LayerNorm(x);  u, v, q, k = split(normed @ W_uvqk + b_uvqk);  u = SiLU(u)
+    attn = hstu_attention(q, k, v)                      (torchfuse kernel)
+    y = dropout(cat[u, attn, u * LayerNorm(attn)])      (GroupNorm per head with use_group_norm)
+    out = x + y @ W_out
+The norm-multiply-dropout and the input GEMM's epilogue are plain PyTorch compositions here, computed
+as generative-recommenders' PyTorch ops compute them (fp32 for the output norm and product).
+"""
+import dataclasses
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .hstu import hstu_attention, hstu_attention_cached
+from .jagged import complete_cumsum, concat_2d_jagged, split_2d_jagged
+from .norm import layer_norm
+
+__all__ = ["STULayerConfig", "STULayer", "STUStack"]
+
+# head dims the attention kernels take; others run zero-padded to the next one (a copy of q, k, v)
+_KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+
+@dataclasses.dataclass
+class STULayerConfig:
+    """generative-recommenders' ``STULayerConfig``: the same fields and defaults."""
+
+    embedding_dim: int
+    num_heads: int
+    hidden_dim: int
+    attention_dim: int
+    output_dropout_ratio: float = 0.3
+    causal: bool = True
+    target_aware: bool = True
+    max_attn_len: Optional[int] = None
+    attn_alpha: Optional[float] = None
+    use_group_norm: bool = False
+    recompute_normed_x: bool = True
+    recompute_uvqk: bool = True
+    recompute_y: bool = True
+    sort_by_length: bool = True
+    contextual_seq_len: int = 0
+
+
+def _padded_dim(d: int) -> int:
+    for k in _KERNEL_HEAD_DIMS:
+        if d <= k:
+            return k
+    raise ValueError(f"torchfuse.nn.STULayer: head dims up to {_KERNEL_HEAD_DIMS[-1]} are supported, got {d}")
+
+
+def _pad_last(t: Tensor, d: int) -> Tensor:
+    return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
+
+
+def _attention(q, k, v, offsets, max_seq_len, alpha, num_targets, contextual_seq_len, max_attn_len,
+               delta: int = 0) -> Tensor:
+    """hstu_attention (delta = 0) or its cached rows (delta > 0), any head dims: zero columns added to
+    q and k add nothing to q k^T, and zero columns of v give zero output columns, sliced off."""
+    dv = v.shape[-1]
+    dqk = _padded_dim(q.shape[-1])
+    q, k, v = _pad_last(q, dqk), _pad_last(k, dqk), _pad_last(v, _padded_dim(dv))
+    fn = hstu_attention_cached if delta else hstu_attention
+    out = fn(q, k, v, offsets, max_seq_len, alpha, num_targets=num_targets,
+             contextual_seq_len=contextual_seq_len, max_attn_len=max_attn_len, validate=False)
+    return out if out.shape[-1] == dv else out[..., :dv]
+
+
+def _norm_mul_dropout(attn: Tensor, u: Tensor, weight: Tensor, bias: Tensor, eps: float, dropout_ratio: float,
+                      training: bool, group_norm: bool, num_heads: int, linear_dim: int) -> Tensor:
+    """cat[u, attn, u * norm(attn)] then dropout, in fp32, returned in attn's dtype (GR's
+    ``pytorch_norm_mul_dropout`` with ``concat_ux=True``)."""
+    dtype = attn.dtype
+    x = attn.float()
+    u = u.float()
+    if group_norm:
+        normed = F.group_norm(x.view(-1, num_heads, linear_dim), num_groups=num_heads, weight=weight.float(),
+                              bias=bias.float(), eps=eps).view(-1, num_heads * linear_dim)
+    else:
+        normed = F.layer_norm(x, (x.shape[-1],), weight=weight.float(), bias=bias.float(), eps=eps)
+    y = torch.cat([u, x, u * normed], dim=1)
+    return F.dropout(y, p=dropout_ratio, training=training).to(dtype)
+
+
+class STULayer(torch.nn.Module):
+    """One STU layer (generative-recommenders' ``STULayer``). ``forward`` takes jagged x (L, E) with
+    ``x_offsets`` (B + 1,) and returns (L, E); ``cached_forward`` scores the last ``delta`` positions of
+    every sequence against the K/V cache that ``forward(..., kv_caching_lengths=...)`` filled."""
+
+    max_kv_caching_len: int
+    k_cache: Optional[Tensor]
+    v_cache: Optional[Tensor]
+    kv_caching_offsets: Optional[Tensor]
+
+    def __init__(self, config: STULayerConfig, is_inference: bool = False) -> None:
+        super().__init__()
+        if not config.causal:
+            raise ValueError("torchfuse.nn.STULayer: only causal=True is supported (as in generative-recommenders)")
+        for name in ("embedding_dim", "num_heads", "hidden_dim", "attention_dim"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"torchfuse.nn.STULayer: {name} must be >= 1, got {getattr(config, name)}")
+        _padded_dim(config.attention_dim)
+        _padded_dim(config.hidden_dim)
+        self._is_inference = is_inference
+        self.reset_kv_cache()
+        self._num_heads = config.num_heads
+        self._embedding_dim = config.embedding_dim
+        self._hidden_dim = config.hidden_dim
+        self._attention_dim = config.attention_dim
+        self._output_dropout_ratio = config.output_dropout_ratio
+        self._target_aware = config.target_aware
+        self._causal = config.causal
+        self._max_attn_len = config.max_attn_len or 0
+        self._attn_alpha = config.attn_alpha or 1.0 / (self._attention_dim ** 0.5)
+        self._use_group_norm = config.use_group_norm
+        self._recompute_normed_x = config.recompute_normed_x
+        self._recompute_uvqk = config.recompute_uvqk
+        self._recompute_y = config.recompute_y
+        self._sort_by_length = config.sort_by_length
+        self._contextual_seq_len = config.contextual_seq_len
+        H, E, Dh, Da = self._num_heads, self._embedding_dim, self._hidden_dim, self._attention_dim
+        self._uvqk_weight = torch.nn.Parameter(torch.empty((E, (Dh * 2 + Da * 2) * H)))
+        torch.nn.init.xavier_uniform_(self._uvqk_weight)
+        self._uvqk_beta = torch.nn.Parameter(torch.zeros((Dh * 2 + Da * 2) * H))
+        self._input_norm_weight = torch.nn.Parameter(torch.ones(E))
+        self._input_norm_bias = torch.nn.Parameter(torch.zeros(E))
+        self._output_weight = torch.nn.Parameter(torch.empty((Dh * H * 3, E)))
+        torch.nn.init.xavier_uniform_(self._output_weight)
+        norm_shape = Dh * H if not self._use_group_norm else H
+        self._output_norm_weight = torch.nn.Parameter(torch.ones(norm_shape))
+        self._output_norm_bias = torch.nn.Parameter(torch.zeros(norm_shape))
+
+    # ---- the K/V cache (generative-recommenders' names and semantics) ----
+
+    def reset_kv_cache(self) -> None:
+        self.k_cache = None
+        self.v_cache = None
+        self.kv_caching_offsets = None
+        self.max_kv_caching_len = 0
+
+    def update_kv_cache(self, max_seq_len: int, seq_offsets: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                        max_kv_caching_len: int, kv_caching_lengths: Optional[Tensor]) -> None:
+        """Keep the first ``kv_caching_lengths[b]`` rows of every sequence's k and v; with no lengths
+        the cache stays as it is."""
+        if kv_caching_lengths is None:
+            return
+        kv_offsets = complete_cumsum(kv_caching_lengths).to(seq_offsets.dtype)
+        delta_offsets = seq_offsets - kv_offsets
+        self.k_cache, _ = split_2d_jagged(k.flatten(1, 2), kv_offsets, delta_offsets)
+        self.v_cache, _ = split_2d_jagged(v.flatten(1, 2), kv_offsets, delta_offsets)
+        if max_kv_caching_len == 0:
+            max_kv_caching_len = int(kv_caching_lengths.max().item()) if kv_caching_lengths.numel() else 0
+        self.max_kv_caching_len = max_kv_caching_len
+        self.kv_caching_offsets = kv_offsets
+
+    def construct_full_kv(self, delta_k: Tensor, delta_v: Tensor) -> Tuple[Tensor, Tensor, int, Tensor]:
+        """The cache with every sequence's ``delta`` new rows appended: (k, v, max_len, offsets)."""
+        if self.k_cache is None or self.kv_caching_offsets is None:
+            raise RuntimeError("torchfuse.nn.STULayer.cached_forward: the K/V cache is empty; run forward(..., "
+                               "kv_caching_lengths=...) first")
+        B = self.kv_caching_offsets.shape[0] - 1
+        if B == 0 or delta_k.shape[0] % B:
+            raise ValueError(f"torchfuse.nn.STULayer.cached_forward: delta_x must have B * delta rows (B = {B}), "
+                             f"got {delta_k.shape[0]}")
+        delta = delta_k.shape[0] // B
+        # the new rows are a dense side: (B * delta, H * D), every sequence exactly delta of them
+        full_k, _ = concat_2d_jagged(self.k_cache, self.kv_caching_offsets, delta_k, None,
+                                     max_len_left=self.max_kv_caching_len, max_len_right=delta)
+        full_v, offsets = concat_2d_jagged(self.v_cache, self.kv_caching_offsets, delta_v, None,
+                                           max_len_left=self.max_kv_caching_len, max_len_right=delta)
+        return full_k, full_v, self.max_kv_caching_len + delta, offsets
+
+    # ---- the layer ----
+
+    def _uvqk(self, x: Tensor):
+        normed = layer_norm(x, self._input_norm_weight.to(x.dtype), self._input_norm_bias.to(x.dtype), eps=1e-6)
+        uvqk = torch.addmm(self._uvqk_beta.to(x.dtype), normed, self._uvqk_weight.to(x.dtype))
+        H, Dh, Da = self._num_heads, self._hidden_dim, self._attention_dim
+        u, v, q, k = torch.split(uvqk, [Dh * H, Dh * H, Da * H, Da * H], dim=1)
+        return F.silu(u), q.reshape(-1, H, Da), k.reshape(-1, H, Da), v.reshape(-1, H, Dh)
+
+    def _output(self, attn: Tensor, u: Tensor, x: Tensor) -> Tensor:
+        y = _norm_mul_dropout(attn, u, self._output_norm_weight.to(x.dtype), self._output_norm_bias.to(x.dtype),
+                              1e-6, self._output_dropout_ratio, self.training, self._use_group_norm,
+                              self._num_heads, self._hidden_dim)
+        return torch.addmm(x, y, self._output_weight.to(x.dtype))
+
+    def forward(self, x: Tensor, x_lengths: Tensor, x_offsets: Tensor, max_seq_len: int, num_targets: Optional[Tensor],
+                max_kv_caching_len: int = 0, kv_caching_lengths: Optional[Tensor] = None) -> Tensor:
+        if x.dim() != 2 or x.shape[1] != self._embedding_dim:
+            raise ValueError(f"torchfuse.nn.STULayer: x must be (L, {self._embedding_dim}), got {tuple(x.shape)}")
+        u, q, k, v = self._uvqk(x)
+        attn = _attention(q, k, v, x_offsets, max_seq_len, self._attn_alpha,
+                          num_targets if self._target_aware else None, self._contextual_seq_len,
+                          self._max_attn_len).reshape(-1, self._hidden_dim * self._num_heads)
+        self.update_kv_cache(max_seq_len, x_offsets, k, v, max_kv_caching_len, kv_caching_lengths)
+        return self._output(attn, u, x)
+
+    def cached_forward(self, delta_x: Tensor, num_targets: Optional[Tensor], max_kv_caching_len: int = 0,
+                       kv_caching_lengths: Optional[Tensor] = None) -> Tensor:
+        """The last ``delta`` positions of every cached sequence: delta_x (B * delta, E), row
+        ``b * delta + i`` the i-th new event of sequence b. Equal to those rows of ``forward`` over the
+        whole histories. Costs O(delta x history) per sequence instead of O(history^2)."""
+        u, q, k, v = self._uvqk(delta_x)
+        full_k, full_v, max_seq_len, offsets = self.construct_full_kv(k.flatten(1, 2), v.flatten(1, 2))
+        self.update_kv_cache(max_seq_len, offsets, full_k, full_v, max_kv_caching_len, kv_caching_lengths)
+        H = self._num_heads
+        attn = _attention(q, full_k.view(-1, H, self._attention_dim), full_v.view(-1, H, self._hidden_dim), offsets,
+                          max_seq_len, self._attn_alpha, num_targets if self._target_aware else None,
+                          self._contextual_seq_len, self._max_attn_len, delta=1)
+        return self._output(attn.reshape(-1, self._hidden_dim * H), u, delta_x)
+
+
+class STUStack(torch.nn.Module):
+    """generative-recommenders' ``STUStack``: layers applied in order (``_stu_layers``, a ModuleList)."""
+
+    def __init__(self, stu_list: List[torch.nn.Module], is_inference: bool = False) -> None:
+        super().__init__()
+        self._is_inference = is_inference
+        self._stu_layers = torch.nn.ModuleList(modules=stu_list)
+
+    def forward(self, x: Tensor, x_lengths: Tensor, x_offsets: Tensor, max_seq_len: int, num_targets: Optional[Tensor],
+                max_kv_caching_len: int = 0, kv_caching_lengths: Optional[Tensor] = None) -> Tensor:
+        for layer in self._stu_layers:
+            x = layer(x=x, x_lengths=x_lengths, x_offsets=x_offsets, max_seq_len=max_seq_len, num_targets=num_targets,
+                      max_kv_caching_len=max_kv_caching_len, kv_caching_lengths=kv_caching_lengths)
+        return x
+
+    def cached_forward(self, delta_x: Tensor, num_targets: Optional[Tensor], max_kv_caching_len: int = 0,
+                       kv_caching_lengths: Optional[Tensor] = None) -> Tensor:
+        for layer in self._stu_layers:
+            delta_x = layer.cached_forward(delta_x=delta_x, num_targets=num_targets,
+                                           max_kv_caching_len=max_kv_caching_len,
+                                           kv_caching_lengths=kv_caching_lengths)
+        return delta_x
+
+    def reset_kv_cache(self) -> None:
+        for layer in self._stu_layers:
+            layer.reset_kv_cache()

@@ -1,0 +1,152 @@
+"""torchfuse.nn.STULayer / STUStack against a plain-PyTorch implementation of generative-recommenders'
+STU layer (its PyTorch ops' formulation: layer norm, addmm, split, SiLU, the masked SiLU attention
+sequence by sequence, pytorch_norm_mul_dropout with concat_ux, addmm), same weights."""
+import random
+
+import pytest
+import torch
+
+from torchfuse.reference import stu_layer_reference
+from torchfuse.stu import STULayer, STULayerConfig, STUStack
+
+GR_KEYS = ["_uvqk_weight", "_uvqk_beta", "_input_norm_weight", "_input_norm_bias", "_output_weight",
+           "_output_norm_weight", "_output_norm_bias"]
+
+
+def ref_layer(P, cfg, x, offsets, N, num_targets, dtype):
+    return stu_layer_reference(P, cfg, x, offsets, N, num_targets, dtype=dtype)
+
+
+def _batch(B, N, E, device, dtype, targets):
+    lengths = torch.tensor([random.choice([0, 1, N, random.randint(0, N)]) for _ in range(B)])
+    lengths[0] = N  # max_seq_len is attained
+    offsets = torch.zeros(B + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    x = torch.randn(int(offsets[-1]), E, device=device, dtype=dtype)
+    nt = torch.clamp(torch.randint(0, 3, (B,)), max=lengths) if targets else None
+    return x, lengths.to(device), offsets.to(device), (nt.to(device) if nt is not None else None)
+
+
+CONFIGS = [
+    dict(embedding_dim=64, num_heads=2, hidden_dim=32, attention_dim=32),
+    dict(embedding_dim=50, num_heads=2, hidden_dim=25, attention_dim=25, use_group_norm=True),  # MovieLens head dim
+    dict(embedding_dim=48, num_heads=1, hidden_dim=64, attention_dim=16, contextual_seq_len=2, max_attn_len=5),
+    dict(embedding_dim=40, num_heads=3, hidden_dim=16, attention_dim=32, target_aware=False),
+]
+
+
+def _params(layer):
+    return {k: v.detach().clone() for k, v in layer.state_dict().items()}
+
+
+def _randomize(layer):
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 0.5) + (1.0 if "norm_weight" in name else 0.0))
+
+
+@pytest.mark.parametrize("cfg_kw", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_layer_forward_backward_matches_gr(device, cfg_kw, dtype):
+    if device == "cpu" and dtype != torch.float32:
+        pytest.skip("the low-precision forms run on CUDA; the CPU check is fp32")
+    cfg = STULayerConfig(output_dropout_ratio=0.0, **cfg_kw)
+    layer = STULayer(cfg).to(device)
+    _randomize(layer)
+    B, N = random.randint(1, 5), random.randint(1, 20)
+    x, lengths, offsets, nt = _batch(B, N, cfg.embedding_dim, device, dtype, cfg.target_aware)
+    x.requires_grad_(True)
+    layer = layer.to(dtype)
+    out = layer(x, lengths, offsets, N, nt)
+    P = _params(layer)
+    x64 = x.detach().double().requires_grad_(True)
+    P64 = {k: v.double().requires_grad_(True) for k, v in P.items()}
+    ref = ref_layer(P64, cfg, x64, offsets.cpu() if device == "cpu" else offsets, N, nt, torch.float64)
+    lp = ref_layer(P, cfg, x.detach(), offsets, N, nt, dtype)  # the low-precision reference's own error
+    g = torch.randn_like(ref)
+    out.backward(g.to(dtype))
+    ref.backward(g)
+    tol_fwd = max(3 * (lp.double() - ref).abs().max().item(), 1e-4 if dtype == torch.float32 else 1e-2)
+    assert (out.double() - ref).abs().max().item() <= tol_fwd
+    # gradients: relative to their scale (fp32 accumulation differs in order from the reference)
+    for name, got, want in [("x", x.grad, x64.grad)] + [(k, dict(layer.named_parameters())[k].grad, P64[k].grad)
+                                                         for k in GR_KEYS]:
+        scale = want.abs().max().item() + 1e-6
+        err = (got.double() - want).abs().max().item() / scale
+        assert err <= (2e-4 if dtype == torch.float32 else 6e-2), (name, err)
+
+
+def test_state_dict_keys_match_gr():
+    cfg = STULayerConfig(embedding_dim=24, num_heads=2, hidden_dim=8, attention_dim=12)
+    layer = STULayer(cfg)
+    sd = layer.state_dict()
+    assert sorted(sd) == sorted(GR_KEYS)
+    H, E, Dh, Da = 2, 24, 8, 12
+    assert sd["_uvqk_weight"].shape == (E, (2 * Dh + 2 * Da) * H)
+    assert sd["_output_weight"].shape == (3 * Dh * H, E)
+    assert sd["_output_norm_weight"].shape == (Dh * H,)
+    stack = STUStack([STULayer(cfg), STULayer(cfg)])
+    assert sorted(stack.state_dict()) == sorted(f"_stu_layers.{i}.{k}" for i in range(2) for k in GR_KEYS)
+    fresh = STUStack([STULayer(cfg), STULayer(cfg)])
+    fresh.load_state_dict(stack.state_dict())
+    for a, b in zip(fresh.parameters(), stack.parameters()):
+        assert torch.equal(a, b)
+    g = STULayer(STULayerConfig(embedding_dim=24, num_heads=2, hidden_dim=8, attention_dim=12, use_group_norm=True))
+    assert g.state_dict()["_output_norm_weight"].shape == (H,)
+
+
+def test_stack_and_cached_forward_match_full_forward(device):
+    cfg = STULayerConfig(embedding_dim=32, num_heads=2, hidden_dim=16, attention_dim=16, output_dropout_ratio=0.0,
+                         target_aware=True)
+    stack = STUStack([STULayer(cfg), STULayer(cfg)]).to(device).eval()
+    for layer in stack._stu_layers:
+        _randomize(layer)
+    B, delta = random.randint(1, 4), random.randint(1, 3)
+    hist = torch.randint(delta, 12, (B,))
+    lengths = hist
+    offsets = torch.zeros(B + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    x = torch.randn(int(offsets[-1]), 32, device=device)
+    N = int(lengths.max())
+    nt = torch.zeros(B, dtype=torch.long, device=device)
+    lengths, offsets = lengths.to(device), offsets.to(device)
+    with torch.no_grad():
+        full = stack(x, lengths, offsets, N, nt)
+        x_seq = x
+        for layer in stack._stu_layers:  # the stack equals its layers in order
+            x_seq = layer(x_seq, lengths, offsets, N, nt)
+        torch.testing.assert_close(full, x_seq)
+        # cache all but the last delta events of each sequence, then score those delta events
+        stack(x, lengths, offsets, N, nt, kv_caching_lengths=lengths - delta)
+        last = torch.cat([torch.arange(int(offsets[b + 1]) - delta, int(offsets[b + 1])) for b in range(B)]).to(device)
+        got = stack.cached_forward(x[last], nt)
+    torch.testing.assert_close(got, full[last], rtol=1e-4, atol=1e-4)
+
+
+def test_dropout_is_seeded_and_keeps_the_rate():
+    cfg = STULayerConfig(embedding_dim=32, num_heads=2, hidden_dim=16, attention_dim=16, output_dropout_ratio=0.5)
+    layer = STULayer(cfg).train()
+    x, lengths, offsets, nt = _batch(3, 10, 32, "cpu", torch.float32, True)
+    torch.manual_seed(7)
+    a = layer(x, lengths, offsets, 10, nt)
+    torch.manual_seed(7)
+    b = layer(x, lengths, offsets, 10, nt)
+    assert torch.equal(a, b)
+    torch.manual_seed(8)
+    assert not torch.equal(a, layer(x, lengths, offsets, 10, nt))
+    layer.eval()
+    assert torch.equal(layer(x, lengths, offsets, 10, nt), layer(x, lengths, offsets, 10, nt))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="causal"):
+        STULayer(STULayerConfig(embedding_dim=8, num_heads=1, hidden_dim=8, attention_dim=8, causal=False))
+    with pytest.raises(ValueError, match="head dims"):
+        STULayer(STULayerConfig(embedding_dim=8, num_heads=1, hidden_dim=300, attention_dim=8))
+    with pytest.raises(ValueError, match="num_heads"):
+        STULayer(STULayerConfig(embedding_dim=8, num_heads=0, hidden_dim=8, attention_dim=8))
+    layer = STULayer(STULayerConfig(embedding_dim=8, num_heads=1, hidden_dim=8, attention_dim=8))
+    with pytest.raises(ValueError, match="x must be"):
+        layer(torch.randn(3, 9), torch.tensor([3]), torch.tensor([0, 3]), 3, None)
+    with pytest.raises(RuntimeError, match="cache is empty"):
+        layer.cached_forward(torch.randn(2, 8), None)
