@@ -51,7 +51,9 @@ def hstu_attention(
         attn_bias: (B, 1 or H, max_seq_len, max_seq_len) or None, indexed by position in the sequence.
         validate: check offsets, lengths (<= max_seq_len) and num_targets, raising clear errors; on a GPU
             that is one small device-to-host copy (a sync). Pass False in a training loop whose jagged
-            metadata is known good (GR's kernels never check): bad metadata is then undefined behaviour.
+            metadata is known good (GR's kernels never check): bad metadata then gives unspecified
+            results, though the kernels clamp what they read to the tensors (no out-of-bounds access).
+            On the CPU the checks always run (they cost nothing there).
 
     Returns:
         (L, H, Dv) in q's dtype. Differentiable in q, k, v and attn_bias (its gradient is summed over
