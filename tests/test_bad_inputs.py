@@ -47,7 +47,8 @@ Case families (row id = family/case):
              stand-in KJT when torchrec is absent): unknown / missing keys, lengths that do not add up
              to the values, negative lengths, a lengths count that is no multiple of the keys, float
              ids, a weights count that differs, weights with MEAN pooling, no tables, duplicate
-             names, the collection passed to swap; B = 0 (= zeros)
+             names, an unknown pooling, the collection itself or a non-module passed to swap; B = 0
+             (= zeros); a KJT on another device
   hf/        patch_hf / unpatch_hf: a non-model, a string, no argument, an unsupported model type
              (model and model_type=), a model_type that disagrees with the model
 """
@@ -133,6 +134,16 @@ def hf_rms(x, w, eps=1e-6):
 
 ln, rms = torchfuse.layer_norm, torchfuse.rms_norm
 
+
+def _norm_grads_strided_weight(d):
+    """Gradients through a strided weight equal those through its contiguous copy."""
+    x, r, wb = X(d).requires_grad_(), X(d), W(d, 2 * N).requires_grad_()
+    out = []
+    for w in (wb[::2], wb[::2].contiguous()):
+        y, s = rms(x, w, residual=r)
+        out.append(torch.autograd.grad((y * y).sum() + s.sum(), (x, wb)))
+    return out[0], out[1]
+
 NORM_ROWS = [
     bad("norm/dtype/x-int", TypeError, r"layer_norm: x must be float", lambda d: ln(X(d).long(), W(d))),
     bad("norm/dtype/x-float64", TypeError, r"rms_norm: x must be float", lambda d: rms(X(d).double(), W(d))),
@@ -174,6 +185,9 @@ NORM_ROWS = [
         rms(x, w, residual=r), rms(x.contiguous(), w, residual=r.contiguous())))(
         rand(6, 2 * N, d=d)[::2, ::2], rand(3, N, 2, d=d)[..., 0], W(d))),
     same("norm/noncontig/weight", lambda d: (lambda x, w: (rms(x, w), hf_rms(x, w)))(X(d), W(d, 2 * N)[::2])),
+    same("norm/noncontig/weight-backward", lambda d: _norm_grads_strided_weight(d)),
+    bad("norm/size/weight-training", RuntimeError, r"weight must be 1-D with x.shape\[-1\] = 8",
+        lambda d: ln(X(d).requires_grad_(), W(d, 7), residual=X(d))),
     same("norm/nonfinite/layer_norm", lambda d: (lambda x, w: (ln(x, w, w), F.layer_norm(x, (N,), w, w, 1e-5)))(
         nonfinite(X(d, rows=6), (1, 3, 4)), W(d)), equal_nan=True),
     same("norm/nonfinite/rms_norm-residual", lambda d: (lambda x, r, w: (
@@ -291,6 +305,24 @@ def _offset_rows():
 def cumsum0(lengths):
     """Offsets of lengths, negative ones included (what the op computes on CUDA, where it checks nothing)."""
     return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+
+
+def _parts(d, n):
+    lengths = [torch.randint(0, 4, (3,), device=d) for _ in range(n)]
+    return [V(d, int(ln_.sum())) for ln_ in lengths], [cumsum0(ln_) for ln_ in lengths]
+
+
+def _concat_parts(d, n):
+    """More parts than one launch takes (TFJ_MAX_PARTS = 8): grouped launches."""
+    vals, offs = _parts(d, n)
+    ref = torch.cat([v[o[b]:o[b + 1]] for b in range(3) for v, o in zip(vals, offs)])
+    return J.jagged_concat(vals, offs)[0], ref
+
+
+def _split_parts(d, n):
+    vals, offs = _parts(d, n)
+    cat = torch.cat([v[o[b]:o[b + 1]] for b in range(3) for v, o in zip(vals, offs)])
+    return torch.cat(J.jagged_split(cat, offs, [v.shape[0] for v in vals])), torch.cat(vals)
 
 
 def _ref_index_select(values, lengths, indices):
@@ -432,6 +464,8 @@ JAGGED_ROWS = _offset_rows() + [
                                                      t([0], d))),
     same("jagged/empty/jagged_split-zero-length", lambda d: (lambda v: (
         torch.cat(J.jagged_split(v, [t([0, 0, 3], d), t([0, 0, 0], d)], [3, 0])), v))(V(d, 3))),
+    same("jagged/limit/jagged_concat-11-parts", lambda d: _concat_parts(d, 11)),
+    same("jagged/limit/jagged_split-11-parts", lambda d: _split_parts(d, 11)),
     same("jagged/empty/index_select-K0", lambda d: (J.jagged_index_select(V(d), t([3, 4, 3], d), t([], d))[0],
                                                     torch.zeros(0, D, device=d))),
     same("jagged/empty/index_select-zero-length", lambda d: (lambda v, ln_, i: (
@@ -689,6 +723,22 @@ def _noncontig_ids(d):
         return m(ids), m(ids.contiguous())
 
 
+def _extreme_ids(d):
+    """Any int64 is a key, the extremes and -1 included."""
+    m = table(d)
+    keys, w = t([-1, 0, 2**63 - 1, -2**63, 12345], d), rand(5, DIM, d=d)
+    m.insert(keys, w)
+    with torch.no_grad():
+        return (m.find(keys)[0], m.eval()(keys)), (w, w)
+
+
+def _wide_bag(d):
+    m = torchfuse.DynamicEmbeddingBag(1027, 16, device=d, bucket_size=8)
+    w = rand(3, 1027, d=d)
+    m.insert(torch.arange(3, device=d), w)
+    return m.eval().requires_grad_(False), w
+
+
 def _insert_nothing(d):
     m = table(d)
     m.insert(t([], d), rand(0, DIM, d=d))
@@ -774,6 +824,10 @@ DYNEMB_ROWS = [
                                                   torch.zeros(2, DIM, device=d))),
     same("dynemb/empty/bag-mean-empty-bags", lambda d: _bag_same(d, t([3, 5], d), t([0, 2, 2], d), mode="mean")),
     same("dynemb/noncontig/ids", _noncontig_ids),
+    same("dynemb/value/extreme-ids", _extreme_ids),
+    same("dynemb/limit/embedding_dim-1027", lambda d: (lambda m, w: (m(t([0, 1, 2], d), t([0, 2], d)),
+                                                                       F.embedding_bag(t([0, 1, 2], d), w, t([0, 2], d), mode="sum")))(
+        *_wide_bag(d))),
     same("dynemb/nonfinite/find", lambda d: (lambda m, w: (m.find(t([0, 1, 2, 3, 4], d))[0], w[:5]))(
         *filled(d, rows=nonfinite(rand(16, DIM, d=d), (1, 2, 3)))), equal_nan=True),
     same("dynemb/nonfinite/bag-sum", lambda d: _bag_same(d, t([0, 1, 5, 2, 3, 4], d), t([0, 2, 3], d),
@@ -843,10 +897,15 @@ def _ebc_b0(d):
     return out.values(), torch.zeros(0, 3 + 5 + 5, device=d)
 
 
-class _Holder(torch.nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
+def _swap_the_collection_itself(d):
+    try:
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        mod = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=5,
+                                                                feature_names=["f"])], device=torch.device(d))
+    except ImportError:  # the stand-in is recognised by its class name
+        mod = type("EmbeddingBagCollection", (torch.nn.Module,), {})()
+    tftr.swap_embedding_modules(mod)
 
 
 TORCHREC_ROWS = [
@@ -880,7 +939,15 @@ TORCHREC_ROWS = [
         lambda d: tftr.DynamicEmbeddingCollection(tables_cfg()[:1] * 2, device=d)),
     bad("torchrec/value/pooling", ValueError, r"pooling must be SUM or MEAN, got MAX",
         lambda d: tftr.DynamicEmbeddingBagCollection(tables_cfg(("max", "sum")), device=d)),
+    bad("torchrec/swap/the-collection-itself", TypeError, r"pass the model that contains the collection",
+        _swap_the_collection_itself),
+    bad("torchrec/swap/non-model", TypeError, r"swap_embedding_modules: model must be a torch.nn.Module, got str",
+        lambda d: tftr.swap_embedding_modules("model")),
     same("torchrec/empty/B0", _ebc_b0),
+    cross("torchrec/device/kjt", ValueError, r"ids must be on the table's device cuda",
+          lambda d: ebc(d)(kjt("cpu"))),
+    cross("torchrec/device/kjt-collection", ValueError, r"ids must be on the table's device cuda",
+          lambda d: ec(d)(kjt("cpu"))),
 ]
 
 
