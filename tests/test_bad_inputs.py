@@ -10,45 +10,50 @@ Kinds of row (the helpers below build them):
   cross      a tensor on the CPU with the others on CUDA: an exception naming it (CUDA machines only)
 
 Case families (row id = family/case):
-  norm/      layer_norm, rms_norm, nn.LayerNorm, nn.RMSNorm: int/float64 x, int weight, int residual,
-             int residual_dtype, weight/bias dtypes differ, 0-d x, 2-D weight, weight/bias/weight2/
-             residual/residual2 of the wrong size, module input of the wrong width, eps <= 0, unknown
-             cast, empty last dim; empty rows and N = 65537 (= F.layer_norm / HF RMSNorm),
-             non-contiguous x / residual / weight (= contiguous), NaN/Inf rows (= F.layer_norm),
-             weight / residual on another device
+  norm/      layer_norm, rms_norm, nn.LayerNorm, nn.RMSNorm: int / float64 x, int weight, int residual,
+             int residual_dtype, weight and bias of different dtypes, 0-d x, 2-D weight, weight / bias /
+             weight2 / residual / residual2 of the wrong size (inference and training paths), module
+             input of the wrong width, eps <= 0, unknown cast, empty last dim; empty rows and
+             N = 65537 (= F.layer_norm / HF RMSNorm); non-contiguous x, residual and weight, forward
+             and backward (= contiguous); NaN/Inf rows (= PyTorch); weight / residual on another device
   jagged/    every op of torchfuse.jagged, its compat forms (gr concat/split, fbgemm to/from dense) and
              validate_jagged: float offsets / lengths / indices, 2-D offsets, 0-d values, 1-D dense,
-             bool / int values where floats are needed, dtypes that differ, row shapes that differ,
-             offsets of the wrong length for dense / the other offsets / a list, a dense side of the
-             wrong row count, negative max_length / total_length / prefix / totals, totals that do not
-             add up, empty lists, lists of different lengths, out-of-range indices, negative lengths,
-             total_length that disagrees; offsets that are negative, decreasing, past the values, not
-             covering the values (concat / split), and empty (too short); empty batches and zero-length
-             samples (= reference), non-contiguous values / dense / offsets (= contiguous), NaN/Inf
-             values (= reference), offsets / dense / lengths on another device
-  hstu/      hstu_attention, hstu_attention_cached, compat.gr.hstu_mha: int q, q/k/v dtypes differ,
-             float64 on CUDA, int attn_bias, float seq_offsets / num_targets, 2-D q, 2-D seq_offsets,
-             heads / head dims / rows that differ, head dims 16, 48, 512 and Dv 512, max_seq_len < the
-             longest sequence or < 0, scaling_seqlen 0, target_group_size 0, contextual_seq_len < 0,
-             alpha NaN, num_targets / attn_bias / delta_q for another batch size, empty seq_offsets,
-             causal=False and dropout (gr); seq_offsets negative, decreasing, past k's rows,
-             num_targets negative or past a sequence, sequences longer than max_seq_len with attn_bias
-             (unchecked: forward and backward); empty batches, zero-length sequences, cached with
-             B = 0 (= reference), non-contiguous q/k/v (= contiguous), NaN/Inf rows of q (= reference),
+             bool / int values where floats are needed, dtypes or row shapes that differ; offsets of
+             the wrong length for dense, for the other offsets, within a list; a dense side of the
+             wrong row count; negative max_length / total_length / prefixes / totals, totals that do
+             not add up, empty or mismatched lists, out-of-range indices, negative lengths, lengths
+             past the values, a total_length that disagrees; offsets that are negative, decreasing,
+             past the values (near and 2^40 away), short of the values (concat / split) or empty;
+             empty batches, zero-length samples, max_length 0, 11 parts (= reference); non-contiguous
+             values / dense / offsets / indices (= contiguous); NaN/Inf values (= reference); offsets,
+             dense, values_right, lengths, indices on another device
+  hstu/      hstu_attention (plain, cached, with attn_bias), compat.gr.hstu_mha: int q, q/k/v dtypes
+             that differ, float64 on CUDA, int attn_bias, float seq_offsets / num_targets, 2-D q or
+             seq_offsets or num_targets, 3-D attn_bias, heads / head dims / rows that differ, head dims
+             16, 48, 512 and Dv 512, max_seq_len < 0 or 2^30, scaling_seqlen 0, target_group_size 0,
+             contextual_seq_len < 0, alpha NaN; num_targets / attn_bias / delta_q sized for another
+             batch, empty or 2-D seq_offsets (cached too), causal=False and dropout (gr); seq_offsets
+             negative (near and -2^40), decreasing, past k's rows (near and 2^31 - 1), num_targets
+             negative or past a sequence, a sequence longer than max_seq_len with attn_bias (unchecked:
+             forward and backward, fp32 and bf16 on CUDA); empty batches, zero-length sequences,
+             cached with B = 0 or D = 0 (= reference); non-contiguous q/k/v and seq_offsets
+             (= contiguous); NaN/Inf rows of q and of k (= reference whose masked pairs are exactly 0);
              k / seq_offsets / num_targets / attn_bias on another device
-  dynemb/    DynamicEmbedding, DynamicEmbeddingBag and their forward / find / insert / find_or_insert /
-             contains / erase: float ids and keys, float scores, values of the wrong shape, scores of
-             the wrong count, bag ids of the wrong rank, float / 2-D offsets, offsets negative,
-             decreasing, past the ids, too short for include_last_offset, per_sample_weights of the
-             wrong shape or with mode='mean'; constructor arguments past their limits; empty ids,
-             empty bags and B = 0 (= F.embedding / F.embedding_bag), non-contiguous ids (= contiguous),
-             NaN/Inf rows (= F.embedding_bag), ids / values / offsets on another device
+  dynemb/    DynamicEmbedding, DynamicEmbeddingBag and their forward / find / find_or_insert / insert /
+             contains / erase / export: float ids and keys, bool keys, float scores, values of the
+             wrong shape, scores of the wrong count, bag ids of the wrong rank, float / 2-D / empty
+             offsets, offsets negative, decreasing, past the ids (near and 2^40 away), not starting at
+             0, short with include_last_offset (sum and mean, train and eval), per_sample_weights of
+             the wrong shape or with mode='mean', constructor arguments past their limits; ids at the
+             int64 extremes, rows 1027 wide, empty ids, empty bags, B = 0 (= F.embedding_bag);
+             non-contiguous ids and inserted values (= contiguous); NaN/Inf rows (= F.embedding_bag);
+             ids / values / offsets on another device
   torchrec/  DynamicEmbeddingBagCollection, DynamicEmbeddingCollection, swap_embedding_modules (with a
              stand-in KJT when torchrec is absent): unknown / missing keys, lengths that do not add up
-             to the values, negative lengths, a lengths count that is no multiple of the keys, float
-             ids, a weights count that differs, weights with MEAN pooling, no tables, duplicate
-             names, an unknown pooling, the collection itself or a non-module passed to swap; B = 0
-             (= zeros); a KJT on another device
+             to the values, negative lengths (batched and per table), a lengths count that is no
+             multiple of the keys, float ids, a weights count that differs, weights with MEAN pooling,
+             no tables, duplicate names, unknown pooling, the collection itself or a non-module given
+             to swap; B = 0 (= zeros); a KJT on another device
   hf/        patch_hf / unpatch_hf: a non-model, a string, no argument, an unsupported model type
              (model and model_type=), a model_type that disagrees with the model
 """
@@ -532,8 +537,9 @@ def hstu_ref(q, k, v, offsets, max_seq_len, alpha):
     for b in range(len(o) - 1):
         s, e = o[b], o[b + 1]
         qb, kb, vb = (x[s:e].transpose(0, 1).double() for x in (q, k, v))
-        mask = torch.ones(e - s, e - s, device=q.device).tril()
-        p = F.silu(alpha * qb @ kb.transpose(1, 2)) / max_seq_len * mask
+        mask = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).tril()
+        # masked pairs are exactly 0 (a NaN key reaches only the rows that attend it)
+        p = torch.where(mask, F.silu(alpha * qb @ kb.transpose(1, 2)) / max_seq_len, 0.0)
         out[s:e] = (p @ vb).transpose(0, 1)
     return out
 
@@ -675,6 +681,8 @@ HSTU_ROWS = _hstu_rows() + [
         hstu(q, k, v, o, MSL, 0.5), hstu(q, k, v, o.contiguous(), MSL, 0.5)))(*QKV(d), t([0, 9, 3, 9, 7, 9, 10], d)[::2])),
     same("hstu/nonfinite/q-rows", lambda d: (lambda q, k, v: _hstu_same(nonfinite(q, (1, 4, 8)), k, v, t(GOOD, d)))(
         *QKV(d)), equal_nan=True, **HTOL),
+    same("hstu/nonfinite/k-rows", lambda d: (lambda q, k, v: _hstu_same(q, nonfinite(k, (2, 5)), v, t(GOOD, d)))(
+        *QKV(d)), equal_nan=True, **HTOL),
     cross("hstu/device/k", RuntimeError, r"k must be on the same device as q",
           lambda d: (lambda q, k, v: hstu(q, k.cpu(), v, t(GOOD, d), MSL, 0.5))(*QKV(d))),
     cross("hstu/device/seq_offsets", RuntimeError, r"seq_offsets must be on the same device as q",
@@ -737,6 +745,13 @@ def _wide_bag(d):
     w = rand(3, 1027, d=d)
     m.insert(torch.arange(3, device=d), w)
     return m.eval().requires_grad_(False), w
+
+
+def _insert_strided(d):
+    w = rand(DIM, 6, d=d).t()  # (6, DIM), column-major
+    m = table(d)
+    m.insert(torch.arange(6, device=d), w)
+    return m.find(torch.arange(6, device=d))[0], w
 
 
 def _insert_nothing(d):
@@ -825,6 +840,7 @@ DYNEMB_ROWS = [
     same("dynemb/empty/bag-mean-empty-bags", lambda d: _bag_same(d, t([3, 5], d), t([0, 2, 2], d), mode="mean")),
     same("dynemb/noncontig/ids", _noncontig_ids),
     same("dynemb/value/extreme-ids", _extreme_ids),
+    same("dynemb/noncontig/insert-values", _insert_strided),
     same("dynemb/limit/embedding_dim-1027", lambda d: (lambda m, w: (m(t([0, 1, 2], d), t([0, 2], d)),
                                                                        F.embedding_bag(t([0, 1, 2], d), w, t([0, 2], d), mode="sum")))(
         *_wide_bag(d))),
