@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <string>
 
 #include "tf_check.h"
 #include "../kernels/tf_dtype.h"
@@ -385,14 +386,15 @@ std::tuple<at::Tensor, at::Tensor> concat(const JaggedBackend &be, at::TensorLis
     std::vector<at::Tensor> vals, offs;
     int64_t T = 0, B = -1;
     for (size_t i = 0; i < values_list.size(); ++i) {
-        check_pair(v0, values_list[i], op, "values_list[0]", "values_list[i]");
+        const std::string vi = "values_list[" + std::to_string(i) + "]", oi = "offsets_list[" + std::to_string(i) + "]";
+        check_pair(v0, values_list[i], op, "values_list[0]", vi.c_str());
         vals.push_back(values_list[i].contiguous());
-        offs.push_back(offsets64(offsets_list[i], v0, op, "offsets_list[i]"));
+        offs.push_back(offsets64(offsets_list[i], v0, op, oi.c_str()));
         const int64_t b = offs.back().size(0) - 1;
         TORCH_CHECK(B < 0 || b == B, op, ": every offsets tensor must have B+1 = ", B + 1, " entries, offsets_list[", i,
                     "] has ", b + 1);
         B = b;
-        if (be.host_checks) check_offsets_host(offs.back(), vals.back().size(0), op, "offsets_list[i]", "its values", true);
+        if (be.host_checks) check_offsets_host(offs.back(), vals.back().size(0), op, oi.c_str(), vi.c_str(), true);
         T += vals.back().size(0);
     }
     at::Tensor out_off = offs[0];
@@ -447,13 +449,14 @@ std::vector<at::Tensor> split(const JaggedBackend &be, const at::Tensor &values_
     std::vector<at::Tensor> offs, outs;
     int64_t T = 0, B = -1;
     for (size_t i = 0; i < offsets_list.size(); ++i) {
-        offs.push_back(offsets64(offsets_list[i], v, op, "offsets_list[i]"));
+        const std::string oi = "offsets_list[" + std::to_string(i) + "]", ti = "totals[" + std::to_string(i) + "]";
+        offs.push_back(offsets64(offsets_list[i], v, op, oi.c_str()));
         const int64_t b = offs.back().size(0) - 1;
         TORCH_CHECK(B < 0 || b == B, op, ": every offsets tensor must have B+1 = ", B + 1, " entries, offsets_list[", i,
                     "] has ", b + 1);
         B = b;
         TORCH_CHECK(totals[i] >= 0, op, ": totals must be >= 0, got ", totals[i]);
-        if (be.host_checks) check_offsets_host(offs.back(), totals[i], op, "offsets_list[i]", "totals[i]", true);
+        if (be.host_checks) check_offsets_host(offs.back(), totals[i], op, oi.c_str(), ti.c_str(), true);
         outs.push_back(at::empty(with_rows(totals[i], v, 1), v.options()));
         T += totals[i];
     }

@@ -97,8 +97,12 @@ NormFwd prepare_norm_fwd(const at::Tensor &x, const std::optional<at::Tensor> &r
     }
     p.s_dtype = kernel_dtype(s_type, op, "residual_dtype");
 
-    at::Tensor w = check_param(weight, x, op, "weight"), b = check_param(bias, x, op, "bias");
-    at::Tensor w2 = check_param(weight2, x, op, "weight2"), b2 = check_param(bias2, x, op, "bias2");
+    // held by f: a strided parameter's contiguous copy must outlive this function (the kernel reads it)
+    at::Tensor &w = f.w, &b = f.b, &w2 = f.w2, &b2 = f.b2;
+    w = check_param(weight, x, op, "weight");
+    b = check_param(bias, x, op, "bias");
+    w2 = check_param(weight2, x, op, "weight2");
+    b2 = check_param(bias2, x, op, "bias2");
     TORCH_CHECK(layer || (!b.defined() && !b2.defined()), op, ": RMSNorm takes no bias");
     TORCH_CHECK(!b.defined() || w.defined(), op, ": bias needs weight (pass torch.ones for an identity weight)");
     TORCH_CHECK(!b2.defined() || w2.defined(), op, ": bias2 needs weight2");
@@ -195,7 +199,7 @@ NormBwd prepare_norm_bwd(const std::optional<at::Tensor> &dy, const std::optiona
     p.ds_in = grad_in(ds, "ds", g.ds, p.ds_in_stride, std::nullopt);
     p.ds_in_dtype = g.ds.defined() ? kernel_dtype(g.ds.scalar_type(), op, "ds") : TF_F32;
 
-    at::Tensor w, w2;
+    at::Tensor &w = g.w, &w2 = g.w2;  // held by g, as in prepare_norm_fwd
     if (weight.has_value()) {
         w = weight->contiguous();
         check_same_device(w, s, op, "weight", "s");

@@ -19,6 +19,7 @@ using NormBwdResult =
 struct NormFwd {
     tf_norm_fwd_params p;
     at::Tensor x, res, res2;  // possibly contiguous copies
+    at::Tensor w, b, w2, b2;  // the parameters as the kernel reads them (contiguous copies of strided ones)
     at::Tensor y, y2, s, mean, rstd;  // y2, s, mean, rstd undefined when not asked for
     NormFwdResult result() const;                          // norm_fwd's outputs
     std::tuple<at::Tensor, at::Tensor> infer_result() const;  // add_norm's: (y, s)
@@ -33,6 +34,7 @@ NormFwd prepare_norm_fwd(const at::Tensor &x, const std::optional<at::Tensor> &r
 struct NormBwd {
     tf_norm_bwd_params p;
     at::Tensor dy, dy2, ds, s;  // inputs, possibly copied
+    at::Tensor w, w2;           // the weights as the kernel reads them (contiguous copies of strided ones)
     at::Tensor dx, dres, dres2;
     at::Tensor dw, db, dw2, db2;  // final weight gradients (allocated by prepare, filled by the device path)
     bool want_dw, want_db, want_dw2, want_db2;

@@ -282,7 +282,9 @@ __global__ void hstu_bwd_dq_f32(const tf_hstu_params p) {
     int64_t b;
     if (row >= p.L || !seq_of_row(p, row, &b)) return;
     const HstuSeq s = hstu_seq(p, b);
-    const int pos = (int)(row - s.start);
+    const int64_t rel = row - s.start;
+    if (rel < 0 || rel >= s.n) return;  /* unvalidated offsets only: the row is past the clamped sequence */
+    const int pos = (int)rel;
     const float *q = (const float *)p.q + row * p.q_sr + h * p.q_sh;
     const float *dout = (const float *)p.dout + row * p.do_sr + h * p.do_sh;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -314,13 +316,16 @@ __global__ void hstu_bwd_dkv_f32(const tf_hstu_params p) {
     int64_t b;
     if (row >= p.L || !seq_of_row(p, row, &b)) return;
     const HstuSeq s = hstu_seq(p, b);
-    const int key = (int)(row - s.start);
+    const int64_t rel = row - s.start;
+    /* unvalidated offsets only: a row past the clamped sequence gets zero gradients */
+    const bool in_seq = rel >= 0 && rel < s.n;
+    const int key = in_seq ? (int)rel : 0;
     const float *k = (const float *)p.k + row * p.k_sr + h * p.k_sh;
     const float *v = (const float *)p.v + row * p.v_sr + h * p.v_sh;
     float dka[8] = {0, 0, 0, 0, 0, 0, 0, 0}, dva[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int ctx_end, lo, hi;
     tf_hstu_row_range(&s.mask, key, key + 1, &ctx_end, &lo, &hi);
-    for (int pos = 0; pos <= hi; ++pos) {
+    for (int pos = 0; in_seq && pos <= hi; ++pos) {
         if (pos >= ctx_end && pos < lo) pos = lo;
         if (!tf_hstu_valid(&s.mask, pos, key)) continue;
         const float *q = (const float *)p.q + (s.start + pos) * p.q_sr + h * p.q_sh;

@@ -167,12 +167,18 @@ struct HstuSeq {
 
 __device__ __forceinline__ HstuSeq hstu_seq(const tf_hstu_params &p, int64_t b) {
     HstuSeq s;
-    s.start = tf_idx_load(p.offsets, p.offsets_i64, b);
-    s.n = (int)(tf_idx_load(p.offsets, p.offsets_i64, b + 1) - s.start);
+    /* Unvalidated metadata (validate=False) may be anything: the sequence is clamped into k's rows
+     * [0, L), to at most max_seq_len (attn_bias's extent and the grids' size) and its targets to
+     * [0, n], so that no access leaves a tensor. Validated metadata is unchanged by it. */
+    const int64_t a = tf_idx_load(p.offsets, p.offsets_i64, b), e = tf_idx_load(p.offsets, p.offsets_i64, b + 1);
+    s.start = a < 0 ? 0 : (a > p.L ? p.L : a);
+    const int64_t n = (e < s.start ? s.start : (e > p.L ? p.L : e)) - s.start;
+    s.n = (int)(n < p.max_seq_len ? n : p.max_seq_len);
     s.q_start = p.delta > 0 ? b * p.delta : s.start;
     s.nq = p.delta > 0 ? (int)p.delta : s.n;
-    const int t = p.num_targets ? (int)tf_idx_load(p.num_targets, p.targets_i64, b) : 0;
-    s.mask = tf_hstu_mask_make(s.n, t, p.contextual, p.max_attn_len, p.min_full, p.group);
+    const int64_t t = p.num_targets ? tf_idx_load(p.num_targets, p.targets_i64, b) : 0;
+    s.mask = tf_hstu_mask_make(s.n, (int)(t < 0 ? 0 : (t > s.n ? s.n : t)), p.contextual, p.max_attn_len,
+                               p.min_full, p.group);
     return s;
 }
 

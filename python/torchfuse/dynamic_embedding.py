@@ -862,7 +862,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             if ids.dim() != 2:
                 raise ValueError(f"{name}: ids must be 2-D (bags, ids per bag) without offsets, got shape {tuple(ids.shape)}")
             B, L = ids.shape
-            offsets = torch.arange(0, B * L, max(L, 1), device=ids.device)[:B]
+            offsets = torch.arange(B, device=ids.device) * L  # B bags, empty ones too when L = 0
             incl = False
         else:
             if ids.dim() != 1:

@@ -51,7 +51,9 @@ def hstu_attention(
         attn_bias: (B, 1 or H, max_seq_len, max_seq_len) or None, indexed by position in the sequence.
         validate: check offsets, lengths (<= max_seq_len) and num_targets, raising clear errors; on a GPU
             that is one small device-to-host copy (a sync). Pass False in a training loop whose jagged
-            metadata is known good (GR's kernels never check): bad metadata is then undefined behaviour.
+            metadata is known good (GR's kernels never check): bad metadata then gives unspecified
+            results, though the kernels clamp what they read to the tensors (no out-of-bounds access).
+            On the CPU the checks always run (they cost nothing there).
 
     Returns:
         (L, H, Dv) in q's dtype. Differentiable in q, k, v and attn_bias (its gradient is summed over
@@ -91,11 +93,15 @@ def hstu_attention_cached(
     Inference only (no backward).
     """
     count("hstu_fwd")
+    if not isinstance(seq_offsets, Tensor) or seq_offsets.dim() != 1 or seq_offsets.shape[0] < 1:
+        raise ValueError("torchfuse.hstu_attention_cached: seq_offsets must be 1-D with B + 1 entries, got "
+                         f"{tuple(seq_offsets.shape) if isinstance(seq_offsets, Tensor) else type(seq_offsets).__name__}")
     B = seq_offsets.shape[0] - 1
-    if B <= 0 or delta_q.shape[0] % B != 0:
+    if (B == 0 and delta_q.shape[0] != 0) or (B > 0 and delta_q.shape[0] % B != 0):
         raise ValueError(f"torchfuse.hstu_attention_cached: delta_q must have B * D rows (B = {B}), "
                          f"got {delta_q.shape[0]}")
-    D = delta_q.shape[0] // B
+    # an empty batch takes any D: 1 lets the op check the other arguments and return (0, H, Dv)
+    D = delta_q.shape[0] // B if B > 0 else 1
     if D == 0:
         return delta_q.new_empty((0, k.shape[1], v.shape[2]))
     return _fwd(delta_q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,

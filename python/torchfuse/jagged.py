@@ -101,6 +101,8 @@ def jagged_concat(values_list: Sequence[Tensor], offsets_list: Sequence[Tensor])
     """N-way per-sample concatenation: sample b of the result is ``[v0_b; v1_b; ...]``. Returns
     ``(values, offsets)``, offsets = sum of the offsets. Never syncs. Differentiable in every values."""
     count("jagged_concat")
+    if len(values_list) == 0:  # the op would get no tensor to dispatch on: an unclear dispatcher error
+        raise ValueError("torchfuse.jagged_concat: values_list must not be empty")
     return _ops.jagged_concat(list(values_list), list(offsets_list))
 
 

@@ -46,6 +46,9 @@ class RMSNorm(torch.nn.Module):
         self.weight_offset = weight_offset
 
     def forward(self, hidden_states: Tensor, residual: Tensor = None):
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.weight.shape[0]:
+            raise ValueError(f"torchfuse.nn.RMSNorm: expected hidden_states ending in ({self.weight.shape[0]},), "
+                             f"got {tuple(hidden_states.shape)}")
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, residual=residual, cast=self.cast,
                         weight_offset=self.weight_offset)
 

@@ -402,6 +402,9 @@ def swap_embedding_modules(model: torch.nn.Module, **dynamic_options) -> Dict[st
     initializer, dtype, ...); the device defaults to the static table's. Returns
     ``{qualified name: the module it replaced}``.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"torchfuse.torchrec.swap_embedding_modules: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
     replaced: Dict[str, torch.nn.Module] = {}
     targets = [(name, mod) for name, mod in model.named_modules()
                if _is_collection(mod, "EmbeddingBagCollection") or _is_collection(mod, "EmbeddingCollection")]

@@ -163,6 +163,10 @@ def patch_hf(model=None, *, model_type=None):
             raise TypeError("torchfuse.patch_hf: pass a model or model_type=")
         _patch_class(model_type)
         return None
+    if not isinstance(model, torch.nn.Module) or not isinstance(getattr(getattr(model, "config", None), "model_type",
+                                                                        None), str):
+        raise TypeError(f"torchfuse.patch_hf: model must be a transformers PreTrainedModel (a torch.nn.Module with "
+                        f"config.model_type), got {type(model).__name__}")
     if model_type is not None and model_type != model.config.model_type:
         raise ValueError(f"torchfuse.patch_hf: model_type={model_type!r} but the model is "
                          f"{model.config.model_type!r}")
@@ -178,6 +182,8 @@ def unpatch_hf(model=None, *, model_type=None):
     bit as before patching); ``unpatch_hf(model_type="llama")`` stops patching models built afterwards;
     ``unpatch_hf()`` undoes every class-level patch."""
     if model is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"torchfuse.unpatch_hf: model must be a torch.nn.Module, got {type(model).__name__}")
         found = [m for m in model.modules() if getattr(m, _PATCHED, None) is not None]
         for base in found:
             _unpatch_base(base)
