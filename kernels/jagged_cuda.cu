@@ -131,11 +131,7 @@ static int launch_copy(const tfj_copy_params *p, cudaStream_t stream) {
     const int64_t units = p->row_bytes / U;
     const int g = group_log2_for(units);
     static const int per_sm = blocks_per_sm(jagged_copy_kernel<U>);
-    /* TORCHFUSE_JAGGED_RUNS=0 turns the run fast path off (every row resolved on its own): for A/B
-     * measurements (benchmarks/bench_jagged.py --ab). Read at each launch so that a benchmark can
-     * flip it between calls; a getenv is well under a microsecond next to the launch itself. */
-    const char *env = getenv("TORCHFUSE_JAGGED_RUNS");
-    const int use_runs = units >= TFJ_RUN_MIN_UNITS && !(env && env[0] == '0');
+    const int use_runs = units >= TFJ_RUN_MIN_UNITS;
     jagged_copy_kernel<U><<<(unsigned)grid_for(p->tasks, g, TFJ_RUN_ROWS, per_sm), TFJ_THREADS, 0, stream>>>(*p, g, units, fill,
                                                                                                use_runs);
     return (int)cudaGetLastError();
