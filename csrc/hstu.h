@@ -9,7 +9,7 @@
 #include <optional>
 #include <tuple>
 
-#include "../kernels/hstu.h"
+#include "../kernels/hstu_kernels.h"
 
 namespace torchfuse {
 

@@ -51,7 +51,7 @@ TORCH_LIBRARY(torchfuse, m) {
 
     // ---- HSTU attention (python/torchfuse/hstu.py) ----
     // out = (M . SiLU(alpha (q k^T + attn_bias))) / S @ v per jagged sequence; delta > 0: q holds the
-    // last delta query rows of every sequence (cached inference). kernels/hstu.h has the semantics.
+    // last delta query rows of every sequence (cached inference). kernels/hstu_kernels.h has the semantics.
     // validate: check offsets / lengths / targets on the host (a device-to-host copy, so a sync on a GPU);
     // without it the caller guarantees them and outputs start zeroed. backend: the CUDA kernels, "auto",
     // "sm90" or "mma" (None: TORCHFUSE_HSTU_BACKEND, else auto; csrc/hstu.h).

@@ -16,7 +16,7 @@
 
 #include <type_traits>
 
-#include "hstu.h"
+#include "hstu_kernels.h"
 #include "tf_cp_async.cuh"
 
 template <typename T>
@@ -269,7 +269,7 @@ __device__ __forceinline__ uint32_t hstu_band_row_bits(int n, int m, int pos, in
  * tf_hstu_col_spans' five spans written out, so that those the sequence's options leave empty (window
  * exemptions, context, target groups) are skipped by branches uniform over the sequence: a causal or
  * windowed tile computes two (all five: the window case's backward 3% slower, results/hstu_h100.md).
- * Keep it in step with tf_hstu_col_spans (hstu.h, the CPU path's): test_backward's mask cases check both
+ * Keep it in step with tf_hstu_col_spans (hstu_kernels.h, the CPU path's): test_backward's mask cases check both
  * against the reference. */
 template <int J>
 __device__ __forceinline__ uint32_t hstu_col_bits(const tf_hstu_mask &m, int key, int row0) {

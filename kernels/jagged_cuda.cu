@@ -1,6 +1,6 @@
 /* Jagged ops, CUDA kernels.
  *
- * jagged_copy_kernel<U>: a persistent grid over the op's task rows (jagged.h). A group of G threads
+ * jagged_copy_kernel<U>: a persistent grid over the op's task rows (jagged_kernels.h). A group of G threads
  * (a power of two up to 32, so small rows share a warp) owns TFJ_RUN_ROWS (8) consecutive rows per
  * iteration. tfj_resolve (jagged_map.h) finds a row's sample (a step or two forward from the group's
  * previous one, a binary search over the offsets when that fails) and returns the source and
@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "jagged.h"
+#include "jagged_kernels.h"
 #include "jagged_map.h"
 #include "tf_dtype.h"
 

@@ -17,8 +17,8 @@
  * Tensors are (rows, heads, dim) with a row stride and a head stride in elements and unit dim stride.
  * Dtypes: TF_F32 / TF_F16 / TF_BF16 on every path, TF_HSTU_F64 on the CPU path; all arithmetic on the
  * CPU is in double. */
-#ifndef TF_HSTU_H
-#define TF_HSTU_H
+#ifndef TF_HSTU_KERNELS_H
+#define TF_HSTU_KERNELS_H
 
 #include <stdint.h>
 
@@ -219,4 +219,4 @@ int tf_hstu_bwd_sm90(const tf_hstu_params *p, void *stream);
 #ifdef __cplusplus
 }
 #endif
-#endif /* TF_HSTU_H */
+#endif /* TF_HSTU_KERNELS_H */
