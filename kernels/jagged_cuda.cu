@@ -32,7 +32,7 @@
  * (same process, CUDA-graph kernel time) it took concat / split from 310-312 to 300-301 us at D = 128
  * bf16 and from 1176-1178 to 1153-1154 us at D = 512, but made D = 1 int64 rows (one 8-byte unit, one
  * thread per row, a thread's 8 loads 8 bytes apart and 64 bytes from its neighbour's) 9% to 35% slower
- * (benchmarks/NOTES.md). Rows of 2 to 8 threads are not measured yet and keep the per-row path. */
+ * (docs/design/jagged.md). Rows of 2 to 8 threads are not measured yet and keep the per-row path. */
 #define TFJ_RUN_MIN_UNITS 16
 
 template <int U> struct TfjUnit;
