@@ -308,7 +308,7 @@ def test_float64_cpu_matches_reference_tightly():
 
 
 def test_mask_prose_matches_gr_port():
-    """The issue's prose description of the mask equals the ported GR mask (when n > c + t)."""
+    """The prose description of the mask (hstu_attention's docstring) equals the ported GR mask (when n > c + t)."""
     for _ in range(200):
         n = int(torch.randint(1, 40, ()))
         c = int(torch.randint(0, 5, ()))
