@@ -8,6 +8,7 @@ whose cost is the host's, are timed as wall time per call of back-to-back calls 
 tables say so.
 """
 import datetime
+import functools
 import importlib
 import os
 import shlex
@@ -119,6 +120,7 @@ def tensor_peak_tflops():
     return TENSOR_PEAK_TFLOPS.get(gpu_tag())
 
 
+@functools.lru_cache(maxsize=None)
 def import_peer(module, path=None):
     """A peer library's module, or None. `path` (a folder) is put on sys.path first; the peers are
     never part of torchfuse."""
