@@ -109,9 +109,6 @@ if with_cuda:
     extra_compile_args["nvcc"] = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
     if any(a.split("+")[0] == "9.0a" for a in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")):
         extra_compile_args["nvcc"].append("-DTF_BUILT_SM90A")  # host code may dispatch to the sm_90a kernels
-    # a measurement build (benchmarks/trace_hstu_fwd.py, trace_hstu_bwd.py): the kernels' phase traces
-    if "1" in (os.environ.get("TORCHFUSE_HSTU_TRACE_BUILD"), os.environ.get("TORCHFUSE_HSTU_BWD_TRACE_BUILD")):
-        extra_compile_args["nvcc"] += ["-DTF_HSTU_BWD_TRACE", "-DTF_HSTU_FWD_TRACE"]
     ext = CUDAExtension(
         "torchfuse._C",
         cpu_sources + cuda_sources,

@@ -1,29 +1,23 @@
-"""Dynamic embedding throughput on the GPU: table operations in 1M-key batches against a static
-F.embedding gather (the upper bound: no hashing), and a training step against nn.EmbeddingBag
-(sparse=True) + torch.optim.SGD / SparseAdam. HierarchicalKV runs as its own binary in the same
-device job (benchmarks/run_device_dynemb.sh); its figures are merged into the table there.
+"""Dynamic embedding throughput on the GPU: table operations in 1M-key batches, against a static
+F.embedding gather (the upper bound: no hashing) and HierarchicalKV's own benchmark binary (given
+--peers DIR holding an executable hkv_bench, built from HierarchicalKV's sources; its table is copied in
+as it prints it), and a training step against nn.EmbeddingBag(sparse=True) + torch.optim.SGD / SparseAdam.
 
 Protocol (HierarchicalKV's benchmark): a table of `capacity` slots, max_capacity = capacity, LRU;
 filled with distinct random keys to the load factor; each timed call gets 1M keys of which 60% are
-in the table and 40% are new (find: 40% misses); best of 3 calls, CUDA-event timed (host syncs
-inside a call count). find returns rows + found flags; find_or_insert returns rows (inserting the
-new keys); insert_or_assign writes given rows. The new keys of an inserting call are erased after it
-(untimed) below load factor 1, so that each call sees the table at the load factor named
-(HierarchicalKV's benchmark times one call per fill; without the erase each call adds 2.5% of the
-slots); a full table stays full. Both inserting ops twice: with the table's default
-eviction record (the victims' keys, rows, optimizer state and scores copied out for drain_evicted),
-and with evicted_record_limit=0 ("no record": evictions only counted, the new rows written over the
-victims' at once), which is what HierarchicalKV's find_or_insert / insert_or_assign do (they discard
-evicted entries; its insert_and_evict is the form that returns them).
+in the table and 40% are new (find: 40% misses). find returns rows + found flags; find_or_insert returns
+rows (inserting the new keys); insert_or_assign writes given rows. The new keys of an inserting call are
+erased after it (untimed) below load factor 1, so that each call sees the table at the load factor
+named; a full table stays full. Both inserting ops twice: with the table's default eviction record (the
+victims' keys, rows, optimizer state and scores copied out for drain_evicted), and with
+evicted_record_limit=0 ("no record": evictions only counted), which is what HierarchicalKV's
+find_or_insert / insert_or_assign do.
 
-Roofline: a find moves at least key (8 B) + the bucket's digests (128 B) + one key sector (32 B)
-+ the row read and written (2 * 4 * dim B) per key; GB/s below counts only the rows and the key.
-
-    python benchmarks/bench_dynamic_embedding.py [--quick] [--out results.md]
+    python benchmarks/bench_dynamic_embedding.py [--quick] [--peers DIR] [--out results.md]
 """
-import argparse
+import os
+import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -31,26 +25,10 @@ import torch.nn.functional as F
 import torchfuse
 from torchfuse import optim as tfo
 
+import _common as C
+
 M = 1 << 20
-
-
-def timed(fn, reps=3, after=None, before=None):
-    """Best of `reps` single calls from an idle GPU, in seconds; before() and after(), untimed, come
-    before and after each call."""
-    best = float("inf")
-    for _ in range(reps):
-        if before is not None:
-            before()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
-        if after is not None:
-            after()
-    return best
+CAPACITY = 16 * M
 
 
 def rand_keys(n, dev):
@@ -91,7 +69,7 @@ def table_ops(cap, dims, lfs, tiers, rows_out):
                 vals = torch.ones(M, dim, device=dev)
                 it = iter(range(15))
                 res = {}
-                res["find"] = timed(lambda: t.find(qs[next(it)]))
+                res["find"] = C.calls_us(lambda: t.find(qs[next(it)]), reps=3) * 1e-6
                 n_find = qs[0].numel()
                 # the caller drains (spills) what each call evicted, untimed, as a trainer would: the
                 # record's memory is then reused instead of growing to its limit across the calls
@@ -108,9 +86,9 @@ def table_ops(cap, dims, lfs, tiers, rows_out):
 
                 def inserting(norec):
                     t.evicted_record_limit = 0 if norec else 1 << 20
-                    fi = timed(lambda: t.find_or_insert(cur["q"], unique=True), before=pick, after=settle)
-                    ia = timed(lambda: t.insert(cur["q"], vals[: cur["q"].numel()], unique=True), before=pick,
-                               after=settle)
+                    fi = C.calls_us(lambda: t.find_or_insert(cur["q"], unique=True), pick, settle, 3) * 1e-6
+                    ia = C.calls_us(lambda: t.insert(cur["q"], vals[: cur["q"].numel()], unique=True), pick, settle,
+                                    3) * 1e-6
                     return fi, ia
 
                 res["find_or_insert"], res["insert_or_assign"] = inserting(False)
@@ -119,9 +97,7 @@ def table_ops(cap, dims, lfs, tiers, rows_out):
                 for k, s in res.items():
                     row[k] = n_find / s / 2**30
                 rows_out.append(row)
-                print(f"{tier:9s} dim {dim:3d} lf {lf:.2f} (real {real_lf:.3f}): " +
-                      ", ".join(f"{k} {row[k]:.3f} Gi keys/s" for k in res), flush=True)
-                del t, existing, qs, vals
+                t = existing = qs = vals = None  # freed before the next table
                 torch.cuda.empty_cache()
 
 
@@ -129,11 +105,9 @@ def static_gather(cap, dims, rows_out):
     for dim in dims:
         w = torch.randn(cap, dim, device="cuda")
         idx = torch.randint(0, cap, (M,), device="cuda")
-        s = timed(lambda: F.embedding(idx, w), reps=5)
+        s = C.bench_us(lambda: F.embedding(idx, w)) * 1e-6
         rows_out.append({"dim": dim, "gather": M / s / 2**30, "gbs": M * (2 * 4 * dim + 8) / s / 1e9})
-        print(f"static F.embedding gather dim {dim}: {M / s / 2**30:.3f} Gi keys/s ({M * (2 * 4 * dim + 8) / s / 1e9:.0f} GB/s)",
-              flush=True)
-        del w
+        w = None
         torch.cuda.empty_cache()
 
 
@@ -160,9 +134,6 @@ def training_step(opt, n_ids, universe, dim, dev="cuda"):
     def ours():
         (bag(ids, offsets) * g).sum().backward()
 
-    global LAST_STEP  # for host_split_dynemb_train.py
-    LAST_STEP = (bag, ids, offsets, g)
-
     def theirs():
         (ref(idx, offsets) * g).sum().backward()
         ropt.step()
@@ -176,57 +147,60 @@ def training(n_ids, universe, dim, rows_out):
         ours, theirs = training_step(opt, n_ids, universe, dim)
         for fn in (ours, theirs) * 6:  # warm-up: the caching allocator and the clocks settle
             fn()
-        t_ours, t_ref = timed(ours, 5), timed(theirs, 5)
+        t_ours, t_ref = C.bench_us(ours) * 1e-6, C.bench_us(theirs) * 1e-6
         rows_out.append({"opt": opt, "ours_ms": t_ours * 1e3, "ref_ms": t_ref * 1e3})
-        print(f"training step {opt}: {n_ids} ids, dim {dim}: torchfuse {t_ours * 1e3:.2f} ms, "
-              f"PyTorch sparse {t_ref * 1e3:.2f} ms, speedup {t_ref / t_ours:.2f}x", flush=True)
-        del ours, theirs
+        ours = theirs = None
         torch.cuda.empty_cache()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--capacity", type=int, default=16 * M)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--parts", default="train,gather,hbm,half_host",
-                    help="comma-separated subset of train, gather, hbm, half_host")
-    ap.add_argument("--dims", default=None, help="table dims, e.g. 64,128 (default 8,64,128; --quick: fewer)")
-    args = ap.parse_args()
-    parts = set(args.parts.split(","))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    dims = [int(d) for d in args.dims.split(",")] if args.dims else [8, 64, 128]
-    lfs = [0.5, 0.75, 1.0]
-    ops, gathers, train = [], [], []
-    t0 = time.time()
-    if "train" in parts:
-        training(M, 4 * M, 128, train)
-    if "gather" in parts:
-        static_gather(args.capacity, [128] if args.quick and not args.dims else dims, gathers)
-    if "hbm" in parts:
-        table_ops(args.capacity, dims, lfs, ["hbm"], ops)
-    if "half_host" in parts:
-        table_ops(args.capacity, [64, 128] if args.quick and not args.dims else dims,
-                  [0.5] if args.quick else lfs, ["half_host"], ops)
-    print(f"benchmark wall {time.time() - t0:.0f} s", flush=True)
-    lines = ["| tier | dim | load factor | find Gi keys/s | find_or_insert | insert_or_assign "
-             "| find_or_insert, no record | insert_or_assign, no record |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in ops:
-        lines.append(f"| {r['tier']} | {r['dim']} | {r['lf']:.2f} ({r['real_lf']:.3f}) | {r['find']:.3f} | "
-                     f"{r['find_or_insert']:.3f} | {r['insert_or_assign']:.3f} | {r['find_or_insert_norec']:.3f} | "
-                     f"{r['insert_or_assign_norec']:.3f} |")
-    lines += ["", "| static F.embedding gather dim | Gi keys/s | GB/s (rows in+out) |", "| ---: | ---: | ---: |"]
-    lines += [f"| {r['dim']} | {r['gather']:.3f} | {r['gbs']:.0f} |" for r in gathers]
-    lines += ["", "| training step (1M ids, dim 128, bags of 64) | torchfuse ms | PyTorch sparse ms | speedup |",
-              "| --- | ---: | ---: | ---: |"]
-    lines += [f"| {r['opt']} | {r['ours_ms']:.2f} | {r['ref_ms']:.2f} | {r['ref_ms'] / r['ours_ms']:.2f}x |" for r in train]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+def hkv_table(peers):
+    """HierarchicalKV's benchmark output, its table lines as printed, or None."""
+    exe = os.path.join(peers, "hkv_bench") if peers else None
+    if not exe or not os.access(exe, os.X_OK):
+        return None
+    try:
+        out = subprocess.run([exe], capture_output=True, text=True, timeout=150).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"# hkv_bench: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    return [line for line in out.splitlines() if line.startswith("|") or line.startswith("* dim")]
+
+
+def run(args):
+    rep = C.Report("dynamic_embedding", "Dynamic embeddings (GPU hash-table embedding)")
+    copy_gbs = C.copy_bandwidth_gbs(args.quick)
+    rep.roofline = (f"device-to-device copy {copy_gbs:.0f} GB/s (read + write), measured in this run; a find "
+                    "moves at least the key, the bucket's digests (128 B), a key sector and the row read and "
+                    "written per key")
+    dims, lfs = [8, 64, 128], [0.5, 0.75, 1.0]
+    train, gathers, ops = [], [], []
+    training(M, 4 * M, 128, train)
+    static_gather(CAPACITY, [128] if args.quick else dims, gathers)
+    table_ops(CAPACITY, dims, [0.5, 1.0] if args.quick else lfs, ["hbm"], ops)
+    if not args.quick:
+        table_ops(CAPACITY, [64, 128], [0.5], ["half_host"], ops)
+    hkv = hkv_table(args.peers)
+    rep.peers = ["nn.EmbeddingBag(sparse=True) + torch.optim.SGD / SparseAdam", "static F.embedding gather"] + (
+        ["HierarchicalKV (its own benchmark binary, same run)"] if hkv else [])
+    rep.notes = [f"table of {CAPACITY // M}M slots, fp32 rows, LRU; 1M-key batches (60% hits); Gi keys/s"]
+    rep.table("Table operations, Gi keys/s (higher is better); tier half_host: half the rows in mapped host memory.",
+              ["tier", "dim", "load factor", "find", "find_or_insert", "insert_or_assign", "find_or_insert, no record",
+               "insert_or_assign, no record"],
+              [[r["tier"], r["dim"], f"{r['lf']:.2f} ({r['real_lf']:.3f})", f"{r['find']:.3f}",
+                f"{r['find_or_insert']:.3f}", f"{r['insert_or_assign']:.3f}", f"{r['find_or_insert_norec']:.3f}",
+                f"{r['insert_or_assign_norec']:.3f}"] for r in ops])
+    rep.table("Static F.embedding gather over the same slot count (the upper bound: no hashing).",
+              ["dim", "Gi keys/s", "GB/s (rows in + out)", "% of copy"],
+              [[r["dim"], f"{r['gather']:.3f}", f"{r['gbs']:.0f}", f"{100 * r['gbs'] / copy_gbs:.0f}%"]
+               for r in gathers])
+    rep.table("Training step: 1M ids in bags of 64 (sum), dim 128, ids from 4M keys.",
+              ["optimizer", "torchfuse ms", "PyTorch sparse ms", "speedup"],
+              [[r["opt"], f"{r['ours_ms']:.2f}", f"{r['ref_ms']:.2f}", f"{r['ref_ms'] / r['ours_ms']:.2f}x"]
+               for r in train])
+    if hkv:
+        rep.tables.append(("HierarchicalKV's benchmark, as it prints it (same run).", None, hkv))
+    return rep
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(C.standalone("dynamic_embedding", run, doc=__doc__))

@@ -10,11 +10,13 @@ hidden 2560, parallel residual, fp16) and a Llama-3.2-1B-shaped Llama (16 layers
 * kernel launches inside one decoder layer (a middle one), counted with torch.profiler from the
   launch calls made between that layer's forward pre-hook and forward hook, decode and prefill.
 
-Patched and unpatched alternate in rounds (A B A B ...); the median round of each is reported.
+Patched and unpatched alternate in rounds (A B A B ...); the median round of each is reported: whole
+model calls are timed by the host clock around a synchronized call (the host's dispatch is the decode
+step's cost). The norm + residual-add section of one layer is timed as every kernel benchmark is
+(benchmarks/_common.py).
 
     python benchmarks/bench_hf.py [--quick] [--tiny] [--out results.md]
 """
-import argparse
 import statistics
 import sys
 import time
@@ -24,6 +26,8 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import torchfuse
+
+import _common as C
 
 MODELS = {
     "Pythia-2.8B-shaped GPT-NeoX": (lambda: transformers.GPTNeoXConfig(
@@ -87,7 +91,6 @@ def decode_margins(model, prompt, steps):
 
 def norm_section(model, device, dtype, rows):
     """Per layer, HF's norm + residual-add code against the patched layer's ops, decode and prefill sizes."""
-    from torchfuse._timing import device_time_us, wall_times_us
     from torchfuse.hf import _layers
 
     base = model.base_model
@@ -95,8 +98,8 @@ def norm_section(model, device, dtype, rows):
     n = model.config.hidden_size
     out = []
     for what, hf, tf in _sections(layer, n, dtype, device, _layers):
-        dec = wall_times_us([hf(1), tf(1)], device, calls=200, rounds=5) if device == "cuda" else [0.0, 0.0]
-        pre = [device_time_us(f(rows), device, warmup=3, rep=20) for f in (hf, tf)]
+        dec = C.wall_us([hf(1), tf(1)], calls=200, rounds=5) if device == "cuda" else [0.0, 0.0]
+        pre = [C.bench_us(f(rows)) for f in (hf, tf)] if device == "cuda" else [0.0, 0.0]
         out.append((what, dec[0], dec[1], pre[0], pre[1]))
     return out
 
@@ -231,7 +234,7 @@ def run_model(name, make_config, dtype, device, args):
         agree = f"{first} of {steps + 1}; then a top-2 margin of {ulps:.1f} ulp"
     med = {k: {p: statistics.median(v[p]) for p in (False, True)} for k, v in res.items() if k != "tok"}
     best = {p: min(res["dec"][p]) for p in (False, True)}
-    del model
+    model = None  # freed before the next model
     if device == "cuda":
         torch.cuda.empty_cache()
     return dict(name=name, dtype=str(dtype).replace("torch.", ""), layers=L, batch=batch, length=length,
@@ -239,57 +242,56 @@ def run_model(name, make_config, dtype, device, args):
                 raw={k: v for k, v in res.items() if k != "tok"})
 
 
-def table(rows, device):
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    out = [f"device: {gpu}; torch {torch.__version__}; transformers {transformers.__version__}; "
-           f"prefill batch x tokens, decode batch 1 with the KV cache; median of interleaved rounds", "",
-           "| model | dtype | prefill tok/s HF | patched | speedup | decode ms/token HF | patched | speedup "
-           "| launches/layer decode HF -> patched | prefill HF -> patched | greedy tokens equal for |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        pre, dec, la = r["pre"], r["dec"], r["launches"]
-        out.append(
-            f"| {r['name']} ({r['layers']} layers, prefill {r['batch']}x{r['length']}, decode {r['steps']}) "
-            f"| {r['dtype']} | {pre[False]:,.0f} | {pre[True]:,.0f} | {pre[True] / pre[False]:.3f}x "
-            f"| {dec[False]:.2f} (best {r['best'][False]:.2f}) | {dec[True]:.2f} (best {r['best'][True]:.2f}) "
-            f"| {dec[False] / dec[True]:.3f}x "
-            f"| {la[('dec', False)]:g} -> {la[('dec', True)]:g} | {la[('pre', False)]:g} -> {la[('pre', True)]:g} "
-            f"| {r['agree']} |")
-    out += ["", "The norm + residual-add section of one layer alone (HF's eager code on the layer's own modules "
-            "against the ops the patched layer calls): decode = wall time per call of back-to-back calls at one "
-            "token, prefill = device time at the prefill rows.", "",
-            "| model | section | decode HF us | patched us | prefill HF us | patched us |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        for what, d_hf, d_tf, p_hf, p_tf in r["section"]:
-            out.append(f"| {r['name']} | {what} | {d_hf:.1f} | {d_tf:.1f} | {p_hf:.1f} | {p_tf:.1f} |")
-    out.append("")
-    out.append("Raw rounds (prefill tok/s, decode ms/token; False = HF, True = patched):")
-    for r in rows:
-        out.append(f"- {r['name']}: {r['raw']}")
-    return "\n".join(out)
-
-
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke run of the script)")
-    p.add_argument("--only", default=None, help="substring of one model name")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+def run(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
+    rep = C.Report("hf", "HuggingFace decoders patched with torchfuse.patch_hf")
+    rep.roofline = "- (end-to-end model calls: attention and MLP GEMMs dominate; the norm sections are memory-bound)"
+    rep.peers = [f"the same model unpatched (HF eager, transformers {transformers.__version__})"]
+    rep.notes = ["prefill batch x tokens, decode batch 1 with the KV cache (wall time per token); median of "
+                 "interleaved rounds"]
     rows = []
     for name, (make_config, dtype) in MODELS.items():
         if args.only and args.only not in name:
             continue
         rows.append(run_model(name, make_config, dtype, device, args))
         print(f"done: {name}", file=sys.stderr, flush=True)
-    text = table(rows, device)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    rep.table("Whole models (random weights).",
+              ["model", "dtype", "prefill tok/s HF", "patched", "speedup", "decode ms/token HF", "patched",
+               "speedup", "launches/layer decode HF -> patched", "prefill HF -> patched",
+               "greedy tokens equal for"],
+              [[f"{r['name']} ({r['layers']} layers, prefill {r['batch']}x{r['length']}, decode {r['steps']})",
+                r["dtype"], f"{r['pre'][False]:,.0f}", f"{r['pre'][True]:,.0f}",
+                f"{r['pre'][True] / r['pre'][False]:.3f}x", f"{r['dec'][False]:.2f}", f"{r['dec'][True]:.2f}",
+                f"{r['dec'][False] / r['dec'][True]:.3f}x",
+                f"{r['launches'][('dec', False)]:g} -> {r['launches'][('dec', True)]:g}",
+                f"{r['launches'][('pre', False)]:g} -> {r['launches'][('pre', True)]:g}", r["agree"]]
+               for r in rows])
+    rep.table("The norm + residual-add section of one layer (HF's eager code on the layer's own modules against the "
+              "ops the patched layer calls): decode = wall time per call of back-to-back calls at one token, "
+              "prefill = kernel time at the prefill rows.",
+              ["model", "section", "decode HF us", "patched us", "prefill HF us", "patched us"],
+              [[r["name"], what, C.fmt(d_hf), C.fmt(d_tf), C.fmt(p_hf), C.fmt(p_tf)]
+               for r in rows for what, d_hf, d_tf, p_hf, p_tf in r["section"]])
+    return rep
+
+
+def add_args(ap):
+    ap.add_argument("--tiny", action="store_true", help="tiny models (a CPU smoke run of the script)")
+    ap.add_argument("--only", default=None, help="substring of one model name")
+
+
+def main():
+    import argparse
+    if "--tiny" in sys.argv:  # the CPU smoke run: no GPU needed
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--quick", action="store_true")
+        ap.add_argument("--peers")
+        ap.add_argument("--out")
+        add_args(ap)
+        print(run(ap.parse_args()).markdown(C.command_line()))
+        return 0
+    return C.standalone("hf", run, add_args, __doc__)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

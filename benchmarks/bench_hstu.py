@@ -1,32 +1,31 @@
 """HSTU attention (bf16, causal, H = 4) against PyTorch eager, torch.compile of it, generative-recommenders'
-Triton `triton_hstu_mha`, and F.scaled_dot_product_attention(is_causal=True) (softmax flash attention,
-the yardstick), on one GPU, in one run. torchfuse runs with validate=False (no host-side check of the
-offsets, hence no sync per call), as a training loop with known-good jagged metadata would.
+Triton `triton_hstu_mha` (given --peers), and F.scaled_dot_product_attention(is_causal=True) (softmax
+flash attention, the yardstick), on one GPU, in one run. torchfuse runs with validate=False (no host-side
+check of the offsets), as a training loop with known-good jagged metadata would, under the default
+backend (torchfuse.backends.hstu); the forward is also timed with each backend forced.
 
-TFLOP/s use the issue's count for every row: forward = sum over b of 2*H*(Dqk+Dv)*len_b^2/2, backward
-= 2.5x forward (so windowed rows count the causal work they skip: an "effective" rate). SDPA runs on
-the padded (B, H, N, D) tensors at full length, so its figure is listed on full-length rows only.
+TFLOP/s use one count for every row: forward = sum over b of 2*H*(Dqk+Dv)*len_b^2/2, backward = 2.5x
+forward (so windowed rows count the causal work they skip: an "effective" rate). SDPA runs on the padded
+(B, H, N, D) tensors at full length, so its figure is listed on full-length rows only.
 
-generative-recommenders must be importable (PYTHONPATH), never committed: fetch
-meta-recsys/generative-recommenders into a git-ignored folder. Its autotuner searches, by default, a
-subset of its own configs (BLOCK_M >= 64 / num_warps >= 4 forward, BLOCK_N >= 64 / num_warps >= 4
-backward: the large-tile ones that win at these shapes) so the run fits the device budget;
---triton-full-autotune searches them all.
+    python benchmarks/bench_hstu.py [--quick] [--peers DIR] [--out results.md]
 
-    python benchmarks/bench_hstu.py [--quick] [--compile] [--no-eager] [--out results.md]
+--peers: a folder holding generative_recommenders/ (fetched code, never committed). Its autotuner
+searches a subset of its configs (BLOCK_M >= 64 / num_warps >= 4 forward, BLOCK_N >= 64 / num_warps >= 4
+backward: the large-tile ones that win at these shapes).
 """
-import argparse
-import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import torchfuse
-from torchfuse._timing import back_to_back_us, device_time_us
+
+import _common as C
 
 SHAPES = [(16, 1024, 128), (16, 4096, 128), (128, 1024, 128), (16, 2048, 64), (16, 4096, 256)]
+SPECIAL = [((16, 4096, 128), "U[N/2,N], 16 targets", dict(varied=True, targets=16)),
+           ((16, 4096, 128), "U[N/2,N], max_attn_len 256", dict(varied=True, window=256))]
 H = 4
 
 
@@ -80,10 +79,9 @@ def eager_hstu(q, k, v, idx, mask, B, N, alpha):
     return out[idx]
 
 
-def restrict_triton_configs(mod, no_sp=False):
+def restrict_triton_configs(mod):
     fwd = [c for c in mod._hstu_attn_fwd.configs if c.kwargs.get("BLOCK_M", 0) >= 64 and c.num_warps >= 4]
-    bwd = [c for c in mod._hstu_attn_bwd.configs if c.kwargs.get("BLOCK_N", 0) >= 64 and c.num_warps >= 4
-           and not (no_sp and c.kwargs.get("SEQUENCE_PARALLEL", False))]
+    bwd = [c for c in mod._hstu_attn_bwd.configs if c.kwargs.get("BLOCK_N", 0) >= 64 and c.num_warps >= 4]
     if fwd:
         mod._hstu_attn_fwd.configs = fwd
     if bwd:
@@ -91,169 +89,105 @@ def restrict_triton_configs(mod, no_sp=False):
     return len(fwd), len(bwd)
 
 
-def bench(fn, inputs, dout, fwd_only=False):
-    """(fwd us, bwd us): backward timed on a retained graph."""
+def fwd_bwd_us(fn, inputs, dout, quick):
+    """(forward us, backward us): the backward on one retained graph."""
     with torch.no_grad():
-        t_f = device_time_us(fn, "cuda", warmup=3, rep=15)
-    if fwd_only:
-        return t_f, None
+        t_f = C.bench_us(fn, quick)
     for x in inputs:
         x.requires_grad_(True)
     out = fn()
-    t_b = device_time_us(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), "cuda", warmup=2, rep=10)
+    t_b = C.bench_us(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), quick)
     for x in inputs:
         x.requires_grad_(False)
     return t_f, t_b
 
 
-def bench_b2b(fn, inputs, dout):
-    """(fwd us, bwd us), back to back."""
-    with torch.no_grad():
-        t_f = back_to_back_us(fn)
-    for x in inputs:
-        x.requires_grad_(True)
-    out = fn()
-    t_b = back_to_back_us(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
-    for x in inputs:
-        x.requires_grad_(False)
-    return t_f, t_b
+def load_triton(path):
+    if not path:
+        return None
+    grc = C.import_peer("generative_recommenders.common", path)
+    mod = C.import_peer("generative_recommenders.ops.triton.triton_hstu_attention", path)
+    if grc is None or mod is None:
+        return None
+    grc.set_use_runtime_max_seq_len(True)
+    restrict_triton_configs(mod)
+    return mod.triton_hstu_mha
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="full-length shapes (and the targets / window cases) only")
-    ap.add_argument("--compile", action="store_true", help="torch.compile of the eager reference (full-length rows)")
-    ap.add_argument("--no-eager", action="store_true")
-    ap.add_argument("--triton-full-autotune", action="store_true")
-    ap.add_argument("--no-triton", action="store_true")
-    ap.add_argument("--triton-no-sp", action="store_true",
-                    help="leave Triton's SEQUENCE_PARALLEL backward configs out of its autotune subset")
-    ap.add_argument("--cases", default="full,varied,special",
-                    help="comma list of: full (full-length rows), varied (lengths ~ U[N/2, N]), special (targets, window)")
-    ap.add_argument("--b2b", action="store_true",
-                    help="also time ours and Triton back to back (10 calls between two events): kernel-bound figures")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-
-    try:
-        if args.no_triton:
-            raise ImportError("--no-triton")
-        import generative_recommenders.common as grc
-        from generative_recommenders.ops.triton import triton_hstu_attention as gr_mod
-
-        grc.set_use_runtime_max_seq_len(True)
-        note = "full autotune" if args.triton_full_autotune else "autotune subset %d fwd / %d bwd configs" % (
-            restrict_triton_configs(gr_mod, args.triton_no_sp))
-        triton_mha = gr_mod.triton_hstu_mha
-    except ImportError as e:  # noqa: F841
-        print(f"generative-recommenders not importable ({e}); Triton column skipped", file=sys.stderr)
-        triton_mha, note = None, "not run"
-
-    want = set(args.cases.split(","))
+def run(args):
+    rep = C.Report("hstu", "HSTU attention, bf16, causal, H = 4")
+    peak = C.tensor_peak_tflops()
+    rep.roofline = (f"dense bf16 tensor-core peak {peak:.0f} TFLOP/s" if peak else "tensor-core peak unknown for "
+                    "this device") + " (TFLOP/s below by the count in the script's docstring)"
+    triton_mha = load_triton(args.peers)
+    rep.peers = (["GR Triton triton_hstu_mha (autotune subset)"] if triton_mha else []) + [
+        "SDPA flash (softmax, full lengths)", "eager PyTorch", "torch.compile"]
+    cases = [(s, "full", dict(varied=False)) for s in SHAPES] + SPECIAL
     if args.quick:
-        want.discard("varied")
-    cases = []
-    for (B, N, D) in SHAPES:
-        if "full" in want:
-            cases.append(((B, N, D), "full", dict(varied=False)))
-        if "varied" in want:
-            cases.append(((B, N, D), "len~U[N/2,N]", dict(varied=True)))
-    if "special" in want:
-        special = [((16, 4096, 128), "U[N/2,N], 16 targets", dict(varied=True, targets=16)),
-                   ((16, 4096, 128), "U[N/2,N], max_attn_len=256", dict(varied=True, window=256))]
-        cases = special + cases if args.cases.startswith("special") else cases + special
-
-    dev = torch.cuda.get_device_name()
-    lines = [f"# HSTU attention, bf16, causal, H={H}, {dev}, torch {torch.__version__}", "",
-             f"Triton: generative-recommenders triton_hstu_mha ({note}). TFLOP/s by the issue's FLOP count.", "",
-             "| B, N, D | lengths | ours fwd | ours bwd | fwd: mma.sync / wgmma ping-pong / wgmma plain | Triton fwd | Triton bwd | fwd x Triton | bwd x Triton "
-             "| SDPA fwd | fwd x SDPA | eager fwd/bwd | compile fwd/bwd | max abs diff vs Triton |"
-             + (" b2b: ours fwd/bwd | b2b: Triton fwd/bwd | b2b: x Triton fwd/bwd |" if args.b2b else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.b2b else "")]
-    print("\n".join(lines), flush=True)
+        cases = cases[:2] + SPECIAL
+    rows = []
     for (B, N, D), label, kw in cases:
         c = make_case(B, N, D, **kw)
         q, k, v, offsets, nt, window, alpha = c["q"], c["k"], c["v"], c["offsets"], c["nt"], c["window"], c["alpha"]
         fl = flops_fwd(c)
-        tf = lambda t, mult=1.0: "-" if t is None else f"{fl * mult / (t * 1e-6) / 1e12:.0f}"  # noqa: E731
+
+        def tf(t, mult=1.0):
+            return "-" if t is None else f"{fl * mult / (t * 1e-6) / 1e12:.0f}"
+
         dout = torch.randn_like(v)
-        ours = lambda: torchfuse.hstu_attention(q, k, v, offsets, N, alpha, num_targets=nt,  # noqa: E731
-                                                max_attn_len=window, validate=False)
-        t_o = bench(ours, [q, k, v], dout)
-        t_o2 = bench_b2b(ours, [q, k, v], dout) if args.b2b else None
-        # the same op with each forward kernel forced (0: mma.sync, 1 / 2: the sm_90a wgmma one with / without ping-pong), whichever
-        # the dispatch rule picks by default
-        saved = os.environ.get("TORCHFUSE_HSTU_SM90")
+
+        def ours():
+            return torchfuse.hstu_attention(q, k, v, offsets, N, alpha, num_targets=nt, max_attn_len=window,
+                                            validate=False)
+
+        t_o = fwd_bwd_us(ours, [q, k, v], dout, args.quick)
         t_k = {}
-        for env in ("0", "1", "2"):
-            os.environ["TORCHFUSE_HSTU_SM90"] = env
-            t_k[env], _ = bench(ours, [], None, fwd_only=True)
-        if saved is None:
-            del os.environ["TORCHFUSE_HSTU_SM90"]
-        else:
-            os.environ["TORCHFUSE_HSTU_SM90"] = saved
-        row = {"ours": t_o}
-        diff = "-"
+        for backend in ("sm90", "mma"):
+            with torchfuse.backends.use(hstu=backend), torch.no_grad():
+                t_k[backend] = C.bench_us(ours, args.quick)
+        t_t = (None, None)
         if triton_mha is not None:
-            tri = lambda: triton_mha(N, alpha, q, k, v, offsets, nt, window, 0)  # noqa: E731
             try:
-                with torch.no_grad():
-                    a, t_ = ours().float(), tri().float()
-                    diff = f"{(a - t_).abs().max().item():.1e} (max {a.abs().max().item():.1e})"
-                row["triton"] = bench(tri, [q, k, v], dout)
-                if args.b2b:
-                    row["triton_b2b"] = bench_b2b(tri, [q, k, v], dout)
-            except Exception as e:  # a peer failure must not hide our figures
-                print(f"triton failed at {B, N, D, label}: {e}", file=sys.stderr)
-        sd = "-"
+                t_t = fwd_bwd_us(lambda: triton_mha(N, alpha, q, k, v, offsets, nt, window, 0), [q, k, v], dout,
+                                 args.quick)
+            except Exception as e:  # noqa: BLE001  (a peer failure must not hide our figures)
+                print(f"# Triton failed at {B, N, D, label}: {e}", file=sys.stderr)
+        t_s = t_e = t_c = (None, None)
         if label == "full":
             pq, pk, pv = (x.view(B, N, H, D).transpose(1, 2) for x in (q, k, v))
-            t_s, _ = bench(lambda: F.scaled_dot_product_attention(pq, pk, pv, is_causal=True), [], None, fwd_only=True)
-            row["sdpa"] = (t_s, None)
-            sd = tf(t_s)
-        eg = cp = "-"
-        if not args.no_eager:
+            with torch.no_grad():
+                t_s = (C.bench_us(lambda: F.scaled_dot_product_attention(pq, pk, pv, is_causal=True), args.quick),
+                       None)
             lens = c["lens"]
             idx = (torch.arange(B).repeat_interleave(lens) * N + torch.cat([torch.arange(int(n)) for n in lens])).cuda()
             mask = valid_mask(lens, N, nt, window, "cuda")
-            f_e = lambda: eager_hstu(q, k, v, idx, mask, B, N, alpha)  # noqa: E731
             try:
-                te = bench(f_e, [q, k, v], dout)
-                eg = f"{tf(te[0])}/{tf(te[1], 2.5)}"
+                t_e = fwd_bwd_us(lambda: eager_hstu(q, k, v, idx, mask, B, N, alpha), [q, k, v], dout, args.quick)
             except torch.OutOfMemoryError:
-                eg = "OOM"
+                pass
             torch.cuda.empty_cache()
-            if args.compile and label == "full":
-                # a fresh compile per shape: past dynamo's recompile limit a shape silently runs eager
-                torch._dynamo.reset()
-                comp = torch.compile(eager_hstu, dynamic=False)
-                f_c = lambda: comp(q, k, v, idx, mask, B, N, alpha)  # noqa: E731
+            if not args.quick:
+                torch._dynamo.reset()  # a fresh compile per shape: past the recompile limit a shape runs eager
+                comp = C.compile_fn(eager_hstu)
                 try:
-                    t0 = time.time()
-                    f_c()
-                    tc = bench(f_c, [q, k, v], dout)
-                    cp = f"{tf(tc[0])}/{tf(tc[1], 2.5)}"
-                    print(f"  (compile took {time.time() - t0:.0f}s)", file=sys.stderr)
+                    t_c = fwd_bwd_us(lambda: comp(q, k, v, idx, mask, B, N, alpha), [q, k, v], dout, args.quick)
                 except torch.OutOfMemoryError:
-                    cp = "OOM"
+                    pass
                 torch.cuda.empty_cache()
-        t_t = row.get("triton", (None, None))
-        ratio = lambda a, b: "-" if a is None or b is None else f"{b / a:.2f}"  # noqa: E731
-        line = (f"| {B}, {N}, {D} | {label} | {tf(t_o[0])} | {tf(t_o[1], 2.5)} | {tf(t_k['0'])} / {tf(t_k['1'])} / {tf(t_k['2'])} | {tf(t_t[0])} | {tf(t_t[1], 2.5)} | "
-                f"{ratio(t_o[0], t_t[0])} | {ratio(t_o[1], t_t[1])} | {sd} | "
-                f"{ratio(t_o[0], row['sdpa'][0]) if 'sdpa' in row else '-'} | {eg} | {cp} | {diff} |")
-        if args.b2b:
-            t_t2 = row.get("triton_b2b", (None, None))
-            line += (f" {tf(t_o2[0])}/{tf(t_o2[1], 2.5)} | {tf(t_t2[0])}/{tf(t_t2[1], 2.5)} | "
-                     f"{ratio(t_o2[0], t_t2[0])} / {ratio(t_o2[1], t_t2[1])} |")
-        print(line, flush=True)
-        lines.append(line)
-        if args.out:  # row by row, so a run cut short keeps what it measured
-            with open(args.out, "w") as f:
-                f.write("\n".join(lines) + "\n")
-        del c, q, k, v
+        rows.append([f"{B}, {N}, {D}", label, tf(t_o[0]), tf(t_o[1], 2.5),
+                     f"{100 * fl / (t_o[0] * 1e-6) / 1e12 / peak:.0f}%" if peak and not window else "-",
+                     f"{tf(t_k['sm90'])} / {tf(t_k['mma'])}", tf(t_t[0]), tf(t_t[1], 2.5),
+                     C.ratio(t_t[0], t_o[0]), C.ratio(t_t[1], t_o[1]), tf(t_s[0]), C.ratio(t_s[0], t_o[0]),
+                     f"{tf(t_e[0])} / {tf(t_e[1], 2.5)}", f"{tf(t_c[0])} / {tf(t_c[1], 2.5)}"])
+        c = q = k = v = None  # freed before the next case
         torch.cuda.empty_cache()
+    rep.table("TFLOP/s (higher is better; windowed rows count the causal work they skip, so no % of peak); "
+              "x = their time / ours.",
+              ["B, N, D", "lengths", "ours fwd", "ours bwd", "fwd % of peak", "fwd sm90 / mma", "Triton fwd",
+               "Triton bwd", "fwd vs Triton", "bwd vs Triton", "SDPA fwd", "fwd vs SDPA", "eager fwd / bwd",
+               "compile fwd / bwd"], rows)
+    return rep
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(C.standalone("hstu", run, doc=__doc__))

@@ -1,61 +1,26 @@
 """Jagged ops against PyTorch index-based code (eager and torch.compile), torch.nested, and
-generative-recommenders' Triton concat_2D_jagged / split_2D_jagged, on one GPU.
+generative-recommenders' Triton concat_2D_jagged / split_2D_jagged (given --peers), on one GPU.
 
 Shape (generative-recommenders' benchmark): B = 1024 samples, history lengths uniform in [100, 3052],
-16 candidates each; rows of D = 128 bf16, plus D = 1 int64 (timestamps) and D = 512 bf16.
-concat = [history; candidates] per sample, split its inverse; to_padded / to_jagged convert the
-history to (B, max_len, D) and back. GB/s over the fewest bytes the op must move (every row read once
-and written once; padding rows written); % of the device-to-device copy bandwidth measured in the same
-run.
+16 candidates each; rows of D = 128 and 512 bf16. concat = [history; candidates] per sample, split its
+inverse; to_padded / to_jagged convert the history to (B, max_len, D) and back. GB/s over the fewest
+bytes the op must move (every row read once and written once; padding rows written). Backward =
+torch.autograd.grad of one retained forward graph.
 
-Times (us per call, median over repetitions, CUDA events):
-- main columns: N back-to-back calls between two events, divided by N (as a training step runs them:
-  the host dispatches call i+1 while call i runs), for every implementation alike;
-- "torchfuse 1-call": one call between two events from an idle GPU (host dispatch inside the window);
-- "torchfuse graph": the forward replayed from a CUDA graph (kernel time only).
-Backward = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True) of one forward graph
-built once, called back to back the same way (autograd engine dispatch included).
+    python benchmarks/bench_jagged.py [--quick] [--peers DIR] [--out results.md]
 
-    python benchmarks/bench_jagged.py [--peers DIR] [--quick] [--dims 128,1,512] [--no-compile]
-                                      [--ab] [--out results.md]
-
---ab adds torchfuse with the copy kernel's run fast path off (TORCHFUSE_JAGGED_RUNS=0, read at each
-launch), timed in the same process on the same tensors ("per-row" columns).
-
---peers: a folder holding generative_recommenders/ops/triton/triton_jagged_tensors.py (fetched code,
-never committed); without it the Triton column is skipped.
+--peers: a folder holding generative_recommenders/ (fetched code, never committed).
 """
-import argparse
-import os
-import statistics
 import sys
 
 import torch
 
 import torchfuse
-from torchfuse._timing import back_to_back_us, device_time_us
 
-DEV = "cuda"
+import _common as C
 
-
-def copy_bandwidth():
-    src = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device=DEV).normal_()
-    dst = torch.empty_like(src)
-    t = device_time_us(lambda: dst.copy_(src), DEV, warmup=5, rep=20)
-    del src, dst
-    return 2 * 2 * 1024**3 / (t * 1e-6) / 1e9
-
-
-def load_triton_peer(path):
-    if not path or not os.path.isdir(path):
-        return None
-    sys.path.insert(0, path)
-    try:
-        from generative_recommenders.ops.triton import triton_jagged_tensors as t
-        return t
-    except Exception as e:  # noqa: BLE001  (a peer that does not import is reported, not fatal)
-        print(f"# generative-recommenders Triton peer not usable: {type(e).__name__}: {e}", file=sys.stderr)
-        return None
+DIMS = [128, 512]
+IMPLS = ["torchfuse", "torch index", "torch.compile", "torch.nested", "GR Triton"]
 
 
 # ---- plain PyTorch, index-based (also what torch.compile gets) ----
@@ -105,34 +70,14 @@ def make_case(D, dtype, B=1024, lo=100, hi=3052, cand=16):
     g = torch.Generator().manual_seed(0)
     ll = torch.randint(lo, hi + 1, (B,), generator=g)
     lr = torch.full((B,), cand)
-    ol = torchfuse.complete_cumsum(ll).to(DEV)
-    orr = torchfuse.complete_cumsum(lr).to(DEV)
+    ol = torchfuse.complete_cumsum(ll).to("cuda")
+    orr = torchfuse.complete_cumsum(lr).to("cuda")
     tl, tr = int(ll.sum()), int(lr.sum())
 
     def rand(n):
-        if dtype.is_floating_point:
-            return torch.randn(n, D, device=DEV, dtype=dtype)
-        return torch.randint(0, 2**40, (n, D), device=DEV, dtype=dtype)
+        return torch.randn(n, D, device="cuda", dtype=dtype)
 
     return dict(vl=rand(tl), vr=rand(tr), ol=ol, orr=orr, tl=tl, tr=tr, ml=hi, mr=cand, B=B, D=D, dtype=dtype)
-
-
-def b2b_time_us(fn, rep, n=20):
-    """Median over `rep` repetitions of (n back-to-back calls between two CUDA events) / n."""
-    return back_to_back_us(fn, calls=n, rounds=rep, warmup=3, stat=statistics.median_high)
-
-
-def graph_time_us(fn, rep):
-    """The forward replayed from a CUDA graph: kernel time without host dispatch (small shapes)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), torch.no_grad():
-        fn()
-    return b2b_time_us(g.replay, rep)
 
 
 def fwd_bwd(fn, inputs, grad_out):
@@ -208,97 +153,50 @@ def min_bytes(c, op, direction):
     return (Tl + dense_rows) * rb if padded_side else 2 * Tl * rb
 
 
-COLS = ["torchfuse", "torchfuse 1-call", "torchfuse graph", "per-row", "per-row graph", "torch index",
-        "torch.compile", "torch.nested", "GR Triton"]
 
-
-def without_runs(fn):
-    """fn() with the copy kernel's run fast path off (TORCHFUSE_JAGGED_RUNS=0, read at each launch)."""
-    old = os.environ.get("TORCHFUSE_JAGGED_RUNS")
-    os.environ["TORCHFUSE_JAGGED_RUNS"] = "0"
-    try:
-        return fn()
-    finally:
-        if old is None:
-            del os.environ["TORCHFUSE_JAGGED_RUNS"]
-        else:
-            os.environ["TORCHFUSE_JAGGED_RUNS"] = old
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--peers", default=os.environ.get("TORCHFUSE_PEERS"))
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
-    ap.add_argument("--compile-all", action="store_true", help="torch.compile at every shape (default: D=128)")
-    ap.add_argument("--no-compile", action="store_true", help="no torch.compile column")
-    ap.add_argument("--ab", action="store_true", help="also torchfuse with the run fast path off ('per-row')")
-    ap.add_argument("--dims", default="128,1,512", help="row shapes: D for bf16 rows, 1 means D=1 int64")
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    triton_peer = load_triton_peer(args.peers)
-    copy_gbs = copy_bandwidth()
-    rep = 10 if args.quick else 30
-    lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {copy_gbs:.0f} GB/s",
-             "B=1024, history lengths uniform in [100, 3052], 16 candidates; us per call (median): 20 back-to-back "
-             "calls between two CUDA events / 20; '1-call' = one call from an idle GPU; 'graph' = the forward "
-             "replayed from a CUDA graph (no host dispatch); bwd = torch.autograd.grad(retain_graph=True) of one "
-             "forward graph, back to back; GB/s and % (of copy bandwidth) from the back-to-back torchfuse time; "
-             "x = best other / torchfuse; 'per-row' (A/B, same process) = torchfuse with the copy kernel's run "
-             "fast path off (TORCHFUSE_JAGGED_RUNS=0)",
-             "",
-             "| op | D dtype | " + " | ".join(f"{n} us" for n in COLS) + " | torchfuse GB/s | % copy | x best other | x GR |",
-             "|---|---|" + "---|" * (len(COLS) + 4)]
-    print("\n".join(lines), flush=True)
-    shapes = [(1, torch.int64) if d == 1 else (d, torch.bfloat16) for d in map(int, args.dims.split(","))]
-    for D, dtype in shapes:
-        c = make_case(D, dtype)
-        compiled = {} if ((D == 128 or args.compile_all) and not args.no_compile) else None
+def run(args):
+    rep = C.Report("jagged", "Jagged tensor ops")
+    copy_gbs = C.copy_bandwidth_gbs(args.quick)
+    rep.roofline = f"device-to-device copy {copy_gbs:.0f} GB/s (read + write), measured in this run"
+    gr = None
+    if args.peers:
+        gr = C.import_peer("generative_recommenders.ops.triton.triton_jagged_tensors", args.peers)
+    rep.peers = ["PyTorch index code (eager)", "torch.compile", "torch.nested"] + (["GR Triton"] if gr else [])
+    rows = []
+    for D in DIMS[:1] if args.quick else DIMS:
+        c = make_case(D, torch.bfloat16)
+        torch._dynamo.reset()  # fresh compiles per row width
+        compiled = {}
         for op in ("concat", "split", "to_padded", "to_jagged"):
-            fns = impls(c, op, triton_peer, compiled)
-            timings = {"fwd": {}, "bwd": {}}
-            for name, (fn, inputs) in fns.items():
+            t = {"fwd": {}, "bwd": {}}
+            for name, (fn, inputs) in impls(c, op, gr, compiled).items():
                 try:
                     f, b = fwd_bwd(fn, inputs, lambda outs: [torch.randn_like(o) for o in outs])
-                    timings["fwd"][name] = b2b_time_us(f, rep)
-                    if name == "torchfuse":
-                        timings["fwd"]["torchfuse 1-call"] = device_time_us(f, DEV, warmup=3, rep=rep)
-                        try:
-                            timings["fwd"]["torchfuse graph"] = graph_time_us(lambda: fn(*inputs), rep)
-                            if args.ab:  # the graph captures the kernel variant at capture time
-                                timings["fwd"]["per-row graph"] = without_runs(
-                                    lambda: graph_time_us(lambda: fn(*inputs), rep))
-                        except Exception as e:  # noqa: BLE001
-                            print(f"# {op} D={D} graph capture: {type(e).__name__}: {e}", file=sys.stderr)
-                        if args.ab:
-                            timings["fwd"]["per-row"] = without_runs(lambda: b2b_time_us(f, rep))
+                    t["fwd"][name] = C.bench_us(f, args.quick)
                     if b is not None:
-                        timings["bwd"][name] = b2b_time_us(b, rep)
-                        if name == "torchfuse":
-                            timings["bwd"]["torchfuse 1-call"] = device_time_us(b, DEV, warmup=3, rep=rep)
-                            if args.ab:
-                                timings["bwd"]["per-row"] = without_runs(lambda: b2b_time_us(b, rep))
-                except Exception as e:  # noqa: BLE001  (a baseline that cannot run this case is shown as n/a)
-                    print(f"# {op} D={D} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", file=sys.stderr)
+                        t["bwd"][name] = C.bench_us(b, args.quick)
+                except Exception as e:  # noqa: BLE001  (a peer that cannot run this case is shown as -)
+                    print(f"# {op} D={D} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}",
+                          file=sys.stderr)
                 torch.cuda.empty_cache()
             for direction in ("fwd", "bwd"):
-                t = timings[direction]
-                if "torchfuse" not in t:
+                tt = t[direction]
+                if "torchfuse" not in tt:
                     continue
-                gbs = min_bytes(c, op, direction) / (t["torchfuse"] * 1e-6) / 1e9
-                others = [v for k, v in t.items() if not k.startswith("torchfuse") and not k.startswith("per-row")]
-                best = f"{min(others) / t['torchfuse']:.2f}" if others else "n/a"
-                vs_gr = f"{t['GR Triton'] / t['torchfuse']:.2f}" if "GR Triton" in t else "n/a"
-                cells = [f"{t[n]:.1f}" if n in t else "n/a" for n in COLS]
-                row = (f"| {op} {direction} | {D} {str(dtype).replace('torch.', '')} | " + " | ".join(cells)
-                       + f" | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {best} | {vs_gr} |")
-                lines.append(row)
-                print(row, flush=True)
-                if args.out:  # written as it goes: a run cut short keeps its rows
-                    with open(args.out, "w") as f:
-                        f.write("\n".join(lines) + "\n")
+                ours = tt["torchfuse"]
+                gbs = min_bytes(c, op, direction) / (ours * 1e-6) / 1e9
+                others = [v for k, v in tt.items() if k != "torchfuse"]
+                rows.append([f"{op} {direction}", D] + [C.fmt(tt.get(n)) for n in IMPLS]
+                            + [f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
+                               C.ratio(min(others), ours) if others else "-", C.ratio(tt.get("GR Triton"), ours)])
         del c
         torch.cuda.empty_cache()
+    rep.table("B = 1024, history lengths uniform in [100, 3052] + 16 candidates, bf16 rows of D columns; "
+              "kernel time in us; x = their time / ours.",
+              ["op", "D"] + [f"{n} us" for n in IMPLS] + ["torchfuse GB/s", "% of copy", "vs best other",
+                                                         "vs GR Triton"], rows)
+    return rep
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(C.standalone("jagged", run, doc=__doc__))

@@ -1,128 +1,167 @@
-"""Fused residual add + LayerNorm / RMSNorm against eager PyTorch and torch.compile, on one GPU.
+"""Fused residual add + LayerNorm / RMSNorm, and the plain norms, against eager PyTorch, torch.compile and
+Liger-Kernel (when importable), on one GPU.
 
-Large shapes: median kernel time (CUDA events), GB/s over the fewest bytes the op must move, and %
-of the device-to-device copy bandwidth measured in the same run. Decode shapes: wall time per call
-of back-to-back calls (host dispatch + launch), against eager's add+norm and eager's plain add.
+Large shapes (bf16): kernel time, GB/s over the fewest bytes the op must move, % of the copy bandwidth
+measured in the same run. Decode shapes: wall time per call of back-to-back calls (the host's cost),
+against eager's add + norm and eager's plain add.
 
     python benchmarks/bench_norm.py [--quick] [--out results.md]
 """
-import argparse
 import sys
 
 import torch
 
 import torchfuse
 from torchfuse import reference
-from torchfuse._timing import device_time_us, wall_times_us
+
+import _common as C
 
 LARGE = [(32768, 4096), (65536, 1024), (16384, 8192)]
 DECODE = [((1, 2560), torch.float16), ((8, 4096), torch.bfloat16)]
+EPS = 1e-6
 
 
-def copy_bandwidth():
-    src = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    t = device_time_us(lambda: dst.copy_(src), "cuda", warmup=5, rep=20)
-    return 2 * src.numel() * 2 / (t * 1e-6) / 1e9  # GB/s, bytes read + written
+def liger_modules(hidden, dtype):
+    """Liger-Kernel's norms at this width: {"rms", "layer", "add+rms"} -> module, those that import."""
+    out = {}
+    for key, mod, cls in (("rms", "liger_kernel.transformers.rms_norm", "LigerRMSNorm"),
+                          ("layer", "liger_kernel.transformers.layer_norm", "LigerLayerNorm"),
+                          ("add+rms", "liger_kernel.transformers.fused_add_rms_norm", "LigerFusedAddRMSNorm")):
+        m = C.import_peer(mod)
+        if m is not None and hasattr(m, cls):
+            out[key] = getattr(m, cls)(hidden, eps=EPS).to("cuda", dtype)
+    return out
 
 
-def fns(kind, x, r, w, b):
-    """torchfuse, eager and the function torch.compile gets, each returning (y, s)."""
+def rms_norm_eager(x, w):
+    """HF LlamaRMSNorm without a residual."""
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def impls(kind, residual, x, r, w, b, liger):
+    """name -> fn() returning the outputs that feed later layers (y, and s with a residual)."""
     if kind == "layer":
-        return (lambda: torchfuse.layer_norm(x, w, b, residual=r),
-                lambda: reference.add_layer_norm(x, r, w, b),
-                reference.add_layer_norm, (x, r, w, b))
-    return (lambda: torchfuse.rms_norm(x, w, residual=r),
-            lambda: reference.add_rms_norm(x, r, w),
-            reference.add_rms_norm, (x, r, w))
+        ours = (lambda: torchfuse.layer_norm(x, w, b, eps=EPS, residual=r)) if residual else \
+            (lambda: torchfuse.layer_norm(x, w, b, eps=EPS))
+        plain = (lambda x_, r_: reference.add_layer_norm(x_, r_, w, b, EPS)) if residual else \
+            (lambda x_, r_: torch.nn.functional.layer_norm(x_, (x_.shape[-1],), w, b, EPS))
+    else:
+        ours = (lambda: torchfuse.rms_norm(x, w, eps=EPS, residual=r)) if residual else \
+            (lambda: torchfuse.rms_norm(x, w, eps=EPS))
+        plain = (lambda x_, r_: reference.add_rms_norm(x_, r_, w, EPS)) if residual else \
+            (lambda x_, r_: rms_norm_eager(x_, w))
+    fns = {"torchfuse": ours, "eager": lambda: plain(x, r)}
+    if residual:  # the plain norms' peer is Liger; compile's graphs cost the run a minute
+        torch._dynamo.reset()  # a fresh compile: past the recompile limit a shape silently runs eager
+        compiled = C.compile_fn(plain)
+        fns["torch.compile"] = lambda: compiled(x, r)
+    key = ("add+" if residual else "") + kind
+    if key in liger:
+        mod = liger[key]
+        fns["Liger"] = (lambda: mod(x, r)) if residual else (lambda: mod(x))
+    return fns
 
 
-def setup(kind, shape, dtype):
-    """Random inputs, the three functions to time, and the compiled baseline's arguments."""
+def as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def bench_large(kind, residual, shape, copy_gbs, quick, rows, peers_seen):
+    dtype = torch.bfloat16
     x = torch.randn(shape, device="cuda", dtype=dtype)
-    r = torch.randn(shape, device="cuda", dtype=dtype)
+    r = torch.randn(shape, device="cuda", dtype=dtype) if residual else None
     w = torch.randn(shape[-1], device="cuda", dtype=dtype)
     b = torch.randn(shape[-1], device="cuda", dtype=dtype) if kind == "layer" else None
-    ours, eager, plain, args = fns(kind, x, r, w, b)
-    return x, r, w, b, ours, eager, torch.compile(plain), args
-
-
-def bench_large(kind, shape, dtype, copy_gbs, rows_out):
-    x, r, w, b, ours, eager, compiled, args = setup(kind, shape, dtype)
+    liger = liger_modules(shape[-1], dtype)
+    peers_seen.update(liger and {"Liger-Kernel"} or set())
+    fns = impls(kind, residual, x, r, w, b, liger)
     elem = x.numel() * x.element_size()
+    name = ("add + " if residual else "") + ("LayerNorm" if kind == "layer" else "RMSNorm")
+    # forward: read x (and r), write y (and s); forward + backward adds reading dy (ds) and the saved
+    # input, writing dx (dr is dx)
+    fwd_bytes = (4 if residual else 2) * elem
+    bwd_bytes = fwd_bytes + (4 if residual else 3) * elem
+    t = {}
     with torch.no_grad():
-        for _ in range(3):
-            compiled(*args)
-        t = [device_time_us(f, "cuda") for f in (ours, eager, lambda: compiled(*args))]
-    fwd_bytes = 4 * elem  # read x, residual; write y, s
-    rows_out.append((f"add+{kind}_norm fwd", shape, t, fwd_bytes, copy_gbs))
+        for n, f in fns.items():
+            t[n] = C.bench_us(f, quick)
+    rows.append(row(f"{name} fwd", shape, t, fwd_bytes, copy_gbs))
 
-    # forward + backward: y and s both feed later layers, so both get gradients
-    for t_ in (x, r, w) + ((b,) if b is not None else ()):
-        t_.requires_grad_(True)
-    inputs = [t_ for t_ in (x, r, w, b) if t_ is not None]
-    gy, gs = torch.randn_like(x), torch.randn_like(x)
+    leaves = [v for v in (x, r, w, b) if v is not None]
+    for v in leaves:
+        v.requires_grad_(True)
+    t = {}
+    for n, f in fns.items():
+        outs = as_tuple(f())
+        grads = [torch.randn_like(o) for o in outs]
+        params = [p for p in liger[("add+" if residual else "") + kind].parameters()] if n == "Liger" else []
+        ins = leaves if n != "Liger" else [v for v in (x, r) if v is not None] + params
 
-    def step(f):
-        return lambda: torch.autograd.grad(f(), inputs, (gy, gs))
+        def step(f=f, grads=grads, ins=ins):
+            return torch.autograd.grad(as_tuple(f()), ins, grads)
 
-    for _ in range(3):
-        step(lambda: compiled(*args))()
-    t = [device_time_us(step(f), "cuda") for f in (ours, eager, lambda: compiled(*args))]
-    # fwd: read x, r, write y, s; bwd: read dy, ds, s, write dx (= dresidual, same dtype)
-    rows_out.append((f"add+{kind}_norm fwd+bwd", shape, t, 8 * elem, copy_gbs))
+        t[n] = C.bench_us(step, quick)
+    for v in leaves:
+        v.requires_grad_(False)
+    rows.append(row(f"{name} fwd+bwd", shape, t, bwd_bytes, copy_gbs))
 
 
-def bench_decode(kind, shape, dtype, rows_out):
-    x, r, w, b, ours, eager, compiled, args = setup(kind, shape, dtype)
+def row(op, shape, t, nbytes, copy_gbs):
+    ours = t["torchfuse"]
+    gbs = nbytes / (ours * 1e-6) / 1e9
+    return [op, f"{shape[0]}x{shape[1]}", C.fmt(ours), C.fmt(t.get("eager")), C.fmt(t.get("torch.compile")),
+            C.fmt(t.get("Liger")), f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%", C.ratio(t.get("eager"), ours),
+            C.ratio(t.get("torch.compile"), ours), C.ratio(t.get("Liger"), ours)]
+
+
+def bench_decode(kind, shape, dtype, rows):
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    r = torch.randn_like(x)
+    w = torch.randn(shape[-1], device="cuda", dtype=dtype)
+    b = torch.randn_like(w) if kind == "layer" else None
+    fns = impls(kind, True, x, r, w, b, {})
+    name = "add + " + ("LayerNorm" if kind == "layer" else "RMSNorm")
     with torch.no_grad():
-        for _ in range(3):
-            compiled(*args)
-        t = wall_times_us([ours, eager, lambda: compiled(*args), lambda: x + r], "cuda")
-    rows_out.append((f"add+{kind}_norm decode", shape, t, None, None))
+        t = C.wall_us([fns["torchfuse"], fns["eager"], fns["torch.compile"], lambda: x + r])
+    rows.append([f"{name} fwd", f"{shape[0]}x{shape[1]} {str(dtype)[6:]}"] + [C.fmt(v) for v in t]
+                + [C.ratio(t[1], t[0]), C.ratio(t[2], t[0])])
+    # a training step's call at this size: forward + backward through autograd
+    for v in (x, w) + ((b,) if b is not None else ()):
+        v.requires_grad_(True)
+    leaves = [v for v in (x, w, b) if v is not None]
+
+    def fb(f):
+        return lambda: torch.autograd.backward([o.float().sum() for o in as_tuple(f())], inputs=leaves)
+
+    t = C.wall_us([fb(fns["torchfuse"]), fb(fns["eager"]), fb(fns["torch.compile"])])
+    rows.append([f"{name} fwd+bwd", f"{shape[0]}x{shape[1]} {str(dtype)[6:]}"] + [C.fmt(v) for v in t]
+                + ["-", C.ratio(t[1], t[0]), C.ratio(t[2], t[0])])
 
 
-def fmt_table(large, decode, copy_gbs, device_name):
-    lines = [f"device: {device_name}; torch {torch.__version__}; copy bandwidth {copy_gbs:.0f} GB/s (read+write)",
-             "",
-             "| op | shape (bf16) | torchfuse us | eager us | compile us | torchfuse GB/s | % of copy | vs eager | vs compile |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, shape, (t_tf, t_e, t_c), nbytes, cbw in large:
-        gbs = nbytes / (t_tf * 1e-6) / 1e9
-        lines.append(f"| {name} | {shape[0]}x{shape[1]} | {t_tf:.1f} | {t_e:.1f} | {t_c:.1f} | {gbs:.0f} | "
-                     f"{100 * gbs / cbw:.0f}% | {t_e / t_tf:.2f}x | {t_c / t_tf:.2f}x |")
-    lines += ["", "| op | shape | torchfuse us/call | eager add+norm | compile | eager plain add | torchfuse vs plain add |",
-              "|---|---|---|---|---|---|---|"]
-    for name, shape, (t_tf, t_e, t_c, t_add), _, _ in decode:
-        lines.append(f"| {name} | {shape[0]}x{shape[1]} | {t_tf:.1f} | {t_e:.1f} | {t_c:.1f} | {t_add:.1f} | "
-                     f"{t_add / t_tf:.2f}x |")
-    return "\n".join(lines)
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="one large shape only")
-    ap.add_argument("--out", help="also write the table (markdown) here")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_norm: needs a CUDA GPU")
-        return 1
-    torch.manual_seed(0)
-    copy_gbs = copy_bandwidth()
-    large, decode = [], []
-    for kind in ("layer", "rms"):
-        for shape in LARGE[:1] if a.quick else LARGE:
-            bench_large(kind, shape, torch.bfloat16, copy_gbs, large)
-            torch.cuda.empty_cache()
-        for shape, dt in DECODE:
+def run(args):
+    rep = C.Report("norm", "Fused residual add + LayerNorm / RMSNorm")
+    copy_gbs = C.copy_bandwidth_gbs(args.quick)
+    rep.roofline = f"device-to-device copy {copy_gbs:.0f} GB/s (read + write), measured in this run"
+    peers = set()
+    large = []
+    for shape in LARGE[:1] if args.quick else LARGE:
+        for kind in ("layer", "rms"):
+            for residual in (True, False):
+                bench_large(kind, residual, shape, copy_gbs, args.quick, large, peers)
+                torch.cuda.empty_cache()
+    decode = []
+    for shape, dt in DECODE:
+        for kind in ("layer", "rms"):
             bench_decode(kind, shape, dt, decode)
-    table = fmt_table(large, decode, copy_gbs, torch.cuda.get_device_name())
-    print(table)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(table + "\n")
-    return 0
+    rep.peers = ["eager PyTorch", "torch.compile"] + sorted(peers)
+    rep.table("Large shapes, bf16: kernel time in us; GB/s over the fewest bytes the op moves; x = their time / ours.",
+              ["op", "shape", "torchfuse us", "eager us", "compile us", "Liger us", "torchfuse GB/s", "% of copy",
+               "vs eager", "vs compile", "vs Liger"], large)
+    rep.table("Decode shapes: wall time per call of back-to-back calls in us (host dispatch + launch).",
+              ["op", "shape", "torchfuse", "eager", "compile", "eager plain add", "vs eager", "vs compile"], decode)
+    return rep
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(C.standalone("norm", run, doc=__doc__))

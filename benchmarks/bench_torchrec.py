@@ -6,11 +6,10 @@ the update: fused SGD inside the dynamic tables' backward; nn.EmbeddingBag(spars
 torch.optim.SGD for the baseline. Ids: Zipf-distributed over 10^8 values per feature (hashed so hot
 ids are spread over the int64 range), one id per feature per sample by default.
 
-    python benchmarks/bench_torchrec.py [--batch 16384] [--features 26] [--dim 128] [--steps 8]
+    python benchmarks/bench_torchrec.py [--quick] [--batch 16384] [--features 26] [--dim 128] [--out results.md]
 """
-import argparse
+import itertools
 import sys
-import time
 
 import numpy as np
 import torch
@@ -18,6 +17,8 @@ from types import SimpleNamespace
 
 import torchfuse
 from torchfuse import torchrec as tftr
+
+import _common as C
 
 
 DEV = "cuda"
@@ -66,25 +67,15 @@ def make_batches(args, rng):
     return keys, batches
 
 
-def _sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def step_time_ms(step, batches, reps):
-    for b in batches:  # warm-up: first sight of the ids, allocator, autotuning
+def step_time_ms(step, batches):
+    """One step's time, the steps cycling through the batches (each one's ids seen in the warm-up)."""
+    for b in batches:  # warm-up: first sight of the ids, allocator
         step(b)
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        for b in batches:
-            step(b)
-    _sync()
-    return (time.perf_counter() - t0) / (reps * len(batches)) * 1e3
+    it = itertools.cycle(batches)
+    return C.bench_us(lambda: step(next(it))) * 1e-3
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def add_args(ap):
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--features", type=int, default=26)
     ap.add_argument("--dim", type=int, default=128)
@@ -92,14 +83,16 @@ def main():
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--universe", type=int, default=10**8)
     ap.add_argument("--batches", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=0.01)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--device", default="cuda")
-    args = ap.parse_args()
-    global DEV
-    DEV = args.device
-    torch.manual_seed(0)
+
+
+DEFAULTS = dict(batch=16384, features=26, dim=128, pooling=1, zipf=1.1, universe=10**8, batches=6, lr=0.01)
+
+
+def run(args):
+    for k, v in DEFAULTS.items():  # run_all passes only --quick / --peers
+        if not hasattr(args, k):
+            setattr(args, k, v)
     rng = np.random.default_rng(0)
     keys, batches = make_batches(args, rng)
 
@@ -144,28 +137,25 @@ def main():
         out.square().mean().backward()
         opt.step()
 
-    t_dyn = step_time_ms(dyn_step, batches, args.reps)
-    t_dyn_pt = step_time_ms(dyn_per_table_step, batches, args.reps)
-    t_static = step_time_ms(static_step, remapped, args.reps)
+    t_dyn = step_time_ms(dyn_step, batches)
+    t_dyn_pt = None if args.quick else step_time_ms(dyn_per_table_step, batches)
+    t_static = step_time_ms(static_step, remapped)
     lookups = args.batch * args.features * args.pooling
-    gpu = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
-    rows = [
-        ("torchfuse DynamicEmbeddingBagCollection, table-batched (fused SGD)", t_dyn),
-        ("torchfuse DynamicEmbeddingBagCollection, one table after another", t_dyn_pt),
-        ("static nn.EmbeddingBag(sparse=True) + torch.optim.SGD", t_static),
-    ]
-    lines = [f"DLRM-style step on {gpu}, torch {torch.__version__}: batch {args.batch}, {args.features} features, "
-             f"dim {args.dim}, {args.pooling} id(s) per feature, Zipf({args.zipf}) over {args.universe:.0e} ids; "
-             f"ids seen per feature {min(n_seen)}..{max(n_seen)}",
-             "", "| path | step ms | M lookups/s | vs static |", "|---|---|---|---|"]
-    for name, t in rows:
-        lines.append(f"| {name} | {t:.2f} | {lookups / t / 1e3:.1f} | {t / t_static:.2f}x time |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    rep = C.Report("torchrec", "TorchRec drop-in: DLRM-style sparse training step")
+    rep.roofline = "- (a step of several kernels; the table operations' rooflines are in dynamic_embedding)"
+    rep.peers = ["static nn.EmbeddingBag(sparse=True) + torch.optim.SGD, sized to the ids seen"]
+    rep.notes = [f"batch {args.batch}, {args.features} features, dim {args.dim}, {args.pooling} id(s) per feature, "
+                 f"Zipf({args.zipf}) over {args.universe:.0e} ids; ids seen per feature {min(n_seen)}..{max(n_seen)}"]
+    rows = [("torchfuse DynamicEmbeddingBagCollection, table-batched (fused SGD)", t_dyn),
+            ("torchfuse DynamicEmbeddingBagCollection, one table after another", t_dyn_pt),
+            ("static nn.EmbeddingBag(sparse=True) + torch.optim.SGD", t_static)]
+    rep.table("Step = forward (SUM pooling), a loss on the pooled output, backward, update.",
+              ["path", "step ms", "M lookups/s", "time vs static"],
+              [[name, C.fmt(t, 2), C.fmt(None if t is None else lookups / t / 1e3), C.fmt(None if t is None else
+                                                                                       t / t_static, 2)]
+               for name, t in rows])
+    return rep
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(C.standalone("torchrec", run, add_args, __doc__))

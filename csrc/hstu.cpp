@@ -5,6 +5,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "tf_check.h"
 
@@ -38,6 +40,27 @@ int64_t lens_ok_index_dtype(const at::Tensor &t, const char *op, const char *arg
 }
 
 }  // namespace
+
+namespace {
+
+int backend_code(const std::string &name, const char *op, const char *what) {
+    if (name == "auto") return TF_HSTU_AUTO;
+    if (name == "sm90") return TF_HSTU_SM90;
+    if (name == "mma") return TF_HSTU_MMA;
+    TORCH_CHECK_VALUE(false, op, ": ", what, " must be \"auto\", \"sm90\" or \"mma\", got \"", name, "\"");
+}
+
+}  // namespace
+
+int hstu_backend(const std::optional<c10::string_view> &backend, const char *op) {
+    if (backend.has_value()) return backend_code(std::string(backend->data(), backend->size()), op, "backend");
+    // the process default, read once: later changes of the environment do not switch kernels mid-run
+    static const int process_default = [op] {
+        const char *env = std::getenv("TORCHFUSE_HSTU_BACKEND");
+        return env && env[0] ? backend_code(env, op, "TORCHFUSE_HSTU_BACKEND") : (int)TF_HSTU_AUTO;
+    }();
+    return process_default;
+}
 
 Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                   const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
@@ -204,7 +227,9 @@ at::Tensor hstu_fwd_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tens
                         const std::optional<at::Tensor> &num_targets, const std::optional<at::Tensor> &attn_bias,
                         int64_t max_seq_len, double alpha, std::optional<int64_t> scaling_seqlen,
                         int64_t contextual_seq_len, int64_t max_attn_len, int64_t min_full_attn_seq_len,
-                        int64_t target_group_size, int64_t delta, bool validate) {
+                        int64_t target_group_size, int64_t delta, bool validate,
+                        std::optional<c10::string_view> backend) {
+    hstu_backend(backend, "torchfuse.hstu_attention");  // checked; the CPU has one path
     Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias,
                           opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
                                min_full_attn_seq_len, target_group_size, delta, /*validate=*/true),
@@ -218,7 +243,9 @@ HstuBwdResult hstu_bwd_cpu(const at::Tensor &dout, const at::Tensor &q, const at
                            const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
                            const std::optional<at::Tensor> &attn_bias, int64_t max_seq_len, double alpha,
                            std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
-                           int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad) {
+                           int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad,
+                           std::optional<c10::string_view> backend) {
+    hstu_backend(backend, "torchfuse.hstu_bwd");
     Hstu g = prepare_hstu("torchfuse.hstu_bwd", q, k, v, seq_offsets, num_targets, attn_bias,
                           opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
                                min_full_attn_seq_len, target_group_size, 0, true),

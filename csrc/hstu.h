@@ -4,10 +4,12 @@
 
 #include <ATen/ATen.h>
 
+#include <c10/util/string_view.h>
+
 #include <optional>
 #include <tuple>
 
-#include "../kernels/hstu.h"
+#include "../kernels/hstu_kernels.h"
 
 namespace torchfuse {
 
@@ -33,6 +35,11 @@ struct HstuOpts {
 Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                   const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
                   const std::optional<at::Tensor> &attn_bias, const HstuOpts &o, bool cuda);
+
+// The CUDA kernels to run (TF_HSTU_AUTO / SM90 / MMA) for the ops' `backend` argument: "auto", "sm90" or
+// "mma"; None: the process default, TORCHFUSE_HSTU_BACKEND (read once; unset: auto). The CPU path checks
+// the name only.
+int hstu_backend(const std::optional<c10::string_view> &backend, const char *op);
 
 // Backward extras on top of prepare_hstu: dout and the gradient outputs / accumulators.
 void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda);

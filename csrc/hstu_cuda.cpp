@@ -36,12 +36,15 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
                          const std::optional<at::Tensor> &num_targets, const std::optional<at::Tensor> &attn_bias,
                          int64_t max_seq_len, double alpha, std::optional<int64_t> scaling_seqlen,
                          int64_t contextual_seq_len, int64_t max_attn_len, int64_t min_full_attn_seq_len,
-                         int64_t target_group_size, int64_t delta, bool validate) {
+                         int64_t target_group_size, int64_t delta, bool validate,
+                         std::optional<c10::string_view> backend) {
     const c10::cuda::CUDAGuard guard(q.device());
+    const int kernels = hstu_backend(backend, "torchfuse.hstu_attention");
     Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias,
                           HstuOpts{max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
                                    min_full_attn_seq_len, target_group_size, delta, validate},
                           true);
+    g.p.backend = kernels;
     // the sm_90a kernel's work counter (it zeroes it on the stream before its launch)
     const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
@@ -55,13 +58,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
     const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
     const std::optional<at::Tensor> &attn_bias, int64_t max_seq_len, double alpha,
     std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
-    int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad) {
+    int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad,
+    std::optional<c10::string_view> backend) {
     const c10::cuda::CUDAGuard guard(q.device());
+    const int kernels = hstu_backend(backend, "torchfuse.hstu_bwd");
     Hstu g = prepare_hstu("torchfuse.hstu_bwd", q, k, v, seq_offsets, num_targets, attn_bias,
                           HstuOpts{max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
                                    min_full_attn_seq_len, target_group_size, 0, false},
                           true);
     prepare_hstu_bwd(g, dout, bias_grad, true);
+    g.p.backend = kernels;
     // the persistent sm_90a backward's work counter, its own (zeroed by the launch on the stream)
     const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();

@@ -9,7 +9,7 @@
 #include <tuple>
 #include <vector>
 
-#include "../kernels/jagged.h"
+#include "../kernels/jagged_kernels.h"
 
 namespace torchfuse {
 

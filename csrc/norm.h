@@ -7,7 +7,7 @@
 #include <optional>
 #include <tuple>
 
-#include "../kernels/norm.h"
+#include "../kernels/norm_kernels.h"
 
 namespace torchfuse {
 

@@ -51,18 +51,20 @@ TORCH_LIBRARY(torchfuse, m) {
 
     // ---- HSTU attention (python/torchfuse/hstu.py) ----
     // out = (M . SiLU(alpha (q k^T + attn_bias))) / S @ v per jagged sequence; delta > 0: q holds the
-    // last delta query rows of every sequence (cached inference). kernels/hstu.h has the semantics.
+    // last delta query rows of every sequence (cached inference). kernels/hstu_kernels.h has the semantics.
     // validate: check offsets / lengths / targets on the host (a device-to-host copy, so a sync on a GPU);
-    // without it the caller guarantees them and outputs start zeroed.
+    // without it the caller guarantees them and outputs start zeroed. backend: the CUDA kernels, "auto",
+    // "sm90" or "mma" (None: TORCHFUSE_HSTU_BACKEND, else auto; csrc/hstu.h).
     m.def(
         "hstu_fwd(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, Tensor? num_targets, Tensor? attn_bias, "
         "int max_seq_len, float alpha, int? scaling_seqlen, int contextual_seq_len, int max_attn_len, "
-        "int min_full_attn_seq_len, int target_group_size, int delta, bool validate=True) -> Tensor");
+        "int min_full_attn_seq_len, int target_group_size, int delta, bool validate=True, str? backend=None) "
+        "-> Tensor");
     // Gradients of hstu_fwd (delta = 0): (dq, dk, dv, dattn_bias); dattn_bias empty unless bias_grad.
     m.def(
         "hstu_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor seq_offsets, Tensor? num_targets, "
         "Tensor? attn_bias, int max_seq_len, float alpha, int? scaling_seqlen, int contextual_seq_len, "
-        "int max_attn_len, int min_full_attn_seq_len, int target_group_size, bool bias_grad) "
+        "int max_attn_len, int min_full_attn_seq_len, int target_group_size, bool bias_grad, str? backend=None) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
 
     // ---- dynamic embeddings (python/torchfuse/dynamic_embedding.py) ----

@@ -1,4 +1,4 @@
-/* HSTU attention backward on CUDA (semantics: hstu.h). tf_hstu_bwd_cuda first offers the call to the
+/* HSTU attention backward on CUDA (semantics: hstu_kernels.h). tf_hstu_bwd_cuda first offers the call to the
  * sm_90a wgmma kernel (hstu_bwd_sm90.cu: compute capability 9.0, 16-bit, head dims up to 256, no
  * attn_bias); the kernels here run everywhere else.
  *

@@ -6,9 +6,7 @@
  * per SM takes items in that order from a global counter (p.sched, zeroed on the stream by the launch),
  * greedily, so that each block's fixed costs (launch, barrier setup, the K/V load before the first
  * wgmma, the dK/dV stores at the end) are paid once or hidden behind the neighbouring items: at 128 x
- * 1024 x 128, H = 4, the one-block-per-item launch ran 4096 blocks of ~9 query tiles each.
- * TORCHFUSE_HSTU_BWD_PERSISTENT=0 (A/B runs, tests) launches one block per item instead, the same
- * kernel taking item blockIdx.x and no other. Per block:
+ * 1024 x 128, H = 4, a one-block-per-item launch ran 4096 blocks of ~9 query tiles each. Per block:
  *   - warpgroup 0 produces, one warp of it: per item, it finds the item (skipping those whose key tile
  *     starts past its sequence's end), hands it to the consumers through shared memory (two slots,
  *     named barriers 5 and 6, as the forward), loads the K and V tiles (TMA, on kv_full) once the
@@ -29,8 +27,8 @@
  *     its threads adds that to p.dq_acc with TMA bulk reduce-adds (two boxes of 32 columns), as
  *     FlashAttention-3 does; per-thread red.global.add straight from the accumulator (16 vector reductions
  *     per thread per tile) had the consumers stalled on long_scoreboard and lg_throttle in an ncu profile.
- *     Head dims 192 and 256 (shared memory is full there), or where p.dq_acc's map cannot be made, or with
- *     TORCHFUSE_HSTU_BWD_DQ=red (A/B runs, tests): red.global.add from the registers. dK and dV
+ *     Head dims 192 and 256 (shared memory is full there), or where p.dq_acc's map cannot be made:
+ *     red.global.add from the registers. dK and dV
  *     stay in registers, 64 + 64 per thread, and are written once at the item's end (16-byte stores after
  *     a transpose within each quad of threads: 4-byte stores of the accumulator layout half-fill sectors). How the two warpgroups
  *     share the work (BwdSm90Cfg):
@@ -53,14 +51,11 @@
  *     sequence's end are stored as 0 in the staging tile (see there why they must be).
  * Head dims up to 256, bf16 / fp16, no attn_bias: otherwise (and off compute capability 9.0, or where
  * the copy engine cannot address the tensors) the entry point declines and hstu_bwd.cu's mma.sync
- * kernel runs. TORCHFUSE_HSTU_SM90_BWD=0 forces that (A/B runs, tests). */
+ * kernel runs, as it does for the TF_HSTU_MMA backend. */
 #include <cuda_runtime.h>
-#include <stdlib.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "hstu_mma.cuh"
-#include "tf_phase_trace.cuh"
 #include "tf_sm90.cuh"
 #include "tf_wgmma.cuh"
 
@@ -122,26 +117,6 @@ __device__ __forceinline__ void st_shared_v2(uint32_t addr, float a, float b) {
 __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }
-#endif
-
-/* Phase trace (a measurement build only: -DTF_HSTU_BWD_TRACE, setup.py's TORCHFUSE_HSTU_TRACE_BUILD=1;
- * benchmarks/trace_hstu_bwd.py reads it; tf_phase_trace.cuh). Thread 0 of each consumer warpgroup records
- * into its own region; the launch writes them to the file named by TORCHFUSE_HSTU_BWD_TRACE_FILE.
- * Events: 0 item handed over (index: the item's tile count), 1 K / V in shared memory, 2 a tile's Q / dO
- * in shared memory, 3 S^T / dP^T done, 7 the mask and SiLU applied,
- * 8 dZ^T stored and dK / dV's GEMMs issued, 4 dZ^T shared (past dQ's barrier), 5 the tile's dQ staged
- * and its reduce issued, 6 the item's dK / dV stored. (7 and 8 came after session 13's trace.) */
-#ifdef TF_HSTU_BWD_TRACE
-__device__ unsigned long long *g_bwd_trace;
-#define BWD_TRACE(ev, idx)                                                                     \
-    do {                                                                                       \
-        if (g_bwd_trace && threadIdx.x % 128 == 0)                                             \
-            TF_TRACE_RECORD(g_bwd_trace, blockIdx.x * 2 + cw, trace_n, ev, idx);               \
-    } while (0)
-#else
-#define BWD_TRACE(ev, idx) \
-    do {                   \
-    } while (0)
 #endif
 
 /* A work item: key tile kt of a (sequence, head) pair. Item order: (sequence, head) pairs in sections
@@ -248,12 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (threadIdx.x < 32) {  // one warp: lane 0 issues, all 32 take part in the named barriers
             const bool leader = threadIdx.x == 0;
-            // persistent (p.sched set): items from the counter; else this block's one item, blockIdx.x
-            int taken = 0;
-            auto next_item = [&]() {
-                if (!p.sched) return taken++ == 0 ? (int)blockIdx.x : items;
-                return __shfl_sync(0xffffffffu, leader ? atomicAdd(p.sched, 1) : 0, 0);
-            };
+            auto next_item = [&]() { return __shfl_sync(0xffffffffu, leader ? atomicAdd(p.sched, 1) : 0, 0); };
             int gt = 0;  // query tiles loaded so far (the ring position)
             for (int k = 0;; ++k) {  // hand-over k: the block's k-th item with keys (or the end)
                 BwdItem w;
@@ -322,16 +292,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float h_s = 0.5f * (float)p.alpha, kz = h_s * (float)p.inv_scale;
         const uint32_t k_addr = smem_u32(Ks), v_addr = smem_u32(Vs);
         int gt = 0;  // query tiles consumed so far (the ring position, and the Z buffer gt & 1)
-#ifdef TF_HSTU_BWD_TRACE
-        int trace_n = 0;
-#endif
         for (int k = 0;; ++k) {
             named_bar_sync_n(5, 288);
             // copied before arriving at 6: from then on the producer may rewrite this slot (hand-over k + 2)
             const BwdItem w = work_slot[k & 1];
             if (!w.active) break;
             named_bar_arrive_n(6, 288);
-            BWD_TRACE(0, w.total);
             const tf_hstu_mask mask = tf_hstu_mask_make(w.n, w.t, p.contextual, p.max_attn_len, p.min_full, p.group);
             const int k0 = w.k0, len = w.n, h = w.h;
             const int kw0 = k0 + kr0;               // this warpgroup's first key in the sequence
@@ -340,13 +306,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int i = 0; i < NC / 2; ++i) dk[i] = dv[i] = 0.f;
             mbar_wait(&kv_full, k & 1);
-            BWD_TRACE(1, 0);
 
             for (int it = 0; it < w.total; ++it, ++gt) {
                 const int st = gt % ST, q0 = q_tile(w, it) * kBQ;
                 uint8_t *Qt = Qs + st * QO_BYTES, *Ot = Os + st * QO_BYTES, *Zt = Zs + (gt & 1) * C::Z_BYTES;
                 mbar_wait(&full_bar[st], (gt / ST) & 1);
-                BWD_TRACE(2, it);
                 // tail rows (the same decision in every thread of both consumers)
                 const bool k_tail = it == 0 && k0 + kBN > len, q_tail = q0 + kBQ > len;
                 if (k_tail || q_tail) {
@@ -363,7 +327,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                 tf_wgmma_wait<0>();
                 tf_wgmma_reg_fence(sacc);
                 tf_wgmma_reg_fence(dpacc);
-                BWD_TRACE(3, it);
 
                 // accumulator element i = 4 j + 2 hh + e: key key_a + 8 hh, query q0 + 8 j + 2 t4 + e
                 if (tf_hstu_tile_full(&mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
@@ -387,7 +350,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                         dpacc[i] = __uint_as_float(__float_as_uint(dpacc[i] * fmaf(w, fmaf(-hv, t, hv), w)) & keep);
                     }
                 }
-                BWD_TRACE(7, it);
                 uint32_t pp[kBQ / 16][4], pz[kBQ / 16][4];  // P^T, dZ^T as A fragments (keys x 16 queries)
 #pragma unroll
                 for (int kk = 0; kk < kBQ / 16; ++kk)
@@ -423,10 +385,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 // the previous tile's reduce, which its issuing thread waits for here (long done: a tile ago).
                 // Every thread waits (no bulk groups: at once; the red path has none): a branch between the
                 // wgmma fence above and the dQ wgmma makes ptxas inject another fence (C7519)
-                BWD_TRACE(8, it);
                 if constexpr (C::DQ_TMA) bulk_wait_group_read0();
                 if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
-                BWD_TRACE(4, it);
                 const uint32_t z_addr = smem_u32(Zt);
                 const int dqk = (int)p.dqk;
 #pragma unroll
@@ -513,7 +473,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                         }
                     }
                 }
-                BWD_TRACE(5, it);
             }
             // this item's last wgmma reading K or V has completed (the last tile's dQ wait, every chunk):
             // the producer may load the next item's K and V over them while these dK / dV are stored
@@ -529,8 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 // A quad (t4 = 0..3) holds columns 8 j .. 8 j + 7 of a row, two per thread: a 4 x 4 transpose
                 // by shuffles gives thread t4 all eight of j = 4 m + t4, one 16-byte store. A warp's store
                 // then covers 8 rows x 64 contiguous bytes (whole sectors) where the 4-byte stores below
-                // cover 8 x 16: those stores took 18% of the consumers' time at 128 x 1024 (the phase
-                // trace, trace_hstu_bwd.py). The launch checks dqk, dv (multiples of 8) and alignment.
+                // cover 8 x 16: those stores took 18% of the consumers' time at 128 x 1024. The launch
+                // checks dqk, dv (multiples of 8) and alignment.
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int key = key_a + 8 * hh;
@@ -559,7 +518,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                     }
                 }
             }
-            BWD_TRACE(6, 0);
         }
         // the block's last dQ reduces: complete before it ends (they read its shared memory until then)
         if (dq_tma && threadIdx.x % 128 == 0) bulk_wait_group0();
@@ -574,7 +532,7 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     constexpr int kBN = BwdSm90Cfg<D>::BN;
     const int64_t k_tiles = (p.max_seq_len + kBN - 1) / kBN, items = k_tiles * p.B * p.H;
     if (items == 0) return 0;
-    if (items > 0x7fff0000) return -1;  // item numbers (and the counter, up to items + grid) are ints
+    if (items > 0x7fff0000 || !p.sched) return -1;  // item numbers (and the counter, up to items + grid) are ints
     CUtensorMap tq, tk, tv, tdo;
     if (!tensor_map(&tq, p.dtype, p.q, p.L, p.H, p.dqk, p.q_sr, p.q_sh, kBQ) ||
         !tensor_map(&tk, p.dtype, p.k, p.L, p.H, p.dqk, p.k_sr, p.k_sh, kBN) ||
@@ -582,49 +540,25 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
         !tensor_map(&tdo, p.dtype, p.dout, p.L, p.H, p.dv, p.do_sr, p.do_sh, kBQ))
         return -1;
     // dQ: staged in shared memory and added by TMA reduce-adds (head dims up to 128, where p.dq_acc's map
-    // can be made), else red.global.add from the registers; TORCHFUSE_HSTU_BWD_DQ=red forces the latter
-    // (A/B runs, tests), unset, empty or anything else takes the former where it applies
-    const char *dq_env = getenv("TORCHFUSE_HSTU_BWD_DQ");
+    // can be made), else red.global.add from the registers
     CUtensorMap tdq;
     memset(&tdq, 0, sizeof(tdq));  // unread on the red path
-    const bool dq_tma = BwdSm90Cfg<D>::DQ_TMA && !(dq_env && strcmp(dq_env, "red") == 0) &&
-                        tensor_map_f32_reduce(&tdq, p.dq_acc, p.L, p.H, p.dqk, kBQ);
+    const bool dq_tma = BwdSm90Cfg<D>::DQ_TMA && tensor_map_f32_reduce(&tdq, p.dq_acc, p.L, p.H, p.dqk, kBQ);
     const int smem = dq_tma ? BwdSm90Cfg<D>::SMEM_TMA : BwdSm90Cfg<D>::SMEM;
     cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    // TORCHFUSE_HSTU_BWD_SECTION=0: one section of every pair (the A/B of the L2 sections)
-    const char *env = getenv("TORCHFUSE_HSTU_BWD_SECTION");
-    const int section = env && env[0] == '0' ? (int)(p.B * p.H)
-                                            : l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, (int)k_tiles);
-    // Persistent (default, where the caller gave a counter): one block per SM (one fits: shared memory),
-    // each taking items from p.sched, zeroed here on the stream. TORCHFUSE_HSTU_BWD_PERSISTENT=0: one
-    // block per item, the block's item its index (the kernel sees p.sched NULL).
-    const char *pers = getenv("TORCHFUSE_HSTU_BWD_PERSISTENT");
-    tf_hstu_params kp = p;
-    int64_t grid = items;
-    if (p.sched && !(pers && pers[0] == '0')) {
-        if (grid > device_sizes().sms) grid = device_sizes().sms;
-        err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
-        if (err != cudaSuccess) return err;
-    } else {
-        kp.sched = nullptr;
-    }
-#ifdef TF_HSTU_BWD_TRACE
-    // the measurement build: every launch's trace, written to TORCHFUSE_HSTU_BWD_TRACE_FILE (waits for it)
-    const char *trace_file = getenv("TORCHFUSE_HSTU_BWD_TRACE_FILE");
-    unsigned long long *trace_ptr = tf_trace_begin(trace_file, 2 * grid, stream);
-    cudaMemcpyToSymbolAsync(g_bwd_trace, &trace_ptr, sizeof(trace_ptr), 0, cudaMemcpyHostToDevice, stream);
-#endif
+    const int section = l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, (int)k_tiles);
+    // persistent: one block per SM (one fits: shared memory), each taking items from p.sched, zeroed
+    // here on the stream
+    const int64_t grid = items < device_sizes().sms ? items : device_sizes().sms;
+    err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
+    if (err != cudaSuccess) return err;
     // dK / dV by 16-byte stores where rows and columns allow (head dims that are multiples of 8, aligned
-    // outputs); TORCHFUSE_HSTU_BWD_VEC_STORE=0: 4-byte stores (A/B runs, tests)
-    const char *vec_env = getenv("TORCHFUSE_HSTU_BWD_VEC_STORE");
-    const bool vec = !(vec_env && vec_env[0] == '0') && p.dqk % 8 == 0 && p.dv % 8 == 0 &&
-                     reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 && reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
-    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, kp, (int)k_tiles, section,
+    // outputs), else 4-byte stores
+    const bool vec = p.dqk % 8 == 0 && p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
+    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, p, (int)k_tiles, section,
                                                                   (int)items, (dq_tma ? 1 : 0) | (vec ? 2 : 0));
-#ifdef TF_HSTU_BWD_TRACE
-    tf_trace_end(trace_file, trace_ptr, 2 * grid, stream);
-#endif
     return cudaGetLastError();
 }
 
@@ -641,8 +575,7 @@ int dispatch(const tf_hstu_params &p, cudaStream_t stream) {
 extern "C" int tf_hstu_bwd_sm90(const tf_hstu_params *p, void *stream) {
 #if defined(TF_BUILT_SM90A)
     if (p->dtype != TF_BF16 && p->dtype != TF_F16) return -1;
-    const char *env = getenv("TORCHFUSE_HSTU_SM90_BWD");  // 0: never; unset or 1: where it applies
-    if (env && env[0] == '0') return -1;
+    if (p->backend == TF_HSTU_MMA) return -1;
     if (p->bias || !p->dq_acc || p->delta > 0) return -1;
     if ((p->dqk > p->dv ? p->dqk : p->dv) > 256 || !device_is_sm90()) return -1;
     if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream);

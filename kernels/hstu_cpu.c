@@ -1,5 +1,5 @@
 /* HSTU attention on the CPU: the reference path, plain C, all arithmetic in double.
- * Semantics are those of hstu.h. One sequence at a time: its q, k, v (and dO) rows of one head are
+ * Semantics are those of hstu_kernels.h. One sequence at a time: its q, k, v (and dO) rows of one head are
  * widened to double once, then each query row walks the columns tf_hstu_col_range() allows, testing
  * the row's spans (tf_hstu_row_spans()) only in 16-column blocks that tf_hstu_tile_full() does not clear, the
  * decisions the CUDA kernels make per tile (so these tests exercise them too). The backward makes two
@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "hstu.h"
+#include "hstu_kernels.h"
 
 static double ld(const void *base, int dt, int64_t i) {
     if (dt == TF_HSTU_F64) return ((const double *)base)[i];

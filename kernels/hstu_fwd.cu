@@ -1,4 +1,4 @@
-/* HSTU attention forward on CUDA (semantics: hstu.h).
+/* HSTU attention forward on CUDA (semantics: hstu_kernels.h).
  *
  * Tensor-core kernel (bf16 / fp16), FlashAttention-2 structure without the softmax bookkeeping: one
  * block of 8 warps per (sequence, head, tile of BM = 128 query rows); each warp owns 16 query rows.

@@ -13,28 +13,24 @@
  *     the MN-major ("transposed") descriptor; then free the stages on their `empty` mbarriers. The two
  *     take turns (ping-pong, named barriers): one issues P V of tile j and S of tile j + 1 while the
  *     other runs its SiLU (with all 256 threads loading by cp.async and a __syncthreads per tile both
- *     SiLUs ran at once with the tensor cores idle: 302 against 358 TFLOP/s at 16x4096x128); the plain
- *     loop without turns (TORCHFUSE_HSTU_SM90=2) stays as the A/B form;
+ *     SiLUs ran at once with the tensor cores idle: 302 against 358 TFLOP/s at 16x4096x128);
  *   - each consumer stages its O in its own rows of its item's Q buffer and the copy engine stores it
  *     (one TMA store per 64 columns), where the register stores took 10-15% of the consumers' time at
- *     1024-long sequences (session 16's trace);
+ *     1024-long sequences; rows the copy engine cannot store (a partial tile) take 16-byte stores
+ *     after a transpose within each quad, or 4-byte stores where the rows are not 16-byte aligned;
  *   - tiles are 128-byte swizzled in shared memory (rows of 64 elements, 16-byte chunk index XOR row
  *     mod 8): what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and what the wgmma descriptors read;
- *   - in the plain loop a warpgroup skips the MMAs of a key tile its own rows cannot reach (the causal
- *     diagonal at D = 256, where key tiles are 64 wide; rows past the sequence's end);
  *   - items are ordered so that those sharing a (sequence, head)'s K and V run together (L2 reuse),
  *     longest tiles first within.
  * Built only for sm_90a (wgmma and setmaxnreg are not in plain sm_90). The entry point declines (and
  * hstu_fwd.cu's mma.sync kernel runs) off compute capability 9.0, where the copy engine cannot address
- * the tensors (strides not multiples of 16 bytes), and for cached inference at head dims up to 128.
- * TORCHFUSE_HSTU_SM90=0 / 1 forces the choice (A/B runs, tests); 1 with ping-pong, 2 without. */
+ * the tensors (strides not multiples of 16 bytes), for cached inference at head dims up to 128 unless
+ * the backend is TF_HSTU_SM90, and for TF_HSTU_MMA. */
 #include <cuda.h>  // CUtensorMap (the encoder is fetched from the driver at run time: no libcuda link)
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
-#include <stdlib.h>
 
 #include "hstu_mma.cuh"
-#include "tf_phase_trace.cuh"
 #include "tf_sm90.cuh"
 #include "tf_wgmma.cuh"
 
@@ -86,24 +82,6 @@ __device__ __forceinline__ __attribute__((unused)) float silu_h(float x, float c
 __device__ __noinline__ __attribute__((unused)) float bias_at(const tf_hstu_params &p, int64_t b, int h, int pos, int key) {
     return tf_bias_load(p.bias, p.bias_dtype, b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key);
 }
-
-/* Phase trace (a measurement build only: -DTF_HSTU_FWD_TRACE, setup.py's TORCHFUSE_HSTU_TRACE_BUILD=1;
- * benchmarks/trace_hstu_fwd.py reads it; tf_phase_trace.cuh). Thread 0 of each consumer warpgroup records,
- * in the ping-pong loop: 0 item handed over (index: its key tiles), 1 Q in shared memory, 2 a key tile's
- * K / V in shared memory, 3 this consumer's turn (named barrier), 4 its GEMMs of the turn done,
- * 5 SiLU applied and P packed, 6 O stored. TORCHFUSE_HSTU_FWD_TRACE_FILE names the file. */
-#ifdef TF_HSTU_FWD_TRACE
-__device__ unsigned long long *g_fwd_trace;
-#define FWD_TRACE(ev, idx)                                                                     \
-    do {                                                                                       \
-        if (g_fwd_trace && threadIdx.x % 128 == 0)                                             \
-            TF_TRACE_RECORD(g_fwd_trace, blockIdx.x * 2 + cw, trace_n, ev, idx);               \
-    } while (0)
-#else
-#define FWD_TRACE(ev, idx) \
-    do {                   \
-    } while (0)
-#endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 /* Zero rows [r0, BN) of a V tile (all panels) in shared memory, by one warpgroup, and make the zeros
@@ -251,28 +229,16 @@ __device__ __forceinline__ WorkSlot work_slot_of(const BlockWork &w) {
     ws.active = w.active;
     return ws;
 }
-/* Can the warpgroup whose first row is at position wpos0 reach key tile kt? (uniform per warpgroup) */
-struct Reach {
-    int lo = 1 << 30, hi = -1;
-    __device__ __forceinline__ Reach(const tf_hstu_mask &m, int wpos0) {
-        const int a = max(wpos0, 0), z = min(wpos0 + 64, m.n);
-        if (a < z) tf_hstu_col_range(&m, a, z, &lo, &hi);
-    }
-    template <int BN>
-    __device__ __forceinline__ bool tile(int kt) const { return kt * BN <= hi && kt * BN + BN - 1 >= lo; }
-};
-
 /* The kernel (see the top of the file). TMA reads whole tiles: rows past a sequence's end come from the
  * next one (masked to P = 0, and V's zeroed in shared memory since 0 x inf is NaN; past the tensor's
  * end they are zeros), columns past Dqk / Dv are zeros. */
 constexpr int kWsThreads = 384;
 
-template <typename T, int D, bool PP>
+template <typename T, int D>
 __global__ void __launch_bounds__(kWsThreads, 1)
     hstu_fwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
-                const tf_hstu_params p, int q_tiles, int section, int64_t items, bool vec_store, bool o_tma,
-                bool fast_bits) {
+                const tf_hstu_params p, int q_tiles, int section, int64_t items, bool vec_store, bool o_tma) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Cfg = Sm90Cfg<D>;
     constexpr int BN = Cfg::BN, KV_BYTES = Cfg::KV_BYTES, STK = Cfg::STK, STV = Cfg::STV, QB = Cfg::QB;
@@ -379,9 +345,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const int cw = wg - 1;
         const float c_t = 0.5f * (float)p.alpha;
         int g = 0, qn = 0;
-#ifdef TF_HSTU_FWD_TRACE
-        int trace_n = 0;
-#endif
         // this warp is done with a ring stage or a Q buffer (the empty barriers count 8: one per consumer warp)
         auto release = [](uint64_t *bar) {
             __syncwarp();
@@ -390,9 +353,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         // O through the copy engine (o_tma): this warpgroup's O staged in its own rows of the item's Q buffer
         // (free once its last S is done), stored by TMA, so the consumer goes on to the next item while the
         // rows are written. The warpgroup's warp 0 then frees that Q buffer (its q_empty arrival) only once
-        // the store has read the staging (pending_q): with ping-pong at the next item, after its first turn;
-        // in the plain loop (and before an item with no key tiles) at the next item's start, before its Q
-        // wait, which with one Q buffer (D = 256) waits for this very arrival.
+        // the store has read the staging (pending_q): at the next item, after its first turn; before an item
+        // with no key tiles, and with one Q buffer (D = 256), at the next item's start, before its Q wait,
+        // which with one Q buffer waits for this very arrival.
         int pending_q = -1;
         auto flush_o = [&]() {
             if (pending_q >= 0) {
@@ -409,17 +372,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             const WorkSlot w = work_slot[k & 1];
             if (!w.active) break;
             named_bar_arrive_n(6, 288);
-            FWD_TRACE(0, w.kt_hi - w.kt_lo + 1);
             const tf_hstu_mask mask = tf_hstu_mask_make(w.n, w.t, p.contextual, p.max_attn_len, p.min_full, p.group);
             // the mask bits' form (mask_bits), uniform per item: 1 plain causal, 2 a plain window, 0 the spans
-            const int fast = !fast_bits ? 0 : tf_hstu_causal(mask) ? 1 : tf_hstu_band(mask) ? 2 : 0;
+            const int fast = tf_hstu_causal(mask) ? 1 : tf_hstu_band(mask) ? 2 : 0;
             const int kt_lo = w.kt_lo, kt_hi = w.kt_hi;
             const int wpos0 = w.pos0 + 64 * cw;
             // staged: this warpgroup's 64 rows all in the sequence (a partial tile's rows past its end belong to
             // the next sequence, which a whole-box store would overwrite) and a Q buffer to stage in
             const bool staged = o_tma && kt_lo <= kt_hi && w.rows_here >= 64 * (cw + 1);
             const bool q_release = !staged || (threadIdx.x / 32) % 4 != 0;  // warp 0 of a staged one frees later
-            if (!PP || QB == 1 || kt_lo > kt_hi) flush_o();  // one Q buffer: its next load waits for this
+            if (QB == 1 || kt_lo > kt_hi) flush_o();  // one Q buffer: its next load waits for this
             float o[D / 2];
 #pragma unroll
             for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
@@ -428,106 +390,66 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 qb = qn % QB;
                 mbar_wait(&q_full[qb], (qn / QB) & 1);
                 ++qn;
-                FWD_TRACE(1, 0);
                 const uint32_t q_addr = smem_u32(Qs + qb * Cfg::Q_BYTES) + cw * 64 * 128;
-                const Reach reach(mask, wpos0);
                 float sacc[BN / 2];
                 uint32_t pa[BN / 16][4];
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i) sacc[i] = 0.f;
-                if constexpr (!PP) {
-                    for (int kt = kt_lo; kt <= kt_hi; ++kt) {
-                        const int gi = g + kt - kt_lo, sk = gi % STK, sv = gi % STV;
-                        mbar_wait(&k_full[sk], (gi / STK) & 1);
-                        mbar_wait(&v_full[sv], (gi / STV) & 1);
-                        if (kt * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + sv * KV_BYTES, w.n - kt * BN, cw);
-                        if (reach.tile<BN>(kt)) {
-                            tf_wgmma_fence();
-                            tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + sk * KV_BYTES));
-                            tf_wgmma_commit();
-                            tf_wgmma_wait<0>();
-                            tf_wgmma_reg_fence(sacc);
-                            elementwise<T, BN>(sacc, pa, p, mask, fast, w.b, w.h, wpos0, kt * BN, c_t);
-                            tf_wgmma_fence();
-                            tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + sv * KV_BYTES));
-                            tf_wgmma_commit();
-                            tf_wgmma_wait<0>();
-                            tf_wgmma_reg_fence(o);
-                        }
-                        __syncwarp();
-                        if (threadIdx.x % 32 == 0) {
-                            mbar_arrive(&k_empty[sk]);
-                            mbar_arrive(&v_empty[sv]);
-                        }
-                    }
-                    if (q_release) release(&q_empty[qb]);  // this warp is done with Q
-                } else {
-                    // Ping-pong: after the SiLU of tile j, one batch issues P V of tile j and S of tile
-                    // j + 1, in turns with the other consumer (named barriers 1 + cw: sync on mine before
-                    // issuing, arrive on the other's after), so one's SiLU runs while the other's MMAs
-                    // do. No warpgroup skips a tile here (the mask zeroes P where its rows cannot
-                    // reach): a branch around the MMAs or the code defining P makes ptxas serialize the
-                    // wgmmas (C7520). Each item's turns balance (every sync gets exactly one arrival),
-                    // and neither consumer can start the next item's turns before the other has taken
-                    // its last one of this item. A turn's end frees tile j's V and tile j + 1's K.
-                    const int mine = 1 + cw, other = 2 - cw;
-                    if (cw == 1) named_bar_arrive(1);  // consumer 0 goes first
-                    mbar_wait(&k_full[g % STK], (g / STK) & 1);
-                    FWD_TRACE(2, kt_lo);
+                // Ping-pong: after the SiLU of tile j, one batch issues P V of tile j and S of tile
+                // j + 1, in turns with the other consumer (named barriers 1 + cw: sync on mine before
+                // issuing, arrive on the other's after), so one's SiLU runs while the other's MMAs
+                // do. No warpgroup skips a tile here (the mask zeroes P where its rows cannot
+                // reach): a branch around the MMAs or the code defining P makes ptxas serialize the
+                // wgmmas (C7520). Each item's turns balance (every sync gets exactly one arrival),
+                // and neither consumer can start the next item's turns before the other has taken
+                // its last one of this item. A turn's end frees tile j's V and tile j + 1's K.
+                const int mine = 1 + cw, other = 2 - cw;
+                if (cw == 1) named_bar_arrive(1);  // consumer 0 goes first
+                mbar_wait(&k_full[g % STK], (g / STK) & 1);
+                named_bar_sync(mine);
+                tf_wgmma_fence();
+                tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + (g % STK) * KV_BYTES));
+                tf_wgmma_commit();
+                named_bar_arrive(other);
+                tf_wgmma_wait<0>();
+                tf_wgmma_reg_fence(sacc);
+                release(&k_empty[g % STK]);
+                flush_o();  // the previous item's O store has long read its staging
+                for (int j = kt_lo; j < kt_hi; ++j) {
+                    const int gi = g + j - kt_lo, sv = gi % STV, nsk = (gi + 1) % STK;
+                    elementwise<T, BN>(sacc, pa, p, mask, fast, w.b, w.h, wpos0, j * BN, c_t);
+                    mbar_wait(&v_full[sv], (gi / STV) & 1);
+                    mbar_wait(&k_full[nsk], ((gi + 1) / STK) & 1);
                     named_bar_sync(mine);
-                    FWD_TRACE(3, kt_lo);
                     tf_wgmma_fence();
-                    tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + (g % STK) * KV_BYTES));
+                    tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + sv * KV_BYTES));
+                    tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + nsk * KV_BYTES));
                     tf_wgmma_commit();
                     named_bar_arrive(other);
                     tf_wgmma_wait<0>();
                     tf_wgmma_reg_fence(sacc);
-                    FWD_TRACE(4, kt_lo);
-                    release(&k_empty[g % STK]);
-                    flush_o();  // the previous item's O store has long read its staging
-                    for (int j = kt_lo; j < kt_hi; ++j) {
-                        const int gi = g + j - kt_lo, sv = gi % STV, nsk = (gi + 1) % STK;
-                        elementwise<T, BN>(sacc, pa, p, mask, fast, w.b, w.h, wpos0, j * BN, c_t);
-                        FWD_TRACE(5, j);
-                        mbar_wait(&v_full[sv], (gi / STV) & 1);
-                        mbar_wait(&k_full[nsk], ((gi + 1) / STK) & 1);
-                        FWD_TRACE(2, j + 1);
-                        named_bar_sync(mine);
-                        FWD_TRACE(3, j + 1);
-                        tf_wgmma_fence();
-                        tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + sv * KV_BYTES));
-                        tf_gemm_ss<T, D, kBM, BN>(sacc, q_addr, smem_u32(Ks + nsk * KV_BYTES));
-                        tf_wgmma_commit();
-                        named_bar_arrive(other);
-                        tf_wgmma_wait<0>();
-                        tf_wgmma_reg_fence(sacc);
-                        tf_wgmma_reg_fence(o);
-                        FWD_TRACE(4, j + 1);
-                        __syncwarp();
-                        if (threadIdx.x % 32 == 0) {
-                            mbar_arrive(&v_empty[sv]);
-                            mbar_arrive(&k_empty[nsk]);
-                        }
+                    tf_wgmma_reg_fence(o);
+                    __syncwarp();
+                    if (threadIdx.x % 32 == 0) {
+                        mbar_arrive(&v_empty[sv]);
+                        mbar_arrive(&k_empty[nsk]);
                     }
-                    if (q_release) release(&q_empty[qb]);  // every S of this item is done
-                    {  // the last tile: its P V alone
-                        const int gi = g + kt_hi - kt_lo, sv = gi % STV;
-                        elementwise<T, BN>(sacc, pa, p, mask, fast, w.b, w.h, wpos0, kt_hi * BN, c_t);
-                        FWD_TRACE(5, kt_hi);
-                        mbar_wait(&v_full[sv], (gi / STV) & 1);
-                        // only the last tile can run past the sequence's end
-                        if (kt_hi * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + sv * KV_BYTES, w.n - kt_hi * BN, cw);
-                        named_bar_sync(mine);
-                        FWD_TRACE(3, kt_hi + 1);
-                        tf_wgmma_fence();
-                        tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + sv * KV_BYTES));
-                        tf_wgmma_commit();
-                        if (cw == 0) named_bar_arrive(other);  // every sync gets exactly one arrival
-                        tf_wgmma_wait<0>();
-                        tf_wgmma_reg_fence(o);
-                        FWD_TRACE(4, kt_hi + 1);
-                        release(&v_empty[sv]);
-                    }
+                }
+                if (q_release) release(&q_empty[qb]);  // every S of this item is done
+                {  // the last tile: its P V alone
+                    const int gi = g + kt_hi - kt_lo, sv = gi % STV;
+                    elementwise<T, BN>(sacc, pa, p, mask, fast, w.b, w.h, wpos0, kt_hi * BN, c_t);
+                    mbar_wait(&v_full[sv], (gi / STV) & 1);
+                    // only the last tile can run past the sequence's end
+                    if (kt_hi * BN + BN > w.n) zero_tail_rows<D, BN>(Vs + sv * KV_BYTES, w.n - kt_hi * BN, cw);
+                    named_bar_sync(mine);
+                    tf_wgmma_fence();
+                    tf_gemm_rs<T, D, BN>(o, pa, smem_u32(Vs + sv * KV_BYTES));
+                    tf_wgmma_commit();
+                    if (cw == 0) named_bar_arrive(other);  // every sync gets exactly one arrival
+                    tf_wgmma_wait<0>();
+                    tf_wgmma_reg_fence(o);
+                    release(&v_empty[sv]);
                 }
                 g += kt_hi - kt_lo + 1;
             }
@@ -548,7 +470,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             } else {
                 store_o<T, D>(o, p, w.q_start + w.i0, w.h, 64 * cw, w.rows_here, vec_store);
             }
-            FWD_TRACE(6, 0);
         }
         if (threadIdx.x % 128 == 0) bulk_wait_group0();  // the stores done before the block's shared memory goes
     }
@@ -557,9 +478,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
 #if defined(TF_BUILT_SM90A)  // the host side of the sm_90a kernel
 
-
 /* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
-template <typename T, int D, bool PP>
+template <typename T, int D>
 int launch(const tf_hstu_params &p, cudaStream_t stream) {
     const HstuFwdGrid g = hstu_fwd_grid(p, kBM);
     if (g.err != cudaSuccess || g.blocks == 0) return g.err;
@@ -570,58 +490,34 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
         !tensor_map(&tv, p.dtype, p.v, p.L, p.H, p.dv, p.v_sr, p.v_sh, Sm90Cfg<D>::BN))
         return -1;
     constexpr int smem = Sm90Cfg<D>::SMEM;
-    cudaError_t err = cudaFuncSetAttribute(hstu_fwd_ws<T, D, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t err = cudaFuncSetAttribute(hstu_fwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     // persistent: one block per SM (one fits: shared memory), each taking items from the counter
     if (!p.sched) return -1;
     const int64_t grid = g.blocks < device_sizes().sms ? g.blocks : device_sizes().sms;
     err = cudaMemsetAsync(p.sched, 0, sizeof(int), stream);
     if (err != cudaSuccess) return err;
-    // plain causal and plain window sequences' mask bits without the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0: the spans, the A/B)
-    const char *cb_env = getenv("TORCHFUSE_HSTU_CAUSAL_BITS");
-    const bool fast_bits = !(cb_env && cb_env[0] == '0');
-    // O by 16-byte stores where the rows allow (dv a multiple of 8, an aligned output: always, as the op
-    // allocates it). One-process A/B on an H100 against 4-byte stores, back to back: +7.5% at 128x1024x128,
-    // +3.7% at 16x4096x128, +12.7% at head dim 256 (session 16, with quad_chunk's butterfly transpose; its
-    // first, lane-indexed form lost 3-4% at head dims up to 128). TORCHFUSE_HSTU_FWD_VEC_STORE=0 / 1 forces
-    // 4- / 16-byte stores (A/B runs, tests).
-    const char *vec_env = getenv("TORCHFUSE_HSTU_FWD_VEC_STORE");
-    const bool vec = !(vec_env && vec_env[0] == '0') &&
-                     p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0;
+    // O rows the copy engine does not store: 16-byte stores where the rows allow (dv a multiple of 8, an
+    // aligned output: always, as the op allocates it), against 4-byte stores +7.5% at 128x1024x128, +3.7%
+    // at 16x4096x128, +12.7% at head dim 256 on an H100
+    const bool vec = p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0;
     // O staged in the item's Q buffer and stored by the copy engine where it can address the output; the 16-
-    // or 4-byte stores above take the rest. One-process A/B on an H100 (session 17), back to back: +20% at
-    // 128x1024x128 (with the second Q buffer, which alone gave +3%), +5% at 16x4096x128, +12% with a window;
-    // at head dim 256, where the next item's Q load waits for the store to read its staging, +1-4%.
-    // TORCHFUSE_HSTU_FWD_O_TMA=0 turns it off (A/B runs, tests).
-    const char *ot_env = getenv("TORCHFUSE_HSTU_FWD_O_TMA");
-    bool o_tma = !(ot_env && ot_env[0] == '0');
-    if (o_tma) o_tma = tensor_map(&to, p.dtype, p.o, q_rows, p.H, p.dv, p.H * p.dv, p.dv, 64);
+    // or 4-byte stores above take the rest. On an H100: +20% at 128x1024x128 (with the second Q buffer, which
+    // alone gave +3%), +5% at 16x4096x128, +12% with a window; +1-4% at head dim 256, where the next item's
+    // Q load waits for the store to read its staging
+    const bool o_tma = tensor_map(&to, p.dtype, p.o, q_rows, p.H, p.dv, p.H * p.dv, p.dv, 64);
     if (!o_tma) to = tq;  // unused
-#ifdef TF_HSTU_FWD_TRACE
-    // the measurement build: every launch's trace, written to TORCHFUSE_HSTU_FWD_TRACE_FILE (waits for it)
-    const char *trace_file = getenv("TORCHFUSE_HSTU_FWD_TRACE_FILE");
-    unsigned long long *trace_ptr = tf_trace_begin(trace_file, 2 * grid, stream);
-    cudaMemcpyToSymbolAsync(g_fwd_trace, &trace_ptr, sizeof(trace_ptr), 0, cudaMemcpyHostToDevice, stream);
-#endif
-    hstu_fwd_ws<T, D, PP><<<(unsigned)grid, kWsThreads, smem, stream>>>(
+    hstu_fwd_ws<T, D><<<(unsigned)grid, kWsThreads, smem, stream>>>(
         tq, tk, tv, to, p, g.q_tiles, l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, g.q_tiles),
-        (int)g.blocks, vec, o_tma, fast_bits);
-#ifdef TF_HSTU_FWD_TRACE
-    tf_trace_end(trace_file, trace_ptr, 2 * grid, stream);
-#endif
+        (int)g.blocks, vec, o_tma);
     return cudaGetLastError();
 }
 
 template <typename T>
-int dispatch(const tf_hstu_params &p, cudaStream_t stream, bool pp) {
-    return hstu_with_head_dim(p, [&](auto D) {
-        constexpr int d = decltype(D)::value;
-        // Ping-pong at every head dim. At 256 it once spilled and measured 0.86x the plain loop; on the
-        // current code its loop has no spills and a one-process A/B on an H100 (session 17) has it 1.19-1.23x
-        // the plain loop at 16x4096x256, back to back and single calls.
-        if (pp) return launch<T, d, true>(p, stream);
-        return launch<T, d, false>(p, stream);
-    });
+int dispatch(const tf_hstu_params &p, cudaStream_t stream) {
+    // Ping-pong at every head dim: against the loop without turns, 1.00-1.02x at 16 x 1024, 1.05-1.07x at
+    // 128 x 1024, 1.06x with a window, 1.08-1.11x at 4096, 1.19-1.23x at 16x4096x256 (H100)
+    return hstu_with_head_dim(p, [&](auto D) { return launch<T, decltype(D)::value>(p, stream); });
 }
 
 #endif
@@ -631,24 +527,13 @@ int dispatch(const tf_hstu_params &p, cudaStream_t stream, bool pp) {
 extern "C" int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream) {
 #if defined(TF_BUILT_SM90A)
     if (p->dtype != TF_BF16 && p->dtype != TF_F16) return -1;
-    const char *env = getenv("TORCHFUSE_HSTU_SM90");  // 0: never, 1: always, unset: where it is faster
-    if (env && env[0] == '0') return -1;
-    if (!device_is_sm90()) return -1;
+    if (p->backend == TF_HSTU_MMA || !device_is_sm90()) return -1;
     const int64_t d = p->dqk > p->dv ? p->dqk : p->dv;
-    if (!(env && (env[0] == '1' || env[0] == '2'))) {
-        // Measured on an H100 (benchmarks/results/hstu_h100.md, session 6): 1.14-2.8x mma.sync at every
-        // benchmark shape, jagged, targets and window included. Cached inference (delta query rows per
-        // sequence) keeps the earlier rule, measured before: above head dim 128 only.
-        if (p->delta > 0 && d <= 128) return -1;
-    }
-    // Ping-pong at every shape and head dim (dispatch). Session 6 measured it
-    // 0.93-0.97x on 1024-long sequences and with a window of 256, so it ran from 2048 only; since the
-    // persistent scheduling and the hand-over of the item, one process (session 10, ab_hstu_fwd.py) has
-    // it 1.00-1.02x at 16 x 1024, 1.05-1.07x at 128 x 1024, 1.06x with the window, 1.08-1.11x at 4096.
-    // The switch forces it (1: always, 2: never) for the A/B runs and the tests.
-    const bool pp = !(env && env[0] == '2');
-    if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream, pp);
-    return dispatch<__half>(*p, (cudaStream_t)stream, pp);
+    // 1.14-2.8x mma.sync at every benchmark shape (jagged, targets and window included) on an H100; cached
+    // inference (delta query rows per sequence) measured faster on mma.sync up to head dim 128
+    if (p->backend == TF_HSTU_AUTO && p->delta > 0 && d <= 128) return -1;
+    if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream);
+    return dispatch<__half>(*p, (cudaStream_t)stream);
 #else
     (void)p;
     (void)stream;

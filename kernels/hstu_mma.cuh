@@ -16,7 +16,7 @@
 
 #include <type_traits>
 
-#include "hstu.h"
+#include "hstu_kernels.h"
 #include "tf_cp_async.cuh"
 
 template <typename T>
@@ -246,10 +246,10 @@ __device__ __forceinline__ uint32_t hstu_row_bits(const tf_hstu_mask &m, int pos
  * instead of hstu_row_bits' spans (the sm_90a forward). Bit 2 j + e stands for offset 8 j + e from the
  * thread's first column (row), increasing with the bit, so "offset <= d" is the lowest `count` bits. The
  * span forms evaluate four or five spans and spread two 16-bit sets per row: on the diagonal tile of
- * every item that made the forward's masked element-wise step 2.8x a full tile's (trace_hstu_fwd.py,
- * session 16); this form gained 1-4% (the ping-pong hid most of it). The same for the backward's
- * key-major bits (rows key <= row0 + 8 j + e < n: prefix(n - 1 - row0) & ~prefix(key - 1 - row0)) measured
- * +1.4% at head dim 128 and -3..-5% at 64 (session 16, commit history): not kept. */
+ * every item that made the forward's masked element-wise step 2.8x a full tile's; this form gained
+ * 1-4% (the ping-pong hid most of it). The same for the backward's key-major bits (rows
+ * key <= row0 + 8 j + e < n: prefix(n - 1 - row0) & ~prefix(key - 1 - row0)) measured +1.4% at head dim
+ * 128 and -3..-5% at 64: not kept (docs/design/hstu.md). */
 template <int J>
 __device__ __forceinline__ uint32_t hstu_prefix_bits(int d) {
     if (d < 0) return 0;
@@ -263,8 +263,7 @@ __device__ __forceinline__ uint32_t hstu_causal_row_bits(int n, int pos, int key
 }
 __device__ __forceinline__ bool tf_hstu_causal(const tf_hstu_mask &m) { return m.c == 0 && m.t == 0 && m.m == 0; }
 /* A plain window (no context, targets or exempt rows): row pos keeps the band of keys [pos - m, pos], two
- * prefixes instead of the spans (the sm_90a forward: +5% with a window of 256 at 16x4096x128, one-process
- * A/B on an H100, session 17) */
+ * prefixes instead of the spans (the sm_90a forward: +5% with a window of 256 at 16x4096x128 on an H100) */
 __device__ __forceinline__ bool tf_hstu_band(const tf_hstu_mask &m) { return m.c == 0 && m.t == 0 && m.m > 0 && m.f == 0; }
 template <int J>
 __device__ __forceinline__ uint32_t hstu_band_row_bits(int n, int m, int pos, int key0) {
@@ -275,7 +274,7 @@ __device__ __forceinline__ uint32_t hstu_band_row_bits(int n, int m, int pos, in
  * tf_hstu_col_spans' five spans written out, so that those the sequence's options leave empty (window
  * exemptions, context, target groups) are skipped by branches uniform over the sequence: a causal or
  * windowed tile computes two (all five: the window case's backward 3% slower, results/hstu_h100.md).
- * Keep it in step with tf_hstu_col_spans (hstu.h, the CPU path's): test_backward's mask cases check both
+ * Keep it in step with tf_hstu_col_spans (hstu_kernels.h, the CPU path's): test_backward's mask cases check both
  * against the reference. */
 template <int J>
 __device__ __forceinline__ uint32_t hstu_col_bits(const tf_hstu_mask &m, int key, int row0) {

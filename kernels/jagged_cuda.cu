@@ -1,6 +1,6 @@
 /* Jagged ops, CUDA kernels.
  *
- * jagged_copy_kernel<U>: a persistent grid over the op's task rows (jagged.h). A group of G threads
+ * jagged_copy_kernel<U>: a persistent grid over the op's task rows (jagged_kernels.h). A group of G threads
  * (a power of two up to 32, so small rows share a warp) owns TFJ_RUN_ROWS (8) consecutive rows per
  * iteration. tfj_resolve (jagged_map.h) finds a row's sample (a step or two forward from the group's
  * previous one, a binary search over the offsets when that fails) and returns the source and
@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "jagged.h"
+#include "jagged_kernels.h"
 #include "jagged_map.h"
 #include "tf_dtype.h"
 
@@ -32,7 +32,7 @@
  * (same process, CUDA-graph kernel time) it took concat / split from 310-312 to 300-301 us at D = 128
  * bf16 and from 1176-1178 to 1153-1154 us at D = 512, but made D = 1 int64 rows (one 8-byte unit, one
  * thread per row, a thread's 8 loads 8 bytes apart and 64 bytes from its neighbour's) 9% to 35% slower
- * (benchmarks/NOTES.md). Rows of 2 to 8 threads are not measured yet and keep the per-row path. */
+ * (docs/design/jagged.md). Rows of 2 to 8 threads are not measured yet and keep the per-row path. */
 #define TFJ_RUN_MIN_UNITS 16
 
 template <int U> struct TfjUnit;
@@ -131,11 +131,7 @@ static int launch_copy(const tfj_copy_params *p, cudaStream_t stream) {
     const int64_t units = p->row_bytes / U;
     const int g = group_log2_for(units);
     static const int per_sm = blocks_per_sm(jagged_copy_kernel<U>);
-    /* TORCHFUSE_JAGGED_RUNS=0 turns the run fast path off (every row resolved on its own): for A/B
-     * measurements (benchmarks/bench_jagged.py --ab). Read at each launch so that a benchmark can
-     * flip it between calls; a getenv is well under a microsecond next to the launch itself. */
-    const char *env = getenv("TORCHFUSE_JAGGED_RUNS");
-    const int use_runs = units >= TFJ_RUN_MIN_UNITS && !(env && env[0] == '0');
+    const int use_runs = units >= TFJ_RUN_MIN_UNITS;
     jagged_copy_kernel<U><<<(unsigned)grid_for(p->tasks, g, TFJ_RUN_ROWS, per_sm), TFJ_THREADS, 0, stream>>>(*p, g, units, fill,
                                                                                                use_runs);
     return (int)cudaGetLastError();

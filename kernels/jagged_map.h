@@ -6,7 +6,7 @@
 #ifndef TF_JAGGED_MAP_H
 #define TF_JAGGED_MAP_H
 
-#include "jagged.h"
+#include "jagged_kernels.h"
 
 #ifdef __CUDACC__
 #define TFJ_FN static __host__ __device__ __forceinline__

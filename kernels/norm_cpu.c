@@ -1,12 +1,12 @@
 /* Fused residual add + LayerNorm / RMSNorm on the CPU: the reference path, plain C.
- * Semantics are those of norm.h. A row at a time: each input row is converted to fp32 once into a
+ * Semantics are those of norm_kernels.h. A row at a time: each input row is converted to fp32 once into a
  * buffer by a loop specialised for its dtype (so the compiler can vectorise it), then the adds,
  * roundings and the two-pass statistics (sum of squared deviations from the mean, not
  * E[x^2] - E[x]^2) run over plain float arrays; sums use a fixed order of 8 interleaved lanes. */
 #include <math.h>
 #include <stdlib.h>
 
-#include "norm.h"
+#include "norm_kernels.h"
 
 static void row_to_f32(const void *base, int dt, int64_t off, int64_t n, float *out) {
     if (dt == TF_F32) {

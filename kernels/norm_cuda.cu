@@ -1,4 +1,4 @@
-/* Fused residual add + LayerNorm / RMSNorm on CUDA (semantics: norm.h).
+/* Fused residual add + LayerNorm / RMSNorm on CUDA (semantics: norm_kernels.h).
  *
  * Thread mapping. A row of `cols` elements is split into chunks of 8 (tf_vec.cuh). A group of
  * blockDim.x threads (a power of two, 1..1024) owns one row at a time; chunk j of the row belongs to
@@ -25,7 +25,7 @@
 #include <set>
 #include <tuple>
 
-#include "norm.h"
+#include "norm_kernels.h"
 #include "tf_cp_async.cuh"
 #include "tf_vec.cuh"
 

@@ -137,40 +137,21 @@ CASES = {
 # cases for the GPU kernels' scheduling only: skipped on the CPU (the backward's reference there took 6-10 s)
 CUDA_ONLY_CASES = {"many_short_seqs"}
 
-# Forward targets: "cuda-wgmma" forces the sm_90a wgmma kernel (TORCHFUSE_HSTU_SM90=1; on other GPUs
-# or builds the mma.sync one runs), "cuda-mma" the mma.sync kernel (=0), so a Hopper GPU checks both
-# on every case (by default the head-dim-64 and windowed ones would take mma.sync only). "cuda-wgmma" writes
-# O by 16-byte stores (the default), "cuda-wgmmaplain" (no ping-pong, the A/B form) by 4-byte stores
-# (TORCHFUSE_HSTU_FWD_VEC_STORE=0), so every case checks both store paths; it also takes plain causal
-# sequences' mask bits from the spans (TORCHFUSE_HSTU_CAUSAL_BITS=0), "cuda-wgmma" from hstu_causal_row_bits.
-FWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmaplain", "cuda-mma"] if torch.cuda.is_available() else [])
-SM90_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90": "1", "TORCHFUSE_HSTU_FWD_VEC_STORE": "1",
-                           "TORCHFUSE_HSTU_FWD_O_TMA": "1", "TORCHFUSE_HSTU_CAUSAL_BITS": "1"},
-            "cuda-wgmmaplain": {"TORCHFUSE_HSTU_SM90": "2", "TORCHFUSE_HSTU_FWD_VEC_STORE": "0",
-                                "TORCHFUSE_HSTU_FWD_O_TMA": "0", "TORCHFUSE_HSTU_CAUSAL_BITS": "0"},
-            "cuda-mma": {"TORCHFUSE_HSTU_SM90": "0"}}
-# Backward targets: "cuda-wgmma" lets the sm_90a wgmma backward run where it applies (bf16 / fp16, head
-# dims up to 256, no attn_bias: the other cases still take mma.sync), in its persistent form (the
-# default), dQ added by TMA bulk reduce-adds from shared memory at head dims up to 128 (the default,
-# TORCHFUSE_HSTU_BWD_DQ=tma set explicitly so an inherited =red cannot change the target);
-# "cuda-wgmmared" the same with dQ added by red.global.add from the registers (TORCHFUSE_HSTU_BWD_DQ=red,
-# the path head dims 192 / 256 always take); "cuda-wgmma1blk" the same kernel as "cuda-wgmma" launched
-# one block per work item (TORCHFUSE_HSTU_BWD_PERSISTENT=0: test_backward_one_block_per_item, the
-# isolation test), and with dK / dV by 4-byte stores (TORCHFUSE_HSTU_BWD_VEC_STORE=0; the others take
-# the 16-byte stores); "cuda-mma" forces mma.sync.
-BWD_TARGETS = ["cpu"] + (["cuda-wgmma", "cuda-wgmmared", "cuda-mma"] if torch.cuda.is_available() else [])
-SM90_BWD_ENV = {"cuda-wgmma": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                               "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_VEC_STORE": "1"},
-                "cuda-wgmmared": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "1",
-                                  "TORCHFUSE_HSTU_BWD_DQ": "red", "TORCHFUSE_HSTU_BWD_VEC_STORE": "1"},
-                "cuda-wgmma1blk": {"TORCHFUSE_HSTU_SM90_BWD": "1", "TORCHFUSE_HSTU_BWD_PERSISTENT": "0",
-                                   "TORCHFUSE_HSTU_BWD_DQ": "tma", "TORCHFUSE_HSTU_BWD_VEC_STORE": "0"},
-                "cuda-mma": {"TORCHFUSE_HSTU_SM90_BWD": "0"}}
+# Where a case runs: the CPU, or a GPU with the HSTU kernels chosen through torchfuse.backends: "sm90"
+# the Hopper (TMA + wgmma) kernels wherever they can run (16-bit, compute capability 9.0, a build for
+# sm_90a; the backward also needs head dims up to 256 and no attn_bias; elsewhere mma.sync runs), "mma"
+# the mma.sync kernels, so a Hopper GPU checks both on every case. Each Hopper kernel's other store and
+# reduction forms run where the shapes take them (dQ by red.global.add at head dims 192 / 256, O by
+# registers for partial query tiles).
+TARGETS = ["cpu"] + (["cuda-sm90", "cuda-mma"] if torch.cuda.is_available() else [])
 
 
-def set_kernel_env(monkeypatch, target, table):
-    for k, v in table.get(target, {}).items():
-        monkeypatch.setenv(k, v)
+@pytest.fixture(params=TARGETS)
+def target(request):
+    """The device a test runs on, with the HSTU backend its id names selected while it runs."""
+    device, _, backend = request.param.partition("-")
+    with torchfuse.backends.use(hstu=backend or None):
+        yield device
 
 
 def run_case(device, dtype, case, grad):
@@ -215,91 +196,54 @@ def check(name, got, ref, lp, factor, dtype):
     assert err <= factor * err_lp + floor, f"{name}: error {err:.3g} > {factor} x PyTorch's {err_lp:.3g} + {floor:.3g}"
 
 
-@pytest.mark.parametrize("target", FWD_TARGETS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_forward(target, dtype, case, monkeypatch):
-    set_kernel_env(monkeypatch, target, SM90_ENV)
-    run_case(target.split("-")[0], dtype, case, grad=False)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-@pytest.mark.parametrize("case", ["plain_h2_d64", "dqk32_dv96_h1", "d128_h4_int64", "d192_dv256_h2",
-                                  "d256_dv32_h8_msl_scaling", "targets_groups_context", "many_short_seqs",
-                                  "long_d128_targets"])
-def test_forward_store_forms_identical(case, monkeypatch):
-    """O staged in shared memory and stored by the copy engine, by 16-byte stores
-    after the quad transpose and by 4-byte stores: the same output, bit for bit, every row included (a
-    form writing past a sequence's end would overwrite the next sequence's rows, which test_forward's
-    comparison with the reference catches for each form on its own)."""
-    B, H, dqk, dv, max_len, mk, kw = CASES[case]
-    q, k, v, offsets, msl, nt, bias = make_inputs("cuda", torch.bfloat16, B, H, dqk, dv, max_len, **mk)
-    monkeypatch.setenv("TORCHFUSE_HSTU_SM90", "1")
-    outs = []
-    for o_tma, vec in (("1", "1"), ("0", "1"), ("0", "0")):
-        monkeypatch.setenv("TORCHFUSE_HSTU_FWD_O_TMA", o_tma)
-        monkeypatch.setenv("TORCHFUSE_HSTU_FWD_VEC_STORE", vec)
-        outs.append(torchfuse.hstu_attention(q, k, v, offsets, msl, 0.3, num_targets=nt, attn_bias=bias, **kw))
-    for other in outs[1:]:
-        assert torch.equal(outs[0], other)
+def test_forward(target, dtype, case):
+    run_case(target, dtype, case, grad=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the wgmma forward runs on compute capability 9.0 only")
-@pytest.mark.parametrize("env, d, n, want", [
-    ("1", 64, 90, "hstu_fwd_ws"), ("0", 256, 90, "hstu_fwd_mma"),  # the switch, both ways
-    (None, 128, 2048, "hstu_fwd_ws"), (None, 256, 90, "hstu_fwd_ws"), (None, 128, 1000, "hstu_fwd_ws"),
-    (None, 64, 2048, "hstu_fwd_ws"), (None, 32, 90, "hstu_fwd_ws")])
-def test_forward_kernel_choice(env, d, n, want, monkeypatch):
+@pytest.mark.parametrize("backend, d, n, cached, want", [
+    ("sm90", 64, 90, False, "hstu_fwd_ws"), ("mma", 256, 90, False, "hstu_fwd_mma"),  # forced, both ways
+    ("auto", 128, 2048, False, "hstu_fwd_ws"), ("auto", 256, 90, False, "hstu_fwd_ws"),
+    ("auto", 128, 1000, False, "hstu_fwd_ws"), ("auto", 64, 2048, False, "hstu_fwd_ws"),
+    ("auto", 32, 90, False, "hstu_fwd_ws"),
+    # cached inference: mma.sync up to head dim 128 unless forced, the Hopper kernel above
+    ("auto", 128, 300, True, "hstu_fwd_mma"), ("sm90", 128, 300, True, "hstu_fwd_ws"),
+    ("auto", 256, 300, True, "hstu_fwd_ws")])
+def test_forward_kernel_choice(backend, d, n, cached, want):
     """On a Hopper GPU the forward really runs the kernel the dispatch rule names (the warp-specialized
-    wgmma one, but for cached inference at head dims up to 128) and the TORCHFUSE_HSTU_SM90 switch
-    really forces one or the other."""
-    if env is not None:
-        monkeypatch.setenv("TORCHFUSE_HSTU_SM90", env)
-    else:
-        monkeypatch.delenv("TORCHFUSE_HSTU_SM90", raising=False)
-    q, k, v, offsets, msl, _, _ = make_inputs("cuda", torch.bfloat16, 1, 1, d, d, n)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2)
+    wgmma one, but for cached inference at head dims up to 128) and torchfuse.backends.hstu really
+    forces one or the other."""
+    q, k, v, offsets, msl, _, _ = make_inputs("cuda", torch.bfloat16, 2, 1, d, d, n)
+    with torchfuse.backends.use(hstu=backend), \
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        if cached:
+            torchfuse.hstu_attention_cached(q[:2 * 4], k, v, offsets, msl, 0.2)
+        else:
+            torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
     assert any(want in n for n in names), f"expected a {want} kernel (torchfuse built for 9.0a?), ran {names}"
 
 
-@pytest.mark.parametrize("target", BWD_TARGETS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_backward(target, dtype, case, monkeypatch):
-    set_kernel_env(monkeypatch, target, SM90_BWD_ENV)
-    run_case(target.split("-")[0], dtype, case, grad=True)
+def test_backward(target, dtype, case):
+    run_case(target, dtype, case, grad=True)
 
 
-# the wgmma backward launched one block per item (TORCHFUSE_HSTU_BWD_PERSISTENT=0), the A/B form: a few
-# cases (lengths 0 and 1 in each; targets, context, windows; head dims 64, 128, 192 / 256; many items)
-ONE_BLOCK_CASES = ["plain_h2_d64", "d128_h4_int64", "d192_dv256_h2", "d256_dv32_h8_msl_scaling",
-                   "targets_groups_context", "window_minfull_targets_ctx", "long_d128_targets", "long_d256_window",
-                   "d256_targets_context", "many_short_seqs"]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-@pytest.mark.parametrize("case", ONE_BLOCK_CASES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).split(".")[-1])
-def test_backward_one_block_per_item(dtype, case, monkeypatch):
-    set_kernel_env(monkeypatch, "cuda-wgmma1blk", SM90_BWD_ENV)
-    run_case("cuda", dtype, case, grad=True)
-
-
-def bwd_kernel_grids(d, B, n, monkeypatch, persistent):
+def bwd_kernel_grids(d, B, n):
     """The grids of the hstu_bwd_ws launches of one backward (B sequences of n rows, 2 heads), from the
     profiler's trace."""
     import json
     import tempfile
-    monkeypatch.setenv("TORCHFUSE_HSTU_SM90_BWD", "1")
-    monkeypatch.setenv("TORCHFUSE_HSTU_BWD_PERSISTENT", persistent)
     q, k, v = (torch.randn(B * n, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     offsets = torch.arange(0, B * n + 1, n, device="cuda")
     q.requires_grad_(True)
-    out = torchfuse.hstu_attention(q, k, v, offsets, n, 0.2)
+    with torchfuse.backends.use(hstu="sm90"):
+        out = torchfuse.hstu_attention(q, k, v, offsets, n, 0.2)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         out.sum().backward()
         torch.cuda.synchronize()
@@ -317,33 +261,31 @@ def bwd_kernel_grids(d, B, n, monkeypatch, persistent):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the wgmma backward runs on compute capability 9.0 only")
 @pytest.mark.parametrize("d, key_tile", [(64, 128), (128, 128), (256, 64)])
-def test_backward_persistent_grid(d, key_tile, monkeypatch):
-    """TORCHFUSE_HSTU_BWD_PERSISTENT really switches the launch: one block per SM by default, one per
-    (key tile, sequence, head) item with =0."""
+def test_backward_persistent_grid(d, key_tile):
+    """The wgmma backward is persistent: one block per SM, fewer where there are fewer (key tile,
+    sequence, head) items."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     B, n = 96, 512
     items = (n // key_tile) * B * 2
-    assert bwd_kernel_grids(d, B, n, monkeypatch, "1") == [min(items, sms)]
-    assert bwd_kernel_grids(d, B, n, monkeypatch, "0") == [items]
+    assert bwd_kernel_grids(d, B, n) == [min(items, sms)]
+    assert bwd_kernel_grids(d, 1, 2 * key_tile) == [min(2 * 2, sms)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the wgmma backward runs on compute capability 9.0 only")
-@pytest.mark.parametrize("env, d, bias, want", [
-    (None, 128, False, "hstu_bwd_ws"), (None, 64, False, "hstu_bwd_ws"), (None, 96, False, "hstu_bwd_ws"),
-    (None, 256, False, "hstu_bwd_ws"), (None, 192, False, "hstu_bwd_ws"), ("1", 256, False, "hstu_bwd_ws"),
-    ("0", 128, False, "hstu_bwd_mma"), ("0", 256, False, "hstu_bwd_mma"), (None, 64, True, "hstu_bwd_mma"),
-    (None, 256, True, "hstu_bwd_mma")])
-def test_backward_kernel_choice(env, d, bias, want, monkeypatch):
+@pytest.mark.parametrize("backend, d, bias, want", [
+    ("auto", 128, False, "hstu_bwd_ws"), ("auto", 64, False, "hstu_bwd_ws"), ("auto", 96, False, "hstu_bwd_ws"),
+    ("auto", 256, False, "hstu_bwd_ws"), ("auto", 192, False, "hstu_bwd_ws"), ("sm90", 256, False, "hstu_bwd_ws"),
+    ("mma", 128, False, "hstu_bwd_mma"), ("mma", 256, False, "hstu_bwd_mma"), ("auto", 64, True, "hstu_bwd_mma"),
+    ("sm90", 256, True, "hstu_bwd_mma")])
+def test_backward_kernel_choice(backend, d, bias, want):
     """On a Hopper GPU the backward really runs the wgmma kernel where it applies (16-bit, head dims up
-    to 256, no attn_bias) and TORCHFUSE_HSTU_SM90_BWD=0 really forces mma.sync."""
-    if env is not None:
-        monkeypatch.setenv("TORCHFUSE_HSTU_SM90_BWD", env)
-    else:
-        monkeypatch.delenv("TORCHFUSE_HSTU_SM90_BWD", raising=False)
+    to 256, no attn_bias) and torchfuse.backends.hstu = "mma" really forces mma.sync; the backward takes
+    the selection its forward ran under."""
     q, k, v, offsets, msl, _, b = make_inputs("cuda", torch.bfloat16, 2, 1, d, d, 90, bias_heads=1 if bias else 0)
     q.requires_grad_(True)
-    out = torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2, attn_bias=b)
+    with torchfuse.backends.use(hstu=backend):
+        out = torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2, attn_bias=b)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         out.sum().backward()
         torch.cuda.synchronize()
@@ -366,7 +308,7 @@ def test_float64_cpu_matches_reference_tightly():
 
 
 def test_mask_prose_matches_gr_port():
-    """The issue's prose description of the mask equals the ported GR mask (when n > c + t)."""
+    """The prose description of the mask (hstu_attention's docstring) equals the ported GR mask (when n > c + t)."""
     for _ in range(200):
         n = int(torch.randint(1, 40, ()))
         c = int(torch.randint(0, 5, ()))
@@ -421,12 +363,10 @@ def test_cached_equals_full_rows(device, dtype, D):
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("target", FWD_TARGETS)
-def test_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
+def test_sequences_are_isolated_from_nonfinite_neighbours(target):
     """inf / nan in one sequence's rows must not reach another sequence's output (a kernel that reads
     whole tiles past a sequence's end multiplies those rows by P = 0, and 0 x inf is nan)."""
-    set_kernel_env(monkeypatch, target, SM90_ENV)
-    device = target.split("-")[0]
+    device = target
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for d in (64, 128, 256):
         offsets = torch.tensor([0, 300, 305, 565], device=device)
@@ -440,12 +380,10 @@ def test_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
             assert torch.isfinite(out[s:e]).all(), (d, b)
 
 
-@pytest.mark.parametrize("target", BWD_TARGETS + (["cuda-wgmma1blk"] if torch.cuda.is_available() else []))
-def test_backward_sequences_are_isolated_from_nonfinite_neighbours(target, monkeypatch):
+def test_backward_sequences_are_isolated_from_nonfinite_neighbours(target):
     """The backward reads whole tiles of K, V, Q and dO past a sequence's end too: inf / nan in one
     sequence (inputs and output gradient) must not reach another sequence's gradients."""
-    set_kernel_env(monkeypatch, target, SM90_BWD_ENV)
-    device = target.split("-")[0]
+    device = target
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for d in (64, 128, 256):
         offsets = torch.tensor([0, 300, 305, 565], device=device)
@@ -460,6 +398,42 @@ def test_backward_sequences_are_isolated_from_nonfinite_neighbours(target, monke
             s, e = int(offsets[b]), int(offsets[b + 1])
             for name, gr_ in (("dq", dq), ("dk", dk), ("dv", dv)):
                 assert torch.isfinite(gr_[s:e]).all(), (d, b, name)
+
+
+def test_backend_names_are_checked(device):
+    """A backend name the ops do not know is refused naming it, from torchfuse.backends.use and from the
+    op; the known ones give the same result on the CPU, which has one path."""
+    q, k, v, offsets, msl, _, _ = make_inputs(device, torch.float32, 3, 1, 32, 32, 40)
+    with pytest.raises(ValueError, match="hstu"):
+        with torchfuse.backends.use(hstu="fast"):
+            pass
+    with pytest.raises(ValueError, match="no backend choice"):
+        with torchfuse.backends.use(norm="mma"):
+            pass
+    assert torchfuse.backends.hstu is None
+    with pytest.raises(ValueError, match="backend"):
+        torch.ops.torchfuse.hstu_fwd(q, k, v, offsets, None, None, msl, 0.2, None, 0, 0, 0, 1, 0, True, "fast")
+    if device == "cpu":
+        outs = []
+        for name in ("auto", "sm90", "mma", None):
+            with torchfuse.backends.use(hstu=name):
+                outs.append(torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2))
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_backend_environment_default_is_checked():
+    """TORCHFUSE_HSTU_BACKEND, the process default, is read once and a wrong value is refused by name."""
+    import subprocess
+    import sys
+    code = ("import torch, torchfuse\n"
+            "x = torch.randn(4, 1, 32)\n"
+            "torchfuse.hstu_attention(x, x, x, torch.tensor([0, 4]), 4, 0.2)\n")
+    env = dict(__import__("os").environ, TORCHFUSE_HSTU_BACKEND="fastest")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "TORCHFUSE_HSTU_BACKEND" in r.stderr and "fastest" in r.stderr, r.stderr[-2000:]
+    env["TORCHFUSE_HSTU_BACKEND"] = "mma"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_validate_false_same_result(device):

@@ -10,8 +10,9 @@ from ._stats import stats
 from ._version import __version__
 from .norm import layer_norm, rms_norm
 from . import nn  # noqa: E402
+from . import backends  # noqa: E402
 
-__all__ = ["__version__", "layer_norm", "rms_norm", "nn", "stats", "compat"]
+__all__ = ["__version__", "layer_norm", "rms_norm", "nn", "stats", "compat", "backends"]
 
 # ---- jagged tensor ops ----
 from .jagged import (  # noqa: E402

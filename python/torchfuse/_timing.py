@@ -1,4 +1,4 @@
-"""Timing helpers shared by ``python -m torchfuse`` and benchmarks/ (never used by tests)."""
+"""Timing helpers of ``python -m torchfuse`` (benchmarks/ time with benchmarks/_common.py; tests never time)."""
 import statistics
 import time
 

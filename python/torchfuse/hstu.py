@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
+from . import backends
 from ._autograd import function_for
 from ._stats import count
 
@@ -58,10 +59,13 @@ def hstu_attention(
     Returns:
         (L, H, Dv) in q's dtype. Differentiable in q, k, v and attn_bias (its gradient is summed over
         heads when it has one head).
+
+    The CUDA kernels follow ``torchfuse.backends.hstu`` (see :mod:`torchfuse.backends`).
     """
     count("hstu_fwd")
     args = (q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
-            contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, 0, validate)
+            contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, 0, validate,
+            backends.hstu)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                     (attn_bias is not None and attn_bias.requires_grad)):
         return _HstuAttention.apply(*args)  # see _autograd.py: the same gradients, less host time
@@ -105,7 +109,8 @@ def hstu_attention_cached(
     if D == 0:
         return delta_q.new_empty((0, k.shape[1], v.shape[2]))
     return _fwd(delta_q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
-                contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, D, validate)
+                contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, D, validate,
+                backends.hstu)
 
 
 # ---- fake (meta) kernels: shapes and dtypes only, for torch.compile and meta tensors ----
@@ -113,7 +118,8 @@ def hstu_attention_cached(
 
 @torch.library.register_fake("torchfuse::hstu_fwd")
 def _hstu_fwd_fake(q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
-                   contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, delta, validate=True):
+                   contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, delta, validate=True,
+                   backend=None):
     torch._check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
                  lambda: "torchfuse.hstu_attention: q, k, v must be 3-D")
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
@@ -121,7 +127,7 @@ def _hstu_fwd_fake(q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, al
 
 @torch.library.register_fake("torchfuse::hstu_bwd")
 def _hstu_bwd_fake(dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
-                   contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, bias_grad):
+                   contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, bias_grad, backend=None):
     db = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty(0, dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), db
 
@@ -134,6 +140,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_bias)
     ctx.opts = (max_seq_len, alpha, scaling_seqlen, c, m, f, g)
     ctx.delta = delta
+    ctx.backend = inputs[15] if len(inputs) > 15 else None  # the backward runs the forward's selection
 
 
 def _backward(ctx, dout):
@@ -142,9 +149,9 @@ def _backward(ctx, dout):
     q, k, v, seq_offsets, num_targets, attn_bias = ctx.saved_tensors
     need = ctx.needs_input_grad
     bias_grad = attn_bias is not None and need[5]
-    dq, dk, dv, db = _bwd(dout, q, k, v, seq_offsets, num_targets, attn_bias, *ctx.opts, bias_grad)
+    dq, dk, dv, db = _bwd(dout, q, k, v, seq_offsets, num_targets, attn_bias, *ctx.opts, bias_grad, ctx.backend)
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None,
-            db if bias_grad else None) + (None,) * 9
+            db if bias_grad else None) + (None,) * (len(need) - 6)
 
 
 torch.library.register_autograd("torchfuse::hstu_fwd", _backward, setup_context=_setup_context)

@@ -17,8 +17,8 @@
  * Tensors are (rows, heads, dim) with a row stride and a head stride in elements and unit dim stride.
  * Dtypes: TF_F32 / TF_F16 / TF_BF16 on every path, TF_HSTU_F64 on the CPU path; all arithmetic on the
  * CPU is in double. */
-#ifndef TF_HSTU_H
-#define TF_HSTU_H
+#ifndef TF_HSTU_KERNELS_H
+#define TF_HSTU_KERNELS_H
 
 #include <stdint.h>
 
@@ -29,6 +29,12 @@ extern "C" {
 #endif
 
 enum { TF_HSTU_F64 = 3 }; /* float64, CPU path only */
+
+/* Which CUDA kernels run (16-bit dtypes on a compute capability 9.0 GPU built for sm_90a; everywhere
+ * else mma.sync / the fp32 kernels run whatever this says). AUTO: the sm_90a kernels wherever they are
+ * faster (every shape but cached inference at head dims up to 128); SM90: wherever they can run; MMA:
+ * never. The glue resolves the user's choice (csrc/hstu_cuda.cpp). */
+enum { TF_HSTU_AUTO = 0, TF_HSTU_SM90 = 1, TF_HSTU_MMA = 2 };
 
 typedef struct {
     int64_t B, H, dqk, dv;
@@ -45,6 +51,7 @@ typedef struct {
     int64_t max_seq_len, delta;                  /* delta > 0: cached inference */
     double alpha, inv_scale;   /* the CUDA kernels use them as float */
     int contextual, max_attn_len, min_full, group;
+    int backend;                                 /* CUDA: TF_HSTU_AUTO / SM90 / MMA */
     /* backward only */
     const void *dout; int64_t do_sr, do_sh;      /* dout, dq, dk, dv shaped like o, q, k, v; */
     void *dq, *dk, *dvv;                         /* dq/dk/dv contiguous */
@@ -193,9 +200,8 @@ void tf_hstu_bwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1);
 /* ---- CUDA (kernels/hstu_*.cu); return a cudaError_t as int ---- */
 int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream);
 /* The sm_90a (TMA + wgmma) forward, 16-bit dtypes: -1 when it does not apply (not built for sm_90a,
- * the device is not compute capability 9.0, dtype, strides the copy engine cannot address, a shape
- * cached inference at head dims up to 128 (measured slower there), or TORCHFUSE_HSTU_SM90=0; =1 takes it
- * wherever it can run, with ping-pong, =2 without);
+ * the device is not compute capability 9.0, dtype, strides the copy engine cannot address, backend
+ * TF_HSTU_MMA, or under TF_HSTU_AUTO cached inference at head dims up to 128, measured slower there);
  * tf_hstu_fwd_cuda tries it first. */
 int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream);
 /* Zeroes rows [0, offsets[0]) and [offsets[B], L) (read on the device, clamped to [0, L]) of n
@@ -207,10 +213,10 @@ int tf_hstu_zero_outside(void *const *rows, const int64_t *row_bytes, int n, int
 /* Needs p->dq_acc (fp32, zeroed) and, with a bias gradient, p->dbias (fp32, zeroed). */
 int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream);
 /* The sm_90a (TMA + wgmma) backward, 16-bit dtypes, head dims up to 256, no attn_bias: -1 when it does
- * not apply (as tf_hstu_fwd_sm90, or TORCHFUSE_HSTU_SM90_BWD=0); tf_hstu_bwd_cuda tries it first. */
+ * not apply (as tf_hstu_fwd_sm90); tf_hstu_bwd_cuda tries it first. */
 int tf_hstu_bwd_sm90(const tf_hstu_params *p, void *stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* TF_HSTU_H */
+#endif /* TF_HSTU_KERNELS_H */

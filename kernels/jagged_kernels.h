@@ -12,8 +12,8 @@
  * offsets read stays in [0, B], so no offsets, indices or sizes can make a kernel touch memory out of
  * bounds. Rows that bad offsets would place outside a tensor are filled (sources) or dropped
  * (destinations). The CPU glue rejects such inputs before calling (csrc/jagged.cpp). */
-#ifndef TF_JAGGED_H
-#define TF_JAGGED_H
+#ifndef TF_JAGGED_KERNELS_H
+#define TF_JAGGED_KERNELS_H
 
 #include <stdint.h>
 
@@ -88,4 +88,4 @@ int tfj_arith_cuda(const tfj_arith_params *p, void *stream);
 #ifdef __cplusplus
 }
 #endif
-#endif /* TF_JAGGED_H */
+#endif /* TF_JAGGED_KERNELS_H */

@@ -16,8 +16,8 @@
  *
  * Matrices are row-major with a row stride (in elements) and unit column stride. Pointers that may
  * be NULL say so. Weights (w, b, w2, b2) share w_dtype. */
-#ifndef TF_NORM_H
-#define TF_NORM_H
+#ifndef TF_NORM_KERNELS_H
+#define TF_NORM_KERNELS_H
 
 #include <stdint.h>
 
@@ -86,4 +86,4 @@ int tf_column_sum_cuda(const float *part, int64_t n_partials, int64_t cols, void
 #ifdef __cplusplus
 }
 #endif
-#endif /* TF_NORM_H */
+#endif /* TF_NORM_KERNELS_H */
