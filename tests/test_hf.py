@@ -1,9 +1,12 @@
 """torchfuse.patch_hf against HuggingFace's own forwards, on tiny randomly initialised models built
 from configs (no downloads): GPT-NeoX (parallel and sequential residual), Llama, Mistral, Qwen2, Qwen3,
 GPT-2. Both patched paths run: inference (grad disabled; adds fused across layer boundaries) and
-training (grad enabled; fusion inside the layer)."""
+training (grad enabled; fusion inside the layer). CI runs this file against transformers 5.17 and 5.24
+(the oldest and newest tested); releases newer than those are simulated by the version string."""
 import copy
+import inspect
 import sys
+import warnings
 
 import pytest
 import torch
@@ -202,7 +205,8 @@ def test_training_step(kind, checkpointing, device):
     """One training step: loss and every gradient match HF's within fp32 tolerance."""
     model = make_model(kind, device, torch.float32).train()
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        # renamed in 5.24 (the old name warns there)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     ids = ids_for(device)
     ref_loss = model(ids, labels=ids, use_cache=False).loss
     ref_loss.backward()
@@ -315,9 +319,94 @@ def test_errors():
 
 
 def test_transformers_version_range(monkeypatch):
+    """Releases older than 5.17 are refused; a newer one whose layer forwards keep the tested forms is
+    patched in full, without a warning."""
     model = make_model("llama")
-    for version in ("4.57.1", "5.16.0", "5.24.0", "6.0.0"):
+    for version in ("4.57.1", "5.16.0", "5"):
         monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
-        with pytest.raises(RuntimeError, match=f"supports transformers >=5.17,<5.24.*found transformers {version}"):
+        with pytest.raises(RuntimeError, match=f"supports transformers >=5.17 .*found transformers {version}"):
             torchfuse.patch_hf(model)
+    assert not torchfuse.hf.is_patched(model)
+    for version in ("5.17.0", "5.24.0", "5.99.0", "6.0.0rc1"):
+        monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torchfuse.patch_hf(model, strict=True)
+        assert_kernels_ran(model, lambda: model(ids_for("cpu")))
+        torchfuse.unpatch_hf(model)
+
+
+def _hf_signature(fn):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_newer_release_with_the_tested_forms(kind, monkeypatch):
+    """A release newer than any tested whose layer and norm forwards keep the tested forms: patched in
+    full, no warning, the residual stream bit-identical to HF's, and the patched layer takes HF's own
+    arguments (past_key_values through 5.23, cache from 5.24)."""
+    model = make_model(kind)
+    _, layers = base_and_layers(model)
+    hf_sig = _hf_signature(layers[0].forward)
+    ids = ids_for("cpu")
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torchfuse.patch_hf(model)
+    assert _hf_signature(layers[0].forward) == hf_sig
+    with torch.no_grad():
+        out = assert_kernels_ran(model, lambda: model(ids, output_hidden_states=True))
+    close_per_layer(out.hidden_states, ref.hidden_states, torch.float32, kind)
+
+
+def _changed(fn):
+    def forward(self, *args, **kwargs):  # another form than the one torchfuse mirrors, same results
+        return fn(self, *args, **kwargs)
+    return forward
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox", "gpt2"])
+def test_newer_release_with_a_changed_layer(kind, monkeypatch):
+    """A newer release whose decoder layer forward changed: its norms run on torchfuse's kernels, its
+    adds stay HF's; one warning naming the version and what was left unfused; strict=True raises."""
+    model = make_model(kind)
+    _, layers = base_and_layers(model)
+    layer_cls = type(layers[0])
+    ids = ids_for("cpu")
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.98.0")
+    monkeypatch.setattr(layer_cls, "forward", _changed(layer_cls.forward))
+    with pytest.raises(RuntimeError, match=f"transformers 5.98.0 .*{layer_cls.__name__}.forward.*strict=True"):
+        torchfuse.patch_hf(model, strict=True)
+    assert not torchfuse.hf.is_patched(model)
+    with pytest.warns(RuntimeWarning, match=f"transformers 5.98.0 .*{layer_cls.__name__}.forward differs.*"
+                                            "residual adds stay HF's"):
+        torchfuse.patch_hf(model)
+    with warnings.catch_warnings():  # once per version and model type
+        warnings.simplefilter("error")
+        torchfuse.patch_hf(make_model(kind))
+    assert torchfuse.hf.expected_calls(model) == {"norm_fwd": 2 * model.config.num_hidden_layers + 1}
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            out = assert_kernels_ran(model, lambda: model(ids, output_hidden_states=True))
+        close_per_layer(out.hidden_states, ref.hidden_states, torch.float32, f"{kind} grad={grad}")
+    torchfuse.unpatch_hf(model)
+    with torch.no_grad(), torchfuse.stats() as calls:
+        assert torch.equal(model(ids).logits, ref.logits)
+    assert calls == {}
+
+
+def test_newer_release_with_a_changed_norm(monkeypatch):
+    """A newer release whose RMSNorm forward changed: nothing can be verified, nothing is patched."""
+    model = make_model("llama")
+    norm_cls = type(model.model.norm)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.97.0")
+    monkeypatch.setattr(norm_cls, "forward", _changed(norm_cls.forward))
+    with pytest.raises(RuntimeError, match="transformers 5.97.0 .*LlamaRMSNorm.forward differs"):
+        torchfuse.patch_hf(model, strict=True)
+    with pytest.warns(RuntimeWarning, match="LlamaRMSNorm.forward differs.*nothing was patched"):
+        torchfuse.patch_hf(model)
     assert not torchfuse.hf.is_patched(model)
