@@ -10,7 +10,7 @@ fused kernels (``torchfuse.layer_norm`` / ``rms_norm``); attention and MLP stay 
 
 Per model type (as linkedin/Liger-Kernel's monkey_patch does), the patch replaces each decoder layer's
 ``forward`` and the final norm's ``forward`` on the instances (``unpatch_hf`` puts back what was
-there: the class methods bit for bit, or an instance forward another library set).
+there: the class methods bit for bit, or an instance forward another library set, such as Liger's).
 The class-level patch wraps the type's base model ``__init__`` (``LlamaModel``, ``GPTNeoXModel``,
 ...), which every head class builds, so a model built afterwards (``from_config``,
 ``from_pretrained``) is patched when built. See ``_layers`` for the
@@ -18,6 +18,7 @@ forwards and the inference-time fusion across layer boundaries.
 """
 import functools
 import importlib
+import sys
 import types
 import warnings
 
@@ -83,12 +84,21 @@ def _spec(model_type):
     return mod, getattr(mod, spec[1]), getattr(mod, spec[2]), spec
 
 
+def _liger_rms_forward():
+    """LigerRMSNorm.forward when Liger-Kernel is loaded (only then can a module carry it), else None."""
+    m = sys.modules.get("liger_kernel.transformers.rms_norm")
+    cls = getattr(m, "LigerRMSNorm", None)
+    return getattr(cls, "forward", None)
+
+
 class _Unverified(Exception):
     """An HF norm class whose forward no longer has the tested form (a newer transformers)."""
 
 
 def _norm(module, spec, mod, where, newer):
-    """Wrap one norm after checking it is exactly HF's norm module, whose math the ops reproduce."""
+    """Wrap one norm after checking it computes what the ops reproduce: HF's own norm class, or (RMS
+    families) Liger-Kernel's LigerRMSNorm in its Llama form, put in by apply_liger_kernel_to_* either as
+    the class or as an instance forward; raises for anything else."""
     own = module.__dict__.get("forward")
     if spec[3] is None:
         if own is not None or type(module).forward is not torch.nn.LayerNorm.forward:
@@ -97,12 +107,19 @@ def _norm(module, spec, mod, where, newer):
         if len(module.normalized_shape) != 1:
             raise ValueError(f"torchfuse.patch_hf: {where} normalizes {module.normalized_shape}; expected one dim")
         return _layers.Norm(module, LAYER_NORM, module.eps)
-    if own is None and type(module).__name__ == spec[3] and type(module).__module__ == mod.__name__:
+    fwd = getattr(own, "__func__", own) if own is not None else type(module).forward
+    liger = _liger_rms_forward()
+    if liger is not None and fwd is liger:
+        offset, cast = getattr(module, "offset", 0.0), getattr(module, "casting_mode", "llama")
+        if offset != 0.0 or cast != "llama":
+            raise ValueError(f"torchfuse.patch_hf: {where} is Liger's RMSNorm with offset={offset}, casting_mode="
+                             f"{cast!r}; the {spec[3]} form is offset 0, casting_mode 'llama'")
+    elif own is None and type(module).__name__ == spec[3] and type(module).__module__ == mod.__name__:
         if newer and not _forms.is_known(type(module).forward, "rms_norm"):
             raise _Unverified(f"{spec[3]}.forward")
     else:
         raise TypeError(f"torchfuse.patch_hf: {where} is {type(module).__name__} with its own forward; expected "
-                        f"{spec[3]}")
+                        f"{spec[3]} (or Liger-Kernel's LigerRMSNorm)")
     if module.weight is None or module.weight.dim() != 1:
         raise ValueError(f"torchfuse.patch_hf: {where} needs a 1-D weight")
     return _layers.Norm(module, RMS_NORM_LLAMA, module.variance_epsilon)
@@ -192,7 +209,7 @@ def _unpatch_base(base):
     for module, before in reversed(state[4]):
         if before is None:
             module.__dict__.pop("forward", None)
-        else:  # an instance forward another library put there before patch_hf
+        else:  # an instance forward put there before patch_hf (Liger-Kernel's, on a norm)
             module.__dict__["forward"] = before
     object.__delattr__(base, _PATCHED)
 
@@ -217,6 +234,9 @@ def patch_hf(model=None, *, model_type=None, strict=False):
     HF forward still has the tested form; where it does not, the norms alone run on the fused kernels
     (the adds stay HF's), and where the norm's own forward changed nothing is patched; each such case
     warns once, naming the version and what was left unfused. ``strict=True`` raises instead.
+
+    Works after Liger-Kernel's ``apply_liger_kernel_to_<model>(...)``: its RMSNorm modules (class or
+    instance forward) are taken over like HF's; its RoPE, SwiGLU MLP and loss stay in place.
 
     Outputs: every residual sum is bit-identical to HF's (same add order, each add rounded); norm
     outputs may differ from PyTorch's by rounding. The norm weights must have the activations' dtype
