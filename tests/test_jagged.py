@@ -328,6 +328,15 @@ def test_concat_split_2d_both_dense(device, dtype, B, ml, mr, prefix):
 
 @pytest.mark.parametrize("dtype", LOW_FLOAT, ids=_name)
 @pytest.mark.parametrize("odt", [torch.int32, torch.int64], ids=_name)
+@pytest.mark.parametrize("dense_l,dense_r", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("B,ml,mr", [(0, 1, 1), (1, 0, 2), (6, 1, 1)])
+def test_concat_split_2d_small_backward(device, dtype, odt, dense_l, dense_r, B, ml, mr):
+    """With offsets on one side or both: B = 0 and 1, lengths 0 and 1, forward and backward."""
+    _check_concat_split(device, dtype, B, ml, mr, dense_l, dense_r, odt, 1)
+
+
+@pytest.mark.parametrize("dtype", LOW_FLOAT, ids=_name)
+@pytest.mark.parametrize("odt", [torch.int32, torch.int64], ids=_name)
 @pytest.mark.parametrize("dense_l,dense_r", [(False, False), (True, False), (False, True), (True, True)])
 def test_concat_split_2d_gr_cases(device, dtype, odt, dense_l, dense_r):
     """generative-recommenders' own test grid (concat_2D_jagged / split_2D_jagged, and their multirow
