@@ -384,6 +384,8 @@ def test_both_dense_meta_and_opcheck(device):
     assert out.shape == (15, 4) and o.shape == (4,) and o.dtype == torch.int64
     a, b = torchfuse.split_2d_jagged(torch.empty(15, 4, device="meta"), None, None, 2, 3)
     assert a.shape == (6, 4) and b.shape == (9, 4)
+    with pytest.raises(RuntimeError, match="max_len_right .* offsets_right is None"):
+        torchfuse.split_2d_jagged(torch.empty(15, 4, device="meta"), None, None, 2, None)
     ops = torch.ops.torchfuse
     vl = torch.randn(6, 4, device=device, requires_grad=True)
     vr = torch.randn(9, 4, device=device, requires_grad=True)

@@ -223,6 +223,10 @@ def _split_2d_fake(values, offsets_left, offsets_right, max_len_left=None, max_l
     if offsets_left is not None or offsets_right is not None:
         B = (offsets_left if offsets_left is not None else offsets_right).shape[0] - 1
     else:  # both dense: every sample has max_len_left + max_len_right rows
+        for name, m in (("max_len_left", max_len_left), ("max_len_right", max_len_right)):
+            if m is None:
+                raise RuntimeError(f"torchfuse.split_2d_jagged: {name} (>= 0) is needed when offsets_"
+                                   f"{name[8:]} is None (a dense side)")
         per = max_len_left + max_len_right
         B = values.shape[0] // per if per else 0
     tl, tr = _split_totals(values.shape[0], B, offsets_left, offsets_right, max_len_left, max_len_right,
