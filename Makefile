@@ -4,8 +4,13 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.14.1
-# tests/test_hf.py runs against this release (torchfuse.patch_hf supports >=5.17,<5.24)
+# tests/test_hf.py runs against the oldest and the newest transformers release torchfuse.patch_hf is
+# tested with (5.17 through 5.24; a newer one is patched as far as its layer forwards can be verified).
+# The oldest is installed; the newest goes into its own directory, without its dependencies (the
+# oldest's satisfy it), put first on PYTHONPATH for a second run of tests/test_hf.py alone.
 TRANSFORMERS_VERSION ?= 5.17.0
+TRANSFORMERS_NEWEST ?= 5.24.0
+TRANSFORMERS_NEWEST_DIR ?= build/transformers-$(TRANSFORMERS_NEWEST)
 # tests/test_torchrec.py also runs against real TorchRec objects when torchrec imports. torchrec
 # depends on fbgemm-gpu, whose CUDA build does not load without a GPU: install torchrec without its
 # dependencies, then the CPU build of fbgemm and torchrec's other needs.
@@ -23,6 +28,8 @@ test-deps: deps
 	@$(PYTHON) -c "import pytest, numpy" 2>/dev/null || $(PIP) install pytest numpy
 	@$(PYTHON) -c "import transformers as t; assert t.__version__ == '$(TRANSFORMERS_VERSION)'" 2>/dev/null || \
 		$(PIP) install "transformers==$(TRANSFORMERS_VERSION)"
+	@test -d $(TRANSFORMERS_NEWEST_DIR)/transformers || \
+		$(PIP) install -q --no-deps --target $(TRANSFORMERS_NEWEST_DIR) "transformers==$(TRANSFORMERS_NEWEST)"
 	@$(PYTHON) -c "import torchrec" 2>/dev/null || { $(PIP) install --no-deps "torchrec==$(TORCHREC_VERSION)" && \
 		$(PIP) install "fbgemm-gpu-cpu==$(FBGEMM_VERSION)" tensordict pyre-extensions torchmetrics tqdm; }
 
@@ -34,3 +41,6 @@ run: build
 
 test: test-deps build
 	$(PYTHON) -m pytest tests -q
+	PYTHONPATH=$(TRANSFORMERS_NEWEST_DIR) $(PYTHON) -c \
+		"import transformers as t; assert t.__version__ == '$(TRANSFORMERS_NEWEST)', t.__version__"
+	PYTHONPATH=$(TRANSFORMERS_NEWEST_DIR) $(PYTHON) -m pytest tests/test_hf.py -q

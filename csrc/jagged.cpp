@@ -319,14 +319,21 @@ std::tuple<at::Tensor, at::Tensor> split_2d(const JaggedBackend &be, const at::T
     check_rows_2d(values_in, op, "values");
     check_values(values_in, op, "values");
     TORCH_CHECK(n_prefix_to_right >= 0, op, ": n_prefix_to_right must be >= 0, got ", n_prefix_to_right);
-    TORCH_CHECK(offsets_left.has_value() || offsets_right.has_value(), op,
-                ": offsets_left and offsets_right cannot both be None");
     const at::Tensor v = values_in.contiguous();
     const Side l = side_of(offsets_left, max_len_left, v, op, "offsets_left", "max_len_left");
     const Side r = side_of(offsets_right, max_len_right, v, op, "offsets_right", "max_len_right");
     TORCH_CHECK(l.batch < 0 || r.batch < 0 || l.batch == r.batch, op,
                 ": offsets_left and offsets_right must have the same length, got ", l.batch + 1, " and ", r.batch + 1);
-    const int64_t B = l.batch >= 0 ? l.batch : r.batch, T = v.size(0);
+    const int64_t T = v.size(0);
+    int64_t B = l.batch >= 0 ? l.batch : r.batch;
+    if (B < 0) {
+        // Both sides dense (the backward of a both-dense concat): every sample has max_len_left +
+        // max_len_right rows, so B follows from T. With both lengths 0 there are no rows to place.
+        const int64_t per = l.dense_len + r.dense_len;
+        TORCH_CHECK(per > 0 ? T % per == 0 : T == 0, op, ": with both sides dense, values must have B * (max_len_left",
+                    " + max_len_right) = B * ", per, " rows, got ", T);
+        B = per > 0 ? T / per : 0;
+    }
     // Row counts of the two outputs: a dense side has B * max_len; given totals are trusted (no sync);
     // otherwise the left total is read from offsets_left[-1] (a host sync) and the right one follows.
     int64_t tl, tr;

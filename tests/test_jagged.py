@@ -252,6 +252,148 @@ def test_non_contiguous_inputs(device):
     assert_same(torchfuse.dense_to_jagged(dense, offsets), ref_to_jagged(dense, offsets, T))
 
 
+# ---------------------------------------------------------------- dense sides (generative-recommenders' semantics)
+
+LOW_FLOAT = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _side(B, max_len, dense, odt, device, min_len=0):
+    """One side of a 2-D concat: (values, offsets argument, offsets for the reference). A dense side
+    has exactly max_len rows per sample, values (B * max_len, D), and passes None (GR's convention)."""
+    lengths = torch.full((B,), max_len) if dense else torch.randint(min_len, max_len + 1, (B,))
+    if not dense and B >= 2 and min_len == 0:
+        lengths[torch.randperm(B)[:2]] = torch.tensor([0, max_len])
+    off = offsets_of(lengths, odt).to(device)
+    return (None if dense else off), off
+
+
+def _ref_concat_autograd(vl, ol, vr, orr, P):
+    """Plain-PyTorch concat built from slices and torch.cat, so autograd gives the reference gradient."""
+    pieces = []
+    for a, b in zip(samples(vl, ol), samples(vr, orr)):
+        pieces += [b[:P], a, b[P:]]
+    return torch.cat(pieces) if pieces else vl[:0]
+
+
+def _ref_split_autograd(x, ol, orr, P):
+    left, right = [], []
+    o = (ol.long() + orr.long()).tolist()
+    ll, lr = ol.diff().tolist(), orr.diff().tolist()
+    for b in range(len(o) - 1):
+        s = x[o[b]:o[b + 1]]
+        p = min(P, lr[b])
+        right.append(s[:p])
+        left.append(s[p:p + ll[b]])
+        right.append(s[p + ll[b]:])
+    return (torch.cat(left) if left else x[:0]), (torch.cat(right) if right else x[:0])
+
+
+def _check_concat_split(device, dtype, B, ml, mr, dense_l, dense_r, odt, prefix, D=5, min_len=0):
+    """Forward and backward of concat_2d_jagged and split_2d_jagged against the autograd of the plain
+    reference, bit for bit (both only move rows, so gradients are moved rows too)."""
+    arg_ol, ol = _side(B, ml, dense_l, odt, device, min_len)
+    arg_or, orr = _side(B, mr, dense_r, odt, device, min_len)
+    vl = rand_values(int(ol[-1]), (D,), dtype, device).requires_grad_()
+    vr = rand_values(int(orr[-1]), (D,), dtype, device).requires_grad_()
+    ref = _ref_concat_autograd(vl, ol, vr, orr, prefix)
+    out, out_off = torchfuse.concat_2d_jagged(vl, arg_ol, vr, arg_or, ml, mr, n_prefix_from_right=prefix)
+    assert_same(out.detach(), ref.detach())
+    assert out_off.dtype == (odt if (arg_ol is not None or arg_or is not None) else torch.int64)
+    assert_same(out_off.long().cpu(), (ol.long() + orr.long()).cpu())
+    g = rand_values(ref.shape[0], (D,), dtype, device)
+    ref_gl, ref_gr = torch.autograd.grad(ref, (vl, vr), g, allow_unused=True, materialize_grads=True)
+    gl, gr_ = torch.autograd.grad(out, (vl, vr), g, allow_unused=True, materialize_grads=True)
+    assert_same(gl, ref_gl)
+    assert_same(gr_, ref_gr)
+    # split: the inverse, and its backward (a concat)
+    x = ref.detach().clone().requires_grad_()
+    ra, rb = _ref_split_autograd(x, ol, orr, prefix)
+    a, b = torchfuse.split_2d_jagged(x, arg_ol, arg_or, ml, mr, prefix)
+    assert_same(a.detach(), vl.detach())
+    assert_same(b.detach(), vr.detach())
+    ga, gb = rand_values(a.shape[0], (D,), dtype, device), rand_values(b.shape[0], (D,), dtype, device)
+    (ref_gx,) = torch.autograd.grad((ra, rb), (x,), (ga, gb), allow_unused=True, materialize_grads=True)
+    (gx,) = torch.autograd.grad((a, b), (x,), (ga, gb))
+    assert_same(gx, ref_gx)
+
+
+@pytest.mark.parametrize("dtype", LOW_FLOAT, ids=_name)
+@pytest.mark.parametrize("B,ml,mr", [(0, 3, 4), (1, 1, 1), (1, 0, 3), (5, 3, 0), (9, 1, 2), (31, 17, 6)])
+@pytest.mark.parametrize("prefix", [0, 2])
+def test_concat_split_2d_both_dense(device, dtype, B, ml, mr, prefix):
+    """Both sides dense (offsets None on both), forward and backward of concat and split: B = 0,
+    lengths 0 and 1 on either side."""
+    _check_concat_split(device, dtype, B, ml, mr, True, True, torch.int64, prefix)
+
+
+@pytest.mark.parametrize("dtype", LOW_FLOAT, ids=_name)
+@pytest.mark.parametrize("odt", [torch.int32, torch.int64], ids=_name)
+@pytest.mark.parametrize("dense_l,dense_r", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("B,ml,mr", [(0, 1, 1), (1, 0, 2), (6, 1, 1)])
+def test_concat_split_2d_small_backward(device, dtype, odt, dense_l, dense_r, B, ml, mr):
+    """With offsets on one side or both: B = 0 and 1, lengths 0 and 1, forward and backward."""
+    _check_concat_split(device, dtype, B, ml, mr, dense_l, dense_r, odt, 1)
+
+
+@pytest.mark.parametrize("dtype", LOW_FLOAT, ids=_name)
+@pytest.mark.parametrize("odt", [torch.int32, torch.int64], ids=_name)
+@pytest.mark.parametrize("dense_l,dense_r", [(False, False), (True, False), (False, True), (True, True)])
+def test_concat_split_2d_gr_cases(device, dtype, odt, dense_l, dense_r):
+    """generative-recommenders' own test grid (concat_2D_jagged / split_2D_jagged, and their multirow
+    variants, which share the semantics): B in [2, 8], max lengths in [20, 100], D in [10, 30],
+    lengths >= 1, every dense / jagged combination, forward and backward."""
+    B = int(torch.randint(2, 9, ()))
+    ml, mr = (int(x) for x in torch.randint(20, 101, (2,)))
+    D = int(torch.randint(10, 31, ()))
+    _check_concat_split(device, dtype, B, ml, mr, dense_l, dense_r, odt, 0, D=D, min_len=1)
+
+
+@pytest.mark.parametrize("dense_l,dense_r", [(True, True), (False, True), (True, False)])
+def test_concat_split_2d_large(device, dense_l, dense_r):
+    """A scaled-down form of generative-recommenders' large-tensor test (B = 130, one long side and one
+    short): every row lands where it belongs, forward and backward."""
+    _check_concat_split(device, torch.bfloat16, 130, 1024, 10, dense_l, dense_r, torch.int64, 3, D=64, min_len=1)
+
+
+def test_both_dense_sizes_are_checked():
+    v = torch.randn(12, 2)
+    with pytest.raises(RuntimeError, match=r"values must have B \* \(max_len_left \+ max_len_right\)"):
+        torchfuse.split_2d_jagged(v, None, None, 2, 3)
+    with pytest.raises(RuntimeError, match="max_len_right"):
+        torchfuse.split_2d_jagged(v, None, None, 2, None)
+    with pytest.raises(RuntimeError, match="max_len_left or max_len_right must be > 0"):
+        torchfuse.concat_2d_jagged(v[:0], None, v[:0], None, 0, 0)
+    with pytest.raises(RuntimeError, match="dense values_right"):
+        torchfuse.concat_2d_jagged(v, None, v[:5], None, 2, 1)
+    a, b = torchfuse.split_2d_jagged(v[:0], None, None, 0, 0)  # no rows, no samples
+    assert a.shape == b.shape == (0, 2)
+
+
+def test_gradcheck_both_dense():
+    vl = torch.randn(4 * 2, 3, dtype=torch.float64, requires_grad=True)
+    vr = torch.randn(4 * 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b: torchfuse.concat_2d_jagged(a, None, b, None, 2, 3, n_prefix_from_right=1)[0], (vl, vr))
+    cat = torch.randn(4 * 5, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: torchfuse.split_2d_jagged(x, None, None, 2, 3, 1), (cat,))
+
+
+def test_both_dense_meta_and_opcheck(device):
+    out, o = torchfuse.concat_2d_jagged(torch.empty(6, 4, device="meta"), None, torch.empty(9, 4, device="meta"),
+                                        None, 2, 3)
+    assert out.shape == (15, 4) and o.shape == (4,) and o.dtype == torch.int64
+    a, b = torchfuse.split_2d_jagged(torch.empty(15, 4, device="meta"), None, None, 2, 3)
+    assert a.shape == (6, 4) and b.shape == (9, 4)
+    with pytest.raises(RuntimeError, match="max_len_right .* offsets_right is None"):
+        torchfuse.split_2d_jagged(torch.empty(15, 4, device="meta"), None, None, 2, None)
+    ops = torch.ops.torchfuse
+    vl = torch.randn(6, 4, device=device, requires_grad=True)
+    vr = torch.randn(9, 4, device=device, requires_grad=True)
+    torch.library.opcheck(ops.concat_2d_jagged.default, (vl, None, vr, None, 2, 3, 1))
+    torch.library.opcheck(ops.split_2d_jagged.default, (torch.randn(15, 4, device=device, requires_grad=True),
+                                                        None, None, 2, 3, 1, None, None))
+
+
 # ---------------------------------------------------------------- gradients (float64, CPU)
 
 
@@ -430,7 +572,10 @@ def test_64bit_addressing_cuda():
 
 def _gr_pytorch_concat(values_left, values_right, max_len_left, max_len_right, offsets_left, offsets_right):
     """generative-recommenders' own PyTorch concat_2D_jagged (pad both sides, cat, mask), restated."""
-    B = (offsets_left if offsets_left is not None else offsets_right).shape[0] - 1
+    if offsets_left is None and offsets_right is None:
+        B = values_left.shape[0] // max_len_left if max_len_left else values_right.shape[0] // max_len_right
+    else:
+        B = (offsets_left if offsets_left is not None else offsets_right).shape[0] - 1
     if offsets_left is None:
         offsets_left = max_len_left * torch.arange(B + 1, device=values_left.device)
     if offsets_right is None:
@@ -443,25 +588,33 @@ def _gr_pytorch_concat(values_left, values_right, max_len_left, max_len_right, o
     return torch.cat([pl, pr], 1).flatten(0, 1)[mask.view(-1)]
 
 
-@pytest.mark.parametrize("dense_side", [None, "left", "right"])
+@pytest.mark.parametrize("dense_side", [None, "left", "right", "both"])
 def test_compat_gr(device, dense_side):
     B, ml, mr = 13, 9, 4
     ll, lr = rand_lengths(B, ml), rand_lengths(B, mr)
-    if dense_side == "left":
+    if dense_side in ("left", "both"):
         ll = torch.full((B,), ml)
-    if dense_side == "right":
+    if dense_side in ("right", "both"):
         lr = torch.full((B,), mr)
-    ol = None if dense_side == "left" else offsets_of(ll).to(device)
-    orr = None if dense_side == "right" else offsets_of(lr).to(device)
-    vl = torch.randn(int(ll.sum()), 8, device=device)
-    vr = torch.randn(int(lr.sum()), 8, device=device)
-    out = gr.concat_2D_jagged(ml + mr, vl, vr, ml, mr, ol, orr)
-    assert_same(out, _gr_pytorch_concat(vl, vr, ml, mr, ol, orr))
-    a, b = gr.split_2D_jagged(ml + mr, out, None, None, ml, mr, ol, orr)
-    assert_same(a, vl)
-    assert_same(b, vr)
-    a, b = gr.split_2D_jagged(ml + mr, out, vl.shape[0], vr.shape[0], ml, mr, ol, orr)
-    assert_same(a, vl)
+    ol = None if dense_side in ("left", "both") else offsets_of(ll).to(device)
+    orr = None if dense_side in ("right", "both") else offsets_of(lr).to(device)
+    vl = torch.randn(int(ll.sum()), 8, device=device, requires_grad=True)
+    vr = torch.randn(int(lr.sum()), 8, device=device, requires_grad=True)
+    ref = _gr_pytorch_concat(vl, vr, ml, mr, ol, orr)
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (vl, vr), g)
+    for out in (gr.concat_2D_jagged(ml + mr, vl, vr, ml, mr, ol, orr),
+                gr.concat_2D_jagged_multirow(ml + mr, vl, vr, ol, orr, ml, mr)):
+        assert_same(out.detach(), ref.detach())
+        for mine, theirs in zip(torch.autograd.grad(out, (vl, vr), g), ref_grads):
+            assert_same(mine, theirs)
+    out = ref.detach()
+    for split in (gr.split_2D_jagged, gr.split_2D_jagged_multirow):
+        a, b = split(ml + mr, out, None, None, ml, mr, ol, orr)
+        assert_same(a, vl.detach())
+        assert_same(b, vr.detach())
+        a, b = split(ml + mr, out, vl.shape[0], vr.shape[0], ml, mr, ol, orr)
+        assert_same(a, vl.detach())
 
 
 def test_compat_fbgemm(device):

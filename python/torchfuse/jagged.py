@@ -70,9 +70,10 @@ def concat_2d_jagged(
     """Per-sample concatenation: sample b of the result is ``[right_b[:P]; left_b; right_b[P:]]`` with
     P = n_prefix_from_right. Returns ``(values, offsets)`` with offsets = offsets_left + offsets_right.
 
-    Either offsets may be None: that side is dense, every sample has exactly its max_len rows
-    (values shaped (B * max_len, *D)). max_len of a jagged side is not needed (the kernel is sized by
-    rows, not by max_len x B). Every row of each input must belong to a sample (offsets[-1] = T).
+    Either offsets may be None, or both: that side is dense, every sample has exactly its max_len rows
+    (values shaped (B * max_len, *D), as in generative-recommenders). max_len of a jagged side is not
+    needed (the kernel is sized by rows, not by max_len x B). Every row of each input must belong to a
+    sample (offsets[-1] = T).
     Never syncs. Differentiable in both values."""
     count("concat_2d_jagged")
     return _call("concat_2d_jagged", values_left, offsets_left, values_right, offsets_right, max_len_left,
@@ -90,8 +91,9 @@ def split_2d_jagged(
     total_len_right: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """The exact inverse of :func:`concat_2d_jagged`: returns ``(values_left, values_right)``.
-    With a dense side, or with total_len_left / total_len_right given, no device sync; otherwise
-    offsets_left[-1] is read. Differentiable in values."""
+    Either offsets may be None (that side dense, max_len rows per sample); with both None, values has
+    B * (max_len_left + max_len_right) rows. With a dense side, or with total_len_left /
+    total_len_right given, no device sync; otherwise offsets_left[-1] is read. Differentiable in values."""
     count("split_2d_jagged")
     return _call("split_2d_jagged", values, offsets_left, offsets_right, max_len_left, max_len_right,
                                 n_prefix_to_right, total_len_left, total_len_right)
@@ -220,7 +222,15 @@ def _split_totals(T, B, offsets_left, offsets_right, max_len_left, max_len_right
 @torch.library.register_fake("torchfuse::split_2d_jagged")
 def _split_2d_fake(values, offsets_left, offsets_right, max_len_left=None, max_len_right=None, n_prefix_to_right=0,
                    total_len_left=None, total_len_right=None):
-    B = (offsets_left if offsets_left is not None else offsets_right).shape[0] - 1
+    if offsets_left is not None or offsets_right is not None:
+        B = (offsets_left if offsets_left is not None else offsets_right).shape[0] - 1
+    else:  # both dense: every sample has max_len_left + max_len_right rows
+        for name, m in (("max_len_left", max_len_left), ("max_len_right", max_len_right)):
+            if m is None:
+                raise RuntimeError(f"torchfuse.split_2d_jagged: {name} (>= 0) is needed when offsets_"
+                                   f"{name[8:]} is None (a dense side)")
+        per = max_len_left + max_len_right
+        B = values.shape[0] // per if per else 0
     tl, tr = _split_totals(values.shape[0], B, offsets_left, offsets_right, max_len_left, max_len_right,
                            total_len_left, total_len_right)
     if tl is None:

@@ -48,6 +48,39 @@ def split_2D_jagged(
                                    n_prefix_to_right, total_len_left, total_len_right)
 
 
+def concat_2D_jagged_multirow(
+    max_seq_len: int,
+    values_left: Tensor,
+    values_right: Tensor,
+    offsets_left: Optional[Tensor],
+    offsets_right: Optional[Tensor],
+    max_len_left: int,
+    max_len_right: int,
+    kernel=None,
+) -> Tensor:
+    """generative_recommenders.ops.jagged_tensors.concat_2D_jagged_multirow: the same result as
+    concat_2D_jagged (GR's variant only launches several rows per program); note its argument order."""
+    return concat_2D_jagged(max_seq_len, values_left, values_right, max_len_left, max_len_right, offsets_left,
+                            offsets_right)
+
+
+def split_2D_jagged_multirow(
+    max_seq_len: int,
+    values: Tensor,
+    total_len_left: Optional[int] = None,
+    total_len_right: Optional[int] = None,
+    max_len_left: Optional[int] = None,
+    max_len_right: Optional[int] = None,
+    offsets_left: Optional[Tensor] = None,
+    offsets_right: Optional[Tensor] = None,
+    kernel=None,
+) -> Tuple[Tensor, Tensor]:
+    """generative_recommenders.ops.jagged_tensors.split_2D_jagged_multirow: the same result as
+    split_2D_jagged."""
+    return split_2D_jagged(max_seq_len, values, total_len_left, total_len_right, max_len_left, max_len_right,
+                           offsets_left, offsets_right)
+
+
 # ---- HSTU attention (hstu_mha) ----
 from typing import Optional as _Optional
 

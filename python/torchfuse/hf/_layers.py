@@ -128,32 +128,43 @@ def final_norm_forward(norm):
     return forward
 
 
-def rms_layer_forward(layer, n_in, n_post, emit):
-    """Llama / Mistral / Qwen2 / Qwen3 decoder layer (HF's ``LlamaDecoderLayer.forward``)."""
+def rms_layer_forward(layer, n_in, n_post, emit, cache_kw):
+    """Llama / Mistral / Qwen2 / Qwen3 decoder layer (HF's ``LlamaDecoderLayer.forward``); ``cache_kw``
+    names the cache argument (``past_key_values`` through transformers 5.23, ``cache`` from 5.24)."""
     mods = layer._modules
     carry, p_in, eps_in = n_in.carry, n_in.params, n_in.eps
     p_post, eps_post = n_post.params, n_post.eps
     rms = RMS_NORM_LLAMA
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, **kwargs):
+    def run(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings, kwargs):
         if self is not layer:
             raise _copied(self)
         count("hf_layer")
+        kwargs[cache_kw] = cache
         if _grad_enabled():
             x = n_in(hidden_states)
             x, _ = mods["self_attn"](hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                                     past_key_values=past_key_values, use_cache=use_cache,
-                                     position_embeddings=position_embeddings, **kwargs)
+                                     use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
             x, h = n_post(x, hidden_states)
             return h + mods["mlp"](x)
         x = _normed_input(carry, hidden_states, p_in["weight"], None, eps_in, rms)
         x, _ = mods["self_attn"](hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=past_key_values, use_cache=use_cache,
-                                 position_embeddings=position_embeddings, **kwargs)
+                                 use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
         count("norm_fwd")
         x, h = _infer(x, hidden_states, p_post["weight"], None, eps_post, rms, 0.0)
         return emit(mods["mlp"](x), h)
+
+    # HF's own signature, so positional and keyword calls bind as they do on HF's layer
+    if cache_kw == "cache":
+        def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                    position_embeddings=None, **kwargs):
+            return run(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings,
+                       kwargs)
+    else:
+        def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=False, position_embeddings=None, **kwargs):
+            return run(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                       position_embeddings, kwargs)
     return forward
 
 
@@ -214,13 +225,14 @@ def neox_layer_forward(layer, n_in, n_post, emit):
     return forward
 
 
-def gpt2_block_forward(layer, n_1, n_2, n_cross, emit):
-    """GPT-2 block (HF's ``GPT2Block.forward``), cross-attention included."""
+def gpt2_block_forward(layer, n_1, n_2, n_cross, emit, cache_kw):
+    """GPT-2 block (HF's ``GPT2Block.forward``), cross-attention included; ``cache_kw`` as for
+    :func:`rms_layer_forward`."""
     mods = layer._modules
     carry, p_1, eps_1, p_2, eps_2, ln = n_1.carry, n_1.params, n_1.eps, n_2.params, n_2.eps, LAYER_NORM
 
-    def forward(self, hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
-                encoder_attention_mask=None, use_cache=False, **kwargs):
+    def run(self, hidden_states, cache, attention_mask, encoder_hidden_states, encoder_attention_mask, use_cache,
+            kwargs):
         if self is not layer:
             raise _copied(self)
         count("hf_layer")
@@ -229,29 +241,55 @@ def gpt2_block_forward(layer, n_1, n_2, n_cross, emit):
                 f"If `encoder_hidden_states` are passed, {layer} has to be instantiated with "
                 "cross-attention layers by setting `config.add_cross_attention=True`"
             )
+        kwargs[cache_kw] = cache
+        cross_kw = {cache_kw: cache}
         if _grad_enabled():
             x = n_1(hidden_states)
-            a, _ = mods["attn"](x, past_key_values=past_key_values, attention_mask=attention_mask,
-                                use_cache=use_cache, **kwargs)
+            a, _ = mods["attn"](x, attention_mask=attention_mask, use_cache=use_cache, **kwargs)
             if encoder_hidden_states is not None:
                 x, h = n_cross(a, hidden_states)
-                a, _ = mods["crossattention"](x, past_key_values=past_key_values, attention_mask=attention_mask,
+                a, _ = mods["crossattention"](x, attention_mask=attention_mask,
                                               encoder_hidden_states=encoder_hidden_states,
-                                              encoder_attention_mask=encoder_attention_mask)
+                                              encoder_attention_mask=encoder_attention_mask, **cross_kw)
                 hidden_states = h
             x, h = n_2(a, hidden_states)
             return h + mods["mlp"](x)
         x = _normed_input(carry, hidden_states, p_1["weight"], p_1["bias"], eps_1, ln)
-        a, _ = mods["attn"](x, past_key_values=past_key_values, attention_mask=attention_mask, use_cache=use_cache,
-                            **kwargs)
+        a, _ = mods["attn"](x, attention_mask=attention_mask, use_cache=use_cache, **kwargs)
         if encoder_hidden_states is not None:
             p_c = n_cross.params
             count("norm_fwd")
             x, hidden_states = _infer(a, hidden_states, p_c["weight"], p_c["bias"], n_cross.eps, ln, 0.0)
-            a, _ = mods["crossattention"](x, past_key_values=past_key_values, attention_mask=attention_mask,
+            a, _ = mods["crossattention"](x, attention_mask=attention_mask,
                                           encoder_hidden_states=encoder_hidden_states,
-                                          encoder_attention_mask=encoder_attention_mask)
+                                          encoder_attention_mask=encoder_attention_mask, **cross_kw)
         count("norm_fwd")
         x, h = _infer(a, hidden_states, p_2["weight"], p_2["bias"], eps_2, ln, 0.0)
         return emit(mods["mlp"](x), h)
+
+    if cache_kw == "cache":
+        def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
+                    encoder_attention_mask=None, use_cache=False, **kwargs):
+            return run(self, hidden_states, cache, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                       use_cache, kwargs)
+    else:
+        def forward(self, hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
+                    encoder_attention_mask=None, use_cache=False, **kwargs):
+            return run(self, hidden_states, past_key_values, attention_mask, encoder_hidden_states,
+                       encoder_attention_mask, use_cache, kwargs)
+    return forward
+
+
+def norm_only_forward(norm):
+    """Forward of one norm module on the fused op, no residual: the fallback for layers whose HF
+    forward could not be verified (their adds stay HF's)."""
+    p, eps, kind, owner = norm.params, norm.eps, norm.kind, norm.module
+
+    def forward(self, hidden_states):
+        if self is not owner:
+            raise _copied(self)
+        if _grad_enabled():
+            return norm(hidden_states)
+        count("norm_fwd")
+        return _infer(hidden_states, None, p["weight"], p.get("bias"), eps, kind, 0.0)[0]
     return forward
