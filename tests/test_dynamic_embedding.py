@@ -461,6 +461,183 @@ def test_state_dict_round_trip(device):
         c.load_state_dict(a.state_dict())
 
 
+def _trained_with_evictions(device, dtype=torch.float32):
+    """A table trained until it grew to max_capacity and evicted (with Adam state and scores)."""
+    t = DynamicEmbeddingBag(6, 16, mode="sum", device=device, max_capacity=64, eviction="lru", bucket_size=16,
+                            dtype=dtype, initializer=("uniform", -0.1, 0.1), seed=5, optimizer=tfo.Adam(0.01),
+                            evicted_record_limit=0)
+    t.train()
+    pool = _keys(400)
+    for _ in range(40):  # 8 ids a batch: no bucket of 16 can fill with one batch's own keys
+        t(_t(_keys(8, pool), device), _t([0, 4], device)).square().sum().backward()
+    assert t.capacity == t.max_capacity == 64 and t.evicted_dropped > 0
+    return t
+
+
+def _snapshot(m):
+    """Everything a checkpoint restores, in key order, as host tensors and numbers."""
+    keys, values, state, scores = (torch.cat(c) for c in zip(*m.export())) if len(m) else m.drain_evicted()
+    order = torch.argsort(keys)
+    return ([x[order].cpu() for x in (keys, values, state, scores)],
+            {k: v for k, v in m._config().items() if k not in ("capacity", "max_capacity")}, len(m))
+
+
+def _same(a, b):
+    (ta, ca, na), (tb, cb, nb) = a, b
+    return ca == cb and na == nb and all(torch.equal(x.view(torch.uint8) if x.is_floating_point() else x,
+                                                     y.view(torch.uint8) if y.is_floating_point() else y)
+                                         for x, y in zip(ta, tb))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grow_by", [1, 4])
+def test_checkpoint_mid_training_loads_bit_exact(device, dtype, grow_by, tmp_path):
+    a = _trained_with_evictions(device, dtype)
+    torch.save(a.state_dict(), tmp_path / "ckpt.pt")
+    # a fresh table of the same or a larger capacity, other settings its own
+    b = DynamicEmbeddingBag(6, 64 * grow_by, mode="sum", device=device, dtype=dtype, optimizer=tfo.SGD(1.0))
+    b.load_state_dict(torch.load(tmp_path / "ckpt.pt"))  # weights_only: plain types only
+    assert _same(_snapshot(a), _snapshot(b)) and b.capacity == 64 * grow_by
+    keys = _snapshot(a)[0][0].to(device)
+    assert torch.equal(a.find(keys)[0], b.find(keys)[0]) and bool(b.find(keys)[1].all())
+    # it trains on: the same ids give the same rows (no eviction in b at the larger capacity)
+    ids = keys[torch.randint(0, keys.numel(), (20,), device=device)]
+    for m in (a, b):
+        m(ids, _t([0, 10], device)).square().sum().backward()
+    assert torch.equal(a.find(keys)[0], b.find(keys)[0])
+
+
+def _zip_records(path):
+    """(name, data offset, data size) of each record of a torch.save file (stored, not compressed)."""
+    import struct
+    import zipfile
+    raw = path.read_bytes()
+    out = []
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            o = info.header_offset
+            name_len, extra_len = struct.unpack("<HH", raw[o + 26:o + 30])
+            out.append((info.filename, o + 30 + name_len + extra_len, info.file_size))
+    return out
+
+
+def _faulty_checkpoints(sd, tmp_path, device):
+    """(what, loader) pairs: each loader raises, from torch.load or from load_state_dict."""
+    path = tmp_path / "good.pt"
+    torch.save(sd, path)
+    raw = path.read_bytes()
+    faults = []
+    for cut in (10, len(raw) // 3, len(raw) // 2, len(raw) - 30):
+        p = tmp_path / f"cut{cut}.pt"
+        p.write_bytes(raw[:cut])
+        faults.append((f"truncated at {cut}", p))
+    for name, off, size in _zip_records(path):
+        if "/data/" not in name or size == 0:
+            continue
+        for at in (off, off + size // 2, off + size - 1):  # a tensor's first, middle and last byte
+            bad = bytearray(raw)
+            bad[at] ^= 1 << random.randrange(8)
+            p = tmp_path / f"flip{at}.pt"
+            p.write_bytes(bytes(bad))
+            faults.append((f"bit flipped in {name} at {at - off}", p))
+    files = [(w, (lambda p=p: torch.load(p))) for w, p in faults]
+    dicts = []
+    for k in ("keys", "values", "optimizer_state", "scores", "config"):
+        d = dict(sd)
+        del d[k]
+        dicts.append((f"no {k}", d))
+    for k in ("keys", "values", "optimizer_state", "scores"):
+        d = dict(sd)
+        d[k] = d[k][:-1]
+        dicts.append((f"{k} one row short", d))
+        d = dict(sd)
+        d[k] = d[k].unsqueeze(0)
+        dicts.append((f"{k} of another rank", d))
+    d = dict(sd)
+    d["values"] = d["values"].double()
+    dicts.append(("values of another dtype", d))
+    d = dict(sd)
+    d["keys"] = d["keys"].clone()
+    d["keys"][1] = d["keys"][0]
+    dicts.append(("a repeated key", d))
+    for field, value in (("capacity", 48), ("bucket_size", 3), ("eviction", "fifo"), ("clock", -1),
+                         ("optimizer", {"name": "Nope"}), ("initializer", ("normal",)), ("step", "7")):
+        d = dict(sd)
+        d["config"] = dict(d["config"], **{field: value})
+        dicts.append((f"config {field}={value!r}", d))
+    d = dict(sd)
+    d["config"] = dict(d["config"], seed=d["config"]["seed"] + 1)
+    dicts.append(("config edited under its checksum", d))
+    return files + [(w, (lambda d=d: d)) for w, d in dicts]
+
+
+def test_checkpoint_faults_leave_the_table_unchanged(device, tmp_path):
+    a = _trained_with_evictions(device)
+    sd = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in a.state_dict().items()}
+    b = DynamicEmbeddingBag(6, 32, mode="sum", device=device, max_capacity=128, optimizer=tfo.Adagrad(0.1))
+    b.train()
+    b(_t(_keys(40), device), _t([0, 20], device)).sum().backward()
+    before = _snapshot(b)
+    cap, max_cap, opt = b.capacity, b.max_capacity, b.optimizer.config()
+    faults = _faulty_checkpoints(sd, tmp_path, device)
+    assert len(faults) > 30
+    for what, load in faults:
+        with pytest.raises(Exception) as e:
+            b.load_state_dict(load())
+        assert str(e.value), what
+        assert _same(before, _snapshot(b)), what
+        assert (b.capacity, b.max_capacity, b.optimizer.config()) == (cap, max_cap, opt), what
+    # the table still works, and the intact checkpoint loads after all of those
+    b(_t(_keys(10), device), _t([0, 5], device)).sum().backward()
+    b.load_state_dict(sd)
+    assert _same(_snapshot(a), _snapshot(b))
+
+
+def test_checkpoint_fault_messages(device):
+    a = _trained_with_evictions(device)
+    sd = a.state_dict()
+    b = DynamicEmbeddingBag(6, 16, device=device)
+    for what, d, match in (
+            ("dim", DynamicEmbedding(5, 16, device=device), "embedding_dim 6, this table 5"),
+            ("dtype", DynamicEmbedding(6, 16, device=device, dtype=torch.float16),
+             "dtype float32, this table float16"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            d.load_state_dict(sd)
+    bad = dict(sd, values=sd["values"][:-1])
+    with pytest.raises(RuntimeError, match="inconsistent state_dict shapes: keys"):
+        b.load_state_dict(bad)
+    bad = dict(sd, scores=sd["scores"].clone())
+    bad["scores"][0] += 1
+    with pytest.raises(RuntimeError, match="checksum does not match"):
+        b.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match="Missing key.*values"):
+        b.load_state_dict({k: v for k, v in sd.items() if k != "values"})
+    unsummed = {k: v for k, v in sd["config"].items() if k != "checksum"}
+    repeated = dict(sd, keys=sd["keys"].clone(), config=unsummed)
+    repeated["keys"][1] = repeated["keys"][0]
+    with pytest.raises(RuntimeError, match="keys repeat"):
+        b.load_state_dict(repeated)
+    with pytest.raises(RuntimeError, match=r"config\['clock'\] is out of range"):
+        b.load_state_dict(dict(sd, config=dict(unsummed, clock=-3)))
+    # keys that pass every check but overflow a bucket: the insert fails, the table is restored
+    c = DynamicEmbedding(6, 32, device=device, bucket_size=4)
+    c.insert(_t(list(range(8)), device), torch.ones(8, 6, device=device))
+    crowded = [k for k in range(10**4) if _bucket(k, 8) == 0][:8]
+    csd = c.state_dict()
+    csd["keys"] = _t(crowded, device)
+    csd["config"] = {k: v for k, v in csd["config"].items() if k != "checksum"}
+    before = _snapshot(b)
+    with pytest.raises(RuntimeError, match="did not fit.*the table is unchanged|unchanged.*did not fit"):
+        b.load_state_dict(csd)
+    assert _same(before, _snapshot(b)) and b.capacity == 16 and b.bucket_size == 16
+    # an edited state_dict loads once its checksum is dropped
+    bad["config"] = {k: v for k, v in sd["config"].items() if k != "checksum"}
+    b.load_state_dict(bad)
+    k0 = sd["keys"][:1]
+    assert len(b) == len(a) and torch.equal(b._scores[b._lookup(k0)], sd["scores"][:1] + 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_rows(device, dtype):
     dim, P = 8, 20
