@@ -80,7 +80,8 @@ struct DynembFoi {
     at::Tensor slots, rows, is_new, evicted, counts;
     DynembFoiResult result() const { return {slots, rows, is_new, evicted, counts}; }
 };
-// dynemb_evict_rows' checks and parameters; old_values / old_state are allocated here.
+// The eviction row work's checks and parameters (tf_dynemb_evict_params); old_values / old_state are
+// allocated here.
 tf_dynemb_evict_params dynemb_evict_params(const at::Tensor &slots, const at::Tensor &new_index, const at::Tensor &keys,
                                            const at::Tensor &values, const at::Tensor &values_host,
                                            const at::Tensor &state, const at::Tensor &state_host, at::Tensor &rows,
@@ -105,7 +106,7 @@ using DynembFoiSyncResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::T
 using DynembFoiPoolResult =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // The part after the host has the counts c (inserted, evicted, failed): evict_rows(slots, new_index,
-// rows) is the device's dynemb_evict_rows on the table (victims' rows and state out, new rows in).
+// rows) is the device's eviction row work on the table (victims' rows and state out, new rows in).
 // slot_order (a table with host rows): the evictions are sorted by victim slot first, so the row work
 // visits the victims in slot order (host rows in address order: random host addresses thrash the
 // GPU's translation of host pages); the record (keys, slots, scores, new indices and the victims'

@@ -78,21 +78,7 @@ DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, 
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_sorted_async_cpu(const at::Tensor &sorted_ids,
-                                                                                  const at::Tensor &perm) {
-    DynembGroup g = prepare_dynemb_group(sorted_ids, perm, "torchfuse.dynemb_group_sorted_async");
-    tf_dynemb_group_cpu(&g.p);
-    return {g.uniq, g.seg, g.inv, g.n_unique};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> group_sorted_cpu(const at::Tensor &sorted_ids, const at::Tensor &perm) {
-    DynembGroup g = prepare_dynemb_group(sorted_ids, perm, "torchfuse.dynemb_group_sorted");
-    tf_dynemb_group_cpu(&g.p);
-    const int64_t nu = g.n_unique.item<int64_t>();
-    return {g.uniq.narrow(0, 0, nu), g.seg.narrow(0, 0, nu + 1), g.inv};
-}
-
-// The CPU's stable sort is ATen's; the grouping the same C as dynemb_group_sorted_async.
+// The CPU's stable sort is ATen's.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_group_cpu(const at::Tensor &ids) {
     check_sort_group_ids(ids);
     auto [sorted_ids, perm] = at::sort(ids, /*stable=*/true, 0, false);
@@ -112,8 +98,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bag_layout_cpu(const 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
-    m.impl("dynemb_group_sorted", &group_sorted_cpu);
-    m.impl("dynemb_group_sorted_async", &group_sorted_async_cpu);
     m.impl("dynemb_bag_layout", &bag_layout_cpu);
     m.impl("dynemb_sort_group", &sort_group_cpu);
 }

@@ -7,8 +7,8 @@
 
 namespace torchfuse {
 
-// Checks sorted_ids / perm (torch.sort(ids, stable=True) of a flat batch) and allocates the
-// grouping's outputs: params with uniq (n), seg (n + 1), inv (n) and n_unique (1) set; scratch is
+// Checks sorted_ids / perm (torch.sort(ids, stable=True) of a flat batch: the CPU's dynemb_sort_group)
+// and allocates the grouping's outputs: params with uniq (n), seg (n + 1), inv (n) and n_unique (1) set; scratch is
 // the caller's.
 struct DynembGroup {
     at::Tensor uniq, seg, inv, n_unique;

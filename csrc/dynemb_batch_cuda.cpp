@@ -4,8 +4,6 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-
 #include "dynemb_batch.h"
 
 namespace torchfuse {
@@ -19,41 +17,6 @@ void check_launch(int err, const char *what) {
 void write_empty_group(const DynembGroup &g, cudaStream_t s) {
     check_launch(cudaMemsetAsync(g.p.n_unique, 0, sizeof(int64_t), s), "dynemb group memset");
     check_launch(cudaMemsetAsync(g.p.seg, 0, sizeof(int64_t), s), "dynemb group memset");
-}
-
-// The grouping's kernels (write_empty_group for an empty batch).
-DynembGroup launch_group(const at::Tensor &sorted_ids, const at::Tensor &perm, const char *op) {
-    const c10::cuda::CUDAGuard guard(sorted_ids.device());
-    DynembGroup g = prepare_dynemb_group(sorted_ids, perm, op);
-    const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-    const int64_t n = g.p.n;
-    if (n == 0) {
-        write_empty_group(g, s);
-        return g;
-    }
-    const size_t temp = tf_dynemb_group_temp_bytes(n);
-    // one scratch allocation: the run indices (int64), the flags (int32), then the scan's temp storage
-    const int64_t run_bytes = n * 8, flag_bytes = (n * 4 + 255) / 256 * 256;
-    at::Tensor scratch = at::empty({run_bytes + flag_bytes + (int64_t)temp}, sorted_ids.options().dtype(at::kByte));
-    uint8_t *base = scratch.data_ptr<uint8_t>();
-    g.p.run = reinterpret_cast<int64_t *>(base);
-    g.p.flags = reinterpret_cast<int32_t *>(base + run_bytes);
-    g.p.temp = base + run_bytes + flag_bytes;
-    g.p.temp_bytes = temp;
-    check_launch(tf_dynemb_group_cuda(&g.p, s), "dynemb group kernels");
-    return g;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_sorted_async_cuda(const at::Tensor &sorted_ids,
-                                                                                   const at::Tensor &perm) {
-    DynembGroup g = launch_group(sorted_ids, perm, "torchfuse.dynemb_group_sorted_async");
-    return {g.uniq, g.seg, g.inv, g.n_unique};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> group_sorted_cuda(const at::Tensor &sorted_ids, const at::Tensor &perm) {
-    DynembGroup g = launch_group(sorted_ids, perm, "torchfuse.dynemb_group_sorted");
-    const int64_t nu = g.n_unique.item<int64_t>();  // the host sync
-    return {g.uniq.narrow(0, 0, nu), g.seg.narrow(0, 0, nu + 1), g.inv};
 }
 
 // Sort and grouping in one op (tf_dynemb_sort_group_params): one scratch allocation for the sorted
@@ -91,10 +54,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_grou
     p.g.perm = nullptr;
     p.g.perm32 = p.perm32;
     p.g.perm_out = perm.data_ptr<int64_t>();
-    // the sort key: the top 32 bits of each id's hash (4 radix passes, where the ids take 8);
-    // TORCHFUSE_DYNEMB_SORT_HASH_BITS=0 sorts the ids themselves, =1..31 fewer hash bits (tests: collisions)
-    const char *env = std::getenv("TORCHFUSE_DYNEMB_SORT_HASH_BITS");
-    p.hash_bits = env && env[0] ? std::atoi(env) : 32;
     check_launch(tf_dynemb_sort_group_cuda(&p, s), "dynemb sort-group kernels");
     return {perm, g.uniq, g.seg, g.inv, g.n_unique};
 }
@@ -113,8 +72,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bag_layout_cuda(const
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
-    m.impl("dynemb_group_sorted", &group_sorted_cuda);
-    m.impl("dynemb_group_sorted_async", &group_sorted_async_cuda);
     m.impl("dynemb_bag_layout", &bag_layout_cuda);
     m.impl("dynemb_sort_group", &sort_group_cuda);
 }

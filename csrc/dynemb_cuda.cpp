@@ -5,7 +5,6 @@
 #include <torch/library.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <functional>
 #include <unordered_map>
 
@@ -248,23 +247,12 @@ DynembFoiResult launch_find_or_insert(const at::Tensor &query, at::Tensor &keys,
     map_host(f.p.init.state, state_host);
     at::Tensor miss;  // step 1's per-block lists of missed keys (128-slot buckets)
     if (bucket_size == 128) {
-        TORCH_CHECK(query.numel() < (int64_t{1} << 31), "torchfuse.dynemb_find_or_insert: at most 2^31 - 1 keys per call");
+        TORCH_CHECK(query.numel() < (int64_t{1} << 31), "torchfuse.dynemb_find_or_insert_sync: at most 2^31 - 1 keys per call");
         miss = at::empty({tf_dynemb_foi_miss_bytes(query.numel())}, query.options().dtype(at::kByte));
         f.p.miss = miss.data_ptr<uint8_t>();
     }
     check_launch(tf_dynemb_find_or_insert_cuda(&f.t, &f.p, stream()), "dynemb find-or-insert kernels");
     return f.result();
-}
-
-DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                    at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
-                                    at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                    int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                    int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                    bool with_rows) {
-    return launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                                 bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                                 nullptr, nullptr);
 }
 
 // A pinned buffer for an op's counts, per thread and device: allocated once, as the host waits on
@@ -342,10 +330,9 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
                                              const std::function<void(const at::Tensor &)> &before_wait = nullptr) {
     const c10::cuda::CUDAGuard guard(keys.device());
     const DynembFoiLimits lim = dynemb_foi_limits(query, keys, n_valid, abort);
-    // 128-slot buckets: step 2 hands the counts over in mapped memory (TORCHFUSE_DYNEMB_MAPPED_COUNTS=0:
-    // the copy and the stream wait below, for the A/B)
-    const char *env = getenv("TORCHFUSE_DYNEMB_MAPPED_COUNTS");
-    const bool mapped = bucket_size == 128 && query.numel() > 0 && !(env && env[0] == '0');
+    // 128-slot buckets: step 2 hands the counts over in mapped memory (other buckets: the copy and the
+    // stream wait below)
+    const bool mapped = bucket_size == 128 && query.numel() > 0;
     MappedCounts *m = mapped ? &mapped_counts() : nullptr;
     const int64_t seq = m ? ++m->seq : 0;
     const DynembFoiResult r = launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host,
@@ -511,7 +498,6 @@ at::Tensor group_pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, c
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
-    m.impl("dynemb_find_or_insert", &find_or_insert_cuda);
     m.impl("dynemb_find_or_insert_sync",
            [](const at::Tensor &query, at::Tensor &keys, at::Tensor &digests, at::Tensor &scores, at::Tensor &marks,
               at::Tensor &locks, at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
@@ -540,7 +526,6 @@ TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("dynemb_init", &init_cuda);
     m.impl("dynemb_init_gather", &init_gather_cuda);
     m.impl("dynemb_update", &update_cuda);
-    m.impl("dynemb_evict_rows", &evict_rows_cuda);
     m.impl("dynemb_segment_update", &segment_update_cuda);
     m.impl("dynemb_host_rows", &host_rows_cuda);
 }

@@ -105,18 +105,12 @@ TORCH_LIBRARY(torchfuse, m) {
     // bounds clamped into the batch). inv: ids through their unique index (slots: the unique ids' slots).
     m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean, "
           "Tensor? inv=None) -> Tensor");
-    // A batch sorted by id (torch.sort(ids, stable=True): sorted_ids, perm) grouped: (uniq, seg, inv),
-    // the distinct ids, their runs' bounds in sorted order (n_unique + 1) and each id's index into uniq.
-    m.def("dynemb_group_sorted(Tensor sorted_ids, Tensor perm) -> (Tensor, Tensor, Tensor)");
-    // The same without the host sync: (uniq, seg, inv, n_unique) with uniq of n entries and seg of
-    // n + 1, valid up to n_unique[0] (a one-element device tensor) and n_unique[0] + 1; past that, uniq
-    // holds sorted_ids' entries and seg holds n. For dynemb_find_or_insert_sync's n_valid: one wait.
-    m.def("dynemb_group_sorted_async(Tensor sorted_ids, Tensor perm) -> (Tensor, Tensor, Tensor, Tensor)");
-    // A batch grouped by id in one op: (perm, uniq, seg, inv, n_unique) as dynemb_group_sorted_async gives
-    // them after torch.sort(ids, stable=True). On the CPU exactly that; on CUDA a CUB radix sort of the ids'
-    // 32-bit hashes with int32 values, collisions put in id order after, so each group's occurrences stay
-    // in batch order but the groups come in hash order (TORCHFUSE_DYNEMB_SORT_HASH_BITS=0: the ids' order;
-    // kernels/dynemb_batch.h).
+    // A batch grouped by id without a host sync: (perm, uniq, seg, inv, n_unique): perm lists the ids
+    // group by group, each group's occurrences in batch order; uniq (n entries) and seg (n + 1) are valid
+    // up to n_unique[0] (a one-element device tensor) and n_unique[0] + 1, past that uniq holds sorted
+    // ids and seg holds n; inv is each id's group. On the CPU the groups come in id order (a stable sort
+    // of the ids); on CUDA in the order of the ids' 32-bit hashes (a CUB radix sort with int32 values,
+    // collisions put in id order after: kernels/dynemb_batch.h). For dynemb_find_or_insert_sync's n_valid.
     m.def("dynemb_sort_group(Tensor ids) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
     // A bag batch's layout from its offsets (kernels/dynemb_batch.h): (full (n_bags + 1), bag_of (n),
     // scale (n mean-mode scales when mean, else empty), bad (one uint8 flag: offsets that do not start
@@ -135,19 +129,12 @@ TORCH_LIBRARY(torchfuse, m) {
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");
     // find-or-insert of distinct keys (required) with the row work folded in (kernels/dynemb.h,
-    // tf_dynemb_foi_params): returns (slots, rows (n or 0 x dim), is_new, evicted (4, n): rows
-    // evicted_keys, evicted_slots, evicted_scores, evicted_new; counts); for e < counts[1] the key
-    // query[evicted_new[e]] took slot evicted_slots[e] and its row is neither initialized nor in rows
-    // yet (the caller saves the evicted row first); entries past counts[1] hold -1. policy -1: no touch.
-    m.def("dynemb_find_or_insert(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
-          "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
-          "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
-          "int init_kind, float a, float b, int seed, bool with_rows) "
-          "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    // dynemb_find_or_insert, then the host's wait for the counts and the eviction row work
-    // (dynemb_evict_rows) in the same call: returns (slots, rows, is_new, evicted (4, n_evicted): the
-    // victims' keys, slots, scores and the indices of the keys that took their slots; the victims'
-    // values; their optimizer state; the counts (inserted, n_evicted, failed) on the CPU). Every output
+    // tf_dynemb_foi_params), the host's wait for the counts and the eviction row work
+    // (tf_dynemb_evict_params: the evicting keys' initial rows written over the victims' once those are
+    // copied out) in one call; policy -1: no touch. Returns (slots, rows (n or 0 x dim), is_new,
+    // evicted (4, n_evicted): the victims' keys, slots, scores and the indices of the keys that took
+    // their slots; the victims' values; their optimizer state; the counts (inserted, n_evicted, failed,
+    // keys taken, aborted) on the CPU). Every output
     // is complete when the op returns (with 128-slot buckets on CUDA the host waits for the insert
     // kernel's counts in mapped memory, which its last block writes after every block's work). A
     // table with host rows gets its evictions sorted by victim slot (the eviction rows visit host rows
@@ -169,11 +156,6 @@ TORCH_LIBRARY(torchfuse, m) {
           "int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid, Tensor? abort, "
           "Tensor pool_offsets, Tensor pool_inv, Tensor? pool_weights, bool pool_mean, bool keep_evicted=True) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-    // find_or_insert's eviction row work (tf_dynemb_evict_params): returns the victims' (values,
-    // state); their slots get the new keys' initial rows, copied into rows (n or 0 x dim) too.
-    m.def("dynemb_evict_rows(Tensor slots, Tensor new_index, Tensor keys, Tensor(a!) values, "
-          "Tensor(b!) values_host, Tensor(c!) state, Tensor(d!) state_host, Tensor(e!) rows, int init_kind, "
-          "float a, float b, int seed) -> (Tensor, Tensor)");
     // Table-batched forms (a collection's tables in one launch each, as FBGEMM's TBE): the items of
     // the batch (keys, bags) are concatenated, table t owning [starts[t], starts[t + 1]); every other
     // list has one entry per table, and each table's part means what the single-table op means.

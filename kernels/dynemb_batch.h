@@ -54,21 +54,19 @@ void tf_dynemb_group_cpu(const tf_dynemb_group_params *p);
  * with int32 values (a quarter less traffic per pass than int64 ones), then grouped as above; the
  * permutation comes out widened to int64 (perm_out) by the grouping's scatter. Scratch, all n long:
  * sorted (int64), iota and perm32 (int32), plus tf_dynemb_sort_temp_bytes(n) for the sort.
- * CUDA, hash_bits in 1..32: the sort key is the top hash_bits bits of the id's hash (tf_mix64), 4 radix
- * passes of 4-byte keys at 32 where the ids themselves take 8 of 8-byte keys; the ids are gathered
- * after, and a run of equal keys holding different ids (a hash collision: about a hundred pairs in a
- * million distinct ids at 32 bits) is put in id order by one thread, by a heap sort on (id, batch
- * position): stable, and O(L log L) for a run of L even if ids were chosen to collide. Equal ids end up
- * adjacent and in batch order as the id sort leaves them. The groups then come in hash order, not id
- * order. hash_bits 0: the ids themselves (64 bits). The hash keys use g.flags and g.run as scratch
- * (free until the grouping). */
+ * CUDA: the sort key is the top 32 bits of the id's hash (tf_mix64), 4 radix passes of 4-byte keys where
+ * the ids themselves would take 8 of 8-byte keys; the ids are gathered after, and a run of equal keys
+ * holding different ids (a hash collision: about a hundred pairs in a million distinct ids) is put in
+ * id order by one thread, by a heap sort on (id, batch position): stable, and O(L log L) for a run of
+ * L even if ids were chosen to collide. Equal ids end up adjacent and in batch order as the id sort
+ * leaves them. The groups then come in hash order, not id order. The hash keys use g.flags and g.run
+ * as scratch (free until the grouping). */
 typedef struct {
     tf_dynemb_group_params g;             /* g.sorted / g.perm32 point into the scratch below */
     const int64_t *ids;
     int64_t *sorted;
     int32_t *iota, *perm32;
     void *sort_temp; size_t sort_temp_bytes;
-    int hash_bits;
 } tf_dynemb_sort_group_params;
 
 /* CUDA: return a cudaError_t as int. */

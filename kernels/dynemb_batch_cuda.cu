@@ -80,17 +80,12 @@ __global__ void group_scatter_kernel(tf_dynemb_group_params p) {
     if (j == p.n - 1) *p.n_unique = nu;
 }
 
-__global__ void iota_kernel(int32_t *__restrict__ out, int64_t n) {
-    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < n) out[j] = (int32_t)j;
-}
-
-/* The hash sort's keys (the top `bits` bits of each id's hash) and the iota beside them. */
-__global__ void hash_keys_kernel(const int64_t *__restrict__ ids, int64_t n, int bits, uint32_t *__restrict__ keys,
+/* The hash sort's keys (the top 32 bits of each id's hash) and the iota beside them. */
+__global__ void hash_keys_kernel(const int64_t *__restrict__ ids, int64_t n, uint32_t *__restrict__ keys,
                                  int32_t *__restrict__ iota) {
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= n) return;
-    keys[j] = (uint32_t)(tf_mix64((uint64_t)ids[j]) >> (64 - bits));
+    keys[j] = (uint32_t)(tf_mix64((uint64_t)ids[j]) >> 32);
     iota[j] = (int32_t)j;
 }
 
@@ -190,14 +185,11 @@ extern "C" int tf_dynemb_group_cuda(const tf_dynemb_group_params *p, void *strea
 }
 
 extern "C" size_t tf_dynemb_sort_temp_bytes(int64_t n) {
-    size_t bytes = 0, bytes32 = 0;
-    if (n > 0) {  // the larger of the two sorts' (the ids' and the hash keys')
-        cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const int64_t *)nullptr, (int64_t *)nullptr,
+    size_t bytes = 0;
+    if (n > 0)
+        cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const uint32_t *)nullptr, (uint32_t *)nullptr,
                                         (const int32_t *)nullptr, (int32_t *)nullptr, (int)n);
-        cub::DeviceRadixSort::SortPairs(nullptr, bytes32, (const uint32_t *)nullptr, (uint32_t *)nullptr,
-                                        (const int32_t *)nullptr, (int32_t *)nullptr, (int)n);
-    }
-    return bytes > bytes32 ? bytes : bytes32;
+    return bytes;
 }
 
 extern "C" int tf_dynemb_sort_group_cuda(const tf_dynemb_sort_group_params *p, void *stream) {
@@ -207,22 +199,14 @@ extern "C" int tf_dynemb_sort_group_cuda(const tf_dynemb_sort_group_params *p, v
     if (n >= (int64_t{1} << 31)) return (int)cudaErrorInvalidValue;
     size_t bytes = p->sort_temp_bytes;
     cudaError_t e;
-    if (p->hash_bits > 0 && p->hash_bits <= 32) {
-        // the hash keys in g.flags, sorted into g.run's first half (both free until the grouping)
-        uint32_t *keys = reinterpret_cast<uint32_t *>(p->g.flags), *keys_sorted = reinterpret_cast<uint32_t *>(p->g.run);
-        hash_keys_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->ids, n, p->hash_bits, keys, p->iota);
-        e = cub::DeviceRadixSort::SortPairs(p->sort_temp, bytes, keys, keys_sorted, p->iota, p->perm32, (int)n, 0,
-                                            p->hash_bits, s);
-        if (e != cudaSuccess) return (int)e;
-        gather_ids_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->ids, p->perm32, n, p->sorted);
-        // the collision flags in iota (free after the sort)
-        hash_collisions_kernel<<<blocks_for(n), kThreads, 0, s>>>(keys_sorted, p->sorted, n, p->iota);
-        hash_runs_fix_kernel<<<blocks_for(n), kThreads, 0, s>>>(keys_sorted, p->iota, n, p->sorted, p->perm32);
-    } else {
-        iota_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->iota, n);
-        // all 64 bits: any int64 is a key; radix sort is stable, so equal ids keep batch order
-        e = cub::DeviceRadixSort::SortPairs(p->sort_temp, bytes, p->ids, p->sorted, p->iota, p->perm32, (int)n, 0, 64, s);
-        if (e != cudaSuccess) return (int)e;
-    }
+    // the hash keys in g.flags, sorted into g.run's first half (both free until the grouping)
+    uint32_t *keys = reinterpret_cast<uint32_t *>(p->g.flags), *keys_sorted = reinterpret_cast<uint32_t *>(p->g.run);
+    hash_keys_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->ids, n, keys, p->iota);
+    e = cub::DeviceRadixSort::SortPairs(p->sort_temp, bytes, keys, keys_sorted, p->iota, p->perm32, (int)n, 0, 32, s);
+    if (e != cudaSuccess) return (int)e;
+    gather_ids_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->ids, p->perm32, n, p->sorted);
+    // the collision flags in iota (free after the sort)
+    hash_collisions_kernel<<<blocks_for(n), kThreads, 0, s>>>(keys_sorted, p->sorted, n, p->iota);
+    hash_runs_fix_kernel<<<blocks_for(n), kThreads, 0, s>>>(keys_sorted, p->iota, n, p->sorted, p->perm32);
     return tf_dynemb_group_cuda(&p->g, stream);
 }

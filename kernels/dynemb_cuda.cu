@@ -13,7 +13,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <stdlib.h>
 
 #include "dynemb.h"
 
@@ -875,7 +874,7 @@ __device__ __forceinline__ int64_t quarter_claim_free(const tf_dynemb_table &t, 
 }
 
 __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const tf_dynemb_probe &p, int64_t key,
-                                               int first, unsigned qmask, int q, int ql, bool read_marks) {
+                                               int first, unsigned qmask, int q, int ql) {
     const int64_t free_slot = quarter_claim_free(t, p.epoch, key, first, qmask, q, ql);
     if (free_slot >= 0) return Claim{free_slot, 0, 0, false};
     if (!p.allow_evict) return Claim{-1, 0, 0, false};
@@ -884,15 +883,12 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
     // least victim, and a quarter that loses one takes the next from what it read (a stale entry only
     // costs a lost swap), instead of reading 128 scores again. The marks need not be read: the
     // atomicExch below refuses a marked slot, and the slots this call marked rarely hold the least
-    // score (under LRU they hold the newest); !read_marks skips 512 bytes of loads per key.
+    // score (under LRU they hold the newest); not reading them saves 512 bytes of loads per key.
     int64_t sc[16];
-    unsigned eligible = 0;  // bit k: slot j0 + k was unmarked when read (or not read) and not lost since
+    unsigned eligible = 0xffffu;  // bit k: slot j0 + k not yet lost to another quarter
     const int64_t j0 = base + 16 * ql;
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-        sc[k] = __ldcg(&t.scores[j0 + k]);
-        if (!read_marks || __ldcg(&t.marks[j0 + k]) != p.epoch) eligible |= 1u << k;
-    }
+    for (int k = 0; k < 16; ++k) sc[k] = __ldcg(&t.scores[j0 + k]);
     for (;;) {
         int64_t vs = 0, vj = -1;
 #pragma unroll
@@ -953,8 +949,7 @@ __device__ __forceinline__ void quarter_new_row(const tf_dynemb_init_params &in,
  * step 2's list holds only the keys of full buckets, the ones that evict or fail: at load factors
  * below 1 step 2 has next to nothing to do. Evictions must wait for step 2: a victim is any unmarked
  * slot, and only after this kernel are all found slots marked. claim = 0 lists every missing key: the
- * two-step form, for tables of one bucket (the vacant-key rule, dynemb.h) and for the A/B
- * (TORCHFUSE_DYNEMB_FOI_CLAIM=0). */
+ * two-step form, for tables of one bucket (the vacant-key rule, dynemb.h). */
 template <typename T>
 __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p, int claim) {
     const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
@@ -1024,8 +1019,7 @@ __device__ __forceinline__ void foi_counts_to_host(const tf_dynemb_foi_params &p
  * counts are numbered with one global atomic per block and round. An evicting key leaves its row to
  * the caller (evicted_new) when keep_victims; otherwise it gets its row here like any new key. */
 template <typename T>
-__global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p,
-                                                                        int read_marks) {
+__global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p) {
     __shared__ int ev_prefix[kWarpsPerBlock];
     __shared__ int fail_count[kWarpsPerBlock];
     __shared__ int64_t ev_base;
@@ -1045,7 +1039,7 @@ __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb
             first = ml.first[k];
         }
         Claim c{-1, 0, 0, false};
-        if (valid) c = quarter_claim(t, p.p, key, first, 0xffu << (8 * q), q, ql, read_marks);
+        if (valid) c = quarter_claim(t, p.p, key, first, 0xffu << (8 * q), q, ql);
         __syncwarp();
         const unsigned eb = __ballot_sync(0xffffffffu, c.evicted && ql == 0);
         const unsigned fb = __ballot_sync(0xffffffffu, valid && c.slot < 0 && ql == 0);
@@ -1684,13 +1678,8 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
     const unsigned grid = grid_for_warps(p->p.n);
     const bool wide = copy_unit(&p->init.values, p->out) >= 16;
     if (t->bucket_size == 128) {  // four keys per warp; step 2 over step 1's list of misses
-        const char *env = getenv("TORCHFUSE_DYNEMB_FOI_CLAIM");
-        // step 1 claims empty slots, except with one bucket (the vacant-key rule, dynemb.h) or for
-        // the A/B (TORCHFUSE_DYNEMB_FOI_CLAIM=0: the two-step form)
-        const int claim = !(env && env[0] == '0') && t->num_buckets > 1;
-        // TORCHFUSE_DYNEMB_EVICT_MARKS=1: eviction reads the bucket's marks too (the A/B)
-        const char *marks_env = getenv("TORCHFUSE_DYNEMB_EVICT_MARKS");
-        const int read_marks = marks_env && marks_env[0] == '1';
+        // step 1 claims empty slots, except with one bucket (the vacant-key rule, dynemb.h)
+        const int claim = t->num_buckets > 1;
         const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
         // step 2: one resident wave (4 blocks per SM by its launch bounds), or fewer for small batches
         const unsigned g2 = g4 < 4u * static_cast<unsigned>(sm_count()) ? g4 : 4u * static_cast<unsigned>(sm_count());
@@ -1699,10 +1688,10 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
         if (err != cudaSuccess) return static_cast<int>(err);
         if (wide) {
             foi_probe_quarter_kernel<uint4><<<g4, kBlock, 0, s>>>(*t, *p, claim);
-            foi_insert_quarter_kernel<uint4><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
+            foi_insert_quarter_kernel<uint4><<<g2, kBlock, 0, s>>>(*t, *p);
         } else {
             foi_probe_quarter_kernel<uint16_t><<<g4, kBlock, 0, s>>>(*t, *p, claim);
-            foi_insert_quarter_kernel<uint16_t><<<g2, kBlock, 0, s>>>(*t, *p, read_marks);
+            foi_insert_quarter_kernel<uint16_t><<<g2, kBlock, 0, s>>>(*t, *p);
         }
         return static_cast<int>(cudaGetLastError());
     }

@@ -5,7 +5,6 @@ The table's state is a set of tensors owned by the module (kernels/dynemb.h docu
 keys, digests (0 = empty slot, so every int64 is a usable key), scores, values and optimizer state,
 indexed by slot. Operations are the internal ops ``torch.ops.torchfuse.dynemb_*`` on those tensors.
 """
-import os
 import zlib
 from typing import Callable, Iterator, List, Optional, Tuple
 
@@ -18,27 +17,6 @@ from . import optim as _optim
 from ._stats import count
 
 _ops = torch.ops.torchfuse
-# TORCHFUSE_DYNEMB_ONE_SYNC=0: a training batch into a full table takes two host waits (the number of
-# distinct ids, then the insert's counts) instead of one (the A/B of _group's two paths)
-_ONE_SYNC = os.environ.get("TORCHFUSE_DYNEMB_ONE_SYNC", "1") != "0"
-# False: DynamicEmbeddingBag's one-wait training path pools after the host's wait (the A/B of
-# dynemb_find_or_insert_pool, which queues the pool before it)
-_POOL_EARLY = True
-# False: the training paths sort with torch.sort and group with dynemb_group_sorted_async (two ops)
-# instead of dynemb_sort_group (one: on CUDA a CUB radix sort with int32 values); the A/B of the two
-_SORT_GROUP = True
-
-
-def _sort_group(flat: Tensor):
-    """A batch grouped by id, without a host sync: (perm, uniq, seg, inv, n_unique) as dynemb_sort_group
-    returns them (uniq and seg valid up to n_unique[0] and n_unique[0] + 1). Each group's occurrences
-    in batch order; the groups in id order, or on CUDA in the order of the ids' hashes (its sort key)."""
-    if _SORT_GROUP:
-        return _ops.dynemb_sort_group(flat)
-    sorted_ids, perm = torch.sort(flat, stable=True)
-    return (perm,) + tuple(_ops.dynemb_group_sorted_async(sorted_ids, perm))
-
-
 _find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default  # the overload itself: called ahead of every launch
 _find_or_insert_pool_op = _ops.dynemb_find_or_insert_pool.default
 _EVICTIONS = ("lru", "lfu", "none")
@@ -47,7 +25,6 @@ _NO_INIT = (0, 0.0, 0.0)  # TF_INIT_NONE: rows left as they are, optimizer state
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_EPOCH = 2**31 - 2
 _FUSED_FIND_MIN_ROW_BYTES = 512
-_QUARTER_FIND = True  # 128-slot buckets on the GPU: the one-kernel find at every row width (see _find)
 
 
 def _mix64(x: int) -> int:  # tf_mix64 (kernels/dynemb.h): the key hash
@@ -346,7 +323,7 @@ class DynamicEmbedding(torch.nn.Module):
         if self._host_tier_on_cuda():
             slots = self._lookup(keys)
             return _ops.dynemb_gather(slots, self._values, self._values_host, torch.argsort(slots)), slots
-        if (_QUARTER_FIND and self.bucket_size == 128 and self._values.is_cuda) or \
+        if (self.bucket_size == 128 and self._values.is_cuda) or \
                 self._values.shape[1] * self._values.element_size() >= _FUSED_FIND_MIN_ROW_BYTES:
             return _ops.dynemb_find(keys, self._keys, self._digests, self._marks, self._values, self._values_host,
                                     self.bucket_size)
@@ -726,17 +703,17 @@ class DynamicEmbedding(torch.nn.Module):
 
     def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None, grouped=None,
                bad: Optional[Tensor] = None, pool=None):
-        """One grouping of the batch (_sort_group): (perm, seg, slots_u, uniq, slots_id). perm lists the
+        """One grouping of the batch (dynemb_sort_group): (perm, seg, slots_u, uniq, slots_id). perm lists the
         ids grouped by unique id (batch order within a group), seg the group bounds, slots_u the unique
         ids' slots (inserted in training mode), slots_id each id's slot. check (if given) runs before the table is touched,
         right after the grouping's host sync, so a check that reads the device waits on nothing.
-        grouped: _sort_group(flat) when the caller launched it already (so that its own host work
+        grouped: dynemb_sort_group(flat) when the caller launched it already (so that its own host work
         overlaps the sort on the GPU). bad: check's device flag; with it a training
         batch into a full table waits on the host once, after the insert (see below). pool (offsets,
         weights, mean), on that one-wait path only: the bags pooled too, queued before the wait; then
         the result has a sixth entry, the bags, and slots_id is None."""
-        perm, uniq, seg, inv, n_unique = grouped if grouped is not None else _sort_group(flat)
-        if self.training and self.capacity >= self.max_capacity and _ONE_SYNC:
+        perm, uniq, seg, inv, n_unique = grouped if grouped is not None else _ops.dynemb_sort_group(flat)
+        if self.training and self.capacity >= self.max_capacity:
             # No growth to decide, so the distinct ids need not be counted on the host first: the
             # grouping and the insert are queued back to back and the host waits once, for both
             # counts. bad rides along as the insert's abort flag: the table stays untouched, and
@@ -972,11 +949,11 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         need_grad = self._need_grad()
         # The training paths' sort goes first: the host work below (the offsets' checks, the bags'
         # layout) is then launched while the GPU sorts, not before it starts.
-        grouped = _sort_group(flat) if (self.training or need_grad) and not weights_grad else None
+        grouped = _ops.dynemb_sort_group(flat) if (self.training or need_grad) and not weights_grad else None
         if not offsets.numel() and (incl or n):
             raise ValueError(f"{name}: empty offsets with {n} ids")
         mean = self.mode == "mean"
-        # One kernel (a dozen ATen ops before session 12): the bags' bounds `full` (offsets, then n
+        # One kernel (where ATen would take a dozen ops): the bags' bounds `full` (offsets, then n
         # unless incl), each id's bag, its mean scale and the offsets' check flag `bad`, all defined
         # for any offsets, so the flag can be read after later work is queued. Each id's bag and scale
         # only feed the backward's segment sums: the other paths pool from the bounds alone.
@@ -1007,16 +984,10 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             scale = w
         elif not mean:
             scale = None
-        g = self._group(flat, check_offsets, grouped, bad, (full, w, mean) if _POOL_EARLY else None)
+        g = self._group(flat, check_offsets, grouped, bad, (full, w, mean))
         perm, seg, slots_u, uniq, slots_id = g[:5]
         anchor = torch.empty(0, device=self.device, requires_grad=True)
         return _Fused.apply(anchor, self, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale) + g[5:])
-
-
-@torch.library.register_fake("torchfuse::dynemb_group_sorted_async")
-def _group_sorted_async_fake(sorted_ids, perm):
-    n = sorted_ids.shape[0]
-    return sorted_ids.new_empty((n,)), perm.new_empty((n + 1,)), perm.new_empty((n,)), perm.new_empty((1,))
 
 
 @torch.library.register_fake("torchfuse::dynemb_bag_layout")
@@ -1032,12 +1003,6 @@ def _bag_layout_fake(offsets, n, include_last_offset, mean, with_bags=True):
 def _sort_group_fake(ids):
     n = ids.shape[0]
     return ids.new_empty((n,)), ids.new_empty((n,)), ids.new_empty((n + 1,)), ids.new_empty((n,)), ids.new_empty((1,))
-
-
-@torch.library.register_fake("torchfuse::dynemb_group_sorted")
-def _group_sorted_fake(sorted_ids, perm):
-    n_unique = torch.library.get_ctx().new_dynamic_size()
-    return sorted_ids.new_empty(n_unique), sorted_ids.new_empty(n_unique + 1), perm.new_empty(perm.shape)
 
 
 @torch.library.register_fake("torchfuse::dynemb_lookup")
@@ -1076,19 +1041,6 @@ def _insert_fake(query, slots, keys, digests, scores, marks, locks, bucket_size,
 def _segment_update_fake(grad, perm, seg, bag_of, scale, slots, values, values_host, state, state_host, opt, lr, eps,
                          beta1, beta2, step_size):
     return None
-
-
-@torch.library.register_fake("torchfuse::dynemb_evict_rows")
-def _evict_rows_fake(slots, new_index, keys, values, values_host, state, state_host, rows, init_kind, a, b, seed):
-    return values.new_empty(slots.shape[0], values.shape[1]), state.new_empty(slots.shape[0], state.shape[1])
-
-
-@torch.library.register_fake("torchfuse::dynemb_find_or_insert")
-def _find_or_insert_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                         bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows):
-    n = query.shape[0]
-    return (query.new_empty((n,)), values.new_empty((n if with_rows else 0, values.shape[1])),
-            query.new_empty((n,), dtype=torch.uint8), query.new_empty((4, n)), query.new_empty((3,)))
 
 
 @torch.library.register_fake("torchfuse::dynemb_find_or_insert_sync")
