@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <tuple>
 
-#include "../kernels/dynemb.h"
+#include "../kernels/dynemb_kernels.h"
 
 namespace torchfuse {
 

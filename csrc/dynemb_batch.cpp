@@ -1,5 +1,5 @@
 // A lookup batch's layout for the training paths of DynamicEmbedding and DynamicEmbeddingBag
-// (kernels/dynemb_batch.h): the checks and outputs shared with the CUDA glue, and the CPU ops.
+// (kernels/dynemb_batch_kernels.h): the checks and outputs shared with the CUDA glue, and the CPU ops.
 #include <torch/library.h>
 
 #include <ATen/ATen.h>

@@ -3,7 +3,7 @@
 
 #include <ATen/ATen.h>
 
-#include "../kernels/dynemb_batch.h"
+#include "../kernels/dynemb_batch_kernels.h"
 
 namespace torchfuse {
 

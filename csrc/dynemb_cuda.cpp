@@ -190,7 +190,7 @@ at::Tensor segsum_cuda(const at::Tensor &grad, const at::Tensor &perm, const at:
     const c10::cuda::CUDAGuard guard(grad.device());
     at::Tensor out;
     tf_dynemb_segsum_params p = dynemb_segsum_params(grad, perm, seg, bag_of, scale, &out);
-    // scratch for the chunk sums of ids cut by a chunk edge (kernels/dynemb.h)
+    // scratch for the chunk sums of ids cut by a chunk edge (kernels/dynemb_kernels.h)
     const at::Tensor partial = at::empty({2 * tf_dynemb_seg_chunks(p.n_occ), p.dim}, out.options());
     p.partial = partial.data_ptr<float>();
     check_launch(tf_dynemb_segsum_cuda(&p, stream()), "dynemb segment-sum kernel");

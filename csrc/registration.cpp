@@ -66,7 +66,7 @@ TORCH_LIBRARY(torchfuse, m) {
         "-> (Tensor, Tensor, Tensor, Tensor)");
 
     // ---- dynamic embeddings (python/torchfuse/dynamic_embedding.py) ----
-    // Internal ops on the table's state tensors (layout and semantics: kernels/dynemb.h). Slots
+    // Internal ops on the table's state tensors (layout and semantics: kernels/dynemb_kernels.h). Slots
     // passed back in must come from dynemb_lookup / dynemb_insert on the same table.
     // Slot of each query key (-1: absent); epoch > 0 also marks the found slots.
     m.def("dynemb_lookup(Tensor query, Tensor keys, Tensor digests, Tensor(a!) marks, int bucket_size, "
@@ -101,7 +101,7 @@ TORCH_LIBRARY(torchfuse, m) {
     // One optimizer step per (unique) slot with its gradient row (opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam).
     m.def("dynemb_update(Tensor slots, Tensor grad, Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, "
           "Tensor(d!) state_host, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");
-    // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb.h;
+    // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb_kernels.h;
     // bounds clamped into the batch). inv: ids through their unique index (slots: the unique ids' slots).
     m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean, "
           "Tensor? inv=None) -> Tensor");
@@ -110,9 +110,9 @@ TORCH_LIBRARY(torchfuse, m) {
     // up to n_unique[0] (a one-element device tensor) and n_unique[0] + 1, past that uniq holds sorted
     // ids and seg holds n; inv is each id's group. On the CPU the groups come in id order (a stable sort
     // of the ids); on CUDA in the order of the ids' 32-bit hashes (a CUB radix sort with int32 values,
-    // collisions put in id order after: kernels/dynemb_batch.h). For dynemb_find_or_insert_sync's n_valid.
+    // collisions put in id order after: kernels/dynemb_batch_kernels.h). For dynemb_find_or_insert_sync's n_valid.
     m.def("dynemb_sort_group(Tensor ids) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    // A bag batch's layout from its offsets (kernels/dynemb_batch.h): (full (n_bags + 1), bag_of (n),
+    // A bag batch's layout from its offsets (kernels/dynemb_batch_kernels.h): (full (n_bags + 1), bag_of (n),
     // scale (n mean-mode scales when mean, else empty), bad (one uint8 flag: offsets that do not start
     // at 0, decrease, or end elsewhere than n)). Defined, in-range results for any offsets. with_bags
     // false: bag_of and scale empty, not computed (the inference path pools from full alone).
@@ -128,7 +128,7 @@ TORCH_LIBRARY(torchfuse, m) {
     // (rows, cols) of `dtype` in pinned host memory mapped into `like`'s GPU (cudaHostAlloc, mapped):
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");
-    // find-or-insert of distinct keys (required) with the row work folded in (kernels/dynemb.h,
+    // find-or-insert of distinct keys (required) with the row work folded in (kernels/dynemb_kernels.h,
     // tf_dynemb_foi_params), the host's wait for the counts and the eviction row work
     // (tf_dynemb_evict_params: the evicting keys' initial rows written over the victims' once those are
     // copied out) in one call; policy -1: no touch. Returns (slots, rows (n or 0 x dim), is_new,

@@ -1,5 +1,5 @@
-/* CPU reference of kernels/dynemb_batch.h: plain loops, the same results as the CUDA kernels. */
-#include "dynemb_batch.h"
+/* CPU reference of kernels/dynemb_batch_kernels.h: plain loops, the same results as the CUDA kernels. */
+#include "dynemb_batch_kernels.h"
 
 static int64_t offset_at(const tf_dynemb_bag_layout_params *p, int64_t b) {
     if (b >= p->n_in) return p->n;  /* the appended end (no include_last) */

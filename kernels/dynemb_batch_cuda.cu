@@ -1,4 +1,4 @@
-/* CUDA side of kernels/dynemb_batch.h: a training batch's bag layout in one kernel, and its grouping
+/* CUDA side of kernels/dynemb_batch_kernels.h: a training batch's bag layout in one kernel, and its grouping
  * by id in three launches (flags, a CUB scan, one scatter), where ATen takes about a dozen each. The
  * GPU work is small (a few MB); what the launches cost is host time, which a training step from an
  * idle GPU waits for. */
@@ -8,8 +8,8 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
-#include "dynemb.h"
-#include "dynemb_batch.h"
+#include "dynemb_kernels.h"
+#include "dynemb_batch_kernels.h"
 
 namespace {
 

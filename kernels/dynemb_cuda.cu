@@ -1,4 +1,4 @@
-// Dynamic embedding hash table, CUDA path (semantics: dynemb.h; the CPU path dynemb_cpu.c is the
+// Dynamic embedding hash table, CUDA path (semantics: dynemb_kernels.h; the CPU path dynemb_cpu.c is the
 // reference).
 //
 // Thread mapping:
@@ -14,7 +14,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "dynemb.h"
+#include "dynemb_kernels.h"
 
 namespace {
 
@@ -914,7 +914,7 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
 
 /* A new key's table entry in a slot its quarter claimed (the mark is already the epoch): key, score
  * (new, and touched) and digest. Step 1's probes run alongside and may see the digest before the key:
- * no fence is needed, as the key they would read instead is the slot's vacant key (dynemb.h), which
+ * no fence is needed, as the key they would read instead is the slot's vacant key (dynemb_kernels.h), which
  * no probe of this bucket can match. */
 __device__ __forceinline__ void place_key(const tf_dynemb_table &t, int policy, int64_t clock, int64_t slot, int64_t key) {
     t.keys[slot] = key;
@@ -949,7 +949,7 @@ __device__ __forceinline__ void quarter_new_row(const tf_dynemb_init_params &in,
  * step 2's list holds only the keys of full buckets, the ones that evict or fail: at load factors
  * below 1 step 2 has next to nothing to do. Evictions must wait for step 2: a victim is any unmarked
  * slot, and only after this kernel are all found slots marked. claim = 0 lists every missing key: the
- * two-step form, for tables of one bucket (the vacant-key rule, dynemb.h). */
+ * two-step form, for tables of one bucket (the vacant-key rule, dynemb_kernels.h). */
 template <typename T>
 __global__ void __launch_bounds__(kBlock, 6) foi_probe_quarter_kernel(tf_dynemb_table t, tf_dynemb_foi_params p, int claim) {
     const int lane = threadIdx.x & 31, q = lane >> 3, ql = lane & 7;
@@ -1678,7 +1678,7 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
     const unsigned grid = grid_for_warps(p->p.n);
     const bool wide = copy_unit(&p->init.values, p->out) >= 16;
     if (t->bucket_size == 128) {  // four keys per warp; step 2 over step 1's list of misses
-        // step 1 claims empty slots, except with one bucket (the vacant-key rule, dynemb.h)
+        // step 1 claims empty slots, except with one bucket (the vacant-key rule, dynemb_kernels.h)
         const int claim = t->num_buckets > 1;
         const unsigned g4 = grid_for_warps((p->p.n + 3) / 4);
         // step 2: one resident wave (4 blocks per SM by its launch bounds), or fewer for small batches

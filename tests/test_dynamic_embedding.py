@@ -60,7 +60,7 @@ def _t(keys, device):
 
 
 def _check_vacant_keys(table):
-    """The vacant-key rule (kernels/dynemb.h): an empty slot's key hashes to another bucket."""
+    """The vacant-key rule (kernels/dynemb_kernels.h): an empty slot's key hashes to another bucket."""
     nb, bs = table._locks.numel(), table.bucket_size
     empty = torch.nonzero(table._digests == 0).squeeze(1).cpu()
     keys = table._keys.cpu()[empty]

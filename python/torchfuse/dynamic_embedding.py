@@ -1,7 +1,7 @@
 """Dynamic embeddings: a hash-table embedding keyed by any int64 that grows, evicts, spills rows to
 host memory and trains with a fused optimizer in the backward pass.
 
-The table's state is a set of tensors owned by the module (kernels/dynemb.h documents the layout):
+The table's state is a set of tensors owned by the module (kernels/dynemb_kernels.h documents the layout):
 keys, digests (0 = empty slot, so every int64 is a usable key), scores, values and optimizer state,
 indexed by slot. Operations are the internal ops ``torch.ops.torchfuse.dynemb_*`` on those tensors.
 """
@@ -27,7 +27,7 @@ _MAX_EPOCH = 2**31 - 2
 _FUSED_FIND_MIN_ROW_BYTES = 512
 
 
-def _mix64(x: int) -> int:  # tf_mix64 (kernels/dynemb.h): the key hash
+def _mix64(x: int) -> int:  # tf_mix64 (kernels/dynemb_kernels.h): the key hash
     m = 2**64 - 1
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & m
@@ -198,7 +198,7 @@ class DynamicEmbedding(torch.nn.Module):
         self._trainable = True
         self._size = 0
         self._clock = 0      # LRU time: one tick per table operation
-        self._epoch = 0      # marks slots used by the running operation (kernels/dynemb.h)
+        self._epoch = 0      # marks slots used by the running operation (kernels/dynemb_kernels.h)
         self._step = 0       # optimizer steps (Adam's bias correction)
         self._version = 0    # bumped whenever slots move or disappear
         self._evicted: List[Tuple[Tensor, Tensor, Tensor, Tensor]] = []

@@ -22,8 +22,8 @@
  * empty slot, else with allow_evict the unmarked slot of least (score, slot)), then row work by
  * slot (init of new rows, gather, scatter, optimizer update). Victims are order-independent: a
  * bucket receiving k new keys loses its k least (score, slot) unmarked keys whatever the order. */
-#ifndef TF_DYNEMB_H
-#define TF_DYNEMB_H
+#ifndef TF_DYNEMB_KERNELS_H
+#define TF_DYNEMB_KERNELS_H
 
 #include <math.h>
 #include <stdint.h>
@@ -326,4 +326,4 @@ int tf_dynemb_group_pool_cuda(const tf_dynemb_pool_params *p, const int64_t *sta
 #ifdef __cplusplus
 }
 #endif
-#endif /* TF_DYNEMB_H */
+#endif /* TF_DYNEMB_KERNELS_H */

@@ -14,8 +14,8 @@
  * perm), uniq (the distinct ids in ascending order), seg (their runs' bounds in sorted order), inv
  * (each id's index into uniq in batch order) and n_unique, without a host sync: uniq and seg have n
  * and n + 1 entries; past n_unique, uniq[j] = sorted[j] and seg[j + 1] = n (defined contents). */
-#ifndef TF_DYNEMB_BATCH_H
-#define TF_DYNEMB_BATCH_H
+#ifndef TF_DYNEMB_BATCH_KERNELS_H
+#define TF_DYNEMB_BATCH_KERNELS_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -79,4 +79,4 @@ int tf_dynemb_sort_group_cuda(const tf_dynemb_sort_group_params *p, void *stream
 #ifdef __cplusplus
 }
 #endif
-#endif /* TF_DYNEMB_BATCH_H */
+#endif /* TF_DYNEMB_BATCH_KERNELS_H */
