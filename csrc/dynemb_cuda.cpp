@@ -412,86 +412,86 @@ DynembFoiPoolResult find_or_insert_pool_cuda(const at::Tensor &query, at::Tensor
     return std::tuple_cat(r, std::make_tuple(pooled));
 }
 
-// ---- table-batched ops (parameters: dynemb_group.cpp) ----
+// ---- table-batched ops (parameters: dynemb_tables.cpp) ----
 
-at::Tensor group_lookup_cuda(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
-                             at::TensorList digests, at::TensorList marks, at::IntArrayRef bucket_sizes,
-                             at::IntArrayRef epochs) {
+at::Tensor tables_lookup_cuda(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
+                              at::TensorList digests, at::TensorList marks, at::IntArrayRef bucket_sizes,
+                              at::IntArrayRef epochs) {
     const c10::cuda::CUDAGuard guard(query.device());
-    DynembGroupProbe g =
-        prepare_group_probe(false, query, nullptr, starts, keys, digests, {}, marks, {}, bucket_sizes, epochs, {});
-    check_launch(tf_dynemb_group_lookup_cuda(g.t.data(), g.p.data(), g.start.data(), (int)g.t.size(), stream()),
-                 "dynemb group lookup kernel");
+    DynembTablesProbe g =
+        prepare_tables_probe(false, query, nullptr, starts, keys, digests, {}, marks, {}, bucket_sizes, epochs, {});
+    check_launch(tf_dynemb_tables_lookup_cuda(g.t.data(), g.p.data(), g.start.data(), (int)g.t.size(), stream()),
+                 "dynemb tables lookup kernel");
     return g.slots;
 }
 
-DynembInsertResult group_insert_cuda(const at::Tensor &query, at::Tensor &slots, at::IntArrayRef starts,
-                                     at::TensorList keys, at::TensorList digests, at::TensorList scores,
-                                     at::TensorList marks, at::TensorList locks, at::IntArrayRef bucket_sizes,
-                                     at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
+DynembInsertResult tables_insert_cuda(const at::Tensor &query, at::Tensor &slots, at::IntArrayRef starts,
+                                      at::TensorList keys, at::TensorList digests, at::TensorList scores,
+                                      at::TensorList marks, at::TensorList locks, at::IntArrayRef bucket_sizes,
+                                      at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
     const c10::cuda::CUDAGuard guard(query.device());
-    TORCH_CHECK(locks.size() == keys.size(), "torchfuse.dynemb_group_insert: locks must have one entry per table");
-    DynembGroupProbe g = prepare_group_probe(true, query, &slots, starts, keys, digests, scores, marks, locks,
-                                             bucket_sizes, epochs, allow_evict.vec());
-    check_launch(tf_dynemb_group_insert_cuda(g.t.data(), g.p.data(), g.start.data(), (int)g.t.size(), stream()),
-                 "dynemb group insert kernel");
+    TORCH_CHECK(locks.size() == keys.size(), "torchfuse.dynemb_tables_insert: locks must have one entry per table");
+    DynembTablesProbe g = prepare_tables_probe(true, query, &slots, starts, keys, digests, scores, marks, locks,
+                                               bucket_sizes, epochs, allow_evict.vec());
+    check_launch(tf_dynemb_tables_insert_cuda(g.t.data(), g.p.data(), g.start.data(), (int)g.t.size(), stream()),
+                 "dynemb tables insert kernel");
     return g.result();
 }
 
-void group_init_cuda(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
-                     at::IntArrayRef starts, at::TensorList values, at::TensorList values_host, at::TensorList state,
-                     at::TensorList state_host, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
-                     at::ArrayRef<double> b, at::IntArrayRef seeds) {
+void tables_init_cuda(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
+                      at::IntArrayRef starts, at::TensorList values, at::TensorList values_host, at::TensorList state,
+                      at::TensorList state_host, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
+                      at::ArrayRef<double> b, at::IntArrayRef seeds) {
     const c10::cuda::CUDAGuard guard(slots.device());
-    const auto start = group_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_group_init");
-    auto p = prepare_group_init(slots, keys, mask, start, values, values_host, state, state_host, init_kinds, a, b,
-                                seeds);
+    const auto start = tables_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_tables_init");
+    auto p = prepare_tables_init(slots, keys, mask, start, values, values_host, state, state_host, init_kinds, a, b,
+                                 seeds);
     for (size_t i = 0; i < p.size(); ++i) {
         map_host(p[i].values, values_host[i]);
         map_host(p[i].state, state_host[i]);
     }
-    check_launch(tf_dynemb_group_init_cuda(p.data(), start.data(), (int)p.size(), stream()), "dynemb group init kernel");
+    check_launch(tf_dynemb_tables_init_cuda(p.data(), start.data(), (int)p.size(), stream()), "dynemb tables init kernel");
 }
 
-void group_touch_cuda(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
-                      at::IntArrayRef clocks) {
+void tables_touch_cuda(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
+                       at::IntArrayRef clocks) {
     const c10::cuda::CUDAGuard guard(slots.device());
-    const auto start = group_starts(starts, slots.numel(), scores.size(), "torchfuse.dynemb_group_touch");
-    check_group_touch(scores, slots, policies, clocks, start);
+    const auto start = tables_starts(starts, slots.numel(), scores.size(), "torchfuse.dynemb_tables_touch");
+    check_tables_touch(scores, slots, policies, clocks, start);
     std::vector<int64_t *> sc(scores.size());
     std::vector<int> pol(scores.size());
     for (size_t i = 0; i < scores.size(); ++i) {
         sc[i] = scores[i].data_ptr<int64_t>();
         pol[i] = (int)policies[i];
     }
-    check_launch(tf_dynemb_group_touch_cuda(sc.data(), slots.data_ptr<int64_t>(), start.data(), pol.data(),
-                                            clocks.data(), (int)sc.size(), stream()),
-                 "dynemb group touch kernel");
+    check_launch(tf_dynemb_tables_touch_cuda(sc.data(), slots.data_ptr<int64_t>(), start.data(), pol.data(),
+                                             clocks.data(), (int)sc.size(), stream()),
+                 "dynemb tables touch kernel");
 }
 
-void group_update_cuda(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList values,
-                       at::TensorList values_host, at::TensorList state, at::TensorList state_host, int64_t opt,
-                       double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
+void tables_update_cuda(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList values,
+                        at::TensorList values_host, at::TensorList state, at::TensorList state_host, int64_t opt,
+                        double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
     const c10::cuda::CUDAGuard guard(slots.device());
-    const auto start = group_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_group_update");
-    auto p = prepare_group_update(slots, grad, start, values, values_host, state, state_host, opt, lr, eps, beta1,
-                                  beta2, step_sizes);
+    const auto start = tables_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_tables_update");
+    auto p = prepare_tables_update(slots, grad, start, values, values_host, state, state_host, opt, lr, eps, beta1,
+                                   beta2, step_sizes);
     for (size_t i = 0; i < p.size(); ++i) {
         map_host(p[i].values, values_host[i]);
         map_host(p[i].state, state_host[i]);
     }
-    check_launch(tf_dynemb_group_update_cuda(p.data(), start.data(), (int)p.size(), stream()),
-                 "dynemb group update kernel");
+    check_launch(tf_dynemb_tables_update_cuda(p.data(), start.data(), (int)p.size(), stream()),
+                 "dynemb tables update kernel");
 }
 
-at::Tensor group_pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
-                           int64_t batch, at::IntArrayRef features, at::TensorList rows, at::TensorList rows_host,
-                           const c10::List<bool> &mean) {
+at::Tensor tables_pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
+                            int64_t batch, at::IntArrayRef features, at::TensorList rows, at::TensorList rows_host,
+                            const c10::List<bool> &mean) {
     const c10::cuda::CUDAGuard guard(slots.device());
-    DynembGroupPool g = prepare_group_pool(slots, offsets, weights, batch, features, rows, rows_host, mean.vec());
+    DynembTablesPool g = prepare_tables_pool(slots, offsets, weights, batch, features, rows, rows_host, mean.vec());
     for (size_t i = 0; i < g.p.size(); ++i) map_host(g.p[i].values, rows_host[i]);
-    check_launch(tf_dynemb_group_pool_cuda(g.p.data(), g.start.data(), (int)g.p.size(), stream()),
-                 "dynemb group pool kernel");
+    check_launch(tf_dynemb_tables_pool_cuda(g.p.data(), g.start.data(), (int)g.p.size(), stream()),
+                 "dynemb tables pool kernel");
     return g.out;
 }
 
@@ -509,12 +509,12 @@ TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
                                                a, b, seed, with_rows, n_valid, abort, keep_evicted);
            });
     m.impl("dynemb_find_or_insert_pool", &find_or_insert_pool_cuda);
-    m.impl("dynemb_group_lookup", &group_lookup_cuda);
-    m.impl("dynemb_group_insert", &group_insert_cuda);
-    m.impl("dynemb_group_init", &group_init_cuda);
-    m.impl("dynemb_group_touch", &group_touch_cuda);
-    m.impl("dynemb_group_update", &group_update_cuda);
-    m.impl("dynemb_group_pool", &group_pool_cuda);
+    m.impl("dynemb_tables_lookup", &tables_lookup_cuda);
+    m.impl("dynemb_tables_insert", &tables_insert_cuda);
+    m.impl("dynemb_tables_init", &tables_init_cuda);
+    m.impl("dynemb_tables_touch", &tables_touch_cuda);
+    m.impl("dynemb_tables_update", &tables_update_cuda);
+    m.impl("dynemb_tables_pool", &tables_pool_cuda);
     m.impl("dynemb_pool", &pool_cuda);
     m.impl("dynemb_segment_sum", &segsum_cuda);
     m.impl("dynemb_lookup", &lookup_cuda);

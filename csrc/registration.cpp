@@ -105,14 +105,14 @@ TORCH_LIBRARY(torchfuse, m) {
     // bounds clamped into the batch). inv: ids through their unique index (slots: the unique ids' slots).
     m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean, "
           "Tensor? inv=None) -> Tensor");
-    // A batch grouped by id without a host sync: (perm, uniq, seg, inv, n_unique): perm lists the ids
+    // A batch's segments (its ids grouped by id), without a host sync: (perm, uniq, seg, inv, n_unique): perm lists the ids
     // group by group, each group's occurrences in batch order; uniq (n entries) and seg (n + 1) are valid
     // up to n_unique[0] (a one-element device tensor) and n_unique[0] + 1, past that uniq holds sorted
     // ids and seg holds n; inv is each id's group. On the CPU the groups come in id order (a stable sort
     // of the ids); on CUDA in the order of the ids' 32-bit hashes (a CUB radix sort with int32 values,
-    // collisions put in id order after: kernels/dynemb_batch_kernels.h). For dynemb_find_or_insert_sync's n_valid.
-    m.def("dynemb_sort_group(Tensor ids) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    // A bag batch's layout from its offsets (kernels/dynemb_batch_kernels.h): (full (n_bags + 1), bag_of (n),
+    // collisions put in id order after: kernels/dynemb_segments_kernels.h). For dynemb_find_or_insert_sync's n_valid.
+    m.def("dynemb_sort_segments(Tensor ids) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+    // A bag batch's layout from its offsets (kernels/dynemb_segments_kernels.h): (full (n_bags + 1), bag_of (n),
     // scale (n mean-mode scales when mean, else empty), bad (one uint8 flag: offsets that do not start
     // at 0, decrease, or end elsewhere than n)). Defined, in-range results for any offsets. with_bags
     // false: bag_of and scale empty, not computed (the inference path pools from full alone).
@@ -159,23 +159,23 @@ TORCH_LIBRARY(torchfuse, m) {
     // Table-batched forms (a collection's tables in one launch each, as FBGEMM's TBE): the items of
     // the batch (keys, bags) are concatenated, table t owning [starts[t], starts[t + 1]); every other
     // list has one entry per table, and each table's part means what the single-table op means.
-    m.def("dynemb_group_lookup(Tensor query, int[] starts, Tensor[] keys, Tensor[] digests, Tensor(a!)[] marks, "
+    m.def("dynemb_tables_lookup(Tensor query, int[] starts, Tensor[] keys, Tensor[] digests, Tensor(a!)[] marks, "
           "int[] bucket_sizes, int[] epochs) -> Tensor");
     // counts: (tables, 3); table t's evicted entries start at starts[t] of evicted_*.
-    m.def("dynemb_group_insert(Tensor query, Tensor(a!) slots, int[] starts, Tensor(b!)[] keys, Tensor(c!)[] digests, "
+    m.def("dynemb_tables_insert(Tensor query, Tensor(a!) slots, int[] starts, Tensor(b!)[] keys, Tensor(c!)[] digests, "
           "Tensor(d!)[] scores, Tensor(e!)[] marks, Tensor(f!)[] locks, int[] bucket_sizes, int[] epochs, "
           "bool[] allow_evict) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    m.def("dynemb_group_init(Tensor slots, Tensor keys, Tensor? mask, int[] starts, Tensor(a!)[] values, "
+    m.def("dynemb_tables_init(Tensor slots, Tensor keys, Tensor? mask, int[] starts, Tensor(a!)[] values, "
           "Tensor(b!)[] values_host, Tensor(c!)[] state, Tensor(d!)[] state_host, int[] init_kinds, float[] a, "
           "float[] b, int[] seeds) -> ()");
-    m.def("dynemb_group_touch(Tensor(a!)[] scores, Tensor slots, int[] starts, int[] policies, int[] clocks) -> ()");
+    m.def("dynemb_tables_touch(Tensor(a!)[] scores, Tensor slots, int[] starts, int[] policies, int[] clocks) -> ()");
     // Same optimizer (opt, lr, eps, betas) for every table; Adam's step size per table.
-    m.def("dynemb_group_update(Tensor slots, Tensor grad, int[] starts, Tensor(a!)[] values, Tensor(b!)[] values_host, "
+    m.def("dynemb_tables_update(Tensor slots, Tensor grad, int[] starts, Tensor(a!)[] values, Tensor(b!)[] values_host, "
           "Tensor(c!)[] state, Tensor(d!)[] state_host, int opt, float lr, float eps, float beta1, float beta2, "
           "float[] step_sizes) -> ()");
     // A collection's bags: offsets (sum(features) * batch + 1) in (table, feature, sample) order; returns
     // the float32 (batch, sum over t of features[t] * dim[t]) values of a TorchRec KeyedTensor.
-    m.def("dynemb_group_pool(Tensor slots, Tensor offsets, Tensor? weights, int batch, int[] features, Tensor[] rows, "
+    m.def("dynemb_tables_pool(Tensor slots, Tensor offsets, Tensor? weights, int batch, int[] features, Tensor[] rows, "
           "Tensor[] rows_host, bool[] mean) -> Tensor");
 
 }

@@ -96,7 +96,7 @@ __device__ __forceinline__ unsigned warp_probe(const tf_dynemb_table &t, int64_t
     return __ballot_sync(0xffffffffu, found >= 0);
 }
 
-// ---- grouped launches ----
+// ---- table-batched launches ----
 
 /* One launch over several tables (a table-batched step, as FBGEMM's TBE): item i of the
  * concatenated batch (a key, a bag, a row) belongs to table t with start[t] <= i < start[t + 1];
@@ -105,7 +105,7 @@ __device__ __forceinline__ unsigned warp_probe(const tf_dynemb_table &t, int64_t
  * (up to 32 tables: about 5 KB, within sm_70+'s 32 KB parameter space), so there is no descriptor
  * copy to the device. */
 template <typename P, int N>
-struct Group {
+struct Tables {
     P p[N];
     int64_t start[N + 1];
     int n;
@@ -113,7 +113,7 @@ struct Group {
 
 // The table of item i (start[0] <= i < start[n]): the last t with start[t] <= i.
 template <typename P, int N>
-__device__ __forceinline__ int group_table(const Group<P, N> &g, int64_t i) {
+__device__ __forceinline__ int table_of(const Tables<P, N> &g, int64_t i) {
     int lo = 0, hi = g.n - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
@@ -130,9 +130,9 @@ struct ProbeArgs {
 
 // Launches kernel<N> over the items [start[0], start[n]) of up to N tables per launch.
 template <int N, typename P, typename Launch>
-inline int launch_group(const P *p, const int64_t *start, int n_tables, Launch launch) {
+inline int launch_tables(const P *p, const int64_t *start, int n_tables, Launch launch) {
     for (int c = 0; c < n_tables; c += N) {
-        Group<P, N> g;
+        Tables<P, N> g;
         g.n = n_tables - c < N ? n_tables - c : N;
         for (int t = 0; t < g.n; ++t) {
             g.p[t] = p[c + t];
@@ -148,15 +148,15 @@ inline int launch_group(const P *p, const int64_t *start, int n_tables, Launch l
     return 0;
 }
 
-// Dispatches a single table to the N = 1 instantiation (a small parameter block), groups to N = 32.
-#define TF_GROUP_LAUNCH(P, p, start, n_tables, KERNEL, GRID_OF_ITEMS, stream)                                \
+// Dispatches a single table to the N = 1 instantiation (a small parameter block), several tables to N = 32.
+#define TF_TABLES_LAUNCH(P, p, start, n_tables, KERNEL, GRID_OF_ITEMS, stream)                                \
     ((n_tables) == 1                                                                                     \
-         ? launch_group<1>(p, start, n_tables, [&](const Group<P, 1> &g, int64_t items) {               \
+     ? launch_tables<1>(p, start, n_tables, [&](const Tables<P, 1> &g, int64_t items) {               \
                KERNEL<1><<<GRID_OF_ITEMS(items), kBlock, 0, stream>>>(g);                                \
            })                                                                                            \
-         : launch_group<TF_DYNEMB_GROUP_MAX>(p, start, n_tables,                                         \
-                                             [&](const Group<P, TF_DYNEMB_GROUP_MAX> &g, int64_t items) { \
-                                                 KERNEL<TF_DYNEMB_GROUP_MAX>                             \
+         : launch_tables<TF_DYNEMB_TABLES_MAX>(p, start, n_tables,                                         \
+                                               [&](const Tables<P, TF_DYNEMB_TABLES_MAX> &g, int64_t items) { \
+                                               KERNEL<TF_DYNEMB_TABLES_MAX>                             \
                                                      <<<GRID_OF_ITEMS(items), kBlock, 0, stream>>>(g);   \
                                              }))
 
@@ -165,20 +165,20 @@ inline unsigned grid_for_threads(int64_t n) { return static_cast<unsigned>((n + 
 // The warp's (or thread's) item: its table and local index; false past the end. Uniform per warp
 // for warp-per-item kernels.
 template <typename P, int N>
-__device__ __forceinline__ bool group_item(const Group<P, N> &g, int64_t item, int &t, int64_t &local) {
+__device__ __forceinline__ bool tables_item(const Tables<P, N> &g, int64_t item, int &t, int64_t &local) {
     const int64_t i = g.start[0] + item;
     if (i >= g.start[g.n]) return false;
-    t = N == 1 ? 0 : group_table(g, i);
+    t = N == 1 ? 0 : table_of(g, i);
     local = i - g.start[t];
     return true;
 }
 
-// The body of a warp-per-item group kernel: Body(params of the item's table, local index, lane).
+// The body of a warp-per-item table-batched kernel: Body(params of the item's table, local index, lane).
 template <typename P, int N, typename Body>
-__device__ __forceinline__ void warp_item(const Group<P, N> &g, Body body) {
+__device__ __forceinline__ void warp_item(const Tables<P, N> &g, Body body) {
     int t;
     int64_t i;
-    if (group_item(g, warp_index(), t, i)) body(g.p[t], i, static_cast<int>(threadIdx.x & 31));
+    if (tables_item(g, warp_index(), t, i)) body(g.p[t], i, static_cast<int>(threadIdx.x & 31));
 }
 
 // The slot of `key` in its 128-slot bucket, or -1, to the 8 lanes of quarter q (lane ql of it reads
@@ -248,13 +248,13 @@ __device__ __forceinline__ void init_one(const tf_dynemb_init_params &p, int64_t
 }
 
 // Probe arguments of n_tables tables, paired for the kernels and handed to launch(args, start, k) at
-// most TF_DYNEMB_GROUP_MAX tables at a time.
+// most TF_DYNEMB_TABLES_MAX tables at a time.
 template <typename Launch>
 inline int probe_chunks(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start, int n_tables,
                         Launch launch) {
-    for (int c = 0; c < n_tables; c += TF_DYNEMB_GROUP_MAX) {
-        ProbeArgs a[TF_DYNEMB_GROUP_MAX];
-        const int k = n_tables - c < TF_DYNEMB_GROUP_MAX ? n_tables - c : TF_DYNEMB_GROUP_MAX;
+    for (int c = 0; c < n_tables; c += TF_DYNEMB_TABLES_MAX) {
+        ProbeArgs a[TF_DYNEMB_TABLES_MAX];
+        const int k = n_tables - c < TF_DYNEMB_TABLES_MAX ? n_tables - c : TF_DYNEMB_TABLES_MAX;
         for (int j = 0; j < k; ++j) a[j] = ProbeArgs{t[c + j], p[c + j]};
         const int err = launch(a, start + c, k);
         if (err) return err;

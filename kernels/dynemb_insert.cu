@@ -88,15 +88,15 @@ __device__ __forceinline__ int64_t insert_one(const tf_dynemb_table &t, const tf
 }
 
 template <int N>
-__global__ void insert_kernel(const __grid_constant__ Group<ProbeArgs, N> g) {
+__global__ void insert_kernel(const __grid_constant__ Tables<ProbeArgs, N> g) {
     warp_item(g, [](const ProbeArgs &a, int64_t i, int lane) { insert_one(a.t, a.p, i, lane); });
 }
 
 template <int N>
-__global__ void touch_kernel(const __grid_constant__ Group<TouchArgs, N> g) {
+__global__ void touch_kernel(const __grid_constant__ Tables<TouchArgs, N> g) {
     int t;
     int64_t i;
-    if (!group_item(g, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, t, i)) return;
+    if (!tables_item(g, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, t, i)) return;
     const TouchArgs &a = g.p[t];
     const int64_t slot = a.slots[i];
     if (slot < 0) return;
@@ -617,27 +617,27 @@ __global__ void __launch_bounds__(kBlock, 4) foi_insert_quarter_kernel(tf_dynemb
 
 extern "C" {
 
-int tf_dynemb_group_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
-                                int n_tables, void *stream) {
+int tf_dynemb_tables_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
+                                 int n_tables, void *stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     return probe_chunks(t, p, start, n_tables, [&](const ProbeArgs *a, const int64_t *st, int k) {
-        return TF_GROUP_LAUNCH(ProbeArgs, a, st, k, insert_kernel, grid_for_warps, s);
+        return TF_TABLES_LAUNCH(ProbeArgs, a, st, k, insert_kernel, grid_for_warps, s);
     });
 }
 
 int tf_dynemb_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream) {
     const int64_t start[2] = {0, p->n};
-    return tf_dynemb_group_insert_cuda(t, p, start, 1, stream);
+    return tf_dynemb_tables_insert_cuda(t, p, start, 1, stream);
 }
 
-int tf_dynemb_group_touch_cuda(int64_t *const *scores, const int64_t *slots, const int64_t *start, const int *policy,
-                               const int64_t *clock, int n_tables, void *stream) {
+int tf_dynemb_tables_touch_cuda(int64_t *const *scores, const int64_t *slots, const int64_t *start, const int *policy,
+                                const int64_t *clock, int n_tables, void *stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    for (int c = 0; c < n_tables; c += TF_DYNEMB_GROUP_MAX) {
-        TouchArgs a[TF_DYNEMB_GROUP_MAX];
-        const int k = n_tables - c < TF_DYNEMB_GROUP_MAX ? n_tables - c : TF_DYNEMB_GROUP_MAX;
+    for (int c = 0; c < n_tables; c += TF_DYNEMB_TABLES_MAX) {
+        TouchArgs a[TF_DYNEMB_TABLES_MAX];
+        const int k = n_tables - c < TF_DYNEMB_TABLES_MAX ? n_tables - c : TF_DYNEMB_TABLES_MAX;
         for (int j = 0; j < k; ++j) a[j] = TouchArgs{scores[c + j], slots + start[c + j], policy[c + j], clock[c + j]};
-        const int err = TF_GROUP_LAUNCH(TouchArgs, a, start + c, k, touch_kernel, grid_for_threads, s);
+        const int err = TF_TABLES_LAUNCH(TouchArgs, a, start + c, k, touch_kernel, grid_for_threads, s);
         if (err) return err;
     }
     return 0;
@@ -645,7 +645,7 @@ int tf_dynemb_group_touch_cuda(int64_t *const *scores, const int64_t *slots, con
 
 int tf_dynemb_touch_cuda(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock, void *stream) {
     const int64_t start[2] = {0, n};
-    return tf_dynemb_group_touch_cuda(&scores, slots, start, &policy, &clock, 1, stream);
+    return tf_dynemb_tables_touch_cuda(&scores, slots, start, &policy, &clock, 1, stream);
 }
 
 int tf_dynemb_evict_rows_cuda(const tf_dynemb_evict_params *p, void *stream) {

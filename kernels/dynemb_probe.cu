@@ -16,7 +16,7 @@ __device__ __forceinline__ void lookup_one(const tf_dynemb_table &t, const tf_dy
 }
 
 template <int N>
-__global__ void lookup_kernel(const __grid_constant__ Group<ProbeArgs, N> g) {
+__global__ void lookup_kernel(const __grid_constant__ Tables<ProbeArgs, N> g) {
     warp_item(g, [](const ProbeArgs &a, int64_t i, int lane) { lookup_one(a.t, a.p, i, lane); });
 }
 
@@ -60,17 +60,17 @@ __global__ void find_quarter_kernel(tf_dynemb_table t, const int64_t *query, int
 
 extern "C" {
 
-int tf_dynemb_group_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
-                                int n_tables, void *stream) {
+int tf_dynemb_tables_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
+                                 int n_tables, void *stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     return probe_chunks(t, p, start, n_tables, [&](const ProbeArgs *a, const int64_t *st, int k) {
-        return TF_GROUP_LAUNCH(ProbeArgs, a, st, k, lookup_kernel, grid_for_warps, s);
+        return TF_TABLES_LAUNCH(ProbeArgs, a, st, k, lookup_kernel, grid_for_warps, s);
     });
 }
 
 int tf_dynemb_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, void *stream) {
     const int64_t start[2] = {0, p->n};
-    return tf_dynemb_group_lookup_cuda(t, p, start, 1, stream);
+    return tf_dynemb_tables_lookup_cuda(t, p, start, 1, stream);
 }
 
 int tf_dynemb_find_cuda(const tf_dynemb_table *t, const int64_t *query, int64_t n, int64_t *slots,

@@ -67,7 +67,7 @@ int launch_rows(bool gather, const tf_dynemb_rows *r, const int64_t *slots, cons
 }
 
 template <int N>
-__global__ void init_kernel(const __grid_constant__ Group<tf_dynemb_init_params, N> g) {
+__global__ void init_kernel(const __grid_constant__ Tables<tf_dynemb_init_params, N> g) {
     warp_item(g, [](const tf_dynemb_init_params &a, int64_t i, int lane) { init_one(a, i, lane); });
 }
 
@@ -176,7 +176,7 @@ __device__ __forceinline__ void pool_one(const tf_dynemb_pool_params &p, int64_t
 }
 
 template <int N>
-__global__ void pool_kernel(const __grid_constant__ Group<tf_dynemb_pool_params, N> g) {
+__global__ void pool_kernel(const __grid_constant__ Tables<tf_dynemb_pool_params, N> g) {
     warp_item(g, [](const tf_dynemb_pool_params &a, int64_t b, int lane) { pool_one(a, b, lane); });
 }
 
@@ -184,14 +184,14 @@ __global__ void pool_kernel(const __grid_constant__ Group<tf_dynemb_pool_params,
 
 extern "C" {
 
-int tf_dynemb_group_pool_cuda(const tf_dynemb_pool_params *p, const int64_t *start, int n_tables, void *stream) {
+int tf_dynemb_tables_pool_cuda(const tf_dynemb_pool_params *p, const int64_t *start, int n_tables, void *stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    return TF_GROUP_LAUNCH(tf_dynemb_pool_params, p, start, n_tables, pool_kernel, grid_for_warps, s);
+    return TF_TABLES_LAUNCH(tf_dynemb_pool_params, p, start, n_tables, pool_kernel, grid_for_warps, s);
 }
 
 int tf_dynemb_pool_cuda(const tf_dynemb_pool_params *p, void *stream) {
     const int64_t start[2] = {0, p->n_bags};
-    return tf_dynemb_group_pool_cuda(p, start, 1, stream);
+    return tf_dynemb_tables_pool_cuda(p, start, 1, stream);
 }
 
 int tf_dynemb_gather_cuda(const tf_dynemb_rows *r, const int64_t *slots, const int64_t *order, int64_t n, void *out,
@@ -204,9 +204,9 @@ int tf_dynemb_scatter_cuda(const tf_dynemb_rows *r, const int64_t *slots, const 
     return launch_rows(false, r, slots, order, n, const_cast<void *>(src), static_cast<cudaStream_t>(stream));
 }
 
-int tf_dynemb_group_init_cuda(const tf_dynemb_init_params *p, const int64_t *start, int n_tables, void *stream) {
+int tf_dynemb_tables_init_cuda(const tf_dynemb_init_params *p, const int64_t *start, int n_tables, void *stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    return TF_GROUP_LAUNCH(tf_dynemb_init_params, p, start, n_tables, init_kernel, grid_for_warps, s);
+    return TF_TABLES_LAUNCH(tf_dynemb_init_params, p, start, n_tables, init_kernel, grid_for_warps, s);
 }
 
 int tf_dynemb_init_gather_cuda(const tf_dynemb_init_params *p, const int64_t *order, void *out, void *stream) {
@@ -237,7 +237,7 @@ int tf_dynemb_init_gather_cuda(const tf_dynemb_init_params *p, const int64_t *or
 
 int tf_dynemb_init_cuda(const tf_dynemb_init_params *p, void *stream) {
     const int64_t start[2] = {0, p->n};
-    return tf_dynemb_group_init_cuda(p, start, 1, stream);
+    return tf_dynemb_tables_init_cuda(p, start, 1, stream);
 }
 
 }  // extern "C"

@@ -78,7 +78,7 @@ __device__ __forceinline__ void update_one(const tf_dynemb_update_params &p, int
 }
 
 template <int N>
-__global__ void update_kernel(const __grid_constant__ Group<tf_dynemb_update_params, N> g) {
+__global__ void update_kernel(const __grid_constant__ Tables<tf_dynemb_update_params, N> g) {
     warp_item(g, [](const tf_dynemb_update_params &a, int64_t i, int lane) { update_one(a, i, lane); });
 }
 
@@ -424,14 +424,14 @@ int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream) {
     return static_cast<int>(cudaGetLastError());
 }
 
-int tf_dynemb_group_update_cuda(const tf_dynemb_update_params *p, const int64_t *start, int n_tables, void *stream) {
+int tf_dynemb_tables_update_cuda(const tf_dynemb_update_params *p, const int64_t *start, int n_tables, void *stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    return TF_GROUP_LAUNCH(tf_dynemb_update_params, p, start, n_tables, update_kernel, grid_for_warps, s);
+    return TF_TABLES_LAUNCH(tf_dynemb_update_params, p, start, n_tables, update_kernel, grid_for_warps, s);
 }
 
 int tf_dynemb_update_cuda(const tf_dynemb_update_params *p, void *stream) {
     const int64_t start[2] = {0, p->n};
-    return tf_dynemb_group_update_cuda(p, start, 1, stream);
+    return tf_dynemb_tables_update_cuda(p, start, 1, stream);
 }
 
 int tf_dynemb_segsum_update_cuda(const tf_dynemb_segsum_params *p, const tf_dynemb_update_params *u, void *stream) {

@@ -859,10 +859,10 @@ def test_pool_early_with_evictions(device, mode, record):
     assert len(bag) == n and torch.equal(bag.find(uniq)[0], snapshot)
 
 
-def check_grouping(ids, perm, uniq, seg, inv, n_unique):
+def check_segments(ids, perm, uniq, seg, inv, n_unique):
     """A grouping of ids in any order of the groups: each group one distinct id, its occurrences in
     batch order (perm increasing within it), seg its bounds, inv each occurrence's group; uniq and seg
-    defined past n_unique as dynemb_sort_group leaves them (seg n there)."""
+    defined past n_unique as dynemb_sort_segments leaves them (seg n there)."""
     n, nu = ids.numel(), int(n_unique)
     assert nu == torch.unique(ids).numel()
     assert torch.equal(torch.sort(perm)[0], torch.arange(n, device=ids.device))  # a permutation
@@ -881,9 +881,9 @@ def check_grouping(ids, perm, uniq, seg, inv, n_unique):
 
 
 @pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (9, 4), (3000, 50), (4097, 100000), (200003, 150001)])
-def test_sort_group(device, n, universe):
-    """dynemb_sort_group (the sort and the grouping in one op) against torch.sort(stable=True) and
-    torch.unique: a valid grouping (check_grouping) of the same distinct ids with the same counts;
+def test_sort_segments(device, n, universe):
+    """dynemb_sort_segments (the sort and the grouping in one op) against torch.sort(stable=True) and
+    torch.unique: a valid grouping (check_segments) of the same distinct ids with the same counts;
     extreme keys included. The CPU sorts the ids themselves: the stable sort's permutation, bit for
     bit, and the groups in id order. CUDA sorts by the ids' 32-bit hashes: its groups in hash order."""
     base = torch.randint(-2**63, 2**63 - 1, (universe,), dtype=torch.int64)
@@ -891,10 +891,10 @@ def test_sort_group(device, n, universe):
     if universe > 2:
         base[1], base[2] = 2**63 - 1, -1
     ids = base[torch.randint(0, universe, (n,))].to(device)
-    perm, uniq, seg, inv, n_unique = torch.ops.torchfuse.dynemb_sort_group(ids)
+    perm, uniq, seg, inv, n_unique = torch.ops.torchfuse.dynemb_sort_segments(ids)
     assert perm.dtype == torch.int64 and perm.shape == (n,) and uniq.shape == (n,) and seg.shape == (n + 1,)
     assert n_unique.shape == (1,) and n_unique.device == ids.device
-    check_grouping(ids, perm, uniq, seg, inv, n_unique)
+    check_segments(ids, perm, uniq, seg, inv, n_unique)
     nu = int(n_unique)
     ref_u, ref_counts = torch.unique(ids, return_counts=True)
     order = torch.argsort(uniq[:nu])
@@ -902,9 +902,9 @@ def test_sort_group(device, n, universe):
     if device == "cpu":
         assert torch.equal(perm, torch.sort(ids, stable=True)[1]) and torch.equal(uniq[:nu], ref_u)
     with pytest.raises(TypeError, match="int64"):
-        torch.ops.torchfuse.dynemb_sort_group(ids.int())
+        torch.ops.torchfuse.dynemb_sort_segments(ids.int())
     with pytest.raises(RuntimeError, match="1-D"):
-        torch.ops.torchfuse.dynemb_sort_group(ids.view(1, -1))
+        torch.ops.torchfuse.dynemb_sort_segments(ids.view(1, -1))
 
 
 def _hash_top32(ids: torch.Tensor):
@@ -921,7 +921,7 @@ def _hash_top32(ids: torch.Tensor):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-def test_sort_group_hash_collisions():
+def test_sort_segments_hash_collisions():
     """CUDA's hash sort where distinct ids share a 32-bit hash key (about a hundred pairs in a million
     distinct ids; the test checks that some do): those runs are put in id order and the grouping is
     still exact, with a hot id (a tenth of the batch) among the repeats."""
@@ -934,7 +934,7 @@ def test_sort_group_hash_collisions():
     ids[torch.randperm(n)[: n // 10]] = base[0]
     ids = torch.cat([ids, base[torch.isin(h, hs[hc > 1])]])  # every colliding id at least once
     ids = ids.cuda()
-    check_grouping(ids, *torch.ops.torchfuse.dynemb_sort_group(ids))
+    check_segments(ids, *torch.ops.torchfuse.dynemb_sort_segments(ids))
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
@@ -1192,8 +1192,8 @@ def test_ops_opcheck(device):
                                              _t([0, 2, 4], device), None, None, found[:2], t._values.clone(),
                                              t._values_host.clone(), t._state.clone(), t._state_host.clone(), 3, 0.1,
                                              1e-8, 0.9, 0.999, 0.1)),
-        (ops.dynemb_sort_group.default, (_t([5, -1, 5, 2**62, 0, -1, 5], device),)),
-        (ops.dynemb_sort_group.default, (_t([], device),)),
+        (ops.dynemb_sort_segments.default, (_t([5, -1, 5, 2**62, 0, -1, 5], device),)),
+        (ops.dynemb_sort_segments.default, (_t([], device),)),
         (ops.dynemb_find_or_insert_sync.default, (_t([3, 99, 100, 5, 77], device), t128._keys.clone(),
                                                   t128._digests.clone(), t128._scores.clone(), t128._marks.clone(),
                                                   t128._locks.clone(), t128._values.clone(),
@@ -1205,8 +1205,8 @@ def test_ops_opcheck(device):
         torch.library.opcheck(op, args)
 
 
-def test_group_ops_opcheck(device):
-    """The table-batched ops (torchfuse.dynemb_group): schema, fake kernel and AOT tracing on two live
+def test_tables_ops_opcheck(device):
+    """The table-batched ops (torchfuse.dynemb_tables): schema, fake kernel and AOT tracing on two live
     tables, the second with no keys in the batch."""
     ops = torch.ops.torchfuse
     ts = [DynamicEmbeddingBag(5, 64, device=device, bucket_size=16, optimizer=tfo.Adam(0.1)) for _ in range(2)]
@@ -1220,21 +1220,21 @@ def test_group_ops_opcheck(device):
     def each(name, clone=True):
         return [getattr(t, name).clone() if clone else getattr(t, name) for t in ts]
 
-    found = ops.dynemb_group_lookup(q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [0, 0])
+    found = ops.dynemb_tables_lookup(q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [0, 0])
     found = found.clamp(min=0)
     cases = [
-        (ops.dynemb_group_lookup.default, (q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [3, 3])),
-        (ops.dynemb_group_insert.default, (_t([99, 100, 101], device), _t([-1, -1, -1], device), [0, 2, 3],
-                                           each("_keys"), each("_digests"), each("_scores"), each("_marks"),
-                                           each("_locks"), [16, 16], [5, 5], [False, True])),
-        (ops.dynemb_group_init.default, (found, q, None, starts, each("_values"), each("_values_host"), each("_state"),
-                                         each("_state_host"), [1, 2], [0.0, -1.0], [1.0, 1.0], [0, 1])),
-        (ops.dynemb_group_touch.default, (each("_scores"), found, starts, [0, 1], [5, 6])),
-        (ops.dynemb_group_update.default, (found, torch.randn(4, 5, **f32), starts, each("_values"),
-                                           each("_values_host"), each("_state"), each("_state_host"), 3, 0.1, 1e-8,
-                                           0.9, 0.999, [0.1, 0.2])),
-        (ops.dynemb_group_pool.default, (found, _t([0, 1, 4, 4, 4], device), None, 2, [1, 1],
-                                         each("_values", False), each("_values_host", False), [False, True])),
+        (ops.dynemb_tables_lookup.default, (q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [3, 3])),
+        (ops.dynemb_tables_insert.default, (_t([99, 100, 101], device), _t([-1, -1, -1], device), [0, 2, 3],
+                                            each("_keys"), each("_digests"), each("_scores"), each("_marks"),
+                                            each("_locks"), [16, 16], [5, 5], [False, True])),
+        (ops.dynemb_tables_init.default, (found, q, None, starts, each("_values"), each("_values_host"), each("_state"),
+                                          each("_state_host"), [1, 2], [0.0, -1.0], [1.0, 1.0], [0, 1])),
+        (ops.dynemb_tables_touch.default, (each("_scores"), found, starts, [0, 1], [5, 6])),
+        (ops.dynemb_tables_update.default, (found, torch.randn(4, 5, **f32), starts, each("_values"),
+                                            each("_values_host"), each("_state"), each("_state_host"), 3, 0.1, 1e-8,
+                                            0.9, 0.999, [0.1, 0.2])),
+        (ops.dynemb_tables_pool.default, (found, _t([0, 1, 4, 4, 4], device), None, 2, [1, 1],
+                                          each("_values", False), each("_values_host", False), [False, True])),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -701,18 +701,19 @@ class DynamicEmbedding(torch.nn.Module):
             rows = self._gather(slots, self._values, self._values_host)
         return rows, inv
 
-    def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None, grouped=None,
-               bad: Optional[Tensor] = None, pool=None):
-        """One grouping of the batch (dynemb_sort_group): (perm, seg, slots_u, uniq, slots_id). perm lists the
-        ids grouped by unique id (batch order within a group), seg the group bounds, slots_u the unique
-        ids' slots (inserted in training mode), slots_id each id's slot. check (if given) runs before the table is touched,
-        right after the grouping's host sync, so a check that reads the device waits on nothing.
-        grouped: dynemb_sort_group(flat) when the caller launched it already (so that its own host work
-        overlaps the sort on the GPU). bad: check's device flag; with it a training
-        batch into a full table waits on the host once, after the insert (see below). pool (offsets,
-        weights, mean), on that one-wait path only: the bags pooled too, queued before the wait; then
-        the result has a sixth entry, the bags, and slots_id is None."""
-        perm, uniq, seg, inv, n_unique = grouped if grouped is not None else _ops.dynemb_sort_group(flat)
+    def _segments(self, flat: Tensor, check: Optional[Callable[[], None]] = None, segs=None,
+                  bad: Optional[Tensor] = None, pool=None):
+        """The batch's segments (dynemb_sort_segments) and their slots: (perm, seg, slots_u, uniq,
+        slots_id). perm lists the ids segment by segment (one segment per unique id, batch order
+        within it), seg the segments' bounds, slots_u the unique ids' slots (inserted in training
+        mode), slots_id each id's slot. check (if given) runs before the table is touched, right after
+        the segments' host sync, so a check that reads the device waits on nothing. segs:
+        dynemb_sort_segments(flat) when the caller launched it already (so that its own host work
+        overlaps the sort on the GPU). bad: check's device flag; with it a training batch into a full
+        table waits on the host once, after the insert (see below). pool (offsets, weights, mean), on
+        that one-wait path only: the bags pooled too, queued before the wait; then the result has a
+        sixth entry, the bags, and slots_id is None."""
+        perm, uniq, seg, inv, n_unique = segs if segs is not None else _ops.dynemb_sort_segments(flat)
         if self.training and self.capacity >= self.max_capacity:
             # No growth to decide, so the distinct ids need not be counted on the host first: the
             # grouping and the insert are queued back to back and the host waits once, for both
@@ -742,9 +743,9 @@ class DynamicEmbedding(torch.nn.Module):
         flat = self._check_keys(ids)
         if not self._need_grad():
             out = self._find(flat)[0] if not self.training else \
-                self._gather(self._group(flat)[4], self._values, self._values_host)
+                self._gather(self._segments(flat)[4], self._values, self._values_host)
         else:
-            perm, seg, slots_u, uniq, slots_id = self._group(flat)
+            perm, seg, slots_u, uniq, slots_id = self._segments(flat)
             anchor = torch.empty(0, device=self.device, requires_grad=True)
             out = _Fused.apply(anchor, self, (slots_id, None, None, False, perm, seg, slots_u, uniq, None, None))
         return out.reshape(*ids.shape, self.embedding_dim)
@@ -949,7 +950,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         need_grad = self._need_grad()
         # The training paths' sort goes first: the host work below (the offsets' checks, the bags'
         # layout) is then launched while the GPU sorts, not before it starts.
-        grouped = _ops.dynemb_sort_group(flat) if (self.training or need_grad) and not weights_grad else None
+        segs = _ops.dynemb_sort_segments(flat) if (self.training or need_grad) and not weights_grad else None
         if not offsets.numel() and (incl or n):
             raise ValueError(f"{name}: empty offsets with {n} ids")
         mean = self.mode == "mean"
@@ -975,7 +976,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         w = per_sample_weights.float().contiguous() if per_sample_weights is not None else None
         if not need_grad:
             if self.training:
-                slots = self._group(flat, check_offsets, grouped, bad)[4]
+                slots = self._segments(flat, check_offsets, segs, bad)[4]
             else:
                 check_offsets()
                 slots = self._lookup(flat)
@@ -984,7 +985,7 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             scale = w
         elif not mean:
             scale = None
-        g = self._group(flat, check_offsets, grouped, bad, (full, w, mean))
+        g = self._segments(flat, check_offsets, segs, bad, (full, w, mean))
         perm, seg, slots_u, uniq, slots_id = g[:5]
         anchor = torch.empty(0, device=self.device, requires_grad=True)
         return _Fused.apply(anchor, self, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale) + g[5:])
@@ -999,8 +1000,8 @@ def _bag_layout_fake(offsets, n, include_last_offset, mean, with_bags=True):
             offsets.new_empty((1,), dtype=torch.uint8))
 
 
-@torch.library.register_fake("torchfuse::dynemb_sort_group")
-def _sort_group_fake(ids):
+@torch.library.register_fake("torchfuse::dynemb_sort_segments")
+def _sort_segments_fake(ids):
     n = ids.shape[0]
     return ids.new_empty((n,)), ids.new_empty((n,)), ids.new_empty((n + 1,)), ids.new_empty((n,)), ids.new_empty((1,))
 

@@ -1,10 +1,10 @@
-// A lookup batch's layout on CUDA (kernels/dynemb_batch_cuda.cu); checks in dynemb_batch.cpp.
+// A lookup batch's layout on CUDA (kernels/dynemb_segments_cuda.cu); checks in dynemb_segments.cpp.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include "dynemb_batch.h"
+#include "dynemb_segments.h"
 
 namespace torchfuse {
 namespace {
@@ -13,32 +13,32 @@ void check_launch(int err, const char *what) {
     TORCH_CHECK(err == 0, "torchfuse: ", what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
-// An empty batch's grouping: n_unique = 0 and seg = {0}.
-void write_empty_group(const DynembGroup &g, cudaStream_t s) {
-    check_launch(cudaMemsetAsync(g.p.n_unique, 0, sizeof(int64_t), s), "dynemb group memset");
-    check_launch(cudaMemsetAsync(g.p.seg, 0, sizeof(int64_t), s), "dynemb group memset");
+// An empty batch's segments: n_unique = 0 and seg = {0}.
+void write_empty_segments(const DynembSegments &g, cudaStream_t s) {
+    check_launch(cudaMemsetAsync(g.p.n_unique, 0, sizeof(int64_t), s), "dynemb segments memset");
+    check_launch(cudaMemsetAsync(g.p.seg, 0, sizeof(int64_t), s), "dynemb segments memset");
 }
 
-// Sort and grouping in one op (tf_dynemb_sort_group_params): one scratch allocation for the sorted
+// Sort and grouping in one op (tf_dynemb_sort_segments_params): one scratch allocation for the sorted
 // ids, the iota and int32 permutation, the run indices, the flags and both CUB temp storages.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_group_cuda(const at::Tensor &ids) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_segments_cuda(const at::Tensor &ids) {
     const c10::cuda::CUDAGuard guard(ids.device());
-    check_sort_group_ids(ids);
+    check_sort_segments_ids(ids);
     const int64_t n = ids.numel();
     const at::TensorOptions o = ids.options();
-    DynembGroup g = alloc_dynemb_group(n, o);
+    DynembSegments g = alloc_dynemb_segments(n, o);
     at::Tensor perm = at::empty({n}, o);
     const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
     if (n == 0) {
-        write_empty_group(g, s);
+        write_empty_segments(g, s);
         return {perm, g.uniq, g.seg, g.inv, g.n_unique};
     }
     auto up = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-    const int64_t sort_temp = up((int64_t)tf_dynemb_sort_temp_bytes(n)), scan_temp = up((int64_t)tf_dynemb_group_temp_bytes(n));
+    const int64_t sort_temp = up((int64_t)tf_dynemb_sort_temp_bytes(n)), scan_temp = up((int64_t)tf_dynemb_segments_temp_bytes(n));
     const int64_t b8 = up(n * 8), b4 = up(n * 4);
     at::Tensor scratch = at::empty({2 * b8 + 3 * b4 + sort_temp + scan_temp}, o.dtype(at::kByte));
     uint8_t *base = scratch.data_ptr<uint8_t>();
-    tf_dynemb_sort_group_params p{};
+    tf_dynemb_sort_segments_params p{};
     p.g = g.p;
     p.ids = ids.data_ptr<int64_t>();
     p.sorted = reinterpret_cast<int64_t *>(base);
@@ -54,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_grou
     p.g.perm = nullptr;
     p.g.perm32 = p.perm32;
     p.g.perm_out = perm.data_ptr<int64_t>();
-    check_launch(tf_dynemb_sort_group_cuda(&p, s), "dynemb sort-group kernels");
+    check_launch(tf_dynemb_sort_segments_cuda(&p, s), "dynemb sort-segments kernels");
     return {perm, g.uniq, g.seg, g.inv, g.n_unique};
 }
 
@@ -73,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bag_layout_cuda(const
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("dynemb_bag_layout", &bag_layout_cuda);
-    m.impl("dynemb_sort_group", &sort_group_cuda);
+    m.impl("dynemb_sort_segments", &sort_segments_cuda);
 }
 
 }  // namespace torchfuse
