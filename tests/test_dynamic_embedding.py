@@ -1720,3 +1720,13 @@ def test_find_or_insert_sync_eviction_record(device, host_tier, dtype):
     assert torch.equal(rows, ref.find_or_insert(q))
     assert torch.equal(by_slot(t._values, t._values_host)[slots], rows)
     assert bool((by_slot(t._state, t._state_host)[slots] == 0).all())
+
+
+def test_public_import_paths():
+    """The modules and the table-batched helpers under their public and former names."""
+    import torchfuse.dynamic_embedding as de
+    from torchfuse import dynemb_group, dynemb_tables
+    assert de.DynamicEmbedding is torchfuse.DynamicEmbedding and de.DynamicEmbeddingBag is torchfuse.DynamicEmbeddingBag
+    assert issubclass(DynamicEmbeddingBag, de.DynamicEmbeddingTable) and isinstance(DynamicEmbedding(4, 8, device="cpu"),
+                                                                                  torch.nn.Module)
+    assert dynemb_group is dynemb_tables and callable(dynemb_tables.can_batch)
