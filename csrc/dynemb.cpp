@@ -282,7 +282,7 @@ tf_dynemb_evict_params dynemb_evict_params(const at::Tensor &slots, const at::Te
                                            const at::Tensor &state, const at::Tensor &state_host, at::Tensor &rows,
                                            int64_t init_kind, double a, double b, int64_t seed, at::Tensor &old_values,
                                            at::Tensor &old_state) {
-    const char *op = "torchfuse.dynemb_evict_rows";
+    const char *op = "torchfuse.dynemb_find_or_insert_sync (eviction rows)";
     check_index(slots, values, op, "slots");
     check_index(new_index, values, op, "new_index");
     check_index(keys, values, op, "keys");
@@ -313,7 +313,7 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
                                  at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
                                  bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind, double a,
                                  double b, int64_t seed, bool with_rows, bool filled, bool evicted_list) {
-    const char *op = "torchfuse.dynemb_find_or_insert";
+    const char *op = "torchfuse.dynemb_find_or_insert_sync";
     TORCH_CHECK(policy >= -1 && policy <= TF_DYNEMB_LFU, op, ": policy must be -1 (no touch), 0 (LRU) or 1 (LFU)");
     TORCH_CHECK(epoch > 0, op, ": epoch must be > 0 (found keys are marked with it)");
     DynembFoi f{};
@@ -551,18 +551,6 @@ DynembFoiResult find_or_insert_kept_cpu(const at::Tensor &query, at::Tensor &key
     return f.result();
 }
 
-DynembFoiResult find_or_insert_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                   at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
-                                   at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                   int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                   int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                   bool with_rows) {
-    (void)locks;  // the CPU insert runs alone
-    return find_or_insert_kept_cpu(query, keys, digests, scores, marks, values, values_host, state, state_host,
-                                   bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                                   true);
-}
-
 DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
                                             at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
                                             at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
@@ -606,7 +594,6 @@ DynembFoiPoolResult find_or_insert_pool_cpu(const at::Tensor &query, at::Tensor 
 
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("dynemb_find_or_insert_pool", &find_or_insert_pool_cpu);
-    m.impl("dynemb_find_or_insert", &find_or_insert_cpu);
     m.impl("dynemb_find_or_insert_sync", &find_or_insert_sync_cpu);
     m.impl("dynemb_pool", &pool_cpu);
     m.impl("dynemb_segment_sum", &segsum_cpu);
@@ -619,7 +606,6 @@ TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("dynemb_init", &init_cpu);
     m.impl("dynemb_init_gather", &init_gather_cpu);
     m.impl("dynemb_update", &update_cpu);
-    m.impl("dynemb_evict_rows", &evict_rows_cpu);
     m.impl("dynemb_segment_update", &segment_update_cpu);
 }
 

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <tuple>
 
-#include "../kernels/dynemb.h"
+#include "../kernels/dynemb_kernels.h"
 
 namespace torchfuse {
 
@@ -80,7 +80,8 @@ struct DynembFoi {
     at::Tensor slots, rows, is_new, evicted, counts;
     DynembFoiResult result() const { return {slots, rows, is_new, evicted, counts}; }
 };
-// dynemb_evict_rows' checks and parameters; old_values / old_state are allocated here.
+// The eviction row work's checks and parameters (tf_dynemb_evict_params); old_values / old_state are
+// allocated here.
 tf_dynemb_evict_params dynemb_evict_params(const at::Tensor &slots, const at::Tensor &new_index, const at::Tensor &keys,
                                            const at::Tensor &values, const at::Tensor &values_host,
                                            const at::Tensor &state, const at::Tensor &state_host, at::Tensor &rows,
@@ -105,7 +106,7 @@ using DynembFoiSyncResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::T
 using DynembFoiPoolResult =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // The part after the host has the counts c (inserted, evicted, failed): evict_rows(slots, new_index,
-// rows) is the device's dynemb_evict_rows on the table (victims' rows and state out, new rows in).
+// rows) is the device's eviction row work on the table (victims' rows and state out, new rows in).
 // slot_order (a table with host rows): the evictions are sorted by victim slot first, so the row work
 // visits the victims in slot order (host rows in address order: random host addresses thrash the
 // GPU's translation of host pages); the record (keys, slots, scores, new indices and the victims'
@@ -152,12 +153,12 @@ DynembFoiSyncResult finish_find_or_insert(const DynembFoiResult &r, const int64_
     return {slots, rows, is_new, ev, old_values, old_state, host};
 }
 
-// ---- table-batched ops (dynemb_group.cpp): per-table kernel parameters over a concatenated batch ----
+// ---- table-batched ops (dynemb_tables.cpp): per-table kernel parameters over a concatenated batch ----
 
 // starts checked: tables + 1 non-decreasing entries from 0 to n_items.
-std::vector<int64_t> group_starts(at::IntArrayRef starts, int64_t n_items, size_t tables, const char *op);
+std::vector<int64_t> tables_starts(at::IntArrayRef starts, int64_t n_items, size_t tables, const char *op);
 
-struct DynembGroupProbe {
+struct DynembTablesProbe {
     std::vector<int64_t> start;
     std::vector<tf_dynemb_table> t;
     std::vector<tf_dynemb_probe> p;
@@ -165,33 +166,33 @@ struct DynembGroupProbe {
     DynembInsertResult result() const { return {is_new, ev_keys, ev_slots, ev_scores, counts}; }
 };
 // lookup: slots allocated; insert (slots given, locks may be empty on CPU): the outputs allocated.
-DynembGroupProbe prepare_group_probe(bool insert, const at::Tensor &query, const at::Tensor *slots,
-                                     at::IntArrayRef starts, at::TensorList keys, at::TensorList digests,
-                                     at::TensorList scores, at::TensorList marks, at::TensorList locks,
-                                     at::IntArrayRef bucket_sizes, at::IntArrayRef epochs,
-                                     const std::vector<bool> &allow_evict);
-std::vector<tf_dynemb_init_params> prepare_group_init(const at::Tensor &slots, const at::Tensor &keys,
-                                                      const std::optional<at::Tensor> &mask,
-                                                      const std::vector<int64_t> &start, at::TensorList values,
-                                                      at::TensorList values_host, at::TensorList state,
-                                                      at::TensorList state_host, at::IntArrayRef init_kinds,
-                                                      at::ArrayRef<double> a, at::ArrayRef<double> b,
-                                                      at::IntArrayRef seeds);
-std::vector<tf_dynemb_update_params> prepare_group_update(const at::Tensor &slots, const at::Tensor &grad,
-                                                          const std::vector<int64_t> &start, at::TensorList values,
-                                                          at::TensorList values_host, at::TensorList state,
-                                                          at::TensorList state_host, int64_t opt, double lr,
-                                                          double eps, double beta1, double beta2,
-                                                          at::ArrayRef<double> step_sizes);
-struct DynembGroupPool {
+DynembTablesProbe prepare_tables_probe(bool insert, const at::Tensor &query, const at::Tensor *slots,
+                                       at::IntArrayRef starts, at::TensorList keys, at::TensorList digests,
+                                       at::TensorList scores, at::TensorList marks, at::TensorList locks,
+                                       at::IntArrayRef bucket_sizes, at::IntArrayRef epochs,
+                                       const std::vector<bool> &allow_evict);
+std::vector<tf_dynemb_init_params> prepare_tables_init(const at::Tensor &slots, const at::Tensor &keys,
+                                                       const std::optional<at::Tensor> &mask,
+                                                       const std::vector<int64_t> &start, at::TensorList values,
+                                                       at::TensorList values_host, at::TensorList state,
+                                                       at::TensorList state_host, at::IntArrayRef init_kinds,
+                                                       at::ArrayRef<double> a, at::ArrayRef<double> b,
+                                                       at::IntArrayRef seeds);
+std::vector<tf_dynemb_update_params> prepare_tables_update(const at::Tensor &slots, const at::Tensor &grad,
+                                                           const std::vector<int64_t> &start, at::TensorList values,
+                                                           at::TensorList values_host, at::TensorList state,
+                                                           at::TensorList state_host, int64_t opt, double lr,
+                                                           double eps, double beta1, double beta2,
+                                                           at::ArrayRef<double> step_sizes);
+struct DynembTablesPool {
     std::vector<int64_t> start;  // bag starts
     std::vector<tf_dynemb_pool_params> p;
     at::Tensor out;
 };
-DynembGroupPool prepare_group_pool(const at::Tensor &slots, const at::Tensor &offsets,
-                                   const std::optional<at::Tensor> &weights, int64_t batch, at::IntArrayRef features,
-                                   at::TensorList rows, at::TensorList rows_host, const std::vector<bool> &mean);
-void check_group_touch(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef policies,
-                       at::IntArrayRef clocks, const std::vector<int64_t> &start);
+DynembTablesPool prepare_tables_pool(const at::Tensor &slots, const at::Tensor &offsets,
+                                     const std::optional<at::Tensor> &weights, int64_t batch, at::IntArrayRef features,
+                                     at::TensorList rows, at::TensorList rows_host, const std::vector<bool> &mean);
+void check_tables_touch(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef policies,
+                        at::IntArrayRef clocks, const std::vector<int64_t> &start);
 
 }  // namespace torchfuse

@@ -5,7 +5,6 @@
 #include <torch/library.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <functional>
 #include <unordered_map>
 
@@ -191,7 +190,7 @@ at::Tensor segsum_cuda(const at::Tensor &grad, const at::Tensor &perm, const at:
     const c10::cuda::CUDAGuard guard(grad.device());
     at::Tensor out;
     tf_dynemb_segsum_params p = dynemb_segsum_params(grad, perm, seg, bag_of, scale, &out);
-    // scratch for the chunk sums of ids cut by a chunk edge (kernels/dynemb.h)
+    // scratch for the chunk sums of ids cut by a chunk edge (kernels/dynemb_kernels.h)
     const at::Tensor partial = at::empty({2 * tf_dynemb_seg_chunks(p.n_occ), p.dim}, out.options());
     p.partial = partial.data_ptr<float>();
     check_launch(tf_dynemb_segsum_cuda(&p, stream()), "dynemb segment-sum kernel");
@@ -248,23 +247,12 @@ DynembFoiResult launch_find_or_insert(const at::Tensor &query, at::Tensor &keys,
     map_host(f.p.init.state, state_host);
     at::Tensor miss;  // step 1's per-block lists of missed keys (128-slot buckets)
     if (bucket_size == 128) {
-        TORCH_CHECK(query.numel() < (int64_t{1} << 31), "torchfuse.dynemb_find_or_insert: at most 2^31 - 1 keys per call");
+        TORCH_CHECK(query.numel() < (int64_t{1} << 31), "torchfuse.dynemb_find_or_insert_sync: at most 2^31 - 1 keys per call");
         miss = at::empty({tf_dynemb_foi_miss_bytes(query.numel())}, query.options().dtype(at::kByte));
         f.p.miss = miss.data_ptr<uint8_t>();
     }
     check_launch(tf_dynemb_find_or_insert_cuda(&f.t, &f.p, stream()), "dynemb find-or-insert kernels");
     return f.result();
-}
-
-DynembFoiResult find_or_insert_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                    at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
-                                    at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                    int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                    int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                    bool with_rows) {
-    return launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                                 bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                                 nullptr, nullptr);
 }
 
 // A pinned buffer for an op's counts, per thread and device: allocated once, as the host waits on
@@ -342,10 +330,9 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
                                              const std::function<void(const at::Tensor &)> &before_wait = nullptr) {
     const c10::cuda::CUDAGuard guard(keys.device());
     const DynembFoiLimits lim = dynemb_foi_limits(query, keys, n_valid, abort);
-    // 128-slot buckets: step 2 hands the counts over in mapped memory (TORCHFUSE_DYNEMB_MAPPED_COUNTS=0:
-    // the copy and the stream wait below, for the A/B)
-    const char *env = getenv("TORCHFUSE_DYNEMB_MAPPED_COUNTS");
-    const bool mapped = bucket_size == 128 && query.numel() > 0 && !(env && env[0] == '0');
+    // 128-slot buckets: step 2 hands the counts over in mapped memory (other buckets: the copy and the
+    // stream wait below)
+    const bool mapped = bucket_size == 128 && query.numel() > 0;
     MappedCounts *m = mapped ? &mapped_counts() : nullptr;
     const int64_t seq = m ? ++m->seq : 0;
     const DynembFoiResult r = launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host,
@@ -425,93 +412,92 @@ DynembFoiPoolResult find_or_insert_pool_cuda(const at::Tensor &query, at::Tensor
     return std::tuple_cat(r, std::make_tuple(pooled));
 }
 
-// ---- table-batched ops (parameters: dynemb_group.cpp) ----
+// ---- table-batched ops (parameters: dynemb_tables.cpp) ----
 
-at::Tensor group_lookup_cuda(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
-                             at::TensorList digests, at::TensorList marks, at::IntArrayRef bucket_sizes,
-                             at::IntArrayRef epochs) {
+at::Tensor tables_lookup_cuda(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
+                              at::TensorList digests, at::TensorList marks, at::IntArrayRef bucket_sizes,
+                              at::IntArrayRef epochs) {
     const c10::cuda::CUDAGuard guard(query.device());
-    DynembGroupProbe g =
-        prepare_group_probe(false, query, nullptr, starts, keys, digests, {}, marks, {}, bucket_sizes, epochs, {});
-    check_launch(tf_dynemb_group_lookup_cuda(g.t.data(), g.p.data(), g.start.data(), (int)g.t.size(), stream()),
-                 "dynemb group lookup kernel");
+    DynembTablesProbe g =
+        prepare_tables_probe(false, query, nullptr, starts, keys, digests, {}, marks, {}, bucket_sizes, epochs, {});
+    check_launch(tf_dynemb_tables_lookup_cuda(g.t.data(), g.p.data(), g.start.data(), (int)g.t.size(), stream()),
+                 "dynemb tables lookup kernel");
     return g.slots;
 }
 
-DynembInsertResult group_insert_cuda(const at::Tensor &query, at::Tensor &slots, at::IntArrayRef starts,
-                                     at::TensorList keys, at::TensorList digests, at::TensorList scores,
-                                     at::TensorList marks, at::TensorList locks, at::IntArrayRef bucket_sizes,
-                                     at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
+DynembInsertResult tables_insert_cuda(const at::Tensor &query, at::Tensor &slots, at::IntArrayRef starts,
+                                      at::TensorList keys, at::TensorList digests, at::TensorList scores,
+                                      at::TensorList marks, at::TensorList locks, at::IntArrayRef bucket_sizes,
+                                      at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
     const c10::cuda::CUDAGuard guard(query.device());
-    TORCH_CHECK(locks.size() == keys.size(), "torchfuse.dynemb_group_insert: locks must have one entry per table");
-    DynembGroupProbe g = prepare_group_probe(true, query, &slots, starts, keys, digests, scores, marks, locks,
-                                             bucket_sizes, epochs, allow_evict.vec());
-    check_launch(tf_dynemb_group_insert_cuda(g.t.data(), g.p.data(), g.start.data(), (int)g.t.size(), stream()),
-                 "dynemb group insert kernel");
+    TORCH_CHECK(locks.size() == keys.size(), "torchfuse.dynemb_tables_insert: locks must have one entry per table");
+    DynembTablesProbe g = prepare_tables_probe(true, query, &slots, starts, keys, digests, scores, marks, locks,
+                                               bucket_sizes, epochs, allow_evict.vec());
+    check_launch(tf_dynemb_tables_insert_cuda(g.t.data(), g.p.data(), g.start.data(), (int)g.t.size(), stream()),
+                 "dynemb tables insert kernel");
     return g.result();
 }
 
-void group_init_cuda(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
-                     at::IntArrayRef starts, at::TensorList values, at::TensorList values_host, at::TensorList state,
-                     at::TensorList state_host, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
-                     at::ArrayRef<double> b, at::IntArrayRef seeds) {
+void tables_init_cuda(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
+                      at::IntArrayRef starts, at::TensorList values, at::TensorList values_host, at::TensorList state,
+                      at::TensorList state_host, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
+                      at::ArrayRef<double> b, at::IntArrayRef seeds) {
     const c10::cuda::CUDAGuard guard(slots.device());
-    const auto start = group_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_group_init");
-    auto p = prepare_group_init(slots, keys, mask, start, values, values_host, state, state_host, init_kinds, a, b,
-                                seeds);
+    const auto start = tables_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_tables_init");
+    auto p = prepare_tables_init(slots, keys, mask, start, values, values_host, state, state_host, init_kinds, a, b,
+                                 seeds);
     for (size_t i = 0; i < p.size(); ++i) {
         map_host(p[i].values, values_host[i]);
         map_host(p[i].state, state_host[i]);
     }
-    check_launch(tf_dynemb_group_init_cuda(p.data(), start.data(), (int)p.size(), stream()), "dynemb group init kernel");
+    check_launch(tf_dynemb_tables_init_cuda(p.data(), start.data(), (int)p.size(), stream()), "dynemb tables init kernel");
 }
 
-void group_touch_cuda(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
-                      at::IntArrayRef clocks) {
+void tables_touch_cuda(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
+                       at::IntArrayRef clocks) {
     const c10::cuda::CUDAGuard guard(slots.device());
-    const auto start = group_starts(starts, slots.numel(), scores.size(), "torchfuse.dynemb_group_touch");
-    check_group_touch(scores, slots, policies, clocks, start);
+    const auto start = tables_starts(starts, slots.numel(), scores.size(), "torchfuse.dynemb_tables_touch");
+    check_tables_touch(scores, slots, policies, clocks, start);
     std::vector<int64_t *> sc(scores.size());
     std::vector<int> pol(scores.size());
     for (size_t i = 0; i < scores.size(); ++i) {
         sc[i] = scores[i].data_ptr<int64_t>();
         pol[i] = (int)policies[i];
     }
-    check_launch(tf_dynemb_group_touch_cuda(sc.data(), slots.data_ptr<int64_t>(), start.data(), pol.data(),
-                                            clocks.data(), (int)sc.size(), stream()),
-                 "dynemb group touch kernel");
+    check_launch(tf_dynemb_tables_touch_cuda(sc.data(), slots.data_ptr<int64_t>(), start.data(), pol.data(),
+                                             clocks.data(), (int)sc.size(), stream()),
+                 "dynemb tables touch kernel");
 }
 
-void group_update_cuda(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList values,
-                       at::TensorList values_host, at::TensorList state, at::TensorList state_host, int64_t opt,
-                       double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
+void tables_update_cuda(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList values,
+                        at::TensorList values_host, at::TensorList state, at::TensorList state_host, int64_t opt,
+                        double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
     const c10::cuda::CUDAGuard guard(slots.device());
-    const auto start = group_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_group_update");
-    auto p = prepare_group_update(slots, grad, start, values, values_host, state, state_host, opt, lr, eps, beta1,
-                                  beta2, step_sizes);
+    const auto start = tables_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_tables_update");
+    auto p = prepare_tables_update(slots, grad, start, values, values_host, state, state_host, opt, lr, eps, beta1,
+                                   beta2, step_sizes);
     for (size_t i = 0; i < p.size(); ++i) {
         map_host(p[i].values, values_host[i]);
         map_host(p[i].state, state_host[i]);
     }
-    check_launch(tf_dynemb_group_update_cuda(p.data(), start.data(), (int)p.size(), stream()),
-                 "dynemb group update kernel");
+    check_launch(tf_dynemb_tables_update_cuda(p.data(), start.data(), (int)p.size(), stream()),
+                 "dynemb tables update kernel");
 }
 
-at::Tensor group_pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
-                           int64_t batch, at::IntArrayRef features, at::TensorList rows, at::TensorList rows_host,
-                           const c10::List<bool> &mean) {
+at::Tensor tables_pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
+                            int64_t batch, at::IntArrayRef features, at::TensorList rows, at::TensorList rows_host,
+                            const c10::List<bool> &mean) {
     const c10::cuda::CUDAGuard guard(slots.device());
-    DynembGroupPool g = prepare_group_pool(slots, offsets, weights, batch, features, rows, rows_host, mean.vec());
+    DynembTablesPool g = prepare_tables_pool(slots, offsets, weights, batch, features, rows, rows_host, mean.vec());
     for (size_t i = 0; i < g.p.size(); ++i) map_host(g.p[i].values, rows_host[i]);
-    check_launch(tf_dynemb_group_pool_cuda(g.p.data(), g.start.data(), (int)g.p.size(), stream()),
-                 "dynemb group pool kernel");
+    check_launch(tf_dynemb_tables_pool_cuda(g.p.data(), g.start.data(), (int)g.p.size(), stream()),
+                 "dynemb tables pool kernel");
     return g.out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
-    m.impl("dynemb_find_or_insert", &find_or_insert_cuda);
     m.impl("dynemb_find_or_insert_sync",
            [](const at::Tensor &query, at::Tensor &keys, at::Tensor &digests, at::Tensor &scores, at::Tensor &marks,
               at::Tensor &locks, at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
@@ -523,12 +509,12 @@ TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
                                                a, b, seed, with_rows, n_valid, abort, keep_evicted);
            });
     m.impl("dynemb_find_or_insert_pool", &find_or_insert_pool_cuda);
-    m.impl("dynemb_group_lookup", &group_lookup_cuda);
-    m.impl("dynemb_group_insert", &group_insert_cuda);
-    m.impl("dynemb_group_init", &group_init_cuda);
-    m.impl("dynemb_group_touch", &group_touch_cuda);
-    m.impl("dynemb_group_update", &group_update_cuda);
-    m.impl("dynemb_group_pool", &group_pool_cuda);
+    m.impl("dynemb_tables_lookup", &tables_lookup_cuda);
+    m.impl("dynemb_tables_insert", &tables_insert_cuda);
+    m.impl("dynemb_tables_init", &tables_init_cuda);
+    m.impl("dynemb_tables_touch", &tables_touch_cuda);
+    m.impl("dynemb_tables_update", &tables_update_cuda);
+    m.impl("dynemb_tables_pool", &tables_pool_cuda);
     m.impl("dynemb_pool", &pool_cuda);
     m.impl("dynemb_segment_sum", &segsum_cuda);
     m.impl("dynemb_lookup", &lookup_cuda);
@@ -540,7 +526,6 @@ TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("dynemb_init", &init_cuda);
     m.impl("dynemb_init_gather", &init_gather_cuda);
     m.impl("dynemb_update", &update_cuda);
-    m.impl("dynemb_evict_rows", &evict_rows_cuda);
     m.impl("dynemb_segment_update", &segment_update_cuda);
     m.impl("dynemb_host_rows", &host_rows_cuda);
 }

@@ -68,7 +68,7 @@ TORCH_LIBRARY(torchfuse, m) {
         "-> (Tensor, Tensor, Tensor, Tensor)");
 
     // ---- dynamic embeddings (python/torchfuse/dynamic_embedding.py) ----
-    // Internal ops on the table's state tensors (layout and semantics: kernels/dynemb.h). Slots
+    // Internal ops on the table's state tensors (layout and semantics: kernels/dynemb_kernels.h). Slots
     // passed back in must come from dynemb_lookup / dynemb_insert on the same table.
     // Slot of each query key (-1: absent); epoch > 0 also marks the found slots.
     m.def("dynemb_lookup(Tensor query, Tensor keys, Tensor digests, Tensor(a!) marks, int bucket_size, "
@@ -103,24 +103,18 @@ TORCH_LIBRARY(torchfuse, m) {
     // One optimizer step per (unique) slot with its gradient row (opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam).
     m.def("dynemb_update(Tensor slots, Tensor grad, Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, "
           "Tensor(d!) state_host, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");
-    // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb.h;
+    // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb_kernels.h;
     // bounds clamped into the batch). inv: ids through their unique index (slots: the unique ids' slots).
     m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean, "
           "Tensor? inv=None) -> Tensor");
-    // A batch sorted by id (torch.sort(ids, stable=True): sorted_ids, perm) grouped: (uniq, seg, inv),
-    // the distinct ids, their runs' bounds in sorted order (n_unique + 1) and each id's index into uniq.
-    m.def("dynemb_group_sorted(Tensor sorted_ids, Tensor perm) -> (Tensor, Tensor, Tensor)");
-    // The same without the host sync: (uniq, seg, inv, n_unique) with uniq of n entries and seg of
-    // n + 1, valid up to n_unique[0] (a one-element device tensor) and n_unique[0] + 1; past that, uniq
-    // holds sorted_ids' entries and seg holds n. For dynemb_find_or_insert_sync's n_valid: one wait.
-    m.def("dynemb_group_sorted_async(Tensor sorted_ids, Tensor perm) -> (Tensor, Tensor, Tensor, Tensor)");
-    // A batch grouped by id in one op: (perm, uniq, seg, inv, n_unique) as dynemb_group_sorted_async gives
-    // them after torch.sort(ids, stable=True). On the CPU exactly that; on CUDA a CUB radix sort of the ids'
-    // 32-bit hashes with int32 values, collisions put in id order after, so each group's occurrences stay
-    // in batch order but the groups come in hash order (TORCHFUSE_DYNEMB_SORT_HASH_BITS=0: the ids' order;
-    // kernels/dynemb_batch.h).
-    m.def("dynemb_sort_group(Tensor ids) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    // A bag batch's layout from its offsets (kernels/dynemb_batch.h): (full (n_bags + 1), bag_of (n),
+    // A batch's segments (its ids grouped by id), without a host sync: (perm, uniq, seg, inv, n_unique): perm lists the ids
+    // group by group, each group's occurrences in batch order; uniq (n entries) and seg (n + 1) are valid
+    // up to n_unique[0] (a one-element device tensor) and n_unique[0] + 1, past that uniq holds sorted
+    // ids and seg holds n; inv is each id's group. On the CPU the groups come in id order (a stable sort
+    // of the ids); on CUDA in the order of the ids' 32-bit hashes (a CUB radix sort with int32 values,
+    // collisions put in id order after: kernels/dynemb_segments_kernels.h). For dynemb_find_or_insert_sync's n_valid.
+    m.def("dynemb_sort_segments(Tensor ids) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+    // A bag batch's layout from its offsets (kernels/dynemb_segments_kernels.h): (full (n_bags + 1), bag_of (n),
     // scale (n mean-mode scales when mean, else empty), bad (one uint8 flag: offsets that do not start
     // at 0, decrease, or end elsewhere than n)). Defined, in-range results for any offsets. with_bags
     // false: bag_of and scale empty, not computed (the inference path pools from full alone).
@@ -136,20 +130,13 @@ TORCH_LIBRARY(torchfuse, m) {
     // (rows, cols) of `dtype` in pinned host memory mapped into `like`'s GPU (cudaHostAlloc, mapped):
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");
-    // find-or-insert of distinct keys (required) with the row work folded in (kernels/dynemb.h,
-    // tf_dynemb_foi_params): returns (slots, rows (n or 0 x dim), is_new, evicted (4, n): rows
-    // evicted_keys, evicted_slots, evicted_scores, evicted_new; counts); for e < counts[1] the key
-    // query[evicted_new[e]] took slot evicted_slots[e] and its row is neither initialized nor in rows
-    // yet (the caller saves the evicted row first); entries past counts[1] hold -1. policy -1: no touch.
-    m.def("dynemb_find_or_insert(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
-          "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
-          "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
-          "int init_kind, float a, float b, int seed, bool with_rows) "
-          "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    // dynemb_find_or_insert, then the host's wait for the counts and the eviction row work
-    // (dynemb_evict_rows) in the same call: returns (slots, rows, is_new, evicted (4, n_evicted): the
-    // victims' keys, slots, scores and the indices of the keys that took their slots; the victims'
-    // values; their optimizer state; the counts (inserted, n_evicted, failed) on the CPU). Every output
+    // find-or-insert of distinct keys (required) with the row work folded in (kernels/dynemb_kernels.h,
+    // tf_dynemb_foi_params), the host's wait for the counts and the eviction row work
+    // (tf_dynemb_evict_params: the evicting keys' initial rows written over the victims' once those are
+    // copied out) in one call; policy -1: no touch. Returns (slots, rows (n or 0 x dim), is_new,
+    // evicted (4, n_evicted): the victims' keys, slots, scores and the indices of the keys that took
+    // their slots; the victims' values; their optimizer state; the counts (inserted, n_evicted, failed,
+    // keys taken, aborted) on the CPU). Every output
     // is complete when the op returns (with 128-slot buckets on CUDA the host waits for the insert
     // kernel's counts in mapped memory, which its last block writes after every block's work). A
     // table with host rows gets its evictions sorted by victim slot (the eviction rows visit host rows
@@ -171,31 +158,26 @@ TORCH_LIBRARY(torchfuse, m) {
           "int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid, Tensor? abort, "
           "Tensor pool_offsets, Tensor pool_inv, Tensor? pool_weights, bool pool_mean, bool keep_evicted=True) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-    // find_or_insert's eviction row work (tf_dynemb_evict_params): returns the victims' (values,
-    // state); their slots get the new keys' initial rows, copied into rows (n or 0 x dim) too.
-    m.def("dynemb_evict_rows(Tensor slots, Tensor new_index, Tensor keys, Tensor(a!) values, "
-          "Tensor(b!) values_host, Tensor(c!) state, Tensor(d!) state_host, Tensor(e!) rows, int init_kind, "
-          "float a, float b, int seed) -> (Tensor, Tensor)");
     // Table-batched forms (a collection's tables in one launch each, as FBGEMM's TBE): the items of
     // the batch (keys, bags) are concatenated, table t owning [starts[t], starts[t + 1]); every other
     // list has one entry per table, and each table's part means what the single-table op means.
-    m.def("dynemb_group_lookup(Tensor query, int[] starts, Tensor[] keys, Tensor[] digests, Tensor(a!)[] marks, "
+    m.def("dynemb_tables_lookup(Tensor query, int[] starts, Tensor[] keys, Tensor[] digests, Tensor(a!)[] marks, "
           "int[] bucket_sizes, int[] epochs) -> Tensor");
     // counts: (tables, 3); table t's evicted entries start at starts[t] of evicted_*.
-    m.def("dynemb_group_insert(Tensor query, Tensor(a!) slots, int[] starts, Tensor(b!)[] keys, Tensor(c!)[] digests, "
+    m.def("dynemb_tables_insert(Tensor query, Tensor(a!) slots, int[] starts, Tensor(b!)[] keys, Tensor(c!)[] digests, "
           "Tensor(d!)[] scores, Tensor(e!)[] marks, Tensor(f!)[] locks, int[] bucket_sizes, int[] epochs, "
           "bool[] allow_evict) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    m.def("dynemb_group_init(Tensor slots, Tensor keys, Tensor? mask, int[] starts, Tensor(a!)[] values, "
+    m.def("dynemb_tables_init(Tensor slots, Tensor keys, Tensor? mask, int[] starts, Tensor(a!)[] values, "
           "Tensor(b!)[] values_host, Tensor(c!)[] state, Tensor(d!)[] state_host, int[] init_kinds, float[] a, "
           "float[] b, int[] seeds) -> ()");
-    m.def("dynemb_group_touch(Tensor(a!)[] scores, Tensor slots, int[] starts, int[] policies, int[] clocks) -> ()");
+    m.def("dynemb_tables_touch(Tensor(a!)[] scores, Tensor slots, int[] starts, int[] policies, int[] clocks) -> ()");
     // Same optimizer (opt, lr, eps, betas) for every table; Adam's step size per table.
-    m.def("dynemb_group_update(Tensor slots, Tensor grad, int[] starts, Tensor(a!)[] values, Tensor(b!)[] values_host, "
+    m.def("dynemb_tables_update(Tensor slots, Tensor grad, int[] starts, Tensor(a!)[] values, Tensor(b!)[] values_host, "
           "Tensor(c!)[] state, Tensor(d!)[] state_host, int opt, float lr, float eps, float beta1, float beta2, "
           "float[] step_sizes) -> ()");
     // A collection's bags: offsets (sum(features) * batch + 1) in (table, feature, sample) order; returns
     // the float32 (batch, sum over t of features[t] * dim[t]) values of a TorchRec KeyedTensor.
-    m.def("dynemb_group_pool(Tensor slots, Tensor offsets, Tensor? weights, int batch, int[] features, Tensor[] rows, "
+    m.def("dynemb_tables_pool(Tensor slots, Tensor offsets, Tensor? weights, int batch, int[] features, Tensor[] rows, "
           "Tensor[] rows_host, bool[] mean) -> Tensor");
 
 }

@@ -1,6 +1,6 @@
 /* Dynamic embedding hash table, CPU path: the semantics of dynemb_cuda.cu, one key or row at a time
- * (see dynemb.h for the layout and the order of an operation). */
-#include "dynemb.h"
+ * (see dynemb_kernels.h for the layout and the order of an operation). */
+#include "dynemb_kernels.h"
 
 #include <math.h>
 #include <string.h>

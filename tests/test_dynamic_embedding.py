@@ -60,7 +60,7 @@ def _t(keys, device):
 
 
 def _check_vacant_keys(table):
-    """The vacant-key rule (kernels/dynemb.h): an empty slot's key hashes to another bucket."""
+    """The vacant-key rule (kernels/dynemb_kernels.h): an empty slot's key hashes to another bucket."""
     nb, bs = table._locks.numel(), table.bucket_size
     empty = torch.nonzero(table._digests == 0).squeeze(1).cpu()
     keys = table._keys.cpu()[empty]
@@ -461,6 +461,183 @@ def test_state_dict_round_trip(device):
         c.load_state_dict(a.state_dict())
 
 
+def _trained_with_evictions(device, dtype=torch.float32):
+    """A table trained until it grew to max_capacity and evicted (with Adam state and scores)."""
+    t = DynamicEmbeddingBag(6, 16, mode="sum", device=device, max_capacity=64, eviction="lru", bucket_size=16,
+                            dtype=dtype, initializer=("uniform", -0.1, 0.1), seed=5, optimizer=tfo.Adam(0.01),
+                            evicted_record_limit=0)
+    t.train()
+    pool = _keys(400)
+    for _ in range(40):  # 8 ids a batch: no bucket of 16 can fill with one batch's own keys
+        t(_t(_keys(8, pool), device), _t([0, 4], device)).square().sum().backward()
+    assert t.capacity == t.max_capacity == 64 and t.evicted_dropped > 0
+    return t
+
+
+def _snapshot(m):
+    """Everything a checkpoint restores, in key order, as host tensors and numbers."""
+    keys, values, state, scores = (torch.cat(c) for c in zip(*m.export())) if len(m) else m.drain_evicted()
+    order = torch.argsort(keys)
+    return ([x[order].cpu() for x in (keys, values, state, scores)],
+            {k: v for k, v in m._config().items() if k not in ("capacity", "max_capacity")}, len(m))
+
+
+def _same(a, b):
+    (ta, ca, na), (tb, cb, nb) = a, b
+    return ca == cb and na == nb and all(torch.equal(x.view(torch.uint8) if x.is_floating_point() else x,
+                                                     y.view(torch.uint8) if y.is_floating_point() else y)
+                                         for x, y in zip(ta, tb))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grow_by", [1, 4])
+def test_checkpoint_mid_training_loads_bit_exact(device, dtype, grow_by, tmp_path):
+    a = _trained_with_evictions(device, dtype)
+    torch.save(a.state_dict(), tmp_path / "ckpt.pt")
+    # a fresh table of the same or a larger capacity, other settings its own
+    b = DynamicEmbeddingBag(6, 64 * grow_by, mode="sum", device=device, dtype=dtype, optimizer=tfo.SGD(1.0))
+    b.load_state_dict(torch.load(tmp_path / "ckpt.pt"))  # weights_only: plain types only
+    assert _same(_snapshot(a), _snapshot(b)) and b.capacity == 64 * grow_by
+    keys = _snapshot(a)[0][0].to(device)
+    assert torch.equal(a.find(keys)[0], b.find(keys)[0]) and bool(b.find(keys)[1].all())
+    # it trains on: the same ids give the same rows (no eviction in b at the larger capacity)
+    ids = keys[torch.randint(0, keys.numel(), (20,), device=device)]
+    for m in (a, b):
+        m(ids, _t([0, 10], device)).square().sum().backward()
+    assert torch.equal(a.find(keys)[0], b.find(keys)[0])
+
+
+def _zip_records(path):
+    """(name, data offset, data size) of each record of a torch.save file (stored, not compressed)."""
+    import struct
+    import zipfile
+    raw = path.read_bytes()
+    out = []
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            o = info.header_offset
+            name_len, extra_len = struct.unpack("<HH", raw[o + 26:o + 30])
+            out.append((info.filename, o + 30 + name_len + extra_len, info.file_size))
+    return out
+
+
+def _faulty_checkpoints(sd, tmp_path, device):
+    """(what, loader) pairs: each loader raises, from torch.load or from load_state_dict."""
+    path = tmp_path / "good.pt"
+    torch.save(sd, path)
+    raw = path.read_bytes()
+    faults = []
+    for cut in (10, len(raw) // 3, len(raw) // 2, len(raw) - 30):
+        p = tmp_path / f"cut{cut}.pt"
+        p.write_bytes(raw[:cut])
+        faults.append((f"truncated at {cut}", p))
+    for name, off, size in _zip_records(path):
+        if "/data/" not in name or size == 0:
+            continue
+        for at in (off, off + size // 2, off + size - 1):  # a tensor's first, middle and last byte
+            bad = bytearray(raw)
+            bad[at] ^= 1 << random.randrange(8)
+            p = tmp_path / f"flip{at}.pt"
+            p.write_bytes(bytes(bad))
+            faults.append((f"bit flipped in {name} at {at - off}", p))
+    files = [(w, (lambda p=p: torch.load(p))) for w, p in faults]
+    dicts = []
+    for k in ("keys", "values", "optimizer_state", "scores", "config"):
+        d = dict(sd)
+        del d[k]
+        dicts.append((f"no {k}", d))
+    for k in ("keys", "values", "optimizer_state", "scores"):
+        d = dict(sd)
+        d[k] = d[k][:-1]
+        dicts.append((f"{k} one row short", d))
+        d = dict(sd)
+        d[k] = d[k].unsqueeze(0)
+        dicts.append((f"{k} of another rank", d))
+    d = dict(sd)
+    d["values"] = d["values"].double()
+    dicts.append(("values of another dtype", d))
+    d = dict(sd)
+    d["keys"] = d["keys"].clone()
+    d["keys"][1] = d["keys"][0]
+    dicts.append(("a repeated key", d))
+    for field, value in (("capacity", 48), ("bucket_size", 3), ("eviction", "fifo"), ("clock", -1),
+                         ("optimizer", {"name": "Nope"}), ("initializer", ("normal",)), ("step", "7")):
+        d = dict(sd)
+        d["config"] = dict(d["config"], **{field: value})
+        dicts.append((f"config {field}={value!r}", d))
+    d = dict(sd)
+    d["config"] = dict(d["config"], seed=d["config"]["seed"] + 1)
+    dicts.append(("config edited under its checksum", d))
+    return files + [(w, (lambda d=d: d)) for w, d in dicts]
+
+
+def test_checkpoint_faults_leave_the_table_unchanged(device, tmp_path):
+    a = _trained_with_evictions(device)
+    sd = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in a.state_dict().items()}
+    b = DynamicEmbeddingBag(6, 32, mode="sum", device=device, max_capacity=128, optimizer=tfo.Adagrad(0.1))
+    b.train()
+    b(_t(_keys(40), device), _t([0, 20], device)).sum().backward()
+    before = _snapshot(b)
+    cap, max_cap, opt = b.capacity, b.max_capacity, b.optimizer.config()
+    faults = _faulty_checkpoints(sd, tmp_path, device)
+    assert len(faults) > 30
+    for what, load in faults:
+        with pytest.raises(Exception) as e:
+            b.load_state_dict(load())
+        assert str(e.value), what
+        assert _same(before, _snapshot(b)), what
+        assert (b.capacity, b.max_capacity, b.optimizer.config()) == (cap, max_cap, opt), what
+    # the table still works, and the intact checkpoint loads after all of those
+    b(_t(_keys(10), device), _t([0, 5], device)).sum().backward()
+    b.load_state_dict(sd)
+    assert _same(_snapshot(a), _snapshot(b))
+
+
+def test_checkpoint_fault_messages(device):
+    a = _trained_with_evictions(device)
+    sd = a.state_dict()
+    b = DynamicEmbeddingBag(6, 16, device=device)
+    for what, d, match in (
+            ("dim", DynamicEmbedding(5, 16, device=device), "embedding_dim 6, this table 5"),
+            ("dtype", DynamicEmbedding(6, 16, device=device, dtype=torch.float16),
+             "dtype float32, this table float16"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            d.load_state_dict(sd)
+    bad = dict(sd, values=sd["values"][:-1])
+    with pytest.raises(RuntimeError, match="inconsistent state_dict shapes: keys"):
+        b.load_state_dict(bad)
+    bad = dict(sd, scores=sd["scores"].clone())
+    bad["scores"][0] += 1
+    with pytest.raises(RuntimeError, match="checksum does not match"):
+        b.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match="Missing key.*values"):
+        b.load_state_dict({k: v for k, v in sd.items() if k != "values"})
+    unsummed = {k: v for k, v in sd["config"].items() if k != "checksum"}
+    repeated = dict(sd, keys=sd["keys"].clone(), config=unsummed)
+    repeated["keys"][1] = repeated["keys"][0]
+    with pytest.raises(RuntimeError, match="keys repeat"):
+        b.load_state_dict(repeated)
+    with pytest.raises(RuntimeError, match=r"config\['clock'\] is out of range"):
+        b.load_state_dict(dict(sd, config=dict(unsummed, clock=-3)))
+    # keys that pass every check but overflow a bucket: the insert fails, the table is restored
+    c = DynamicEmbedding(6, 32, device=device, bucket_size=4)
+    c.insert(_t(list(range(8)), device), torch.ones(8, 6, device=device))
+    crowded = [k for k in range(10**4) if _bucket(k, 8) == 0][:8]
+    csd = c.state_dict()
+    csd["keys"] = _t(crowded, device)
+    csd["config"] = {k: v for k, v in csd["config"].items() if k != "checksum"}
+    before = _snapshot(b)
+    with pytest.raises(RuntimeError, match="did not fit.*the table is unchanged|unchanged.*did not fit"):
+        b.load_state_dict(csd)
+    assert _same(before, _snapshot(b)) and b.capacity == 16 and b.bucket_size == 16
+    # an edited state_dict loads once its checksum is dropped
+    bad["config"] = {k: v for k, v in sd["config"].items() if k != "checksum"}
+    b.load_state_dict(bad)
+    k0 = sd["keys"][:1]
+    assert len(b) == len(a) and torch.equal(b._scores[b._lookup(k0)], sd["scores"][:1] + 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_rows(device, dtype):
     dim, P = 8, 20
@@ -532,32 +709,6 @@ def test_bad_inputs(device):
     with pytest.raises(TypeError, match="int64"):  # the raw ops check their arguments too
         torch.ops.torchfuse.dynemb_lookup(torch.ones(2, dtype=torch.int32, device=device), table._keys,
                                           table._digests, table._marks, 8, 0)
-
-
-@pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (7, 3), (1000, 37), (4097, 100000), (200003, 150001)])
-def test_group_sorted(device, n, universe):
-    """dynemb_group_sorted (the training paths' grouping of a batch) against torch.unique: the
-    distinct ids, the runs' bounds in the stable sort's order, and each id's index."""
-    base = torch.randint(-2**62, 2**62, (universe,), dtype=torch.int64)
-    base[0] = -2**63  # the extreme keys are ordinary ids
-    if universe > 1:
-        base[1] = 2**63 - 1
-    ids = base[torch.randint(0, universe, (n,))].to(device)
-    sorted_ids, perm = torch.sort(ids, stable=True)
-    uniq, seg, inv = torch.ops.torchfuse.dynemb_group_sorted(sorted_ids, perm)
-    ref_u, ref_inv, ref_counts = torch.unique(ids, return_inverse=True, return_counts=True)
-    assert torch.equal(uniq, ref_u)
-    assert torch.equal(inv, ref_inv)
-    assert seg.dtype == torch.int64 and seg.numel() == ref_u.numel() + 1 and int(seg[0]) == 0
-    assert torch.equal(seg[1:] - seg[:-1], ref_counts)
-    for u in range(0, ref_u.numel(), max(1, ref_u.numel() // 50)):  # each run holds exactly that id's occurrences
-        occ = perm[seg[u]:seg[u + 1]]
-        assert torch.equal(ids[occ], uniq[u].expand(occ.numel()))
-        assert torch.equal(occ, torch.sort(occ).values)  # stable: batch order within a run
-    with pytest.raises(TypeError, match="int64"):
-        torch.ops.torchfuse.dynemb_group_sorted(sorted_ids.int(), perm)
-    with pytest.raises(RuntimeError, match="one length"):
-        torch.ops.torchfuse.dynemb_group_sorted(sorted_ids, torch.cat([perm, perm[:1]]) if n else perm[:0].view(1, 0))
 
 
 def _bag_layout_ref(offsets, n, incl, mean):
@@ -675,16 +826,13 @@ def test_pool_inv_and_clamped_bounds(device, mean):
 
 
 @pytest.mark.parametrize("record", [1 << 20, 0])
-@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_pool_early_with_evictions(device, early, mode, record, monkeypatch):
+def test_pool_early_with_evictions(device, mode, record):
     """A training batch into a full LRU table that evicts: with the pool queued before the host's wait
     (dynemb_find_or_insert_pool) the bags must be pooled again after the eviction row work (the new
     keys' rows replace the victims'), so the output equals the bags of the rows the table holds right
     after the forward. With no eviction record (record 0) the kernels write those rows before the pool,
-    which then runs once. Also: bad offsets raise and leave the table untouched on both paths."""
-    import torchfuse.dynamic_embedding as de
-    monkeypatch.setattr(de, "_POOL_EARLY", early)
+    which then runs once. Also: bad offsets raise and leave the table untouched."""
     bag = DynamicEmbeddingBag(8, 256, device=device, bucket_size=128, eviction="lru", mode=mode,
                               optimizer=tfo.SGD(0.1), initializer=("uniform", -1.0, 1.0), seed=11,
                               evicted_record_limit=record)
@@ -711,10 +859,10 @@ def test_pool_early_with_evictions(device, early, mode, record, monkeypatch):
     assert len(bag) == n and torch.equal(bag.find(uniq)[0], snapshot)
 
 
-def check_grouping(ids, perm, uniq, seg, inv, n_unique):
+def check_segments(ids, perm, uniq, seg, inv, n_unique):
     """A grouping of ids in any order of the groups: each group one distinct id, its occurrences in
     batch order (perm increasing within it), seg its bounds, inv each occurrence's group; uniq and seg
-    defined past n_unique as dynemb_group_sorted_async leaves them (seg n there)."""
+    defined past n_unique as dynemb_sort_segments leaves them (seg n there)."""
     n, nu = ids.numel(), int(n_unique)
     assert nu == torch.unique(ids).numel()
     assert torch.equal(torch.sort(perm)[0], torch.arange(n, device=ids.device))  # a permutation
@@ -733,106 +881,74 @@ def check_grouping(ids, perm, uniq, seg, inv, n_unique):
 
 
 @pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (9, 4), (3000, 50), (4097, 100000), (200003, 150001)])
-def test_sort_group(device, n, universe, monkeypatch):
-    """dynemb_sort_group (the sort and the grouping in one op; on CUDA a radix sort with int32
-    values) against torch.sort(stable=True) then dynemb_group_sorted_async. Sorting the ids themselves
-    (the CPU; CUDA with TORCHFUSE_DYNEMB_SORT_HASH_BITS=0): the same permutation (stable: batch order
-    within a run), bit for bit, and the same grouping; extreme keys included. CUDA's default sort by
-    the ids' 32-bit hashes: a valid grouping (check_grouping), its groups in hash order."""
+def test_sort_segments(device, n, universe):
+    """dynemb_sort_segments (the sort and the grouping in one op) against torch.sort(stable=True) and
+    torch.unique: a valid grouping (check_segments) of the same distinct ids with the same counts;
+    extreme keys included. The CPU sorts the ids themselves: the stable sort's permutation, bit for
+    bit, and the groups in id order. CUDA sorts by the ids' 32-bit hashes: its groups in hash order."""
     base = torch.randint(-2**63, 2**63 - 1, (universe,), dtype=torch.int64)
     base[0] = -2**63
     if universe > 2:
         base[1], base[2] = 2**63 - 1, -1
     ids = base[torch.randint(0, universe, (n,))].to(device)
-    if device == "cuda":
-        check_grouping(ids, *torch.ops.torchfuse.dynemb_sort_group(ids))
-        monkeypatch.setenv("TORCHFUSE_DYNEMB_SORT_HASH_BITS", "0")
-    perm, uniq, seg, inv, n_unique = torch.ops.torchfuse.dynemb_sort_group(ids)
-    sorted_ids, ref_perm = torch.sort(ids, stable=True)
-    ref = torch.ops.torchfuse.dynemb_group_sorted_async(sorted_ids, ref_perm)
-    assert perm.dtype == torch.int64 and torch.equal(perm, ref_perm)
-    for got, want in zip((uniq, seg, inv, n_unique), ref):
-        assert got.shape == want.shape and torch.equal(got, want)
+    perm, uniq, seg, inv, n_unique = torch.ops.torchfuse.dynemb_sort_segments(ids)
+    assert perm.dtype == torch.int64 and perm.shape == (n,) and uniq.shape == (n,) and seg.shape == (n + 1,)
+    assert n_unique.shape == (1,) and n_unique.device == ids.device
+    check_segments(ids, perm, uniq, seg, inv, n_unique)
+    nu = int(n_unique)
+    ref_u, ref_counts = torch.unique(ids, return_counts=True)
+    order = torch.argsort(uniq[:nu])
+    assert torch.equal(uniq[:nu][order], ref_u) and torch.equal((seg[1:nu + 1] - seg[:nu])[order], ref_counts)
+    if device == "cpu":
+        assert torch.equal(perm, torch.sort(ids, stable=True)[1]) and torch.equal(uniq[:nu], ref_u)
     with pytest.raises(TypeError, match="int64"):
-        torch.ops.torchfuse.dynemb_sort_group(ids.int())
+        torch.ops.torchfuse.dynemb_sort_segments(ids.int())
     with pytest.raises(RuntimeError, match="1-D"):
-        torch.ops.torchfuse.dynemb_sort_group(ids.view(1, -1))
+        torch.ops.torchfuse.dynemb_sort_segments(ids.view(1, -1))
+
+
+def _hash_top32(ids: torch.Tensor):
+    """tf_mix64(id) >> 32 for each id (numpy's uint64 arithmetic wraps as the kernels' does)."""
+    import numpy as np
+    x = ids.cpu().numpy().astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return torch.from_numpy((x >> np.uint64(32)).astype(np.int64))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-@pytest.mark.parametrize("bits", ["1", "3", "12"])
-@pytest.mark.parametrize("n,universe", [(3000, 50), (5000, 2000), (20000, 300)])
-def test_sort_group_hash_collisions(n, universe, bits, monkeypatch):
-    """CUDA's hash sort with few hash bits (TORCHFUSE_DYNEMB_SORT_HASH_BITS=1, 3 or 12: most runs of
-    equal keys hold several ids, at 1 bit two runs hold the whole batch; 32 bits give about a hundred
-    such pairs in a million distinct ids): the runs are put in id order and the grouping is still
-    exact; a hot id (a fifth of the batch) in them too."""
-    monkeypatch.setenv("TORCHFUSE_DYNEMB_SORT_HASH_BITS", bits)
-    base = torch.randint(-2**63, 2**63 - 1, (universe,), dtype=torch.int64)
-    ids = base[torch.randint(0, universe, (n,))]
-    ids[torch.randperm(n)[: n // 5]] = base[0]
+def test_sort_segments_hash_collisions():
+    """CUDA's hash sort where distinct ids share a 32-bit hash key (about a hundred pairs in a million
+    distinct ids; the test checks that some do): those runs are put in id order and the grouping is
+    still exact, with a hot id (a tenth of the batch) among the repeats."""
+    universe, n = 1 << 20, 3 << 20
+    base = torch.unique(torch.randint(-2**63, 2**63 - 1, (universe,), dtype=torch.int64))
+    h = _hash_top32(base)
+    hs, hc = torch.unique(h, return_counts=True)
+    assert int((hc > 1).sum()) > 10  # collisions present: the fix-up path runs
+    ids = base[torch.randint(0, base.numel(), (n,))]
+    ids[torch.randperm(n)[: n // 10]] = base[0]
+    ids = torch.cat([ids, base[torch.isin(h, hs[hc > 1])]])  # every colliding id at least once
     ids = ids.cuda()
-    check_grouping(ids, *torch.ops.torchfuse.dynemb_sort_group(ids))
-
-
-@pytest.mark.parametrize("hash_bits", ["0", ""], ids=["sort_ids", "sort_hashes"])
-@pytest.mark.parametrize("one_sync", [False, True])
-def test_sort_group_training_matches(device, one_sync, hash_bits, monkeypatch):
-    """Training through dynemb_sort_group and through torch.sort + dynemb_group_sorted_async (the
-    A/B switch): the same outputs and rows, step for step, on the one-wait and two-wait paths. With
-    the ids sorted themselves, bit for bit. With CUDA's default hash sort the groups come in another
-    order, so the segment sums' chunks (32 occurrences) cut the runs elsewhere and a run's sum may be
-    added in other parts: equal within fp32 rounding."""
-    import torchfuse.dynamic_embedding as de
-    monkeypatch.setattr(de, "_ONE_SYNC", one_sync)
-    monkeypatch.setenv("TORCHFUSE_DYNEMB_SORT_HASH_BITS", hash_bits)
-    tol = dict(rtol=0, atol=0) if hash_bits == "0" or device == "cpu" else dict(rtol=1e-6, atol=1e-6)
-    bags = {v: DynamicEmbeddingBag(6, 512, device=device, optimizer=tfo.Adam(0.05), seed=4,
-                                   initializer=("uniform", -1.0, 1.0)) for v in (False, True)}
-    pool = _keys(150)
-    for step in range(4):
-        ids = _t(_keys(120, pool), device)
-        offsets = _t([0] + sorted(random.sample(range(1, 120), 7)), device)
-        g = torch.randn(8, 6, device=device)
-        outs = {}
-        for v, bag in bags.items():
-            monkeypatch.setattr(de, "_SORT_GROUP", v)
-            outs[v] = bag(ids, offsets)
-            (outs[v] * g).sum().backward()
-        torch.testing.assert_close(outs[True], outs[False], **tol)
-    q = _t(pool, device)
-    torch.testing.assert_close(bags[True].find(q)[0], bags[False].find(q)[0], **tol)
-
-
-@pytest.mark.parametrize("n,universe", [(0, 1), (1, 1), (9, 4), (3000, 50), (4097, 100000)])
-def test_group_sorted_async(device, n, universe):
-    """dynemb_group_sorted_async (no host sync: buffers of the batch's length and a device count)
-    against dynemb_group_sorted."""
-    ids = torch.randint(-2**62, 2**62, (universe,), dtype=torch.int64)[torch.randint(0, universe, (n,))].to(device)
-    sorted_ids, perm = torch.sort(ids, stable=True)
-    uniq, seg, inv = torch.ops.torchfuse.dynemb_group_sorted(sorted_ids, perm)
-    uniq_a, seg_a, inv_a, n_unique = torch.ops.torchfuse.dynemb_group_sorted_async(sorted_ids, perm)
-    u = int(n_unique)
-    assert n_unique.shape == (1,) and n_unique.device == ids.device and u == uniq.numel()
-    assert uniq_a.shape == (n,) and seg_a.shape == (n + 1,) and inv_a.shape == (n,)
-    assert torch.equal(uniq_a[:u], uniq) and torch.equal(seg_a[:u + 1], seg) and torch.equal(inv_a, inv)
-    assert bool((seg_a[u:] == n).all()) and torch.equal(uniq_a[u:], sorted_ids[u:])  # defined past n_unique
+    check_segments(ids, *torch.ops.torchfuse.dynemb_sort_segments(ids))
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_one_sync_training_matches_two(device, opt, monkeypatch):
-    """A training batch into a table at max_capacity: the one-wait path (the grouping on the device,
-    its count handed to the insert) gives the outputs, updated rows and state, and bookkeeping of the
-    two-wait path (the count read first), step for step, with new and repeated ids. No evictions:
-    which of two equal-score keys goes depends on slots, a race on the GPU (evictions through the
-    op: test_find_or_insert_sync_*)."""
-    import torchfuse.dynamic_embedding as de
-
-    def make():
+def test_one_sync_training_matches_two(device, opt):
+    """A training batch into a table at max_capacity (one host wait: the grouping on the device, its
+    count handed to the insert) and into the same table with room to grow that never grows (two waits:
+    the distinct ids counted first, for the growth check): the same outputs, updated rows and state,
+    and bookkeeping, step for step, with new and repeated ids. No evictions: which of two equal-score
+    keys goes depends on slots, a race on the GPU (evictions through the op: test_find_or_insert_sync_*)."""
+    def make(max_capacity):
         o = tfo.SGD(0.5) if opt == "sgd" else tfo.Adam(0.05)
-        return DynamicEmbeddingBag(4, 512, device=device, bucket_size=128, eviction="lru", optimizer=o,
-                                   initializer=("uniform", -1.0, 1.0), seed=5)
-    bags = {False: make(), True: make()}
+        return DynamicEmbeddingBag(4, 512, max_capacity=max_capacity, device=device, bucket_size=128,
+                                   eviction="lru", optimizer=o, initializer=("uniform", -1.0, 1.0), seed=5)
+    bags = {True: make(512), False: make(4096)}  # 200 keys stay under the growth threshold (384)
     pool = _keys(200)
     for step in range(5):
         ids = _t(_keys(90, pool), device)
@@ -841,12 +957,12 @@ def test_one_sync_training_matches_two(device, opt, monkeypatch):
         grad = torch.randn(10, 4, device=device)
         outs = {}
         for one, bag in bags.items():
-            monkeypatch.setattr(de, "_ONE_SYNC", one)
             out = bag(ids, offsets)
             (out * grad).sum().backward()
             outs[one] = out.detach()
         torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
         a, b = bags[False], bags[True]
+        assert a.capacity == b.capacity == 512
         assert len(a) == len(b) and a._version == b._version and a._clock == b._clock
         for x, y in zip(_sorted_by_key(*a._compact()), _sorted_by_key(*b._compact())):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
@@ -854,15 +970,13 @@ def test_one_sync_training_matches_two(device, opt, monkeypatch):
     assert 100 < len(bags[True]) <= 200
 
 
-@pytest.mark.parametrize("mapped", ["1", "0"])
 @pytest.mark.parametrize("bucket_size", [16, 128])
-def test_find_or_insert_sync_n_valid_and_abort(device, bucket_size, mapped, monkeypatch):
+def test_find_or_insert_sync_n_valid_and_abort(device, bucket_size):
     """dynemb_find_or_insert_sync's n_valid (take the first n_valid[0] keys of the query) and abort
     (take none): a padded query with n_valid gives the result of the unpadded one, the padding is never
     inserted; an aborted call leaves every table tensor as it was and returns no rows. On CUDA with
-    128-slot buckets the counts, keys taken and flag reach the host both ways: written by the insert
-    kernel into mapped memory (the default) and copied after it (TORCHFUSE_DYNEMB_MAPPED_COUNTS=0)."""
-    monkeypatch.setenv("TORCHFUSE_DYNEMB_MAPPED_COUNTS", mapped)
+    128-slot buckets the counts, keys taken and flag reach the host in mapped memory, written by the
+    insert kernel; with smaller buckets they are copied after it."""
     ops = torch.ops.torchfuse
     t = DynamicEmbedding(5, 4 * bucket_size, device=device, bucket_size=bucket_size, initializer=("uniform", -1.0, 1.0),
                          seed=3, optimizer=tfo.Adagrad(0.1))
@@ -1062,14 +1176,6 @@ def test_ops_opcheck(device):
                                           t._state_host.clone(), 2, -1.0, 1.0, 3, _t([2, 0, 1], device))),
         (ops.dynemb_insert.default, (_t([99, 100], device), _t([-1, -1], device), t._keys.clone(), t._digests.clone(),
                                      t._scores.clone(), t._marks.clone(), t._locks.clone(), t.bucket_size, 5, False)),
-        (ops.dynemb_find_or_insert.default, (_t([3, 99, 100], device), t._keys.clone(), t._digests.clone(),
-                                             t._scores.clone(), t._marks.clone(), t._locks.clone(), t._values.clone(),
-                                             t._values_host.clone(), t._state.clone(), t._state_host.clone(),
-                                             t.bucket_size, 6, True, 0, 9, 2, -1.0, 1.0, 3, True)),
-        (ops.dynemb_find_or_insert.default, (_t([3, 99, 100, 5], device), t128._keys.clone(), t128._digests.clone(),
-                                             t128._scores.clone(), t128._marks.clone(), t128._locks.clone(),
-                                             t128._values.clone(), t128._values_host.clone(), t128._state.clone(),
-                                             t128._state_host.clone(), 128, 6, True, 0, 9, 2, -1.0, 1.0, 3, True)),
         (ops.dynemb_find_or_insert_sync.default, (_t([3, 99, 100, 5], device), t128._keys.clone(),
                                                   t128._digests.clone(), t128._scores.clone(), t128._marks.clone(),
                                                   t128._locks.clone(), t128._values.clone(),
@@ -1086,26 +1192,21 @@ def test_ops_opcheck(device):
                                              _t([0, 2, 4], device), None, None, found[:2], t._values.clone(),
                                              t._values_host.clone(), t._state.clone(), t._state_host.clone(), 3, 0.1,
                                              1e-8, 0.9, 0.999, 0.1)),
-        (ops.dynemb_group_sorted.default, torch.sort(_t([5, -1, 5, 2**62, 0, -1, 5], device), stable=True)),
-        (ops.dynemb_group_sorted.default, torch.sort(_t([], device), stable=True)),
-        (ops.dynemb_group_sorted_async.default, torch.sort(_t([5, -1, 5, 2**62, 0, -1, 5], device), stable=True)),
-        (ops.dynemb_group_sorted_async.default, torch.sort(_t([], device), stable=True)),
+        (ops.dynemb_sort_segments.default, (_t([5, -1, 5, 2**62, 0, -1, 5], device),)),
+        (ops.dynemb_sort_segments.default, (_t([], device),)),
         (ops.dynemb_find_or_insert_sync.default, (_t([3, 99, 100, 5, 77], device), t128._keys.clone(),
                                                   t128._digests.clone(), t128._scores.clone(), t128._marks.clone(),
                                                   t128._locks.clone(), t128._values.clone(),
                                                   t128._values_host.clone(), t128._state.clone(),
                                                   t128._state_host.clone(), 128, 6, True, 0, 9, 2, -1.0, 1.0, 3, True,
                                                   _t([3], device), torch.zeros((), dtype=torch.bool, device=device))),
-        (ops.dynemb_evict_rows.default, (found[:2], _t([2, 0], device), q, t._values.clone(), t._values_host.clone(),
-                                         t._state.clone(), t._state_host.clone(), torch.zeros(4, 5, **f32), 2,
-                                         -1.0, 1.0, 3)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
 
 
-def test_group_ops_opcheck(device):
-    """The table-batched ops (torchfuse.dynemb_group): schema, fake kernel and AOT tracing on two live
+def test_tables_ops_opcheck(device):
+    """The table-batched ops (torchfuse.dynemb_tables): schema, fake kernel and AOT tracing on two live
     tables, the second with no keys in the batch."""
     ops = torch.ops.torchfuse
     ts = [DynamicEmbeddingBag(5, 64, device=device, bucket_size=16, optimizer=tfo.Adam(0.1)) for _ in range(2)]
@@ -1119,21 +1220,21 @@ def test_group_ops_opcheck(device):
     def each(name, clone=True):
         return [getattr(t, name).clone() if clone else getattr(t, name) for t in ts]
 
-    found = ops.dynemb_group_lookup(q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [0, 0])
+    found = ops.dynemb_tables_lookup(q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [0, 0])
     found = found.clamp(min=0)
     cases = [
-        (ops.dynemb_group_lookup.default, (q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [3, 3])),
-        (ops.dynemb_group_insert.default, (_t([99, 100, 101], device), _t([-1, -1, -1], device), [0, 2, 3],
-                                           each("_keys"), each("_digests"), each("_scores"), each("_marks"),
-                                           each("_locks"), [16, 16], [5, 5], [False, True])),
-        (ops.dynemb_group_init.default, (found, q, None, starts, each("_values"), each("_values_host"), each("_state"),
-                                         each("_state_host"), [1, 2], [0.0, -1.0], [1.0, 1.0], [0, 1])),
-        (ops.dynemb_group_touch.default, (each("_scores"), found, starts, [0, 1], [5, 6])),
-        (ops.dynemb_group_update.default, (found, torch.randn(4, 5, **f32), starts, each("_values"),
-                                           each("_values_host"), each("_state"), each("_state_host"), 3, 0.1, 1e-8,
-                                           0.9, 0.999, [0.1, 0.2])),
-        (ops.dynemb_group_pool.default, (found, _t([0, 1, 4, 4, 4], device), None, 2, [1, 1],
-                                         each("_values", False), each("_values_host", False), [False, True])),
+        (ops.dynemb_tables_lookup.default, (q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [3, 3])),
+        (ops.dynemb_tables_insert.default, (_t([99, 100, 101], device), _t([-1, -1, -1], device), [0, 2, 3],
+                                            each("_keys"), each("_digests"), each("_scores"), each("_marks"),
+                                            each("_locks"), [16, 16], [5, 5], [False, True])),
+        (ops.dynemb_tables_init.default, (found, q, None, starts, each("_values"), each("_values_host"), each("_state"),
+                                          each("_state_host"), [1, 2], [0.0, -1.0], [1.0, 1.0], [0, 1])),
+        (ops.dynemb_tables_touch.default, (each("_scores"), found, starts, [0, 1], [5, 6])),
+        (ops.dynemb_tables_update.default, (found, torch.randn(4, 5, **f32), starts, each("_values"),
+                                            each("_values_host"), each("_state"), each("_state_host"), 3, 0.1, 1e-8,
+                                            0.9, 0.999, [0.1, 0.2])),
+        (ops.dynemb_tables_pool.default, (found, _t([0, 1, 4, 4, 4], device), None, 2, [1, 1],
+                                          each("_values", False), each("_values_host", False), [False, True])),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -1186,54 +1287,6 @@ def _compact_of(c):
 def _sorted_by_key(keys, *cols):
     o = torch.argsort(keys)
     return [keys[o]] + [c[o] for c in cols]
-
-
-@pytest.mark.parametrize("bucket_size", [32, 128])
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_find_or_insert_sync_matches_its_parts(device, policy, bucket_size):
-    """dynemb_find_or_insert_sync (the host's wait and the eviction rows inside the op, what the table's
-    find_or_insert runs at full capacity) against its parts: dynemb_find_or_insert, the counts, then
-    dynemb_evict_rows for the evicted entries. A full table (4 buckets, Adam state; 128-slot buckets
-    take the quarter-warp kernels on the GPU) takes batches of found, new and evicting keys; before each
-    batch a copy of its tensors runs the parts, so both choose the same victims (on the GPU which key
-    lands in which slot is a race, and equal scores are ranked by slot). The rows returned, the keys,
-    rows, state and scores in the table, the counts and the evicted keys, rows, state and scores agree."""
-    ops = torch.ops.torchfuse
-    n_first, n_batch = 15 * bucket_size // 8, 15 * bucket_size // 16  # per bucket: ~47% and ~23% of its slots
-    t = DynamicEmbedding(6, 4 * bucket_size, device=device, bucket_size=bucket_size, eviction=policy,
-                         optimizer=tfo.Adam(0.1), initializer=("uniform", -1.0, 1.0), seed=3)
-    first = _t(_keys(n_first), device)
-    t.insert(first, torch.arange(n_first * 6, device=device, dtype=torch.float32).reshape(n_first, 6))
-    t._state.copy_(torch.arange(t._state.numel(), device=device, dtype=torch.float32).reshape(t._state.shape))
-    pool = first.tolist() + _keys(4 * n_first)
-    n_evicted = 0
-    for step in range(6):
-        c = {name: getattr(t, name).clone() for name in _TABLE_TENSORS}
-        q = torch.unique(_t(random.sample(pool, n_batch), device))
-        size, epoch, clock = len(t), t._epoch + 1, t._clock + 1
-        init = (2, -1.0, 1.0)  # the table's ("uniform", -1.0, 1.0)
-        slots, rows, is_new, evicted, counts = ops.dynemb_find_or_insert(
-            q, c["_keys"], c["_digests"], c["_scores"], c["_marks"], c["_locks"], c["_values"], c["_values_host"],
-            c["_state"], c["_state_host"], bucket_size, epoch, True, 1 if policy == "lfu" else 0, clock, *init, 3,
-            True)
-        inserted, n_ev, failed = counts.tolist()
-        old_values, old_state = ops.dynemb_evict_rows(evicted[1, :n_ev], evicted[3, :n_ev], q, c["_values"],
-                                                      c["_values_host"], c["_state"], c["_state_host"], rows,
-                                                      *init, 3)
-        got = t.find_or_insert(q, unique=True)
-        assert (t._epoch, t._clock) == (epoch, clock) and failed == 0
-        torch.testing.assert_close(got, rows, rtol=0, atol=0)
-        assert len(t) == size + inserted - n_ev == int((t._digests != 0).sum())
-        ev = t.drain_evicted()
-        n_evicted += n_ev
-        want = (evicted[0, :n_ev], old_values, old_state, evicted[2, :n_ev])
-        for x, y in zip(_sorted_by_key(ev[0], *ev[1:]), _sorted_by_key(*want)):
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
-        occ = torch.nonzero(c["_digests"]).squeeze(1)
-        want = (c["_keys"][occ], c["_values"][occ], c["_state"][occ], c["_scores"][occ])
-        for x, y in zip(_sorted_by_key(*t._compact()), _sorted_by_key(*want)):
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
-    assert n_evicted > 0
 
 
 @pytest.mark.parametrize("with_rows", [False, True])
@@ -1667,3 +1720,13 @@ def test_find_or_insert_sync_eviction_record(device, host_tier, dtype):
     assert torch.equal(rows, ref.find_or_insert(q))
     assert torch.equal(by_slot(t._values, t._values_host)[slots], rows)
     assert bool((by_slot(t._state, t._state_host)[slots] == 0).all())
+
+
+def test_public_import_paths():
+    """The modules and the table-batched helpers under their public and former names."""
+    import torchfuse.dynamic_embedding as de
+    from torchfuse import dynemb_group, dynemb_tables
+    assert de.DynamicEmbedding is torchfuse.DynamicEmbedding and de.DynamicEmbeddingBag is torchfuse.DynamicEmbeddingBag
+    assert issubclass(DynamicEmbeddingBag, de.DynamicEmbeddingTable) and isinstance(DynamicEmbedding(4, 8, device="cpu"),
+                                                                                  torch.nn.Module)
+    assert dynemb_group is dynemb_tables and callable(dynemb_tables.can_batch)

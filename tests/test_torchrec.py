@@ -557,10 +557,11 @@ def test_table_batched_eval_and_frozen(device):
 
 def test_table_batched_path_runs(device):
     """The batched path is really taken when the tables allow it (and not when row widths differ)."""
-    from torchfuse import dynemb_group
+    from torchfuse import dynemb_group, dynemb_tables
+    assert dynemb_group is dynemb_tables  # the former name stays an alias
     calls = []
-    orig = dynemb_group.pooled
-    dynemb_group.pooled = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    orig = dynemb_tables.pooled
+    dynemb_tables.pooled = lambda *a, **k: calls.append(1) or orig(*a, **k)
     try:
         keys = ["fa", "shared", "fb", "fc"]
         lengths = torch.randint(1, 3, (4 * 3,))
@@ -571,7 +572,7 @@ def test_table_batched_path_runs(device):
         tftr.DynamicEmbeddingBagCollection(configs(), device=device)(batch)  # dims 12 and 20
         assert calls == [1]
     finally:
-        dynemb_group.pooled = orig
+        dynemb_tables.pooled = orig
 
 
 @pytest.mark.parametrize("order", ["shuffled", "in_order"])

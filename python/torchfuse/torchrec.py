@@ -15,7 +15,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import dynemb_group as _group
+from . import dynemb_tables as _tables
 from .dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag
 
 __all__ = ["DynamicEmbeddingBagCollection", "DynamicEmbeddingCollection", "swap_embedding_modules",
@@ -254,7 +254,7 @@ class DynamicEmbeddingBagCollection(_Collection):
         max_capacity, eviction, optimizer, initializer: as :class:`torchfuse.DynamicEmbedding`
             (max_capacity may also be a {table name: int} mapping).
         is_weighted: use the KJT's weights (None: when it has them).
-        table_batched: run all tables in one set of launches per step (torchfuse.dynemb_group) when
+        table_batched: run all tables in one set of launches per step (torchfuse.dynemb_tables) when
             they share a row width, device and optimizer configuration (default True); False: one
             table after another. The results are the same; pooled values are accumulated in float32
             and returned in float32 without rounding to a 16-bit table dtype first.
@@ -304,10 +304,10 @@ class DynamicEmbeddingBagCollection(_Collection):
                 id_starts.append(id_starts[-1] + sum(counts[k:k + len(fs)]))
                 k += len(fs)
         table_of, mean_of = self._features_on(ids.device)
-        return _group.pooled(tables, ids, offsets.to(torch.int64), w.float().contiguous() if w is not None else None,
-                             view.B, [len(fs) for fs in self._feature_names], [t.mode == "mean" for t in tables],
-                             id_starts, table_of, mean_of,
-                             pending=view.pending if view.bounds is None else None, on_pending=view.finish)
+        return _tables.pooled(tables, ids, offsets.to(torch.int64), w.float().contiguous() if w is not None else None,
+                              view.B, [len(fs) for fs in self._feature_names], [t.mode == "mean" for t in tables],
+                              id_starts, table_of, mean_of,
+                              pending=view.pending if view.bounds is None else None, on_pending=view.finish)
 
     def is_weighted(self) -> bool:
         return bool(self._is_weighted)
@@ -331,7 +331,7 @@ class DynamicEmbeddingBagCollection(_Collection):
         names = [n for ns in self._embedding_names for n in ns]
         jt = _torchrec()
         cls = jt.KeyedTensor if jt is not None else KeyedTensor
-        if self.table_batched and _group.can_batch(tables, view.weights if use_w else None):
+        if self.table_batched and _tables.can_batch(tables, view.weights if use_w else None):
             return cls(keys=names, length_per_key=self._length_per_key, values=self._forward_batched(view, tables, use_w))
         if view.bounds is None:
             view.finish(view.pending.tolist())

@@ -1,5 +1,5 @@
-/* CPU reference of kernels/dynemb_batch.h: plain loops, the same results as the CUDA kernels. */
-#include "dynemb_batch.h"
+/* CPU reference of kernels/dynemb_segments_kernels.h: plain loops, the same results as the CUDA kernels. */
+#include "dynemb_segments_kernels.h"
 
 static int64_t offset_at(const tf_dynemb_bag_layout_params *p, int64_t b) {
     if (b >= p->n_in) return p->n;  /* the appended end (no include_last) */
@@ -31,7 +31,7 @@ void tf_dynemb_bag_layout_cpu(const tf_dynemb_bag_layout_params *p) {
     }
 }
 
-void tf_dynemb_group_cpu(const tf_dynemb_group_params *p) {
+void tf_dynemb_segments_cpu(const tf_dynemb_segments_params *p) {
     int64_t u = -1;
     for (int64_t j = 0; j < p->n; ++j) {
         if (j == 0 || p->sorted[j] != p->sorted[j - 1]) {

@@ -22,8 +22,8 @@
  * empty slot, else with allow_evict the unmarked slot of least (score, slot)), then row work by
  * slot (init of new rows, gather, scatter, optimizer update). Victims are order-independent: a
  * bucket receiving k new keys loses its k least (score, slot) unmarked keys whatever the order. */
-#ifndef TF_DYNEMB_H
-#define TF_DYNEMB_H
+#ifndef TF_DYNEMB_KERNELS_H
+#define TF_DYNEMB_KERNELS_H
 
 #include <math.h>
 #include <stdint.h>
@@ -312,18 +312,18 @@ int tf_dynemb_find_or_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_foi_
  * lookup / insert / init / touch / update, bags for pool). Table t's items are [start[t],
  * start[t + 1]) of the batch; its params (t[i], p[i]) point at its own part (their n is ignored:
  * the starts count). Touch: scores[t] is table t's scores, slots the concatenated batch. */
-#define TF_DYNEMB_GROUP_MAX 32
-int tf_dynemb_group_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
-                                int n_tables, void *stream);
-int tf_dynemb_group_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
-                                int n_tables, void *stream);
-int tf_dynemb_group_init_cuda(const tf_dynemb_init_params *p, const int64_t *start, int n_tables, void *stream);
-int tf_dynemb_group_touch_cuda(int64_t *const *scores, const int64_t *slots, const int64_t *start, const int *policy,
-                               const int64_t *clock, int n_tables, void *stream);
-int tf_dynemb_group_update_cuda(const tf_dynemb_update_params *p, const int64_t *start, int n_tables, void *stream);
-int tf_dynemb_group_pool_cuda(const tf_dynemb_pool_params *p, const int64_t *start, int n_tables, void *stream);
+#define TF_DYNEMB_TABLES_MAX 32
+int tf_dynemb_tables_lookup_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
+                                 int n_tables, void *stream);
+int tf_dynemb_tables_insert_cuda(const tf_dynemb_table *t, const tf_dynemb_probe *p, const int64_t *start,
+                                 int n_tables, void *stream);
+int tf_dynemb_tables_init_cuda(const tf_dynemb_init_params *p, const int64_t *start, int n_tables, void *stream);
+int tf_dynemb_tables_touch_cuda(int64_t *const *scores, const int64_t *slots, const int64_t *start, const int *policy,
+                                const int64_t *clock, int n_tables, void *stream);
+int tf_dynemb_tables_update_cuda(const tf_dynemb_update_params *p, const int64_t *start, int n_tables, void *stream);
+int tf_dynemb_tables_pool_cuda(const tf_dynemb_pool_params *p, const int64_t *start, int n_tables, void *stream);
 
 #ifdef __cplusplus
 }
 #endif
-#endif /* TF_DYNEMB_H */
+#endif /* TF_DYNEMB_KERNELS_H */

@@ -1,4 +1,4 @@
-/* CUDA side of kernels/dynemb_batch.h: a training batch's bag layout in one kernel, and its grouping
+/* CUDA side of kernels/dynemb_segments_kernels.h: a training batch's bag layout in one kernel, and its grouping
  * by id in three launches (flags, a CUB scan, one scatter), where ATen takes about a dozen each. The
  * GPU work is small (a few MB); what the launches cost is host time, which a training step from an
  * idle GPU waits for. */
@@ -8,8 +8,8 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
-#include "dynemb.h"
-#include "dynemb_batch.h"
+#include "dynemb_kernels.h"
+#include "dynemb_segments_kernels.h"
 
 namespace {
 
@@ -49,7 +49,7 @@ __global__ void bag_layout_kernel(tf_dynemb_bag_layout_params p) {
 
 /* flags[j] = 1 where sorted position j starts a run of equal ids (j > 0), else 0; the inclusive scan
  * of it is then each position's index into uniq. */
-__global__ void group_flags_kernel(const int64_t *__restrict__ sorted, int64_t n, int32_t *__restrict__ flags) {
+__global__ void segment_flags_kernel(const int64_t *__restrict__ sorted, int64_t n, int32_t *__restrict__ flags) {
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (j < n) flags[j] = j > 0 && sorted[j] != sorted[j - 1];
 }
@@ -57,7 +57,7 @@ __global__ void group_flags_kernel(const int64_t *__restrict__ sorted, int64_t n
 /* Thread j (sorted position): inv[perm[j]] = run[j]; a run's first position writes its id and start;
  * positions at or past n_unique (= run[n - 1] + 1, the same address for every thread) fill the
  * tails: uniq[j] = sorted[j] and seg[j + 1] = n (j >= n_unique - 1). The writes never overlap. */
-__global__ void group_scatter_kernel(tf_dynemb_group_params p) {
+__global__ void segment_scatter_kernel(tf_dynemb_segments_params p) {
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= p.n) return;
     const int64_t nu = p.run[p.n - 1] + 1;
@@ -80,17 +80,12 @@ __global__ void group_scatter_kernel(tf_dynemb_group_params p) {
     if (j == p.n - 1) *p.n_unique = nu;
 }
 
-__global__ void iota_kernel(int32_t *__restrict__ out, int64_t n) {
-    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < n) out[j] = (int32_t)j;
-}
-
-/* The hash sort's keys (the top `bits` bits of each id's hash) and the iota beside them. */
-__global__ void hash_keys_kernel(const int64_t *__restrict__ ids, int64_t n, int bits, uint32_t *__restrict__ keys,
+/* The hash sort's keys (the top 32 bits of each id's hash) and the iota beside them. */
+__global__ void hash_keys_kernel(const int64_t *__restrict__ ids, int64_t n, uint32_t *__restrict__ keys,
                                  int32_t *__restrict__ iota) {
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= n) return;
-    keys[j] = (uint32_t)(tf_mix64((uint64_t)ids[j]) >> (64 - bits));
+    keys[j] = (uint32_t)(tf_mix64((uint64_t)ids[j]) >> 32);
     iota[j] = (int32_t)j;
 }
 
@@ -171,58 +166,47 @@ extern "C" int tf_dynemb_bag_layout_cuda(const tf_dynemb_bag_layout_params *p, v
     return (int)cudaGetLastError();
 }
 
-extern "C" size_t tf_dynemb_group_temp_bytes(int64_t n) {
+extern "C" size_t tf_dynemb_segments_temp_bytes(int64_t n) {
     size_t bytes = 0;
     if (n > 0) cub::DeviceScan::InclusiveSum(nullptr, bytes, (const int32_t *)nullptr, (int64_t *)nullptr, (int)n);
     return bytes;
 }
 
-extern "C" int tf_dynemb_group_cuda(const tf_dynemb_group_params *p, void *stream) {
+extern "C" int tf_dynemb_segments_cuda(const tf_dynemb_segments_params *p, void *stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     if (p->n <= 0) return (int)cudaSuccess;  // the caller writes n_unique = 0 and seg = {0}
     if (p->n >= (int64_t{1} << 31)) return (int)cudaErrorInvalidValue;
-    group_flags_kernel<<<blocks_for(p->n), kThreads, 0, s>>>(p->sorted, p->n, p->flags);
+    segment_flags_kernel<<<blocks_for(p->n), kThreads, 0, s>>>(p->sorted, p->n, p->flags);
     size_t bytes = p->temp_bytes;
     cudaError_t e = cub::DeviceScan::InclusiveSum(p->temp, bytes, (const int32_t *)p->flags, p->run, (int)p->n, s);
     if (e != cudaSuccess) return (int)e;
-    group_scatter_kernel<<<blocks_for(p->n), kThreads, 0, s>>>(*p);
+    segment_scatter_kernel<<<blocks_for(p->n), kThreads, 0, s>>>(*p);
     return (int)cudaGetLastError();
 }
 
 extern "C" size_t tf_dynemb_sort_temp_bytes(int64_t n) {
-    size_t bytes = 0, bytes32 = 0;
-    if (n > 0) {  // the larger of the two sorts' (the ids' and the hash keys')
-        cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const int64_t *)nullptr, (int64_t *)nullptr,
+    size_t bytes = 0;
+    if (n > 0)
+        cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const uint32_t *)nullptr, (uint32_t *)nullptr,
                                         (const int32_t *)nullptr, (int32_t *)nullptr, (int)n);
-        cub::DeviceRadixSort::SortPairs(nullptr, bytes32, (const uint32_t *)nullptr, (uint32_t *)nullptr,
-                                        (const int32_t *)nullptr, (int32_t *)nullptr, (int)n);
-    }
-    return bytes > bytes32 ? bytes : bytes32;
+    return bytes;
 }
 
-extern "C" int tf_dynemb_sort_group_cuda(const tf_dynemb_sort_group_params *p, void *stream) {
+extern "C" int tf_dynemb_sort_segments_cuda(const tf_dynemb_sort_segments_params *p, void *stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int64_t n = p->g.n;
     if (n <= 0) return (int)cudaSuccess;
     if (n >= (int64_t{1} << 31)) return (int)cudaErrorInvalidValue;
     size_t bytes = p->sort_temp_bytes;
     cudaError_t e;
-    if (p->hash_bits > 0 && p->hash_bits <= 32) {
-        // the hash keys in g.flags, sorted into g.run's first half (both free until the grouping)
-        uint32_t *keys = reinterpret_cast<uint32_t *>(p->g.flags), *keys_sorted = reinterpret_cast<uint32_t *>(p->g.run);
-        hash_keys_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->ids, n, p->hash_bits, keys, p->iota);
-        e = cub::DeviceRadixSort::SortPairs(p->sort_temp, bytes, keys, keys_sorted, p->iota, p->perm32, (int)n, 0,
-                                            p->hash_bits, s);
-        if (e != cudaSuccess) return (int)e;
-        gather_ids_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->ids, p->perm32, n, p->sorted);
-        // the collision flags in iota (free after the sort)
-        hash_collisions_kernel<<<blocks_for(n), kThreads, 0, s>>>(keys_sorted, p->sorted, n, p->iota);
-        hash_runs_fix_kernel<<<blocks_for(n), kThreads, 0, s>>>(keys_sorted, p->iota, n, p->sorted, p->perm32);
-    } else {
-        iota_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->iota, n);
-        // all 64 bits: any int64 is a key; radix sort is stable, so equal ids keep batch order
-        e = cub::DeviceRadixSort::SortPairs(p->sort_temp, bytes, p->ids, p->sorted, p->iota, p->perm32, (int)n, 0, 64, s);
-        if (e != cudaSuccess) return (int)e;
-    }
-    return tf_dynemb_group_cuda(&p->g, stream);
+    // the hash keys in g.flags, sorted into g.run's first half (both free until the grouping)
+    uint32_t *keys = reinterpret_cast<uint32_t *>(p->g.flags), *keys_sorted = reinterpret_cast<uint32_t *>(p->g.run);
+    hash_keys_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->ids, n, keys, p->iota);
+    e = cub::DeviceRadixSort::SortPairs(p->sort_temp, bytes, keys, keys_sorted, p->iota, p->perm32, (int)n, 0, 32, s);
+    if (e != cudaSuccess) return (int)e;
+    gather_ids_kernel<<<blocks_for(n), kThreads, 0, s>>>(p->ids, p->perm32, n, p->sorted);
+    // the collision flags in iota (free after the sort)
+    hash_collisions_kernel<<<blocks_for(n), kThreads, 0, s>>>(keys_sorted, p->sorted, n, p->iota);
+    hash_runs_fix_kernel<<<blocks_for(n), kThreads, 0, s>>>(keys_sorted, p->iota, n, p->sorted, p->perm32);
+    return tf_dynemb_segments_cuda(&p->g, stream);
 }

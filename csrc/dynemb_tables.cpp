@@ -1,7 +1,7 @@
 // Table-batched dynamic embedding ops (schemas: registration.cpp): per-table kernel parameters over
 // a concatenated batch, built with the single-table checks (dynemb.cpp), and the CPU implementation
 // (a loop over the tables; the CUDA one, dynemb_cuda.cpp, launches once for up to
-// TF_DYNEMB_GROUP_MAX tables).
+// TF_DYNEMB_TABLES_MAX tables).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -10,7 +10,7 @@
 
 namespace torchfuse {
 
-std::vector<int64_t> group_starts(at::IntArrayRef starts, int64_t n_items, size_t tables, const char *op) {
+std::vector<int64_t> tables_starts(at::IntArrayRef starts, int64_t n_items, size_t tables, const char *op) {
     TORCH_CHECK(starts.size() == tables + 1, op, ": starts must have one entry per table plus one (", tables + 1,
                 "), got ", starts.size());
     TORCH_CHECK(starts[0] == 0 && starts[tables] == n_items, op, ": starts must run from 0 to the batch size (",
@@ -28,17 +28,17 @@ void check_count(size_t got, size_t tables, const char *op, const char *arg) {
 
 }  // namespace
 
-DynembGroupProbe prepare_group_probe(bool insert, const at::Tensor &query, const at::Tensor *slots,
-                                     at::IntArrayRef starts, at::TensorList keys, at::TensorList digests,
-                                     at::TensorList scores, at::TensorList marks, at::TensorList locks,
-                                     at::IntArrayRef bucket_sizes, at::IntArrayRef epochs,
-                                     const std::vector<bool> &allow_evict) {
-    const char *op = insert ? "torchfuse.dynemb_group_insert" : "torchfuse.dynemb_group_lookup";
+DynembTablesProbe prepare_tables_probe(bool insert, const at::Tensor &query, const at::Tensor *slots,
+                                       at::IntArrayRef starts, at::TensorList keys, at::TensorList digests,
+                                       at::TensorList scores, at::TensorList marks, at::TensorList locks,
+                                       at::IntArrayRef bucket_sizes, at::IntArrayRef epochs,
+                                       const std::vector<bool> &allow_evict) {
+    const char *op = insert ? "torchfuse.dynemb_tables_insert" : "torchfuse.dynemb_tables_lookup";
     const size_t T = keys.size();
     TORCH_CHECK(T >= 1, op, ": needs at least one table");
     check_index(query, keys[0], op, "query");
-    DynembGroupProbe g;
-    g.start = group_starts(starts, query.numel(), T, op);
+    DynembTablesProbe g;
+    g.start = tables_starts(starts, query.numel(), T, op);
     check_count(digests.size(), T, op, "digests");
     check_count(marks.size(), T, op, "marks");
     check_count(bucket_sizes.size(), T, op, "bucket_sizes");
@@ -83,14 +83,14 @@ DynembGroupProbe prepare_group_probe(bool insert, const at::Tensor &query, const
     return g;
 }
 
-std::vector<tf_dynemb_init_params> prepare_group_init(const at::Tensor &slots, const at::Tensor &keys,
-                                                      const std::optional<at::Tensor> &mask,
-                                                      const std::vector<int64_t> &start, at::TensorList values,
-                                                      at::TensorList values_host, at::TensorList state,
-                                                      at::TensorList state_host, at::IntArrayRef init_kinds,
-                                                      at::ArrayRef<double> a, at::ArrayRef<double> b,
-                                                      at::IntArrayRef seeds) {
-    const char *op = "torchfuse.dynemb_group_init";
+std::vector<tf_dynemb_init_params> prepare_tables_init(const at::Tensor &slots, const at::Tensor &keys,
+                                                       const std::optional<at::Tensor> &mask,
+                                                       const std::vector<int64_t> &start, at::TensorList values,
+                                                       at::TensorList values_host, at::TensorList state,
+                                                       at::TensorList state_host, at::IntArrayRef init_kinds,
+                                                       at::ArrayRef<double> a, at::ArrayRef<double> b,
+                                                       at::IntArrayRef seeds) {
+    const char *op = "torchfuse.dynemb_tables_init";
     const size_t T = values.size();
     for (auto [got, arg] : {std::pair<size_t, const char *>{values_host.size(), "values_host"},
                             {state.size(), "state"}, {state_host.size(), "state_host"},
@@ -113,13 +113,13 @@ std::vector<tf_dynemb_init_params> prepare_group_init(const at::Tensor &slots, c
     return p;
 }
 
-std::vector<tf_dynemb_update_params> prepare_group_update(const at::Tensor &slots, const at::Tensor &grad,
-                                                          const std::vector<int64_t> &start, at::TensorList values,
-                                                          at::TensorList values_host, at::TensorList state,
-                                                          at::TensorList state_host, int64_t opt, double lr,
-                                                          double eps, double beta1, double beta2,
-                                                          at::ArrayRef<double> step_sizes) {
-    const char *op = "torchfuse.dynemb_group_update";
+std::vector<tf_dynemb_update_params> prepare_tables_update(const at::Tensor &slots, const at::Tensor &grad,
+                                                           const std::vector<int64_t> &start, at::TensorList values,
+                                                           at::TensorList values_host, at::TensorList state,
+                                                           at::TensorList state_host, int64_t opt, double lr,
+                                                           double eps, double beta1, double beta2,
+                                                           at::ArrayRef<double> step_sizes) {
+    const char *op = "torchfuse.dynemb_tables_update";
     const size_t T = values.size();
     for (auto [got, arg] : {std::pair<size_t, const char *>{values_host.size(), "values_host"},
                             {state.size(), "state"}, {state_host.size(), "state_host"},
@@ -138,10 +138,10 @@ std::vector<tf_dynemb_update_params> prepare_group_update(const at::Tensor &slot
     return p;
 }
 
-DynembGroupPool prepare_group_pool(const at::Tensor &slots, const at::Tensor &offsets,
-                                   const std::optional<at::Tensor> &weights, int64_t batch, at::IntArrayRef features,
-                                   at::TensorList rows, at::TensorList rows_host, const std::vector<bool> &mean) {
-    const char *op = "torchfuse.dynemb_group_pool";
+DynembTablesPool prepare_tables_pool(const at::Tensor &slots, const at::Tensor &offsets,
+                                     const std::optional<at::Tensor> &weights, int64_t batch, at::IntArrayRef features,
+                                     at::TensorList rows, at::TensorList rows_host, const std::vector<bool> &mean) {
+    const char *op = "torchfuse.dynemb_tables_pool";
     const size_t T = rows.size();
     TORCH_CHECK(T >= 1, op, ": needs at least one table");
     check_count(features.size(), T, op, "features");
@@ -150,7 +150,7 @@ DynembGroupPool prepare_group_pool(const at::Tensor &slots, const at::Tensor &of
     TORCH_CHECK(batch >= 0, op, ": batch must be >= 0, got ", batch);
     check_index(slots, rows[0], op, "slots");
     check_index(offsets, rows[0], op, "offsets");
-    DynembGroupPool g;
+    DynembTablesPool g;
     g.start.assign(T + 1, 0);
     int64_t cols = 0;
     for (size_t i = 0; i < T; ++i) {
@@ -193,9 +193,9 @@ DynembGroupPool prepare_group_pool(const at::Tensor &slots, const at::Tensor &of
     return g;
 }
 
-void check_group_touch(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef policies,
-                       at::IntArrayRef clocks, const std::vector<int64_t> &start) {
-    const char *op = "torchfuse.dynemb_group_touch";
+void check_tables_touch(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef policies,
+                        at::IntArrayRef clocks, const std::vector<int64_t> &start) {
+    const char *op = "torchfuse.dynemb_tables_touch";
     const size_t T = scores.size();
     check_count(policies.size(), T, op, "policies");
     check_count(clocks.size(), T, op, "clocks");
@@ -208,58 +208,58 @@ void check_group_touch(at::TensorList scores, const at::Tensor &slots, at::IntAr
 
 namespace {
 
-at::Tensor group_lookup_cpu(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
-                            at::TensorList digests, at::TensorList marks, at::IntArrayRef bucket_sizes,
-                            at::IntArrayRef epochs) {
-    DynembGroupProbe g =
-        prepare_group_probe(false, query, nullptr, starts, keys, digests, {}, marks, {}, bucket_sizes, epochs, {});
+at::Tensor tables_lookup_cpu(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
+                             at::TensorList digests, at::TensorList marks, at::IntArrayRef bucket_sizes,
+                             at::IntArrayRef epochs) {
+    DynembTablesProbe g =
+        prepare_tables_probe(false, query, nullptr, starts, keys, digests, {}, marks, {}, bucket_sizes, epochs, {});
     for (size_t i = 0; i < g.t.size(); ++i)
         at::parallel_for(0, g.p[i].n, 2048, [&](int64_t b, int64_t e) { tf_dynemb_lookup_cpu(&g.t[i], &g.p[i], b, e); });
     return g.slots;
 }
 
-DynembInsertResult group_insert_cpu(const at::Tensor &query, at::Tensor &slots, at::IntArrayRef starts,
-                                    at::TensorList keys, at::TensorList digests, at::TensorList scores,
-                                    at::TensorList marks, at::TensorList locks, at::IntArrayRef bucket_sizes,
-                                    at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
-    DynembGroupProbe g = prepare_group_probe(true, query, &slots, starts, keys, digests, scores, marks, {},
-                                             bucket_sizes, epochs, allow_evict.vec());
+DynembInsertResult tables_insert_cpu(const at::Tensor &query, at::Tensor &slots, at::IntArrayRef starts,
+                                     at::TensorList keys, at::TensorList digests, at::TensorList scores,
+                                     at::TensorList marks, at::TensorList locks, at::IntArrayRef bucket_sizes,
+                                     at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
+    DynembTablesProbe g = prepare_tables_probe(true, query, &slots, starts, keys, digests, scores, marks, {},
+                                               bucket_sizes, epochs, allow_evict.vec());
     for (size_t i = 0; i < g.t.size(); ++i) tf_dynemb_insert_cpu(&g.t[i], &g.p[i]);
     return g.result();
 }
 
-void group_init_cpu(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
-                    at::IntArrayRef starts, at::TensorList values, at::TensorList values_host, at::TensorList state,
-                    at::TensorList state_host, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
-                    at::ArrayRef<double> b, at::IntArrayRef seeds) {
-    const auto start = group_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_group_init");
-    for (auto &p : prepare_group_init(slots, keys, mask, start, values, values_host, state, state_host, init_kinds, a,
-                                      b, seeds))
+void tables_init_cpu(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
+                     at::IntArrayRef starts, at::TensorList values, at::TensorList values_host, at::TensorList state,
+                     at::TensorList state_host, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
+                     at::ArrayRef<double> b, at::IntArrayRef seeds) {
+    const auto start = tables_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_tables_init");
+    for (auto &p : prepare_tables_init(slots, keys, mask, start, values, values_host, state, state_host, init_kinds, a,
+                                       b, seeds))
         at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_cpu(&p, b0, e0); });
 }
 
-void group_touch_cpu(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
-                     at::IntArrayRef clocks) {
-    const auto start = group_starts(starts, slots.numel(), scores.size(), "torchfuse.dynemb_group_touch");
-    check_group_touch(scores, slots, policies, clocks, start);
+void tables_touch_cpu(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
+                      at::IntArrayRef clocks) {
+    const auto start = tables_starts(starts, slots.numel(), scores.size(), "torchfuse.dynemb_tables_touch");
+    check_tables_touch(scores, slots, policies, clocks, start);
     for (size_t i = 0; i < scores.size(); ++i)
         tf_dynemb_touch_cpu(scores[i].data_ptr<int64_t>(), slots.data_ptr<int64_t>() + start[i], start[i + 1] - start[i],
                             (int)policies[i], clocks[i]);
 }
 
-void group_update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList values,
-                      at::TensorList values_host, at::TensorList state, at::TensorList state_host, int64_t opt,
-                      double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
-    const auto start = group_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_group_update");
-    for (auto &p : prepare_group_update(slots, grad, start, values, values_host, state, state_host, opt, lr, eps,
-                                        beta1, beta2, step_sizes))
+void tables_update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList values,
+                       at::TensorList values_host, at::TensorList state, at::TensorList state_host, int64_t opt,
+                       double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
+    const auto start = tables_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_tables_update");
+    for (auto &p : prepare_tables_update(slots, grad, start, values, values_host, state, state_host, opt, lr, eps,
+                                         beta1, beta2, step_sizes))
         at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_update_cpu(&p, b0, e0); });
 }
 
-at::Tensor group_pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
-                          int64_t batch, at::IntArrayRef features, at::TensorList rows, at::TensorList rows_host,
-                          const c10::List<bool> &mean) {
-    DynembGroupPool g = prepare_group_pool(slots, offsets, weights, batch, features, rows, rows_host, mean.vec());
+at::Tensor tables_pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
+                           int64_t batch, at::IntArrayRef features, at::TensorList rows, at::TensorList rows_host,
+                           const c10::List<bool> &mean) {
+    DynembTablesPool g = prepare_tables_pool(slots, offsets, weights, batch, features, rows, rows_host, mean.vec());
     for (auto &p : g.p) at::parallel_for(0, p.n_bags, 16, [&](int64_t b, int64_t e) { tf_dynemb_pool_cpu(&p, b, e); });
     return g.out;
 }
@@ -267,12 +267,12 @@ at::Tensor group_pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, co
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
-    m.impl("dynemb_group_lookup", &group_lookup_cpu);
-    m.impl("dynemb_group_insert", &group_insert_cpu);
-    m.impl("dynemb_group_init", &group_init_cpu);
-    m.impl("dynemb_group_touch", &group_touch_cpu);
-    m.impl("dynemb_group_update", &group_update_cpu);
-    m.impl("dynemb_group_pool", &group_pool_cpu);
+    m.impl("dynemb_tables_lookup", &tables_lookup_cpu);
+    m.impl("dynemb_tables_insert", &tables_insert_cpu);
+    m.impl("dynemb_tables_init", &tables_init_cpu);
+    m.impl("dynemb_tables_touch", &tables_touch_cpu);
+    m.impl("dynemb_tables_update", &tables_update_cpu);
+    m.impl("dynemb_tables_pool", &tables_pool_cpu);
 }
 
 }  // namespace torchfuse

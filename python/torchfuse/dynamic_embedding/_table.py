@@ -1,43 +1,17 @@
-"""Dynamic embeddings: a hash-table embedding keyed by any int64 that grows, evicts, spills rows to
-host memory and trains with a fused optimizer in the backward pass.
-
-The table's state is a set of tensors owned by the module (kernels/dynemb.h documents the layout):
-keys, digests (0 = empty slot, so every int64 is a usable key), scores, values and optimizer state,
-indexed by slot. Operations are the internal ops ``torch.ops.torchfuse.dynemb_*`` on those tensors.
-"""
-import os
+"""The dynamic embedding's table: storage (keys, digests, scores, rows and optimizer state by slot,
+layout in kernels/dynemb_kernels.h) and its operations (probe, insert with growth and eviction,
+row copies, the optimizer step), as the internal ops ``torch.ops.torchfuse.dynemb_*`` run them.
+DynamicEmbedding (the module) is this table plus forward, autograd and checkpoints."""
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
-from . import optim as _optim
-from ._stats import count
+from .. import _C  # noqa: F401  (registers torch.ops.torchfuse)
+from .. import optim as _optim
+from .._stats import count
 
 _ops = torch.ops.torchfuse
-# TORCHFUSE_DYNEMB_ONE_SYNC=0: a training batch into a full table takes two host waits (the number of
-# distinct ids, then the insert's counts) instead of one (the A/B of _group's two paths)
-_ONE_SYNC = os.environ.get("TORCHFUSE_DYNEMB_ONE_SYNC", "1") != "0"
-# False: DynamicEmbeddingBag's one-wait training path pools after the host's wait (the A/B of
-# dynemb_find_or_insert_pool, which queues the pool before it)
-_POOL_EARLY = True
-# False: the training paths sort with torch.sort and group with dynemb_group_sorted_async (two ops)
-# instead of dynemb_sort_group (one: on CUDA a CUB radix sort with int32 values); the A/B of the two
-_SORT_GROUP = True
-
-
-def _sort_group(flat: Tensor):
-    """A batch grouped by id, without a host sync: (perm, uniq, seg, inv, n_unique) as dynemb_sort_group
-    returns them (uniq and seg valid up to n_unique[0] and n_unique[0] + 1). Each group's occurrences
-    in batch order; the groups in id order, or on CUDA in the order of the ids' hashes (its sort key)."""
-    if _SORT_GROUP:
-        return _ops.dynemb_sort_group(flat)
-    sorted_ids, perm = torch.sort(flat, stable=True)
-    return (perm,) + tuple(_ops.dynemb_group_sorted_async(sorted_ids, perm))
-
-
 _find_or_insert_sync_op = _ops.dynemb_find_or_insert_sync.default  # the overload itself: called ahead of every launch
 _find_or_insert_pool_op = _ops.dynemb_find_or_insert_pool.default
 _EVICTIONS = ("lru", "lfu", "none")
@@ -46,10 +20,9 @@ _NO_INIT = (0, 0.0, 0.0)  # TF_INIT_NONE: rows left as they are, optimizer state
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_EPOCH = 2**31 - 2
 _FUSED_FIND_MIN_ROW_BYTES = 512
-_QUARTER_FIND = True  # 128-slot buckets on the GPU: the one-kernel find at every row width (see _find)
 
 
-def _mix64(x: int) -> int:  # tf_mix64 (kernels/dynemb.h): the key hash
+def _mix64(x: int) -> int:  # tf_mix64 (kernels/dynemb_kernels.h): the key hash
     m = 2**64 - 1
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & m
@@ -91,100 +64,14 @@ def _check_initializer(init):
     return (kind, *nums)
 
 
-class _Rows(torch.autograd.Function):
-    """The table rows of unique keys; backward applies the table's fused optimizer to them."""
+class DynamicEmbeddingTable:
+    """The table's state and operations, mixed into :class:`DynamicEmbedding` (an ``nn.Module``):
+    _init_table sets it up; the counters are plain ints (see _bump)."""
 
-    @staticmethod
-    def forward(ctx, anchor, table, slots, keys):
-        ctx.table = table
-        ctx.version = table._version
-        ctx.save_for_backward(slots, keys)
-        return table._gather(slots, table._values, table._values_host)
-
-    @staticmethod
-    def backward(ctx, grad):
-        slots, keys = ctx.saved_tensors
-        table = ctx.table
-        if table._version != ctx.version:  # rehashed, evicted or erased since the forward: find the rows again
-            slots = table._lookup(keys)
-        table._apply_gradient(slots, grad)
-        return None, None, None, None
-
-
-class _Fused(torch.autograd.Function):
-    """Per-id rows (offsets None) or bags pooled straight from the table; backward sums each unique
-    id's gradient in a fixed order (dynemb_segment_sum) and applies the optimizer to its row.
-    The batch's layout comes as one tuple, kept on ctx (none of its tensors is an input that
-    requires grad or an output): autograd.Function's per-call cost grows with the number of
-    arguments (each is inspected in apply and answered in backward), and a training step from an
-    idle GPU waits for that host time. batch: (slots_id, offsets, weights, mean, perm, seg,
-    slots_u, uniq, bag_of, scale), and an eleventh entry when the bags were pooled already (by
-    dynemb_find_or_insert_pool, during the insert's host wait): then forward returns it as the
-    output (slots_id is None)."""
-
-    @staticmethod
-    def forward(ctx, anchor, table, batch):
-        slots_id, offsets, weights, mean = batch[:4]
-        ctx.table = table
-        ctx.version = table._version
-        ctx.batch = batch[:10]
-        if len(batch) > 10:  # pooled already (dynemb_find_or_insert_pool)
-            return batch[10]
-        if offsets is None:
-            return table._gather(slots_id, table._values, table._values_host)
-        return _ops.dynemb_pool(slots_id, offsets, weights, table._values, table._values_host, mean)
-
-    @staticmethod
-    def backward(ctx, grad):
-        perm, seg, slots_u, uniq, bag_of, scale = ctx.batch[4:]
-        table = ctx.table
-        if table._version != ctx.version:  # rehashed, evicted or erased since the forward
-            slots_u = table._lookup(uniq)
-        table._apply_segment_gradient(slots_u, grad.contiguous(), perm, seg, bag_of, scale)
-        return None, None, None
-
-
-class DynamicEmbedding(torch.nn.Module):
-    """An embedding table keyed by arbitrary int64 ids, stored in a GPU (or CPU) hash table.
-
-    ``forward(ids)``: int ids of any shape -> ``(*ids.shape, embedding_dim)``. In training mode unseen
-    ids are inserted with the initializer; in eval mode they are not inserted and read as zeros.
-    Repeated ids in one batch map to one row. The backward sums each unique id's gradient
-    (deterministically) and applies ``optimizer`` to its row in place: the table has no
-    ``nn.Parameter``; ``requires_grad_(False)`` freezes it. One backward pass is one optimizer step.
-
-    Args:
-        embedding_dim: row width.
-        capacity: initial number of slots (rounded up to bucket_size times a power of two).
-        max_capacity: the table doubles (rehash) up to this many slots while the load factor would
-            pass ``max_load_factor`` or a bucket overflows; default: ``capacity`` (no growth).
-        dtype: row dtype (float32, bfloat16, float16); optimizer state is float32.
-        device: where the table lives.
-        eviction: when a full bucket of a table at max_capacity receives a new key: "lru" evicts the
-            key of the bucket accessed least recently, "lfu" the least frequently, "none" raises.
-            Keys used by the running batch are never evicted by it. Evicted keys and rows are kept in
-            a bounded record (:meth:`drain_evicted`) and returned by ``insert(..., return_evicted=True)``.
-        initializer: ("normal", mean, std) | ("uniform", lo, hi) | ("constant", v); values are a
-            function of (key, seed): the same on every device and in any batch order.
-        optimizer: torchfuse.optim.SGD | Adagrad | RowWiseAdagrad | Adam (default SGD(lr=0.01)).
-        hbm_budget_bytes: GPU memory for rows (values plus optimizer state); the rows past it live in
-            pinned, mapped host memory that the kernels read directly. Keys and scores stay on the GPU.
-        seed: initializer seed.
-        max_load_factor: growth threshold (default 0.75).
-        bucket_size: slots per bucket (power of two, 4..128; default 128, smaller for tiny tables).
-        evicted_record_limit: at most this many evicted keys are kept for drain_evicted (oldest dropped,
-            counted in ``evicted_dropped``). 0 keeps none: evictions are only counted in
-            ``evicted_dropped``, and the kernels write the new keys' rows over the victims' at once (no
-            copy of the victims' rows; HierarchicalKV's find_or_insert semantics). ``insert(...,
-            return_evicted=True)`` still returns what it evicted.
-    """
-
-    def __init__(self, embedding_dim: int, capacity: int, *, max_capacity: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32, device="cuda", eviction: str = "lru",
-                 initializer=("normal", 0.0, 0.01), optimizer=None, hbm_budget_bytes: Optional[int] = None,
-                 seed: int = 0, max_load_factor: float = 0.75, bucket_size: int = 128,
-                 evicted_record_limit: int = 1 << 20):
-        super().__init__()
+    def _init_table(self, embedding_dim: int, capacity: int, *, max_capacity, dtype, device, eviction,
+                    initializer, optimizer, hbm_budget_bytes, seed, max_load_factor, bucket_size,
+                    evicted_record_limit):
+        """Checks the arguments (as DynamicEmbedding documents them) and allocates the table."""
         name = type(self).__name__
         if not (isinstance(embedding_dim, int) and embedding_dim >= 1):
             raise ValueError(f"torchfuse.{name}: embedding_dim must be a positive int, got {embedding_dim!r}")
@@ -220,7 +107,7 @@ class DynamicEmbedding(torch.nn.Module):
         self._trainable = True
         self._size = 0
         self._clock = 0      # LRU time: one tick per table operation
-        self._epoch = 0      # marks slots used by the running operation (kernels/dynemb.h)
+        self._epoch = 0      # marks slots used by the running operation (kernels/dynemb_kernels.h)
         self._step = 0       # optimizer steps (Adam's bias correction)
         self._version = 0    # bumped whenever slots move or disappear
         self._evicted: List[Tuple[Tensor, Tensor, Tensor, Tensor]] = []
@@ -287,22 +174,6 @@ class DynamicEmbedding(torch.nn.Module):
     def __len__(self) -> int:
         return self._size
 
-    def extra_repr(self) -> str:
-        return (f"{self.embedding_dim}, capacity={self.capacity}, max_capacity={self.max_capacity}, size={self._size}, "
-                f"dtype={self.dtype}, eviction={self.eviction!r}, optimizer={self.optimizer}")
-
-    def requires_grad_(self, requires_grad: bool = True):
-        self._trainable = bool(requires_grad)
-        return super().requires_grad_(requires_grad)
-
-    def _apply(self, fn, recurse=True):
-        # Device/dtype moves: the state tensors are not buffers (they change size when the table grows).
-        super()._apply(fn, recurse)
-        probe = fn(torch.zeros(1, dtype=torch.int64, device=self.device))
-        if probe.device != self.device:
-            self._move_to(probe.device)
-        return self
-
     def _move_to(self, device: torch.device):
         keys, values, state, scores = self._compact()
         self._device = device
@@ -345,7 +216,7 @@ class DynamicEmbedding(torch.nn.Module):
         if self._host_tier_on_cuda():
             slots = self._lookup(keys)
             return _ops.dynemb_gather(slots, self._values, self._values_host, torch.argsort(slots)), slots
-        if (_QUARTER_FIND and self.bucket_size == 128 and self._values.is_cuda) or \
+        if (self.bucket_size == 128 and self._values.is_cuda) or \
                 self._values.shape[1] * self._values.element_size() >= _FUSED_FIND_MIN_ROW_BYTES:
             return _ops.dynemb_find(keys, self._keys, self._digests, self._marks, self._values, self._values_host,
                                     self.bucket_size)
@@ -705,347 +576,3 @@ class DynamicEmbedding(torch.nn.Module):
                 continue
             yield (self._keys[occ], self._gather(occ, self._values, self._values_host, True),
                    self._gather(occ, self._state, self._state_host, True), self._scores[occ])
-
-    # ---- embedding lookup ----
-
-    def _embed(self, flat: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-        """(rows, inverse): rows of the batch's unique ids and each id's index into them; inverse None
-        when rows are already per id."""
-        need_grad = torch.is_grad_enabled() and self._trainable
-        if not self.training and not need_grad:
-            return self._find(flat)[0], None
-        uniq, inv = torch.unique(flat, return_inverse=True)
-        slots = self._find_or_insert(uniq)[0] if self.training else self._lookup(uniq)
-        if need_grad:
-            anchor = torch.empty(0, device=self.device, requires_grad=True)
-            rows = _Rows.apply(anchor, self, slots, uniq)
-        else:
-            rows = self._gather(slots, self._values, self._values_host)
-        return rows, inv
-
-    def _group(self, flat: Tensor, check: Optional[Callable[[], None]] = None, grouped=None,
-               bad: Optional[Tensor] = None, pool=None):
-        """One grouping of the batch (_sort_group): (perm, seg, slots_u, uniq, slots_id). perm lists the
-        ids grouped by unique id (batch order within a group), seg the group bounds, slots_u the unique
-        ids' slots (inserted in training mode), slots_id each id's slot. check (if given) runs before the table is touched,
-        right after the grouping's host sync, so a check that reads the device waits on nothing.
-        grouped: _sort_group(flat) when the caller launched it already (so that its own host work
-        overlaps the sort on the GPU). bad: check's device flag; with it a training
-        batch into a full table waits on the host once, after the insert (see below). pool (offsets,
-        weights, mean), on that one-wait path only: the bags pooled too, queued before the wait; then
-        the result has a sixth entry, the bags, and slots_id is None."""
-        perm, uniq, seg, inv, n_unique = grouped if grouped is not None else _sort_group(flat)
-        if self.training and self.capacity >= self.max_capacity and _ONE_SYNC:
-            # No growth to decide, so the distinct ids need not be counted on the host first: the
-            # grouping and the insert are queued back to back and the host waits once, for both
-            # counts. bad rides along as the insert's abort flag: the table stays untouched, and
-            # check raises after that wait.
-            if pool is not None and not self._host_tier_on_cuda():
-                offsets, w, mean = pool
-                out = self._find_or_insert_fused(uniq, True, False, n_valid=n_unique, abort=bad, on_abort=check,
-                                                 pool=(offsets, inv, w, mean))
-                slots_u, n_u = out[0], out[4]
-                return perm, seg[:n_u + 1], slots_u, uniq[:n_u], None, out[5]
-            out = self._find_or_insert_fused(uniq, True, False, n_valid=n_unique, abort=bad, on_abort=check)
-            slots_u, n_u = out[0], out[4]
-            return perm, seg[:n_u + 1], slots_u, uniq[:n_u], slots_u[inv]
-        n_u = int(n_unique)  # the host sync: growth is decided on the distinct ids
-        uniq, seg = uniq[:n_u], seg[:n_u + 1]
-        if check is not None:
-            check()
-        slots_u = self._find_or_insert(uniq)[0] if self.training else self._lookup(uniq)
-        return perm, seg, slots_u, uniq, slots_u[inv]
-
-    def _need_grad(self) -> bool:
-        return torch.is_grad_enabled() and self._trainable
-
-    def forward(self, ids: Tensor) -> Tensor:
-        count("dynemb_forward")
-        flat = self._check_keys(ids)
-        if not self._need_grad():
-            out = self._find(flat)[0] if not self.training else \
-                self._gather(self._group(flat)[4], self._values, self._values_host)
-        else:
-            perm, seg, slots_u, uniq, slots_id = self._group(flat)
-            anchor = torch.empty(0, device=self.device, requires_grad=True)
-            out = _Fused.apply(anchor, self, (slots_id, None, None, False, perm, seg, slots_u, uniq, None, None))
-        return out.reshape(*ids.shape, self.embedding_dim)
-
-    # ---- state_dict ----
-
-    def _config(self) -> dict:
-        return {
-            "embedding_dim": self.embedding_dim, "capacity": self.capacity, "max_capacity": self.max_capacity,
-            "dtype": _DTYPES[self.dtype], "eviction": self.eviction, "initializer": tuple(self.initializer),
-            "optimizer": self.optimizer.config(), "hbm_budget_bytes": self.hbm_budget_bytes, "seed": self.seed,
-            "max_load_factor": self.max_load_factor, "bucket_size": self.bucket_size, "clock": self._clock,
-            "step": self._step,
-        }
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        keys, values, state, scores = self._compact()
-        destination[prefix + "keys"] = keys
-        destination[prefix + "values"] = values
-        destination[prefix + "optimizer_state"] = state
-        destination[prefix + "scores"] = scores
-        destination[prefix + "config"] = self._config()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        name = type(self).__name__
-        names = ("keys", "values", "optimizer_state", "scores", "config")
-        if any(prefix + k not in state_dict for k in names):
-            missing_keys.extend(prefix + k for k in names if prefix + k not in state_dict)
-            return
-        cfg = state_dict[prefix + "config"]
-        keys, values, state, scores = (state_dict[prefix + k] for k in names[:4])
-        if cfg["embedding_dim"] != self.embedding_dim:
-            error_msgs.append(f"torchfuse.{name}: the state_dict has embedding_dim {cfg['embedding_dim']}, "
-                              f"this table {self.embedding_dim}")
-            return
-        if cfg["dtype"] != _DTYPES[self.dtype]:
-            error_msgs.append(f"torchfuse.{name}: the state_dict has rows of {cfg['dtype']}, this table "
-                              f"{_DTYPES[self.dtype]}")
-            return
-        opt = _optim.from_config(cfg["optimizer"])
-        n = keys.shape[0] if keys.dim() == 1 else -1
-        if (n < 0 or values.shape != (n, self.embedding_dim) or state.shape != (n, opt.state_dim(self.embedding_dim))
-                or scores.shape != (n,)):
-            error_msgs.append(f"torchfuse.{name}: inconsistent state_dict shapes: keys {tuple(keys.shape)}, values "
-                              f"{tuple(values.shape)}, optimizer_state {tuple(state.shape)}, scores {tuple(scores.shape)}")
-            return
-        self.optimizer = opt
-        self.eviction = cfg["eviction"]
-        self.initializer = tuple(cfg["initializer"])
-        self.hbm_budget_bytes = cfg["hbm_budget_bytes"]
-        self.seed = cfg["seed"]
-        self.max_load_factor = cfg["max_load_factor"]
-        self.bucket_size = cfg["bucket_size"]
-        self.max_capacity = cfg["max_capacity"]
-        self._clock, self._step = cfg["clock"], cfg["step"]
-        d = self.device
-        self._rebuild(cfg["capacity"], keys.to(d, torch.int64).contiguous(), values.to(d, self.dtype).contiguous(),
-                      state.to(d, torch.float32).contiguous(), scores.to(d, torch.int64).contiguous())
-        self._evicted, self._evicted_count = [], 0
-
-
-class DynamicEmbeddingBag(DynamicEmbedding):
-    """Pooled lookups from a :class:`DynamicEmbedding` table, as ``nn.EmbeddingBag``:
-    ``forward(ids, offsets=None, per_sample_weights=None) -> (B, embedding_dim)``.
-
-    ``ids`` 1-D with ``offsets`` (B,) bag starts (or (B+1,) with ``include_last_offset=True``), or
-    2-D (B, L) fixed-size bags without offsets. ``mode``: "sum" or "mean" (empty bags give zeros);
-    ``per_sample_weights`` (same shape as ids, "sum" only) scale each id's row. Other arguments as
-    :class:`DynamicEmbedding`."""
-
-    def __init__(self, embedding_dim: int, capacity: int, *, mode: str = "sum", include_last_offset: bool = False,
-                 **kwargs):
-        super().__init__(embedding_dim, capacity, **kwargs)
-        if mode not in ("sum", "mean"):
-            raise ValueError(f"torchfuse.DynamicEmbeddingBag: mode must be 'sum' or 'mean', got {mode!r}")
-        self.mode = mode
-        self.include_last_offset = bool(include_last_offset)
-
-    def _config(self) -> dict:
-        cfg = super()._config()
-        cfg["mode"] = self.mode
-        return cfg
-
-    def forward(self, ids: Tensor, offsets: Optional[Tensor] = None,
-                per_sample_weights: Optional[Tensor] = None) -> Tensor:
-        count("dynemb_bag_forward")
-        name = "torchfuse.DynamicEmbeddingBag"
-        if not isinstance(ids, Tensor):
-            raise TypeError(f"{name}: ids must be a tensor")
-        if offsets is None:
-            if ids.dim() != 2:
-                raise ValueError(f"{name}: ids must be 2-D (bags, ids per bag) without offsets, got shape {tuple(ids.shape)}")
-            B, L = ids.shape
-            offsets = torch.arange(B, device=ids.device) * L  # B bags, empty ones too when L = 0
-            incl = False
-        else:
-            if ids.dim() != 1:
-                raise ValueError(f"{name}: ids must be 1-D with offsets, got shape {tuple(ids.shape)}")
-            incl = self.include_last_offset
-        flat = self._check_keys(ids)
-        if not isinstance(offsets, Tensor) or offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1:
-            raise TypeError(f"{name}: offsets must be a 1-D int32 or int64 tensor")
-        if offsets.device != self.device:
-            raise ValueError(f"{name}: offsets must be on {self.device}, got {offsets.device}")
-        if per_sample_weights is not None:
-            if self.mode != "sum":
-                raise ValueError(f"{name}: per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
-            if per_sample_weights.shape != ids.shape or per_sample_weights.device != self.device:
-                raise ValueError(f"{name}: per_sample_weights must have the shape {tuple(ids.shape)} and device of ids")
-            per_sample_weights = per_sample_weights.reshape(-1)
-        n = flat.numel()
-        weights_grad = per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled()
-        need_grad = self._need_grad()
-        # The training paths' sort goes first: the host work below (the offsets' checks, the bags'
-        # layout) is then launched while the GPU sorts, not before it starts.
-        grouped = _sort_group(flat) if (self.training or need_grad) and not weights_grad else None
-        if not offsets.numel() and (incl or n):
-            raise ValueError(f"{name}: empty offsets with {n} ids")
-        mean = self.mode == "mean"
-        # One kernel (a dozen ATen ops before session 12): the bags' bounds `full` (offsets, then n
-        # unless incl), each id's bag, its mean scale and the offsets' check flag `bad`, all defined
-        # for any offsets, so the flag can be read after later work is queued. Each id's bag and scale
-        # only feed the backward's segment sums: the other paths pool from the bounds alone.
-        full, bag_of, scale, bad = _ops.dynemb_bag_layout(offsets.contiguous(), n, incl, mean,
-                                                          need_grad and not weights_grad)
-
-        def check_offsets():
-            if bool(bad):
-                raise ValueError(f"{name}: offsets must start at 0, be non-decreasing and end at most at "
-                                 f"len(ids) = {n}" + (" (exactly, with include_last_offset)" if incl else ""))
-        if weights_grad:
-            check_offsets()
-            # gradients for the weights too: PyTorch's embedding_bag on the batch's unique rows
-            rows, inv = self._embed(flat)
-            if inv is None:
-                inv = torch.arange(n, device=self.device)
-            return F.embedding_bag(inv, rows, offsets.to(torch.int64), mode=self.mode,
-                                   per_sample_weights=per_sample_weights.to(rows.dtype), include_last_offset=incl)
-        w = per_sample_weights.float().contiguous() if per_sample_weights is not None else None
-        if not need_grad:
-            if self.training:
-                slots = self._group(flat, check_offsets, grouped, bad)[4]
-            else:
-                check_offsets()
-                slots = self._lookup(flat)
-            return _ops.dynemb_pool(slots, full, w, self._values, self._values_host, mean)
-        if w is not None:
-            scale = w
-        elif not mean:
-            scale = None
-        g = self._group(flat, check_offsets, grouped, bad, (full, w, mean) if _POOL_EARLY else None)
-        perm, seg, slots_u, uniq, slots_id = g[:5]
-        anchor = torch.empty(0, device=self.device, requires_grad=True)
-        return _Fused.apply(anchor, self, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale) + g[5:])
-
-
-@torch.library.register_fake("torchfuse::dynemb_group_sorted_async")
-def _group_sorted_async_fake(sorted_ids, perm):
-    n = sorted_ids.shape[0]
-    return sorted_ids.new_empty((n,)), perm.new_empty((n + 1,)), perm.new_empty((n,)), perm.new_empty((1,))
-
-
-@torch.library.register_fake("torchfuse::dynemb_bag_layout")
-def _bag_layout_fake(offsets, n, include_last_offset, mean, with_bags=True):
-    n_bags = offsets.shape[0] - (1 if include_last_offset else 0)
-    i64 = offsets.new_empty((0,), dtype=torch.int64)
-    return (i64.new_empty((n_bags + 1,)), i64.new_empty((n if with_bags else 0,)),
-            offsets.new_empty((n if mean and with_bags else 0,), dtype=torch.float32),
-            offsets.new_empty((1,), dtype=torch.uint8))
-
-
-@torch.library.register_fake("torchfuse::dynemb_sort_group")
-def _sort_group_fake(ids):
-    n = ids.shape[0]
-    return ids.new_empty((n,)), ids.new_empty((n,)), ids.new_empty((n + 1,)), ids.new_empty((n,)), ids.new_empty((1,))
-
-
-@torch.library.register_fake("torchfuse::dynemb_group_sorted")
-def _group_sorted_fake(sorted_ids, perm):
-    n_unique = torch.library.get_ctx().new_dynamic_size()
-    return sorted_ids.new_empty(n_unique), sorted_ids.new_empty(n_unique + 1), perm.new_empty(perm.shape)
-
-
-@torch.library.register_fake("torchfuse::dynemb_lookup")
-def _lookup_fake(query, keys, digests, marks, bucket_size, epoch):
-    return query.new_empty(query.shape)
-
-
-@torch.library.register_fake("torchfuse::dynemb_pool")
-def _pool_fake(slots, offsets, weights, rows, rows_host, mean, inv=None):
-    return rows.new_empty((offsets.shape[0] - 1, rows.shape[1]))
-
-
-@torch.library.register_fake("torchfuse::dynemb_segment_sum")
-def _segsum_fake(grad, perm, seg, bag_of, scale):
-    return grad.new_empty((seg.shape[0] - 1, grad.shape[1]), dtype=torch.float32)
-
-
-@torch.library.register_fake("torchfuse::dynemb_find")
-def _find_fake(query, keys, digests, marks, rows, rows_host, bucket_size):
-    return rows.new_empty((query.shape[0], *rows.shape[1:])), query.new_empty(query.shape)
-
-
-@torch.library.register_fake("torchfuse::dynemb_gather")
-def _gather_fake(slots, rows, rows_host, order=None):
-    return rows.new_empty((slots.shape[0], *rows.shape[1:]))
-
-
-@torch.library.register_fake("torchfuse::dynemb_insert")
-def _insert_fake(query, slots, keys, digests, scores, marks, locks, bucket_size, epoch, allow_evict):
-    n = query.shape[0]
-    return (query.new_empty((n,), dtype=torch.uint8), query.new_empty((n,)), query.new_empty((n,)),
-            query.new_empty((n,)), query.new_empty((3,)))
-
-
-@torch.library.register_fake("torchfuse::dynemb_segment_update")
-def _segment_update_fake(grad, perm, seg, bag_of, scale, slots, values, values_host, state, state_host, opt, lr, eps,
-                         beta1, beta2, step_size):
-    return None
-
-
-@torch.library.register_fake("torchfuse::dynemb_evict_rows")
-def _evict_rows_fake(slots, new_index, keys, values, values_host, state, state_host, rows, init_kind, a, b, seed):
-    return values.new_empty(slots.shape[0], values.shape[1]), state.new_empty(slots.shape[0], state.shape[1])
-
-
-@torch.library.register_fake("torchfuse::dynemb_find_or_insert")
-def _find_or_insert_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                         bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows):
-    n = query.shape[0]
-    return (query.new_empty((n,)), values.new_empty((n if with_rows else 0, values.shape[1])),
-            query.new_empty((n,), dtype=torch.uint8), query.new_empty((4, n)), query.new_empty((3,)))
-
-
-@torch.library.register_fake("torchfuse::dynemb_find_or_insert_sync")
-def _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                              bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                              n_valid=None, abort=None, keep_evicted=True):
-    ctx = torch.library.get_ctx()
-    n = query.shape[0] if n_valid is None and abort is None else ctx.new_dynamic_size()  # the keys taken
-    n_ev = ctx.new_dynamic_size()
-    return (query.new_empty((n,)), values.new_empty((n if with_rows else 0, values.shape[1])),
-            query.new_empty((n,), dtype=torch.uint8), query.new_empty((4, n_ev)),
-            values.new_empty((n_ev, values.shape[1])), state.new_empty((n_ev, state.shape[1])),
-            query.new_empty((5,), device="cpu"))
-
-
-@torch.library.register_fake("torchfuse::dynemb_find_or_insert_pool")
-def _find_or_insert_pool_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                              bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                              n_valid, abort, pool_offsets, pool_inv, pool_weights, pool_mean, keep_evicted=True):
-    out = _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                                    bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                                    n_valid, abort, keep_evicted)
-    return out + (values.new_empty((pool_offsets.shape[0] - 1, values.shape[1])),)
-
-
-@torch.library.register_fake("torchfuse::dynemb_touch")
-def _touch_fake(scores, slots, policy, clock):
-    return None
-
-
-@torch.library.register_fake("torchfuse::dynemb_scatter")
-def _scatter_fake(slots, src, rows, rows_host, order=None):
-    return None
-
-
-@torch.library.register_fake("torchfuse::dynemb_init")
-def _init_fake(slots, keys, mask, values, values_host, state, state_host, init_kind, a, b, seed):
-    return None
-
-
-@torch.library.register_fake("torchfuse::dynemb_init_gather")
-def _init_gather_fake(slots, keys, is_new, values, values_host, state, state_host, init_kind, a, b, seed, order=None):
-    return values.new_empty((slots.shape[0], *values.shape[1:]))
-
-
-@torch.library.register_fake("torchfuse::dynemb_update")
-def _update_fake(slots, grad, values, values_host, state, state_host, opt, lr, eps, beta1, beta2, step_size):
-    return None

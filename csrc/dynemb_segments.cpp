@@ -1,15 +1,15 @@
 // A lookup batch's layout for the training paths of DynamicEmbedding and DynamicEmbeddingBag
-// (kernels/dynemb_batch.h): the checks and outputs shared with the CUDA glue, and the CPU ops.
+// (kernels/dynemb_segments_kernels.h): the checks and outputs shared with the CUDA glue, and the CPU ops.
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
 
-#include "dynemb_batch.h"
+#include "dynemb_segments.h"
 #include "tf_check.h"
 
 namespace torchfuse {
 
-DynembGroup prepare_dynemb_group(const at::Tensor &sorted_ids, const at::Tensor &perm, const char *op) {
+DynembSegments prepare_dynemb_segments(const at::Tensor &sorted_ids, const at::Tensor &perm, const char *op) {
     TORCH_CHECK_TYPE(sorted_ids.scalar_type() == at::kLong && perm.scalar_type() == at::kLong, op,
                      ": sorted_ids and perm must be int64, got ", sorted_ids.scalar_type(), " and ", perm.scalar_type());
     TORCH_CHECK(sorted_ids.dim() == 1 && perm.dim() == 1 && sorted_ids.numel() == perm.numel(), op,
@@ -18,19 +18,19 @@ DynembGroup prepare_dynemb_group(const at::Tensor &sorted_ids, const at::Tensor 
     TORCH_CHECK(sorted_ids.is_contiguous() && perm.is_contiguous(), op, ": sorted_ids and perm must be contiguous");
     const int64_t n = sorted_ids.numel();
     TORCH_CHECK(n < (int64_t{1} << 31), op, ": at most 2^31 - 1 ids per batch, got ", n);
-    DynembGroup g = alloc_dynemb_group(n, perm.options());
+    DynembSegments g = alloc_dynemb_segments(n, perm.options());
     g.p.sorted = sorted_ids.data_ptr<int64_t>();
     g.p.perm = perm.data_ptr<int64_t>();
     return g;
 }
 
-DynembGroup alloc_dynemb_group(int64_t n, const at::TensorOptions &o) {
-    DynembGroup g;
+DynembSegments alloc_dynemb_segments(int64_t n, const at::TensorOptions &o) {
+    DynembSegments g;
     g.uniq = at::empty({n}, o);
     g.seg = at::empty({n + 1}, o);
     g.inv = at::empty({n}, o);
     g.n_unique = at::empty({1}, o);
-    g.p = tf_dynemb_group_params{};
+    g.p = tf_dynemb_segments_params{};
     g.p.n = n;
     g.p.uniq = g.uniq.data_ptr<int64_t>();
     g.p.seg = g.seg.data_ptr<int64_t>();
@@ -39,8 +39,8 @@ DynembGroup alloc_dynemb_group(int64_t n, const at::TensorOptions &o) {
     return g;
 }
 
-void check_sort_group_ids(const at::Tensor &ids) {
-    const char *op = "torchfuse.dynemb_sort_group";
+void check_sort_segments_ids(const at::Tensor &ids) {
+    const char *op = "torchfuse.dynemb_sort_segments";
     TORCH_CHECK_TYPE(ids.scalar_type() == at::kLong, op, ": ids must be int64, got ", ids.scalar_type());
     TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous(), op, ": ids must be 1-D and contiguous, got shape ", ids.sizes());
     TORCH_CHECK(ids.numel() < (int64_t{1} << 31), op, ": at most 2^31 - 1 ids per batch, got ", ids.numel());
@@ -78,26 +78,12 @@ DynembBagLayout prepare_dynemb_bag_layout(const at::Tensor &offsets, int64_t n, 
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_sorted_async_cpu(const at::Tensor &sorted_ids,
-                                                                                  const at::Tensor &perm) {
-    DynembGroup g = prepare_dynemb_group(sorted_ids, perm, "torchfuse.dynemb_group_sorted_async");
-    tf_dynemb_group_cpu(&g.p);
-    return {g.uniq, g.seg, g.inv, g.n_unique};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> group_sorted_cpu(const at::Tensor &sorted_ids, const at::Tensor &perm) {
-    DynembGroup g = prepare_dynemb_group(sorted_ids, perm, "torchfuse.dynemb_group_sorted");
-    tf_dynemb_group_cpu(&g.p);
-    const int64_t nu = g.n_unique.item<int64_t>();
-    return {g.uniq.narrow(0, 0, nu), g.seg.narrow(0, 0, nu + 1), g.inv};
-}
-
-// The CPU's stable sort is ATen's; the grouping the same C as dynemb_group_sorted_async.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_group_cpu(const at::Tensor &ids) {
-    check_sort_group_ids(ids);
+// The CPU's stable sort is ATen's.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sort_segments_cpu(const at::Tensor &ids) {
+    check_sort_segments_ids(ids);
     auto [sorted_ids, perm] = at::sort(ids, /*stable=*/true, 0, false);
-    DynembGroup g = prepare_dynemb_group(sorted_ids, perm, "torchfuse.dynemb_sort_group");
-    tf_dynemb_group_cpu(&g.p);
+    DynembSegments g = prepare_dynemb_segments(sorted_ids, perm, "torchfuse.dynemb_sort_segments");
+    tf_dynemb_segments_cpu(&g.p);
     return {perm, g.uniq, g.seg, g.inv, g.n_unique};
 }
 
@@ -112,10 +98,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bag_layout_cpu(const 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
-    m.impl("dynemb_group_sorted", &group_sorted_cpu);
-    m.impl("dynemb_group_sorted_async", &group_sorted_async_cpu);
     m.impl("dynemb_bag_layout", &bag_layout_cpu);
-    m.impl("dynemb_sort_group", &sort_group_cpu);
+    m.impl("dynemb_sort_segments", &sort_segments_cpu);
 }
 
 }  // namespace torchfuse
