@@ -22,7 +22,7 @@ sys.path.insert(0, HERE)
 
 import _common as C  # noqa: E402
 
-FAMILIES = ["norm", "jagged", "hstu", "dynamic_embedding", "hf", "torchrec"]
+FAMILIES = ["norm", "jagged", "hstu", "dynamic_embedding", "hf", "torchrec", "recsys"]
 
 
 def main():

@@ -1,0 +1,158 @@
+"""The HSTU recommender's training step (forward, backward, the table's fused optimizer, the dense Adam)
+on torchfuse against the same model in plain PyTorch (nn.Embedding tables with sparse SGD/Adam, eager
+padded HSTU attention, GR's sampled-softmax formulation) and torch.compile of that model's encoder, at
+two published configurations; and serving: scoring d new events per user from the K/V cache against
+re-encoding the whole history.
+
+  (a) NVIDIA's HSTU training config: 8 layers, embedding 1024, 4 heads x 256, lengths U[N/2, N], N = 4096
+  (b) generative-recommenders' MovieLens-20M HSTU-large: 16 layers, embedding 256, 8 heads x 32, histories
+      up to 200, batch 128, 128 negatives
+
+MFU = model FLOPs per step / step time / the dense bf16 tensor peak (989 TFLOP/s, H100 and H200 SXM):
+every GEMM 2MNK (backward 2x forward); causal attention 2 * 2 * H * (Dqk + Dv) / 2 * sum(len^2) forward,
+2.5x that backward; the loss's similarities 2 * T * (R + 1) * E forward, 2x backward.
+
+    python benchmarks/bench_recsys.py [--quick] [--out results.md]
+"""
+import math
+import sys
+import time
+
+import torch
+
+from torchfuse import reference
+from torchfuse.recsys import data
+from torchfuse.recsys.model import HSTURecommender, HSTURecommenderConfig
+from torchfuse.recsys.reference import ReferenceRecommender
+from torchfuse.recsys.train import Trainer, TrainConfig
+
+import _common as C
+
+# name, layers, embedding, heads, head dim, max length, batch, min length fraction, negatives
+CONFIGS = {
+    "a": ("(a) NVIDIA: 8 x 1024, 4 x 256 heads, N 4096", 8, 1024, 4, 256, 4096, 32, 0.5, 128),
+    "b": ("(b) GR ML-20M large: 16 x 256, 8 x 32 heads, N 200", 16, 256, 8, 32, 200, 128, 0.0, 128),
+}
+
+
+def model_flops(cfg, lengths, negatives):
+    """Training FLOPs of one step (forward + backward) by the count in the module docstring."""
+    _, layers, E, H, Dh, _, _, _, _ = cfg
+    T = int(lengths.sum())
+    gemm = layers * T * (2 * E * 4 * Dh * H + 2 * 3 * Dh * H * E)
+    attn = layers * 2 * 2 * H * (2 * Dh) / 2 * float((lengths.double() ** 2).sum())
+    loss = 2 * T * (negatives + 1) * E
+    return 3 * gemm + 3.5 * attn + 3 * loss
+
+
+def histories(cfg, users, seed=0):
+    _, _, _, _, _, N, _, lo, _ = cfg
+    return data.synthetic_histories(users, 100_000, min_len=max(2, int(lo * (N + 1))), max_len=N + 1,
+                                    id_stride=1_000_003, seed=seed)
+
+
+def step_time_ms(trainer, steps):
+    for _ in range(2):
+        trainer.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def run(args):
+    rep = C.Report("recsys", "HSTU recommender: training step and cached serving")
+    peak = C.tensor_peak_tflops()
+    rep.roofline = f"dense bf16 tensor peak {peak} TFLOP/s (MFU column)" if peak else "-"
+    rep.peers = ["plain PyTorch (eager)", "torch.compile of its encoder"]
+    rows = []
+    names = ["b"] if args.quick else ["b", "a"]
+    for name in names:
+        cfg = CONFIGS[name]
+        title, layers, E, H, Dh, N, batch, _, negs = cfg
+        h = histories(cfg, users=batch * 4)
+        train, _ = data.leave_one_out(h)
+        mcfg = HSTURecommenderConfig(embedding_dim=E, num_layers=layers, num_heads=H, attention_dim=Dh, hidden_dim=Dh,
+                                     max_seq_len=N, dropout=0.0, item_capacity=1 << 20, embedding_optimizer="sgd",
+                                     embedding_lr=0.01, compute_dtype=torch.bfloat16)
+        tcfg = TrainConfig(batch_size=batch, max_len=N, num_negatives=negs, lr=1e-4)
+        catalog = torch.unique(h.items)
+        steps = 3 if args.quick else 10
+        results = {}
+        model = HSTURecommender(mcfg, device="cuda")
+        ours = Trainer(model, train, catalog, tcfg)
+        b0 = ours._batch_for(0)
+        lengths = b0.offsets[1:] - b0.offsets[:-1]
+        flops = model_flops(cfg, lengths, negs)
+        tokens = int(lengths.sum())
+        results["torchfuse"] = step_time_ms(ours, steps)
+        for label, compiled in (("eager", False), ("torch.compile", True)):
+            try:
+                twin = ReferenceRecommender(model, catalog.cuda()).cuda().to(torch.bfloat16)
+                if compiled:
+                    twin.encode = torch.compile(twin.encode, dynamic=True)
+                t = Trainer(twin, train, catalog, tcfg, loss_fn=reference.sampled_softmax_loss,
+                            sparse_optimizer=torch.optim.SGD(twin.sparse_parameters(), lr=0.01))
+                results[label] = step_time_ms(t, steps)
+            except torch.OutOfMemoryError:
+                results[label] = None
+                rep.notes.append(f"{title}: {label} does not fit in memory at batch {batch}")
+            finally:
+                twin = t = None
+                torch.cuda.empty_cache()
+        for label in ("torchfuse", "eager", "torch.compile"):
+            ms = results[label]
+            mfu = None if ms is None or not peak else flops / (ms * 1e-3) / (peak * 1e12) * 100
+            rows.append([title, label, batch, tokens, C.fmt(ms, 2), C.fmt(None if ms is None else tokens / ms * 1e3, 0),
+                         C.fmt(mfu, 1), C.ratio(results[label], results["torchfuse"]) if label != "torchfuse" else "1.00x"])
+        model = ours = None
+        torch.cuda.empty_cache()
+    rep.table("Training step (bf16 STU stack, fp32 tables; SGD on the tables, Adam on the dense part)",
+              ["config", "model", "batch", "tokens", "step ms", "tokens/s", "MFU %", "torchfuse speed-up"], rows)
+    rep.table("Serving: d new events per user, history 4096, config (a)'s layer shape",
+              ["users", "d", "cached ms", "full recompute ms", "speed-up"], serving_rows(args))
+    return rep
+
+
+def serving_rows(args):
+    cfg = CONFIGS["a"]
+    _, layers, E, H, Dh, N, _, _, _ = cfg
+    layers = 2 if args.quick else layers
+    mcfg = HSTURecommenderConfig(embedding_dim=E, num_layers=layers, num_heads=H, attention_dim=Dh, hidden_dim=Dh,
+                                 max_seq_len=N, dropout=0.0, item_capacity=1 << 22, compute_dtype=torch.bfloat16)
+    model = HSTURecommender(mcfg, device="cuda").eval()
+    rows = []
+    for users in ([1, 64] if args.quick else [1, 64, 256]):
+        for d in (1, 8, 64):
+            hist = N - d
+            items = torch.randint(1, 1 << 40, (users * N,), device="cuda")
+            offsets = torch.arange(users + 1, device="cuda") * N
+            hist_idx = (torch.arange(users, device="cuda").unsqueeze(1) * N + torch.arange(hist, device="cuda")).reshape(-1)
+            new_idx = (torch.arange(users, device="cuda").unsqueeze(1) * N + hist + torch.arange(d, device="cuda")).reshape(-1)
+            hist_offsets = torch.arange(users + 1, device="cuda") * hist
+            try:
+                times = []
+                for _ in range(4):  # each extend grows the cache: a fresh prefill (untimed) before each
+                    model.prefill(items[hist_idx], hist_offsets, hist)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model.extend(items[new_idx])
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                cached_ms = sorted(times[1:])[1]  # the median of the warm calls
+                with torch.no_grad():
+                    full_ms = C.bench_us(lambda: model.encode(items, offsets, N), quick=True) / 1e3
+                rows.append([users, d, C.fmt(cached_ms, 2), C.fmt(full_ms, 2), C.ratio(full_ms, cached_ms)])
+            except torch.OutOfMemoryError:
+                rows.append([users, d, "out of memory", "-", "-"])
+            finally:
+                model.stack.reset_kv_cache()
+                model._cached_lengths = None
+                torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(C.standalone("recsys", run, doc=__doc__))
