@@ -152,8 +152,9 @@ class STULayer(torch.nn.Module):
             return
         kv_offsets = complete_cumsum(kv_caching_lengths).to(seq_offsets.dtype)
         delta_offsets = seq_offsets - kv_offsets
-        self.k_cache, _ = split_2d_jagged(k.flatten(1, 2), kv_offsets, delta_offsets)
-        self.v_cache, _ = split_2d_jagged(v.flatten(1, 2), kv_offsets, delta_offsets)
+        # k, v: (L, H, D) from forward, or (L, H * D) from cached_forward's full K/V
+        self.k_cache, _ = split_2d_jagged(k.reshape(k.shape[0], -1), kv_offsets, delta_offsets)
+        self.v_cache, _ = split_2d_jagged(v.reshape(v.shape[0], -1), kv_offsets, delta_offsets)
         if max_kv_caching_len == 0:
             max_kv_caching_len = int(kv_caching_lengths.max().item()) if kv_caching_lengths.numel() else 0
         self.max_kv_caching_len = max_kv_caching_len

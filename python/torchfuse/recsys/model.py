@@ -25,7 +25,9 @@ __all__ = ["HSTURecommenderConfig", "HSTURecommender"]
 @dataclasses.dataclass
 class HSTURecommenderConfig:
     """The model's shape. ``item_capacity`` rows are kept (LRU eviction past it, growth from
-    ``item_initial_capacity``); ``user_context`` puts one row per user id in front of its history."""
+    ``item_initial_capacity``); ``user_context`` puts one row per user id in front of its history, as
+    an ordinary causal first token (not GR's contextual rows, which attend the whole sequence: through
+    a stack of layers that would leak later items into earlier positions' vectors)."""
 
     embedding_dim: int = 64
     num_layers: int = 2
@@ -80,12 +82,17 @@ class HSTURecommender(torch.nn.Module):
             eviction="lru", initializer=("normal", 0.0, c.init_std),
             optimizer=_table_optimizer(c.embedding_optimizer, c.embedding_lr), seed=c.seed + 1) \
             if c.user_context else None
-        self.positions = torch.nn.Embedding(c.max_seq_len + c.num_contextual, c.embedding_dim, device=device)
-        torch.nn.init.normal_(self.positions.weight, std=math.sqrt(1.0 / c.embedding_dim))
-        layer_cfg = STULayerConfig(embedding_dim=c.embedding_dim, num_heads=c.num_heads, hidden_dim=c.hidden_dim,
-                                   attention_dim=c.attention_dim, output_dropout_ratio=c.dropout,
-                                   target_aware=False, contextual_seq_len=c.num_contextual)
-        self.stack = STUStack([STULayer(layer_cfg) for _ in range(c.num_layers)]).to(device)
+        # the dense part's initial values are a function of config.seed alone (the tables' already are),
+        # drawn on the CPU so no device's generator is touched
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(c.seed)
+            self.positions = torch.nn.Embedding(c.max_seq_len + c.num_contextual, c.embedding_dim)
+            torch.nn.init.normal_(self.positions.weight, std=math.sqrt(1.0 / c.embedding_dim))
+            self.positions.to(device)
+            layer_cfg = STULayerConfig(embedding_dim=c.embedding_dim, num_heads=c.num_heads, hidden_dim=c.hidden_dim,
+                                       attention_dim=c.attention_dim, output_dropout_ratio=c.dropout,
+                                       target_aware=False)
+            self.stack = STUStack([STULayer(layer_cfg) for _ in range(c.num_layers)]).to(device)
         if c.compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"HSTURecommenderConfig.compute_dtype: float32, bfloat16 or float16, got {c.compute_dtype}")
 
@@ -123,7 +130,9 @@ class HSTURecommender(torch.nn.Module):
         pos = self._positions(offsets, total)
         x = F.dropout(x + self.positions(pos), p=c.dropout, training=self.training)
         lengths = offsets[1:] - offsets[:-1]
-        y = self.stack(x.to(c.compute_dtype), lengths, offsets, max_len + n_ctx, None,
+        # the attention's 1/N scale uses the configured N, as generative-recommenders' training does, so a
+        # user's vectors do not depend on which other users share the batch (and serving equals training)
+        y = self.stack(x.to(c.compute_dtype), lengths, offsets, c.max_seq_len + n_ctx, None,
                        kv_caching_lengths=kv_caching_lengths).float()
         if n_ctx:
             _, y = split_2d_jagged(y, None, hist_offsets, max_len_left=n_ctx, total_len_left=B * n_ctx,
@@ -166,6 +175,9 @@ class HSTURecommender(torch.nn.Module):
                + torch.arange(d, device=new_items.device)).reshape(-1)
         x = x + self.positions(pos)
         self._cached_lengths = self._cached_lengths + d
+        # cached_forward scales by (cached max length + d): pin that to the configured N, as encode does
+        for layer in self.stack._stu_layers:
+            layer.max_kv_caching_len = c.max_seq_len + c.num_contextual - d
         y = self.stack.cached_forward(x.to(c.compute_dtype), None,
                                       kv_caching_lengths=self._cached_lengths + c.num_contextual).float()
         return F.normalize(y, dim=-1, eps=1e-6)

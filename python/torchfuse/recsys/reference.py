@@ -53,8 +53,7 @@ class ReferenceRecommender(torch.nn.Module):
                                                                  freeze=False, sparse=True)
         self.positions = torch.nn.Embedding.from_pretrained(model.positions.weight.detach().clone(), freeze=False)
         cfg = STULayerConfig(embedding_dim=c.embedding_dim, num_heads=c.num_heads, hidden_dim=c.hidden_dim,
-                             attention_dim=c.attention_dim, output_dropout_ratio=c.dropout, target_aware=False,
-                             contextual_seq_len=c.num_contextual)
+                             attention_dim=c.attention_dim, output_dropout_ratio=c.dropout, target_aware=False)
         self.layers = torch.nn.ModuleList(_Layer(cfg, m) for m in model.stack._stu_layers)
 
     def sparse_parameters(self):
@@ -89,7 +88,7 @@ class ReferenceRecommender(torch.nn.Module):
             torch.empty(0, dtype=torch.long)
         x = F.dropout(x + self.positions(pos.to(x.device)), p=c.dropout, training=self.training)
         for layer in self.layers:
-            x = layer(x, offsets, max_len + n_ctx)
+            x = layer(x, offsets, c.max_seq_len + n_ctx)
         if n_ctx:
             keep = torch.cat([torch.arange(bounds[b] + n_ctx, bounds[b + 1]) for b in range(B)]) if B else pos
             x = x[keep.to(x.device)]
