@@ -199,7 +199,7 @@ TORCH_LIBRARY(torchfuse, m) {
     // ---- sampled softmax loss (python/torchfuse/losses.py; semantics: kernels/sampled_softmax.h) ----
     // negatives (R, D) shared by all T rows or (T, R, D) per row; ids mask a negative equal to the row's
     // positive; chunk_rows: rows of a (rows x R) similarity block at once (0: automatic). Returns the
-    // 0-dim float32 loss and the per-row log-sum-exp (float32, T) that the backward takes.
+    // 0-dim float32 loss and the per-row losses (float32, T) that the backward takes.
     m.def(
         "sampled_softmax_fwd(Tensor query, Tensor positive, Tensor negatives, Tensor? positive_ids, "
         "Tensor? negative_ids, Tensor? weights, float temperature, bool l2_norm, float eps, int chunk_rows) "
@@ -207,6 +207,6 @@ TORCH_LIBRARY(torchfuse, m) {
     // Gradients of sampled_softmax_fwd's loss: (dquery, dpositive, dnegatives).
     m.def(
         "sampled_softmax_bwd(Tensor dloss, Tensor query, Tensor positive, Tensor negatives, Tensor? positive_ids, "
-        "Tensor? negative_ids, Tensor? weights, Tensor lse, float temperature, bool l2_norm, float eps, "
+        "Tensor? negative_ids, Tensor? weights, Tensor row_loss, float temperature, bool l2_norm, float eps, "
         "int chunk_rows) -> (Tensor, Tensor, Tensor)");
 }

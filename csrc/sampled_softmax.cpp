@@ -115,9 +115,9 @@ std::tuple<at::Tensor, at::Tensor> ssm_forward(const SsmBackend &be, const at::T
     const tf_ssm_params &p = in.p;
     const int64_t T = p.T, R = p.R;
     const at::TensorOptions f32 = in.q.options().dtype(at::kFloat);
-    at::Tensor lse = at::empty({T}, f32), loss_rows = at::empty({T}, f32);
+    at::Tensor loss_rows = at::empty({T}, f32);
     if (T > 0 && p.per_row) {
-        be.per_row_fwd(p, lse.data_ptr<float>(), loss_rows.data_ptr<float>());
+        be.per_row_fwd(p, loss_rows.data_ptr<float>());
     } else if (T > 0) {
         at::Tensor stats = at::empty({3, T}, f32), rn = at::empty({R}, f32);
         float *rq = stats[0].data_ptr<float>(), *rp = stats[1].data_ptr<float>(), *pos = stats[2].data_ptr<float>();
@@ -134,8 +134,7 @@ std::tuple<at::Tensor, at::Tensor> ssm_forward(const SsmBackend &be, const at::T
                 at::Tensor qc = in.q.narrow(0, t0, n);
                 gemm_f32(Sv, f32_gemm ? qc.to(at::kFloat) : qc, ng.t());
             }
-            be.block_lse(p, Sv.data_ptr<float>(), t0, n, rq, rn.data_ptr<float>(), pos, lse.data_ptr<float>(),
-                         loss_rows.data_ptr<float>());
+            be.block_lse(p, Sv.data_ptr<float>(), t0, n, rq, rn.data_ptr<float>(), pos, loss_rows.data_ptr<float>());
         }
     }
     // the (weighted) mean over rows; a batch of total weight 0 (e.g. no rows) has loss 0, not 0/0
@@ -146,13 +145,13 @@ std::tuple<at::Tensor, at::Tensor> ssm_forward(const SsmBackend &be, const at::T
         const at::Tensor W = in.weights.sum();
         loss = at::where(W.ne(0), (loss_rows * in.weights).sum() / W, at::zeros({}, f32));
     }
-    return {loss, lse};
+    return {loss, loss_rows};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ssm_backward(
     const SsmBackend &be, const at::Tensor &dloss, const at::Tensor &query, const at::Tensor &positive,
     const at::Tensor &negatives, const std::optional<at::Tensor> &positive_ids,
-    const std::optional<at::Tensor> &negative_ids, const std::optional<at::Tensor> &weights, const at::Tensor &lse_in,
+    const std::optional<at::Tensor> &negative_ids, const std::optional<at::Tensor> &weights, const at::Tensor &row_loss,
     double temperature, bool l2_norm, double eps, int64_t chunk_rows) {
     const char *op = "torchfuse.sampled_softmax_loss (backward)";
     SsmInputs in = prepare_ssm(query, positive, negatives, positive_ids, negative_ids, weights, temperature, l2_norm,
@@ -160,12 +159,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssm_backward(
     const tf_ssm_params &p = in.p;
     const int64_t T = p.T, R = p.R, D = p.D;
     check_same_device(dloss, query, op, "dloss", "query");
-    check_same_device(lse_in, query, op, "lse", "query");
+    check_same_device(row_loss, query, op, "row_loss", "query");
     TORCH_CHECK(dloss.numel() == 1, op, ": dloss must hold one element, got shape ", dloss.sizes());
-    TORCH_CHECK(lse_in.dim() == 1 && lse_in.size(0) == T && lse_in.scalar_type() == at::kFloat, op,
-                ": lse must be the forward's float32 (T,) = (", T, ",) log-sum-exp, got ", lse_in.scalar_type(), " ",
-                lse_in.sizes());
-    const at::Tensor lse = lse_in.contiguous();
+    TORCH_CHECK(row_loss.dim() == 1 && row_loss.size(0) == T && row_loss.scalar_type() == at::kFloat, op,
+                ": row_loss must be the forward's float32 (T,) = (", T, ",) row losses, got ", row_loss.scalar_type(),
+                " ", row_loss.sizes());
+    const at::Tensor lr = row_loss.contiguous();
+    const float *loss = lr.data_ptr<float>();
     const at::TensorOptions f32 = in.q.options().dtype(at::kFloat);
     at::Tensor dq = at::empty_like(in.q), dp = at::empty_like(in.pos), dn = at::empty_like(in.neg);
     if (T == 0) {
@@ -182,7 +182,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssm_backward(
         g = at::where(W.ne(0), in.weights * (dl / W), at::zeros({}, f32)).contiguous();
     }
     if (p.per_row) {
-        be.per_row_bwd(p, lse.data_ptr<float>(), g.data_ptr<float>(), dq.data_ptr(), dp.data_ptr(), dn.data_ptr());
+        be.per_row_bwd(p, loss, g.data_ptr<float>(), dq.data_ptr(), dp.data_ptr(), dn.data_ptr());
         return {dq, dp, dn};
     }
     at::Tensor stats = at::empty({3, T}, f32), rn = at::empty({R}, f32);
@@ -198,8 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssm_backward(
     }
     const float *cp = c.data_ptr<float>();
     if (R == 0) {
-        be.rows_bwd(p, nullptr, 0, T, rq, rp, pos, lse.data_ptr<float>(), g.data_ptr<float>(), cp, dq.data_ptr(),
-                    dp.data_ptr());
+        be.rows_bwd(p, nullptr, 0, T, rq, rp, pos, loss, g.data_ptr<float>(), cp, dq.data_ptr(), dp.data_ptr());
         return {dq, dp, dn};
     }
     const bool f32_gemm = !be.low_precision_gemm && p.dtype != TF_F32;
@@ -217,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssm_backward(
         at::Tensor Sv = S.narrow(0, 0, n), Ev = E.narrow(0, 0, n), Av = Ac.narrow(0, 0, n);
         gemm_f32(Sv, qc, ng.t());
         be.block_dlogits(p, Sv.data_ptr<float>(), Ev.data_ptr(), e_f32 ? TF_F32 : p.dtype, t0, n, rq,
-                         rn.data_ptr<float>(), lse.data_ptr<float>(), g.data_ptr<float>(), cp);
+                         rn.data_ptr<float>(), pos, loss, g.data_ptr<float>(), cp);
         gemm_f32(Av, Ev, ng);
         if (t0 == 0) {
             gemm_f32(Bc, Ev.t(), qc);
@@ -227,8 +226,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssm_backward(
             gemm_f32(Bt, Ev.t(), qc);
             Bc.add_(Bt);
         }
-        be.rows_bwd(p, Av.data_ptr<float>(), t0, n, rq, rp, pos, lse.data_ptr<float>(), g.data_ptr<float>(), cp,
-                    dq.data_ptr(), dp.data_ptr());
+        be.rows_bwd(p, Av.data_ptr<float>(), t0, n, rq, rp, pos, loss, g.data_ptr<float>(), cp, dq.data_ptr(),
+                    dp.data_ptr());
     }
     be.neg_bwd(p, Bc.data_ptr<float>(), rn.data_ptr<float>(), cp, dn.data_ptr());
     return {dq, dp, dn};
@@ -246,30 +245,31 @@ void cpu_neg_norms(const tf_ssm_params &p, float *rn) {
     at::parallel_for(0, p.R, kGrain, [&](int64_t b, int64_t e) { tf_ssm_neg_norms_cpu(&p, rn, b, e); });
 }
 void cpu_block_lse(const tf_ssm_params &p, float *S, int64_t t0, int64_t rows, const float *rq, const float *rn,
-                   const float *pos, float *lse, float *loss) {
+                   const float *pos, float *loss) {
     at::parallel_for(0, rows, 1,
-                     [&](int64_t b, int64_t e) { tf_ssm_block_lse_cpu(&p, S, t0, rq, rn, pos, lse, loss, b, e); });
+                     [&](int64_t b, int64_t e) { tf_ssm_block_lse_cpu(&p, S, t0, rq, rn, pos, loss, b, e); });
 }
 void cpu_block_dlogits(const tf_ssm_params &p, const float *S, void *E, int e_dtype, int64_t t0, int64_t rows,
-                       const float *rq, const float *rn, const float *lse, const float *g, const float *c) {
+                       const float *rq, const float *rn, const float *pos, const float *loss, const float *g,
+                       const float *c) {
     at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-        tf_ssm_block_dlogits_cpu(&p, S, E, e_dtype, t0, rq, rn, lse, g, c, b, e);
+        tf_ssm_block_dlogits_cpu(&p, S, E, e_dtype, t0, rq, rn, pos, loss, g, c, b, e);
     });
 }
 void cpu_rows_bwd(const tf_ssm_params &p, const float *Ac, int64_t t0, int64_t rows, const float *rq, const float *rp,
-                  const float *pos, const float *lse, const float *g, const float *c, void *dq, void *dp) {
+                  const float *pos, const float *loss, const float *g, const float *c, void *dq, void *dp) {
     at::parallel_for(0, rows, kGrain, [&](int64_t b, int64_t e) {
-        tf_ssm_rows_bwd_cpu(&p, Ac, t0, rq, rp, pos, lse, g, c, dq, dp, b, e);
+        tf_ssm_rows_bwd_cpu(&p, Ac, t0, rq, rp, pos, loss, g, c, dq, dp, b, e);
     });
 }
 void cpu_neg_bwd(const tf_ssm_params &p, const float *Bc, const float *rn, const float *c, void *dn) {
     at::parallel_for(0, p.R, kGrain, [&](int64_t b, int64_t e) { tf_ssm_neg_bwd_cpu(&p, Bc, rn, c, dn, b, e); });
 }
-void cpu_per_row_fwd(const tf_ssm_params &p, float *lse, float *loss) {
-    at::parallel_for(0, p.T, 1, [&](int64_t b, int64_t e) { tf_ssm_per_row_fwd_cpu(&p, lse, loss, b, e); });
+void cpu_per_row_fwd(const tf_ssm_params &p, float *loss) {
+    at::parallel_for(0, p.T, 1, [&](int64_t b, int64_t e) { tf_ssm_per_row_fwd_cpu(&p, loss, b, e); });
 }
-void cpu_per_row_bwd(const tf_ssm_params &p, const float *lse, const float *g, void *dq, void *dp, void *dn) {
-    at::parallel_for(0, p.T, 1, [&](int64_t b, int64_t e) { tf_ssm_per_row_bwd_cpu(&p, lse, g, dq, dp, dn, b, e); });
+void cpu_per_row_bwd(const tf_ssm_params &p, const float *loss, const float *g, void *dq, void *dp, void *dn) {
+    at::parallel_for(0, p.T, 1, [&](int64_t b, int64_t e) { tf_ssm_per_row_bwd_cpu(&p, loss, g, dq, dp, dn, b, e); });
 }
 
 const SsmBackend kCpu = {cpu_row_stats,   cpu_neg_norms, cpu_block_lse,   cpu_block_dlogits, cpu_rows_bwd,
@@ -288,10 +288,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor &dloss, 
                                                        const at::Tensor &positive, const at::Tensor &negatives,
                                                        const std::optional<at::Tensor> &positive_ids,
                                                        const std::optional<at::Tensor> &negative_ids,
-                                                       const std::optional<at::Tensor> &weights, const at::Tensor &lse,
-                                                       double temperature, bool l2_norm, double eps,
-                                                       int64_t chunk_rows) {
-    return ssm_backward(kCpu, dloss, query, positive, negatives, positive_ids, negative_ids, weights, lse,
+                                                       const std::optional<at::Tensor> &weights,
+                                                       const at::Tensor &row_loss, double temperature, bool l2_norm,
+                                                       double eps, int64_t chunk_rows) {
+    return ssm_backward(kCpu, dloss, query, positive, negatives, positive_ids, negative_ids, weights, row_loss,
                         temperature, l2_norm, eps, chunk_rows);
 }
 

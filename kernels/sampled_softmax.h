@@ -4,7 +4,10 @@
  *   rq_t = 1 / max(||q_t||, eps), rp_t and rn_r likewise (l2_norm; else all 1)
  *   pos_t  = s <q_t, p_t> rq_t rp_t
  *   neg_tr = s <q_t, n_r> rq_t rn_r, or -5e4 where neg_ids[t, r] == pos_ids[t] (GR's masked value)
- *   lse_t  = logsumexp(pos_t, neg_t0, ..., neg_t(R-1)),   loss_t = lse_t - pos_t
+ *   loss_t = logsumexp(pos_t, neg_t0, ..., neg_t(R-1)) - pos_t
+ * The row loss is what the forward keeps for the backward (not the log-sum-exp): near a one-hot softmax
+ * it is small, and log1p / expm1 of it keep P_t - 1 = expm1(-loss_t) accurate where lse_t - pos_t,
+ * two fp32 numbers of the logits' size, would have lost it.
  * n_r is row r of negatives (R, D), shared by all rows, or row (t, r) of negatives (T, R, D).
  *
  * Backward with g_t = dL/dloss_t. Gradients are written in "A form": A_t = rq_t dL/dq^_t (q^ = q rq)
@@ -13,9 +16,9 @@
  *   E_tr = s g_t softmax_tr rq_t rn_r (0 where masked),  A_t = sum_r E_tr n_r + s g_t (P_t - 1) rq_t p^_t
  *   B_r  = sum_t E_tr q_t,  dL/dn_r = B_r - n^_r <B_r, n^_r>  (when ||n_r|| > eps)
  *   dL/dp_t = s g_t (P_t - 1) rp_t (q^_t - p^_t <q^_t, p^_t>)  (the projection only when ||p_t|| > eps)
- * where P_t = exp(pos_t - lse_t). For shared negatives the sums over r and t are GEMMs made by the
+ * where P_t = exp(-loss_t) and softmax_tr = exp(neg_tr - pos_t - loss_t). For shared negatives the sums over r and t are GEMMs made by the
  * caller on blocks of rows: the block kernels turn a (rows x R) block of raw dot products <q_t, n_r>
- * into logits (forward) or into E / c (backward; c a positive scale read from device memory, so
+ * into the row losses (forward) or into E / c (backward; c a positive scale read from device memory, so
  * that E fits the range of a 16-bit GEMM operand), and the caller multiplies back by c.
  *
  * Inputs are contiguous; pointers that may be NULL say so. */
@@ -50,40 +53,40 @@ void tf_ssm_row_stats_cpu(const tf_ssm_params *p, float *rq, float *rp, float *p
 /* rn of shared negative rows r. */
 void tf_ssm_neg_norms_cpu(const tf_ssm_params *p, float *rn, int64_t begin, int64_t end);
 /* Block rows i (query row t0 + i) of S (fp32, rows x R, row stride R) hold <q_t, n_r>: turned into
- * logits in place; lse and loss (indexed by t) written. */
+ * logits in place; loss (indexed by t) written. */
 void tf_ssm_block_lse_cpu(const tf_ssm_params *p, float *S, int64_t t0, const float *rq, const float *rn,
-                          const float *pos, float *lse, float *loss, int64_t begin, int64_t end);
+                          const float *pos, float *loss, int64_t begin, int64_t end);
 /* Block rows i of S (as above) -> E / c into E (e_dtype, same layout; may be S itself when fp32). */
 void tf_ssm_block_dlogits_cpu(const tf_ssm_params *p, const float *S, void *E, int e_dtype, int64_t t0,
-                              const float *rq, const float *rn, const float *lse, const float *g, const float *c,
-                              int64_t begin, int64_t end);
+                              const float *rq, const float *rn, const float *pos, const float *loss, const float *g,
+                              const float *c, int64_t begin, int64_t end);
 /* dq, dp of rows t0 + i from Ac = sum_r (E / c) n_r (fp32, rows x D; NULL: no negatives' part). */
 void tf_ssm_rows_bwd_cpu(const tf_ssm_params *p, const float *Ac, int64_t t0, const float *rq, const float *rp,
-                         const float *pos, const float *lse, const float *g, const float *c, void *dq, void *dp,
+                         const float *pos, const float *loss, const float *g, const float *c, void *dq, void *dp,
                          int64_t begin, int64_t end);
 /* dn of shared negative rows r from Bc = sum_t (E / c) q_t (fp32, R x D). */
 void tf_ssm_neg_bwd_cpu(const tf_ssm_params *p, const float *Bc, const float *rn, const float *c, void *dn,
                         int64_t begin, int64_t end);
-/* Per-row negatives: forward (lse, loss) and backward (dq, dp, dn) of rows t, n read once each. */
-void tf_ssm_per_row_fwd_cpu(const tf_ssm_params *p, float *lse, float *loss, int64_t begin, int64_t end);
-void tf_ssm_per_row_bwd_cpu(const tf_ssm_params *p, const float *lse, const float *g, void *dq, void *dp, void *dn,
+/* Per-row negatives: forward (loss) and backward (dq, dp, dn) of rows t, n read once each. */
+void tf_ssm_per_row_fwd_cpu(const tf_ssm_params *p, float *loss, int64_t begin, int64_t end);
+void tf_ssm_per_row_bwd_cpu(const tf_ssm_params *p, const float *loss, const float *g, void *dq, void *dp, void *dn,
                             int64_t begin, int64_t end);
 
 /* ---- CUDA (kernels/sampled_softmax_cuda.cu): the same over all rows; return a cudaError_t as int ---- */
 int tf_ssm_row_stats_cuda(const tf_ssm_params *p, float *rq, float *rp, float *pos, void *stream);
 int tf_ssm_neg_norms_cuda(const tf_ssm_params *p, float *rn, void *stream);
 int tf_ssm_block_lse_cuda(const tf_ssm_params *p, float *S, int64_t t0, int64_t rows, const float *rq,
-                          const float *rn, const float *pos, float *lse, float *loss, void *stream);
+                          const float *rn, const float *pos, float *loss, void *stream);
 int tf_ssm_block_dlogits_cuda(const tf_ssm_params *p, const float *S, void *E, int e_dtype, int64_t t0, int64_t rows,
-                              const float *rq, const float *rn, const float *lse, const float *g, const float *c,
-                              void *stream);
+                              const float *rq, const float *rn, const float *pos, const float *loss, const float *g,
+                              const float *c, void *stream);
 int tf_ssm_rows_bwd_cuda(const tf_ssm_params *p, const float *Ac, int64_t t0, int64_t rows, const float *rq,
-                         const float *rp, const float *pos, const float *lse, const float *g, const float *c,
+                         const float *rp, const float *pos, const float *loss, const float *g, const float *c,
                          void *dq, void *dp, void *stream);
 int tf_ssm_neg_bwd_cuda(const tf_ssm_params *p, const float *Bc, const float *rn, const float *c, void *dn,
                         void *stream);
-int tf_ssm_per_row_fwd_cuda(const tf_ssm_params *p, float *lse, float *loss, void *stream);
-int tf_ssm_per_row_bwd_cuda(const tf_ssm_params *p, const float *lse, const float *g, void *dq, void *dp, void *dn,
+int tf_ssm_per_row_fwd_cuda(const tf_ssm_params *p, float *loss, void *stream);
+int tf_ssm_per_row_bwd_cuda(const tf_ssm_params *p, const float *loss, const float *g, void *dq, void *dp, void *dn,
                             void *stream);
 
 #ifdef __cplusplus

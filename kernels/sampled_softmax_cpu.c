@@ -60,13 +60,15 @@ static int masked(const tf_ssm_params *p, int64_t t, int64_t r) {
     return p->pos_ids && p->neg_ids[t * p->neg_ids_stride + r] == p->pos_ids[t];
 }
 
-/* log(sum exp(v)) over pos and v[0..n), max-shifted. */
-static float logsumexp(float pos, const float *v, int64_t n) {
-    float m = pos;
+/* logsumexp(pos, v[0..n)) - pos. The negatives' sum is kept apart from the positive's term, so that a
+ * row whose positive dominates gets log1p of a small sum rather than the log of 1 + it. */
+static float row_loss(float pos, const float *v, int64_t n) {
+    float m = -INFINITY;
     for (int64_t r = 0; r < n; ++r) m = fmaxf(m, v[r]);
-    float sum = expf(pos - m);
-    for (int64_t r = 0; r < n; ++r) sum += expf(v[r] - m);
-    return m + logf(sum);
+    float l = 0.f;
+    for (int64_t r = 0; r < n; ++r) l += expf(v[r] - m);
+    if (m <= pos) return log1pf(l * expf(m - pos)); /* also n = 0: m = -inf, l = 0 */
+    return (m - pos) + logf(l + expf(pos - m));
 }
 
 void tf_ssm_row_stats_cpu(const tf_ssm_params *p, float *rq, float *rp, float *pos, int64_t begin, int64_t end) {
@@ -93,21 +95,20 @@ void tf_ssm_neg_norms_cpu(const tf_ssm_params *p, float *rn, int64_t begin, int6
 }
 
 void tf_ssm_block_lse_cpu(const tf_ssm_params *p, float *S, int64_t t0, const float *rq, const float *rn,
-                          const float *pos, float *lse, float *loss, int64_t begin, int64_t end) {
+                          const float *pos, float *loss, int64_t begin, int64_t end) {
     const int64_t R = p->R;
     for (int64_t i = begin; i < end; ++i) {
         const int64_t t = t0 + i;
         float *row = S + i * R;
         const float k = p->scale * rq[t];
         for (int64_t r = 0; r < R; ++r) row[r] = masked(p, t, r) ? TF_SSM_MASKED_LOGIT : k * row[r] * rn[r];
-        lse[t] = logsumexp(pos[t], row, R);
-        loss[t] = lse[t] - pos[t];
+        loss[t] = row_loss(pos[t], row, R);
     }
 }
 
 void tf_ssm_block_dlogits_cpu(const tf_ssm_params *p, const float *S, void *E, int e_dtype, int64_t t0,
-                              const float *rq, const float *rn, const float *lse, const float *g, const float *c,
-                              int64_t begin, int64_t end) {
+                              const float *rq, const float *rn, const float *pos, const float *loss, const float *g,
+                              const float *c, int64_t begin, int64_t end) {
     const int64_t R = p->R;
     const float inv_c = 1.f / *c;
     for (int64_t i = begin; i < end; ++i) {
@@ -115,7 +116,7 @@ void tf_ssm_block_dlogits_cpu(const tf_ssm_params *p, const float *S, void *E, i
         const float k = p->scale * rq[t], ge = p->scale * g[t] * rq[t] * inv_c;
         for (int64_t r = 0; r < R; ++r) {
             float e = 0.f;
-            if (!masked(p, t, r)) e = ge * expf(k * S[i * R + r] * rn[r] - lse[t]) * rn[r];
+            if (!masked(p, t, r)) e = ge * expf(k * S[i * R + r] * rn[r] - pos[t] - loss[t]) * rn[r];
             tf_store_f32(E, e_dtype, i * R + r, e);
         }
     }
@@ -124,9 +125,9 @@ void tf_ssm_block_dlogits_cpu(const tf_ssm_params *p, const float *S, void *E, i
 /* dq, dp of row t from A (fp32, D; the negatives' part, already multiplied back by c); q, pv are the
  * row's inputs in fp32; `out` a scratch row. */
 static void rows_bwd_one(const tf_ssm_params *p, int64_t t, float *A, const float *q, const float *pv, float rq,
-                         float rp, float pos, float lse, float g, void *dq, void *dp, float *out) {
+                         float rp, float pos, float loss, float g, void *dq, void *dp, float *out) {
     const int64_t D = p->D;
-    const float s = p->scale, dpos = g * (expf(pos - lse) - 1.f);
+    const float s = p->scale, dpos = g * expm1f(-loss);
     const float ka = s * dpos * rq * rp;
     for (int64_t d = 0; d < D; ++d) A[d] += ka * pv[d];
     const float aq = projects(p, rq) ? dot(A, q, D) * rq * rq : 0.f; /* <A, q^> q^ = <A, q> rq^2 q */
@@ -139,7 +140,7 @@ static void rows_bwd_one(const tf_ssm_params *p, int64_t t, float *A, const floa
 }
 
 void tf_ssm_rows_bwd_cpu(const tf_ssm_params *p, const float *Ac, int64_t t0, const float *rq, const float *rp,
-                         const float *pos, const float *lse, const float *g, const float *c, void *dq, void *dp,
+                         const float *pos, const float *loss, const float *g, const float *c, void *dq, void *dp,
                          int64_t begin, int64_t end) {
     const int64_t D = p->D;
     float *buf = alloc_floats(4 * D), *q = buf + D, *pv = q + D, *out = pv + D;
@@ -148,7 +149,7 @@ void tf_ssm_rows_bwd_cpu(const tf_ssm_params *p, const float *Ac, int64_t t0, co
         row_to_f32(p->q, p->dtype, t * D, D, q);
         row_to_f32(p->p, p->dtype, t * D, D, pv);
         for (int64_t d = 0; d < D; ++d) buf[d] = Ac ? *c * Ac[i * D + d] : 0.f;
-        rows_bwd_one(p, t, buf, q, pv, rq[t], rp[t], pos[t], lse[t], g[t], dq, dp, out);
+        rows_bwd_one(p, t, buf, q, pv, rq[t], rp[t], pos[t], loss[t], g[t], dq, dp, out);
     }
     free(buf);
 }
@@ -167,7 +168,7 @@ void tf_ssm_neg_bwd_cpu(const tf_ssm_params *p, const float *Bc, const float *rn
     free(n);
 }
 
-void tf_ssm_per_row_fwd_cpu(const tf_ssm_params *p, float *lse, float *loss, int64_t begin, int64_t end) {
+void tf_ssm_per_row_fwd_cpu(const tf_ssm_params *p, float *loss, int64_t begin, int64_t end) {
     const int64_t D = p->D, R = p->R;
     float *q = alloc_floats(3 * D + R), *pv = q + D, *n = pv + D, *logit = n + D;
     for (int64_t t = begin; t < end; ++t) {
@@ -183,13 +184,12 @@ void tf_ssm_per_row_fwd_cpu(const tf_ssm_params *p, float *lse, float *loss, int
             row_to_f32(p->n, p->dtype, (t * R + r) * D, D, n);
             logit[r] = p->scale * dot(q, n, D) * rq * inv_norm(p, dot(n, n, D));
         }
-        lse[t] = logsumexp(pos, logit, R);
-        loss[t] = lse[t] - pos;
+        loss[t] = row_loss(pos, logit, R);
     }
     free(q);
 }
 
-void tf_ssm_per_row_bwd_cpu(const tf_ssm_params *p, const float *lse, const float *g, void *dq, void *dp, void *dn,
+void tf_ssm_per_row_bwd_cpu(const tf_ssm_params *p, const float *loss, const float *g, void *dq, void *dp, void *dn,
                             int64_t begin, int64_t end) {
     const int64_t D = p->D, R = p->R;
     const float s = p->scale;
@@ -209,14 +209,14 @@ void tf_ssm_per_row_bwd_cpu(const tf_ssm_params *p, const float *lse, const floa
             }
             row_to_f32(p->n, p->dtype, off, D, n);
             const float qn = dot(q, n, D), rn = inv_norm(p, dot(n, n, D));
-            const float e = s * g[t] * expf(s * qn * rq * rn - lse[t]) * rq * rn;
+            const float e = s * g[t] * expf(s * qn * rq * rn - pos - loss[t]) * rq * rn;
             for (int64_t d = 0; d < D; ++d) A[d] += e * n[d];
             /* dn = B - n^ <B, n^> with B = e q: <B, n^> n^ = e <q, n> rn^2 n */
             const float bn = projects(p, rn) ? e * qn * rn * rn : 0.f;
             for (int64_t d = 0; d < D; ++d) out[d] = e * q[d] - bn * n[d];
             row_from_f32(dn, p->dtype, off, D, out);
         }
-        rows_bwd_one(p, t, A, q, pv, rq, rp, pos, lse[t], g[t], dq, dp, out);
+        rows_bwd_one(p, t, A, q, pv, rq, rp, pos, loss[t], g[t], dq, dp, out);
     }
     free(buf);
 }

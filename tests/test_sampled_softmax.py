@@ -169,6 +169,24 @@ def test_every_negative_masked(device, per_row):
         assert (gx == 0).all()
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared", "per_row"])
+def test_dominant_positive_keeps_relative_accuracy(device, per_row):
+    """positive close to the query at temperature 0.05: each row's loss is ~R exp(20 (cos_n - cos_p)),
+    far below the logits' rounding; the fused op keeps it (and the gradients) to float32 relative accuracy."""
+    (q, p, n), _ = make_case(device, torch.float32, 16, 32, 64, per_row=per_row)
+    p = q + 0.1 * p
+    ins = [x.clone().requires_grad_(True) for x in (q, p, n)]
+    loss = torchfuse.sampled_softmax_loss(*ins, 0.05)
+    grads = torch.autograd.grad(loss, ins)
+    xs = [x.double().requires_grad_(True) for x in (q, p, n)]
+    r = reference(*xs, 0.05)
+    assert r.item() < 1e-3
+    assert abs(loss.item() - r.item()) <= 1e-4 * r.item()
+    for name, a, b in zip(("dquery", "dpositive", "dnegatives"), grads, torch.autograd.grad(r, xs)):
+        err = (a.double() - b).abs().max().item()
+        assert err <= 1e-3 * b.abs().max().item(), f"{name}: {err:.3g} against {b.abs().max().item():.3g}"
+
+
 def test_zero_vectors_clamped_norm(device):
     """Rows of norm below eps are divided by eps (F.normalize), forward and backward."""
     (q, p, n), kw = make_case(device, torch.float32, 8, 6, 12, mask="row")

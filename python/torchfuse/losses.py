@@ -42,7 +42,7 @@ def sampled_softmax_loss(
     (``weights`` default 1: the mean over rows).
 
     The normalisation, the similarities and the log-sum-exp are one op forward and backward. Shared
-    negatives are processed in blocks of query rows (a GEMM per block; only the per-row log-sum-exp is
+    negatives are processed in blocks of query rows (a GEMM per block; only the per-row losses are
     kept for the backward, which recomputes each block), so no (T x R) logits tensor is ever held for
     large T; per-row negatives are read once forward and once backward.
 
@@ -94,8 +94,8 @@ def _fwd_fake(query, positive, negatives, positive_ids, negative_ids, weights, t
 
 
 @torch.library.register_fake("torchfuse::sampled_softmax_bwd")
-def _bwd_fake(dloss, query, positive, negatives, positive_ids, negative_ids, weights, lse, temperature, l2_norm,
-              eps, chunk_rows):
+def _bwd_fake(dloss, query, positive, negatives, positive_ids, negative_ids, weights, row_loss, temperature,
+              l2_norm, eps, chunk_rows):
     _check_shapes(query, positive, negatives)
     return query.new_empty(query.shape), positive.new_empty(positive.shape), negatives.new_empty(negatives.shape)
 
@@ -105,20 +105,20 @@ def _bwd_fake(dloss, query, positive, negatives, positive_ids, negative_ids, wei
 
 def _setup_context(ctx, inputs, output):
     query, positive, negatives, positive_ids, negative_ids, weights, temperature, l2_norm, eps, chunk_rows = inputs
-    _loss, lse = output
-    ctx.mark_non_differentiable(lse)
+    _loss, row_loss = output
+    ctx.mark_non_differentiable(row_loss)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(query, positive, negatives, positive_ids, negative_ids, weights, lse)
+    ctx.save_for_backward(query, positive, negatives, positive_ids, negative_ids, weights, row_loss)
     ctx.temperature, ctx.l2_norm, ctx.eps, ctx.chunk_rows = temperature, l2_norm, eps, chunk_rows
 
 
-def _backward(ctx, dloss, _dlse):
+def _backward(ctx, dloss, _drow_loss):
     need = ctx.needs_input_grad
     if dloss is None or not (need[0] or need[1] or need[2]):
         return (None,) * 10
-    query, positive, negatives, positive_ids, negative_ids, weights, lse = ctx.saved_tensors
-    dq, dp, dn = _bwd(dloss, query, positive, negatives, positive_ids, negative_ids, weights, lse, ctx.temperature,
-                      ctx.l2_norm, ctx.eps, ctx.chunk_rows)
+    query, positive, negatives, positive_ids, negative_ids, weights, row_loss = ctx.saved_tensors
+    dq, dp, dn = _bwd(dloss, query, positive, negatives, positive_ids, negative_ids, weights, row_loss,
+                      ctx.temperature, ctx.l2_norm, ctx.eps, ctx.chunk_rows)
     return (dq if need[0] else None, dp if need[1] else None, dn if need[2] else None) + (None,) * 7
 
 
