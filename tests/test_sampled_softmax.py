@@ -236,6 +236,23 @@ def test_int32_ids_and_strided_inputs(device):
     torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6)
 
 
+def test_autocast_mixed_dtypes(device):
+    """Under autocast, fp32 queries meet bf16 item embeddings as in GR's autocast training: one dtype for
+    the op, a float32 loss, gradients in each input's dtype."""
+    (q, p, n), kw = make_case(device, torch.float32, 20, 9, 32, mask="row")
+    ins = [q.clone().requires_grad_(True), p.bfloat16().requires_grad_(True), n.bfloat16().requires_grad_(True)]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss = torchfuse.sampled_softmax_loss(*ins, 0.05, **kw)
+    assert loss.dtype == torch.float32
+    grads = torch.autograd.grad(loss, ins)
+    assert [g.dtype for g in grads] == [torch.float32, torch.bfloat16, torch.bfloat16]
+    xs = [x.detach().bfloat16().double().requires_grad_(True) for x in ins]
+    r = reference(*xs, 0.05, **kw)
+    assert abs(loss.item() - r.item()) <= 1e-3 * abs(r.item())
+    for a, b in zip(grads, torch.autograd.grad(r, xs)):
+        assert (a.double() - b).abs().max().item() <= 2.0**-7 * b.abs().max().item()
+
+
 def test_no_grad_needed(device):
     (q, p, n), kw = make_case(device, torch.bfloat16, 10, 5, 16, mask="row")
     loss = torchfuse.sampled_softmax_loss(q, p, n, 0.05, **kw)

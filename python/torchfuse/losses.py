@@ -47,7 +47,8 @@ def sampled_softmax_loss(
     large T; per-row negatives are read once forward and once backward.
 
     Args:
-        query, positive: (T, D) float32, float16 or bfloat16, one dtype for all three inputs.
+        query, positive: (T, D) float32, float16 or bfloat16, one dtype for all three inputs (under
+            autocast, any float dtypes: all three are cast to the autocast dtype).
         negatives: (R, D) shared by every row, or (T, R, D) per row.
         temperature: > 0.
         l2_norm: normalise the three inputs first (GR's L2-normalised item and user embeddings).
@@ -66,6 +67,12 @@ def sampled_softmax_loss(
         get none.
     """
     count("sampled_softmax_fwd")
+    dev = query.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        # as autocast runs GR's similarity matmuls: on the autocast dtype (the gradients come back in
+        # each input's own dtype through the casts)
+        dt = torch.get_autocast_dtype(dev)
+        query, positive, negatives = query.to(dt), positive.to(dt), negatives.to(dt)
     args = (query, positive, negatives, positive_ids, negative_ids, weights, float(temperature), bool(l2_norm),
             float(eps), int(_chunk_rows))
     if torch.is_grad_enabled() and (query.requires_grad or positive.requires_grad or negatives.requires_grad):
