@@ -5,8 +5,10 @@
  * shuffles. Per-row negatives take one warp per query row t: the warp walks the row's R negatives, each
  * read once from memory per pass (the backward's second look at a negative row, to write its gradient,
  * hits L1), keeping the query gradient's running sum A in shared memory (D floats per warp, each lane
- * owning its chunks). Block kernels (shared negatives) turn the caller's (rows x R) GEMM block into the
- * row losses (a warp per row, online log-sum-exp over its R columns) or into E / c (one thread per element). */
+ * owning its chunks); rows of at most 128 elements split the warp into groups of 4, 8 or 16 lanes, each
+ * group on its own negative, with the query's chunk and A in registers. Block kernels (shared negatives)
+ * turn the caller's (rows x R) GEMM block into the row losses (a warp per row, online log-sum-exp over its
+ * R columns) or into E / c (one thread per element). */
 #include <cuda_runtime.h>
 
 #include "sampled_softmax.h"
@@ -309,7 +311,118 @@ __global__ void per_row_bwd_kernel(tf_ssm_params p, const float *loss, const flo
     finish_row(p, t, lane, A, 1.f, rq, rp, pos, lt, gt, dq, dp);
 }
 
+/* Per-row negatives with short rows (at most L chunks, L = 4, 8 or 16 lanes): the warp splits into
+ * 32 / L groups of L lanes, each group on its own negative at a time, so that a row of D <= 8 L elements
+ * still occupies the whole warp; the query chunk and the negative's chunk stay in registers. */
+template <int L>
+__global__ void per_row_fwd_short_kernel(tf_ssm_params p, float *loss) {
+    constexpr int G = 32 / L;
+    const int64_t t = (int64_t)blockIdx.x * kWarps + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32, sub = lane / L;
+    if (t >= p.T) return;
+    float rq, rp, pos;
+    row_stats(p, t, lane, rq, rp, pos);
+    const int64_t col = (int64_t)(lane % L) * TF_VEC;
+    const int n = col < p.D ? chunk_n(col, p.D) : 0;
+    float q[TF_VEC];
+    tf_load_chunk(tf_row(p.q, p.dtype, t, p.D), p.dtype, col, n, q); /* n = 0: zeros, nothing read */
+    float m = -INFINITY, l = 0.f;
+    for (int64_t r0 = 0; r0 < p.R; r0 += G) {
+        const int64_t r = r0 + sub;
+        const bool live = r < p.R && !masked(p, t, r);
+        float qn = 0.f, nn = 0.f;
+        if (live) {
+            float v[TF_VEC];
+            tf_load_chunk(tf_row(p.n, p.dtype, t * p.R + r, p.D), p.dtype, col, n, v);
+            qn = dot8(q, v);
+            nn = dot8(v, v);
+        }
+#pragma unroll
+        for (int o = L / 2; o > 0; o >>= 1) {
+            qn += __shfl_xor_sync(0xffffffffu, qn, o);
+            nn += __shfl_xor_sync(0xffffffffu, nn, o);
+        }
+        if (r < p.R) {
+            const float x = live ? p.scale * qn * rq * inv_norm(p, nn) : TF_SSM_MASKED_LOGIT;
+            if (x > m) {
+                l = l * expf(m - x) + 1.f;
+                m = x;
+            } else {
+                l += expf(x - m);
+            }
+        }
+    }
+#pragma unroll
+    for (int o = 16; o >= L; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+        lse_merge(m, l, m2, l2);
+    }
+    if (lane == 0) loss[t] = row_loss(pos, m, l);
+}
+
+template <int L>
+__global__ void per_row_bwd_short_kernel(tf_ssm_params p, const float *loss, const float *g, void *dq, void *dp,
+                                         void *dn) {
+    constexpr int G = 32 / L;
+    __shared__ __align__(16) float smem[kWarps][L * TF_VEC];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / L;
+    const int64_t t = (int64_t)blockIdx.x * kWarps + warp;
+    if (t >= p.T) return;
+    float rq, rp, pos;
+    row_stats(p, t, lane, rq, rp, pos);
+    const float s = p.scale, gt = g[t], lt = loss[t];
+    const int64_t col = (int64_t)(lane % L) * TF_VEC;
+    const int n = col < p.D ? chunk_n(col, p.D) : 0;
+    float q[TF_VEC], a[TF_VEC] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    tf_load_chunk(tf_row(p.q, p.dtype, t, p.D), p.dtype, col, n, q);
+    for (int64_t r0 = 0; r0 < p.R; r0 += G) {
+        const int64_t r = r0 + sub;
+        const bool live = r < p.R && !masked(p, t, r);
+        float qn = 0.f, nn = 0.f, v[TF_VEC] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (live) {
+            tf_load_chunk(tf_row(p.n, p.dtype, t * p.R + r, p.D), p.dtype, col, n, v);
+            qn = dot8(q, v);
+            nn = dot8(v, v);
+        }
+#pragma unroll
+        for (int o = L / 2; o > 0; o >>= 1) {
+            qn += __shfl_xor_sync(0xffffffffu, qn, o);
+            nn += __shfl_xor_sync(0xffffffffu, nn, o);
+        }
+        if (r < p.R && n > 0) {
+            float e = 0.f, bn = 0.f, o[TF_VEC];
+            if (live) {
+                const float rn = inv_norm(p, nn);
+                e = s * gt * expf(s * qn * rq * rn - pos - lt) * rq * rn;
+                bn = projects(p, rn) ? e * qn * rn * rn : 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) {
+                o[i] = e * q[i] - bn * v[i];
+                a[i] += e * v[i];
+            }
+            tf_store_chunk(tf_row(dn, p.dtype, t * p.R + r, p.D), p.dtype, col, n, o);
+        }
+    }
+    /* the groups' partial sums of A, then A through shared memory into finish_row's lane-to-chunk
+     * layout (lane j < L of group 0 holds chunk j, which finish_row gives to lane j) */
+#pragma unroll
+    for (int o = 16; o >= L; o >>= 1)
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], o);
+    float *A = smem[warp];
+    if (sub == 0 && n > 0) tf_store_chunk(A, TF_F32, col, n, a);
+    __syncwarp();
+    finish_row(p, t, lane, A, 1.f, rq, rp, pos, lt, gt, dq, dp);
+}
+
 unsigned rows_grid(int64_t rows) { return (unsigned)((rows + kWarps - 1) / kWarps); }
+
+/* Lanes per negative for rows of D elements: 4, 8 or 16 for short rows, else 32 (the whole warp). */
+int lanes_for(int64_t D) {
+    const int64_t chunks = (D + TF_VEC - 1) / TF_VEC;
+    return chunks <= 4 ? 4 : chunks <= 8 ? 8 : chunks <= 16 ? 16 : 32;
+}
 
 int launched() { return (int)cudaGetLastError(); }
 
@@ -365,13 +478,28 @@ int tf_ssm_neg_bwd_cuda(const tf_ssm_params *p, const float *Bc, const float *rn
 
 int tf_ssm_per_row_fwd_cuda(const tf_ssm_params *p, float *loss, void *stream) {
     if (p->T == 0) return 0;
-    per_row_fwd_kernel<<<rows_grid(p->T), kWarps * 32, 0, (cudaStream_t)stream>>>(*p, loss);
+    const unsigned grid = rows_grid(p->T);
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (lanes_for(p->D)) {
+    case 4: per_row_fwd_short_kernel<4><<<grid, kWarps * 32, 0, st>>>(*p, loss); break;
+    case 8: per_row_fwd_short_kernel<8><<<grid, kWarps * 32, 0, st>>>(*p, loss); break;
+    case 16: per_row_fwd_short_kernel<16><<<grid, kWarps * 32, 0, st>>>(*p, loss); break;
+    default: per_row_fwd_kernel<<<grid, kWarps * 32, 0, st>>>(*p, loss);
+    }
     return launched();
 }
 
 int tf_ssm_per_row_bwd_cuda(const tf_ssm_params *p, const float *loss, const float *g, void *dq, void *dp, void *dn,
                             void *stream) {
     if (p->T == 0) return 0;
+    const unsigned grid = rows_grid(p->T);
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (lanes_for(p->D)) {
+    case 4: per_row_bwd_short_kernel<4><<<grid, kWarps * 32, 0, st>>>(*p, loss, g, dq, dp, dn); return launched();
+    case 8: per_row_bwd_short_kernel<8><<<grid, kWarps * 32, 0, st>>>(*p, loss, g, dq, dp, dn); return launched();
+    case 16: per_row_bwd_short_kernel<16><<<grid, kWarps * 32, 0, st>>>(*p, loss, g, dq, dp, dn); return launched();
+    default: break;
+    }
     const size_t smem = (size_t)kWarps * (size_t)p->D * sizeof(float);
     if (smem > 48 * 1024) {
         /* wide rows: opt in to more shared memory (an error past the device's limit, D > ~14k) */

@@ -105,7 +105,9 @@ def test_loss_and_grads(device, dtype, per_row, variant):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [1, 3, 25, 50, 256])
+# on CUDA, per-row negatives take groups of 4 / 8 / 16 lanes up to D = 32 / 64 / 128, then whole warps
+# (one chunk of 8 per lane up to 256, several above)
+@pytest.mark.parametrize("D", [1, 3, 25, 50, 100, 256, 300])
 @pytest.mark.parametrize("per_row", [False, True], ids=["shared", "per_row"])
 def test_feature_dims(device, dtype, D, per_row):
     # at D = 1 a normalised row is its sign, so with l2_norm every gradient is 0 up to rounding (checked
@@ -123,6 +125,12 @@ def test_unit_dim_normalised(device, per_row):
     for x, gx in zip((q, p, n), torch.autograd.grad(loss, ins)):
         # zero up to the rounding of the gradient before the normalisation, s g / |x| per element
         assert gx.abs().max().item() <= 1e-5 * (1 / 0.05) * (1 / x.abs().min().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_rows_per_row(device, dtype):
+    """D = 3500: the per-row backward's running sums need more than 48 KiB of shared memory per block."""
+    run_case(device, dtype, 9, 5, 3500, per_row=True, mask="row")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
