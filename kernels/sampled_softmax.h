@@ -6,20 +6,21 @@
  *   neg_tr = s <q_t, n_r> rq_t rn_r, or -5e4 where neg_ids[t, r] == pos_ids[t] (GR's masked value)
  *   loss_t = logsumexp(pos_t, neg_t0, ..., neg_t(R-1)) - pos_t
  * The row loss is what the forward keeps for the backward (not the log-sum-exp): near a one-hot softmax
- * it is small, and log1p / expm1 of it keep P_t - 1 = expm1(-loss_t) accurate where lse_t - pos_t,
- * two fp32 numbers of the logits' size, would have lost it.
+ * it is small, and log1p / expm1 of it keep P_t - 1 = expm1(-loss_t) accurate where the difference of
+ * two fp32 numbers of the logits' size (log-sum-exp - pos_t) would have lost it.
  * n_r is row r of negatives (R, D), shared by all rows, or row (t, r) of negatives (T, R, D).
  *
  * Backward with g_t = dL/dloss_t. Gradients are written in "A form": A_t = rq_t dL/dq^_t (q^ = q rq)
  * has dL/dq_t = A_t - q^_t <A_t, q^_t> when ||q_t|| > eps (else A_t: the clamp passes the gradient
- * through scaled by 1/eps = rq_t), so the normalisation's backward needs no second reduction:
+ * through scaled by 1/eps = rq_t), so the normalisation's backward is one dot product per row:
  *   E_tr = s g_t softmax_tr rq_t rn_r (0 where masked),  A_t = sum_r E_tr n_r + s g_t (P_t - 1) rq_t p^_t
  *   B_r  = sum_t E_tr q_t,  dL/dn_r = B_r - n^_r <B_r, n^_r>  (when ||n_r|| > eps)
  *   dL/dp_t = s g_t (P_t - 1) rp_t (q^_t - p^_t <q^_t, p^_t>)  (the projection only when ||p_t|| > eps)
- * where P_t = exp(-loss_t) and softmax_tr = exp(neg_tr - pos_t - loss_t). For shared negatives the sums over r and t are GEMMs made by the
- * caller on blocks of rows: the block kernels turn a (rows x R) block of raw dot products <q_t, n_r>
- * into the row losses (forward) or into E / c (backward; c a positive scale read from device memory, so
- * that E fits the range of a 16-bit GEMM operand), and the caller multiplies back by c.
+ * where P_t = exp(-loss_t) and softmax_tr = exp(neg_tr - pos_t - loss_t). For shared negatives the sums
+ * over r and t are GEMMs made by the caller on blocks of rows: the block kernels turn a (rows x R) block
+ * of raw dot products <q_t, n_r> into the row losses (forward) or into E / c (backward; c a positive
+ * scale read from device memory, so that E / c fits the range of a 16-bit GEMM operand), and the caller
+ * multiplies back by c.
  *
  * Inputs are contiguous; pointers that may be NULL say so. */
 #ifndef TF_SAMPLED_SOFTMAX_H
