@@ -343,6 +343,8 @@ def test_bad_inputs(device):
     if device == "cuda":
         raises(RuntimeError, "negatives must be on the same device", q, p, n.cpu(), 0.1)
         raises(RuntimeError, "weights must be on the same device", q, p, n, 0.1, weights=kw["weights"].cpu())
+        raises(RuntimeError, "positive_ids must be on the same device", q, p, n, 0.1,
+               positive_ids=kw["positive_ids"].cpu(), negative_ids=kw["negative_ids"])
 
 
 # ---------------------------------------------------------------- memory
