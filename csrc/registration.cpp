@@ -180,4 +180,17 @@ TORCH_LIBRARY(torchfuse, m) {
     m.def("dynemb_tables_pool(Tensor slots, Tensor offsets, Tensor? weights, int batch, int[] features, Tensor[] rows, "
           "Tensor[] rows_host, bool[] mean) -> Tensor");
 
+    // ---- sampled softmax loss (python/torchfuse/losses.py; semantics: kernels/sampled_softmax.h) ----
+    // negatives (R, D) shared by all T rows or (T, R, D) per row; ids mask a negative equal to the row's
+    // positive; chunk_rows: rows of a (rows x R) similarity block at once (0: automatic). Returns the
+    // 0-dim float32 loss and the per-row losses (float32, T) that the backward takes.
+    m.def(
+        "sampled_softmax_fwd(Tensor query, Tensor positive, Tensor negatives, Tensor? positive_ids, "
+        "Tensor? negative_ids, Tensor? weights, float temperature, bool l2_norm, float eps, int chunk_rows) "
+        "-> (Tensor, Tensor)");
+    // Gradients of sampled_softmax_fwd's loss: (dquery, dpositive, dnegatives).
+    m.def(
+        "sampled_softmax_bwd(Tensor dloss, Tensor query, Tensor positive, Tensor negatives, Tensor? positive_ids, "
+        "Tensor? negative_ids, Tensor? weights, Tensor row_loss, float temperature, bool l2_norm, float eps, "
+        "int chunk_rows) -> (Tensor, Tensor, Tensor)");
 }

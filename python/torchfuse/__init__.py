@@ -49,3 +49,9 @@ __all__ += ["hf", "patch_hf", "unpatch_hf"]
 
 
 from . import compat  # noqa: E402,F401
+
+
+# ---- sampled softmax loss ----
+from .losses import sampled_softmax_loss  # noqa: E402
+
+__all__ += ["sampled_softmax_loss"]
