@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from torchfuse._timing import event_time_us
+
 try:
     import triton.testing as _tt
 except ImportError:  # the CUDA-event fallback below
@@ -46,34 +48,21 @@ def bench_us(fn, quick=False):
         return _tt.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
     fn()
     torch.cuda.synchronize()
-    n = 10 if quick else 30
-    times = []
-    for _ in range(n):
-        _flush_l2()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return statistics.median(event_time_us(fn, _flush_l2) for _ in range(10 if quick else 30))
 
 
 def calls_us(fn, before=None, after=None, reps=5):
     """Median of `reps` single calls of fn() in microseconds, CUDA events around each, the L2 flushed
     before each: for calls that change what the next one sees (a table's inserts), with before() and
     after() run untimed around every call."""
-    times = []
-    for _ in range(reps):
+    def prepare():
         if before is not None:
             before()
         _flush_l2()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+
+    times = []
+    for _ in range(reps):
+        times.append(event_time_us(fn, prepare))
         if after is not None:
             after()
     return statistics.median(times)

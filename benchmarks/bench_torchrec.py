@@ -24,31 +24,6 @@ import _common as C
 DEV = "cuda"
 
 
-class KJT:
-    """The KJT interface (torchrec is not needed to run this benchmark)."""
-
-    def __init__(self, keys, values, lengths, offsets):
-        self._k, self._v, self._l, self._o = keys, values, lengths, offsets
-
-    def keys(self):
-        return self._k
-
-    def values(self):
-        return self._v
-
-    def lengths(self):
-        return self._l
-
-    def offsets(self):
-        return self._o
-
-    def weights_or_none(self):
-        return None
-
-    def stride(self):
-        return self._l.numel() // len(self._k)
-
-
 def zipf_ids(rng, n, a, universe):
     """Zipf ranks folded into [0, universe), then scattered over int64 by an odd multiplier."""
     r = rng.zipf(a, n).astype(np.uint64) % np.uint64(universe)
@@ -62,8 +37,7 @@ def make_batches(args, rng):
         per_feature = [zipf_ids(rng, args.batch * args.pooling, args.zipf, args.universe) for _ in keys]
         values = torch.from_numpy(np.concatenate(per_feature)).to(DEV)
         lengths = torch.full((len(keys) * args.batch,), args.pooling, dtype=torch.int64, device=DEV)
-        offsets = torch.arange(0, len(keys) * args.batch + 1, device=DEV) * args.pooling
-        batches.append(KJT(keys, values, lengths, offsets))
+        batches.append(tftr.StandInKJT(keys, values, lengths))
     return keys, batches
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, HERE)
 
 import _common as C  # noqa: E402
 
-FAMILIES = ["norm", "jagged", "hstu", "dynamic_embedding", "hf", "torchrec", "recsys"]
+FAMILIES = ["norm", "jagged", "hstu", "dynamic_embedding", "hf", "torchrec", "sampled_softmax", "recsys"]
 
 
 def main():

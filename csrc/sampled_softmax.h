@@ -8,7 +8,7 @@
 #include <optional>
 #include <tuple>
 
-#include "../kernels/sampled_softmax.h"
+#include "../kernels/sampled_softmax_kernels.h"
 
 namespace torchfuse {
 

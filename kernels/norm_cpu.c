@@ -8,30 +8,6 @@
 
 #include "norm_kernels.h"
 
-static void row_to_f32(const void *base, int dt, int64_t off, int64_t n, float *out) {
-    if (dt == TF_F32) {
-        memcpy(out, (const float *)base + off, (size_t)n * sizeof(float));
-    } else if (dt == TF_BF16) {
-        const uint16_t *p = (const uint16_t *)base + off;
-        for (int64_t c = 0; c < n; ++c) out[c] = tf_bf16_to_f32(p[c]);
-    } else {
-        const uint16_t *p = (const uint16_t *)base + off;
-        for (int64_t c = 0; c < n; ++c) out[c] = tf_f16_to_f32(p[c]);
-    }
-}
-
-static void row_from_f32(void *base, int dt, int64_t off, int64_t n, const float *v) {
-    if (dt == TF_F32) {
-        memcpy((float *)base + off, v, (size_t)n * sizeof(float));
-    } else if (dt == TF_BF16) {
-        uint16_t *p = (uint16_t *)base + off;
-        for (int64_t c = 0; c < n; ++c) p[c] = tf_f32_to_bf16(v[c]);
-    } else {
-        uint16_t *p = (uint16_t *)base + off;
-        for (int64_t c = 0; c < n; ++c) p[c] = tf_f32_to_f16(v[c]);
-    }
-}
-
 /* v rounded to dt in place (what storing into a tensor of that dtype keeps). */
 static void round_row(float *v, int64_t n, int dt) {
     if (dt == TF_F32) return;
@@ -40,7 +16,7 @@ static void round_row(float *v, int64_t n, int dt) {
 
 /* A parameter vector in fp32 (fill where it is NULL), plus `offset`. */
 static void param_f32(const void *w, int dt, int64_t n, float fill, float offset, float *out) {
-    if (w) row_to_f32(w, dt, 0, n, out);
+    if (w) tf_row_to_f32(w, dt, 0, n, out);
     else
         for (int64_t c = 0; c < n; ++c) out[c] = fill;
     if (offset != 0.f)
@@ -95,7 +71,7 @@ static void norm_out_row(const tf_norm_fwd_params *p, const float *s, float mean
     } else {
         for (int64_t c = 0; c < n; ++c) out[c] = s[c] * rstd * w[c];
     }
-    row_from_f32(y, p->y_dtype, off, n, out);
+    tf_row_from_f32(y, p->y_dtype, off, n, out);
 }
 
 void tf_norm_fwd_cpu(const tf_norm_fwd_params *p, int64_t row_begin, int64_t row_end) {
@@ -110,19 +86,19 @@ void tf_norm_fwd_cpu(const tf_norm_fwd_params *p, int64_t row_begin, int64_t row
         param_f32(layer ? p->b2 : NULL, p->w_dtype, n, 0.f, 0.f, b2);
     }
     for (int64_t r = row_begin; r < row_end; ++r) {
-        row_to_f32(p->x, p->x_dtype, r * p->x_stride, n, buf);
+        tf_row_to_f32(p->x, p->x_dtype, r * p->x_stride, n, buf);
         if (p->res) {
-            row_to_f32(p->res, p->res_dtype, r * p->res_stride, n, tmp);
+            tf_row_to_f32(p->res, p->res_dtype, r * p->res_stride, n, tmp);
             for (int64_t c = 0; c < n; ++c) buf[c] += tmp[c];
             round_row(buf, n, p->add1_dtype);
             if (p->res2) {
-                row_to_f32(p->res2, p->res2_dtype, r * p->res2_stride, n, tmp);
+                tf_row_to_f32(p->res2, p->res2_dtype, r * p->res2_stride, n, tmp);
                 for (int64_t c = 0; c < n; ++c) buf[c] += tmp[c];
                 round_row(buf, n, p->add2_dtype);
             }
         }
         round_row(buf, n, p->s_dtype);
-        if (p->s) row_from_f32(p->s, p->s_dtype, r * n, n, buf);
+        if (p->s) tf_row_from_f32(p->s, p->s_dtype, r * n, n, buf);
         float mean = 0.f;
         if (layer) mean = row_sum(buf, n) / (float)n;
         for (int64_t c = 0; c < n; ++c) tmp[c] = buf[c] - mean;
@@ -149,12 +125,12 @@ void tf_norm_bwd_cpu(const tf_norm_bwd_params *p, int64_t row_begin, int64_t row
     if (p->w2) param_f32(p->w2, p->w_dtype, n, 1.f, p->weight_offset, w2);
     for (int64_t r = row_begin; r < row_end; ++r) {
         const float mean = layer ? p->mean[r] : 0.f, rstd = p->rstd[r];
-        row_to_f32(p->s, p->s_dtype, r * p->s_stride, n, xhat);
+        tf_row_to_f32(p->s, p->s_dtype, r * p->s_stride, n, xhat);
         for (int64_t c = 0; c < n; ++c) xhat[c] = (xhat[c] - mean) * rstd;
         /* HF Llama multiplies the weight by the normalized value rounded to s's dtype. */
         memcpy(xw, xhat, (size_t)n * sizeof(float));
         if (p->norm_type == TF_RMS_NORM_LLAMA) round_row(xw, n, p->s_dtype);
-        if (p->dy) row_to_f32(p->dy, p->dy_dtype, r * p->dy_stride, n, dy);
+        if (p->dy) tf_row_to_f32(p->dy, p->dy_dtype, r * p->dy_stride, n, dy);
         else memset(dy, 0, (size_t)n * sizeof(float));
         for (int64_t c = 0; c < n; ++c) g[c] = dy[c] * w[c];
         if (dw)
@@ -162,7 +138,7 @@ void tf_norm_bwd_cpu(const tf_norm_bwd_params *p, int64_t row_begin, int64_t row
         if (db)
             for (int64_t c = 0; c < n; ++c) db[c] += dy[c];
         if (p->w2) {
-            if (p->dy2) row_to_f32(p->dy2, p->dy_dtype, r * p->dy2_stride, n, dy);
+            if (p->dy2) tf_row_to_f32(p->dy2, p->dy_dtype, r * p->dy2_stride, n, dy);
             else memset(dy, 0, (size_t)n * sizeof(float));
             for (int64_t c = 0; c < n; ++c) g[c] += dy[c] * w2[c];
             if (dw2)
@@ -172,12 +148,12 @@ void tf_norm_bwd_cpu(const tf_norm_bwd_params *p, int64_t row_begin, int64_t row
         }
         const float sum_g = row_sum(g, n), sum_gx = row_dot(g, 0.f, xhat, n);
         const float mean_g = layer ? sum_g / (float)n : 0.f, mean_gx = sum_gx / (float)n;
-        if (p->ds_in) row_to_f32(p->ds_in, p->ds_in_dtype, r * p->ds_in_stride, n, ds);
+        if (p->ds_in) tf_row_to_f32(p->ds_in, p->ds_in_dtype, r * p->ds_in_stride, n, ds);
         else memset(ds, 0, (size_t)n * sizeof(float));
         for (int64_t c = 0; c < n; ++c) ds[c] += rstd * (g[c] - mean_g - xhat[c] * mean_gx);
-        if (p->dx) row_from_f32(p->dx, p->dx_dtype, r * n, n, ds);
-        if (p->dres) row_from_f32(p->dres, p->dres_dtype, r * n, n, ds);
-        if (p->dres2) row_from_f32(p->dres2, p->dres2_dtype, r * n, n, ds);
+        if (p->dx) tf_row_from_f32(p->dx, p->dx_dtype, r * n, n, ds);
+        if (p->dres) tf_row_from_f32(p->dres, p->dres_dtype, r * n, n, ds);
+        if (p->dres2) tf_row_from_f32(p->dres2, p->dres2_dtype, r * n, n, ds);
     }
     free(xhat);
 }

@@ -1,37 +1,13 @@
-/* Sampled softmax loss on the CPU: plain C (semantics and the A/B gradient forms: sampled_softmax.h).
+/* Sampled softmax loss on the CPU: plain C (semantics and the A and B gradient forms: sampled_softmax_kernels.h).
  * A row is converted to fp32 once into a buffer, then dot products and sums of squares run over plain
  * float arrays in 8 interleaved lanes (a single running sum is a chain of dependent adds that the
  * compiler may not reorder; 8 lanes vectorise). */
 #include <math.h>
 #include <stdlib.h>
 
-#include "sampled_softmax.h"
+#include "sampled_softmax_kernels.h"
 
 #define LANES 8
-
-static void row_to_f32(const void *base, int dt, int64_t off, int64_t n, float *out) {
-    if (dt == TF_F32) {
-        memcpy(out, (const float *)base + off, (size_t)n * sizeof(float));
-    } else if (dt == TF_BF16) {
-        const uint16_t *p = (const uint16_t *)base + off;
-        for (int64_t c = 0; c < n; ++c) out[c] = tf_bf16_to_f32(p[c]);
-    } else {
-        const uint16_t *p = (const uint16_t *)base + off;
-        for (int64_t c = 0; c < n; ++c) out[c] = tf_f16_to_f32(p[c]);
-    }
-}
-
-static void row_from_f32(void *base, int dt, int64_t off, int64_t n, const float *v) {
-    if (dt == TF_F32) {
-        memcpy((float *)base + off, v, (size_t)n * sizeof(float));
-    } else if (dt == TF_BF16) {
-        uint16_t *p = (uint16_t *)base + off;
-        for (int64_t c = 0; c < n; ++c) p[c] = tf_f32_to_bf16(v[c]);
-    } else {
-        uint16_t *p = (uint16_t *)base + off;
-        for (int64_t c = 0; c < n; ++c) p[c] = tf_f32_to_f16(v[c]);
-    }
-}
 
 static float dot(const float *a, const float *b, int64_t n) {
     float acc[LANES] = {0};
@@ -75,8 +51,8 @@ void tf_ssm_row_stats_cpu(const tf_ssm_params *p, float *rq, float *rp, float *p
     const int64_t D = p->D;
     float *q = alloc_floats(2 * D), *pv = q + D;
     for (int64_t t = begin; t < end; ++t) {
-        row_to_f32(p->q, p->dtype, t * D, D, q);
-        row_to_f32(p->p, p->dtype, t * D, D, pv);
+        tf_row_to_f32(p->q, p->dtype, t * D, D, q);
+        tf_row_to_f32(p->p, p->dtype, t * D, D, pv);
         rq[t] = inv_norm(p, dot(q, q, D));
         rp[t] = inv_norm(p, dot(pv, pv, D));
         pos[t] = p->scale * dot(q, pv, D) * rq[t] * rp[t];
@@ -88,7 +64,7 @@ void tf_ssm_neg_norms_cpu(const tf_ssm_params *p, float *rn, int64_t begin, int6
     const int64_t D = p->D;
     float *n = alloc_floats(D);
     for (int64_t r = begin; r < end; ++r) {
-        row_to_f32(p->n, p->dtype, r * D, D, n);
+        tf_row_to_f32(p->n, p->dtype, r * D, D, n);
         rn[r] = inv_norm(p, dot(n, n, D));
     }
     free(n);
@@ -132,11 +108,11 @@ static void rows_bwd_one(const tf_ssm_params *p, int64_t t, float *A, const floa
     for (int64_t d = 0; d < D; ++d) A[d] += ka * pv[d];
     const float aq = projects(p, rq) ? dot(A, q, D) * rq * rq : 0.f; /* <A, q^> q^ = <A, q> rq^2 q */
     for (int64_t d = 0; d < D; ++d) out[d] = A[d] - aq * q[d];
-    row_from_f32(dq, p->dtype, t * D, D, out);
+    tf_row_from_f32(dq, p->dtype, t * D, D, out);
     /* dp = s dpos rp (q^ - p^ <q^, p^>), <q^, p^> = pos / s */
     const float kq = s * dpos * rp * rq, kp = projects(p, rp) ? s * dpos * rp * rp * (pos / s) : 0.f;
     for (int64_t d = 0; d < D; ++d) out[d] = kq * q[d] - kp * pv[d];
-    row_from_f32(dp, p->dtype, t * D, D, out);
+    tf_row_from_f32(dp, p->dtype, t * D, D, out);
 }
 
 void tf_ssm_rows_bwd_cpu(const tf_ssm_params *p, const float *Ac, int64_t t0, const float *rq, const float *rp,
@@ -146,8 +122,8 @@ void tf_ssm_rows_bwd_cpu(const tf_ssm_params *p, const float *Ac, int64_t t0, co
     float *buf = alloc_floats(4 * D), *q = buf + D, *pv = q + D, *out = pv + D;
     for (int64_t i = begin; i < end; ++i) {
         const int64_t t = t0 + i;
-        row_to_f32(p->q, p->dtype, t * D, D, q);
-        row_to_f32(p->p, p->dtype, t * D, D, pv);
+        tf_row_to_f32(p->q, p->dtype, t * D, D, q);
+        tf_row_to_f32(p->p, p->dtype, t * D, D, pv);
         for (int64_t d = 0; d < D; ++d) buf[d] = Ac ? *c * Ac[i * D + d] : 0.f;
         rows_bwd_one(p, t, buf, q, pv, rq[t], rp[t], pos[t], loss[t], g[t], dq, dp, out);
     }
@@ -159,11 +135,11 @@ void tf_ssm_neg_bwd_cpu(const tf_ssm_params *p, const float *Bc, const float *rn
     const int64_t D = p->D;
     float *n = alloc_floats(2 * D), *out = n + D;
     for (int64_t r = begin; r < end; ++r) {
-        row_to_f32(p->n, p->dtype, r * D, D, n);
+        tf_row_to_f32(p->n, p->dtype, r * D, D, n);
         for (int64_t d = 0; d < D; ++d) out[d] = *c * Bc[r * D + d];
         const float bn = projects(p, rn[r]) ? dot(out, n, D) * rn[r] * rn[r] : 0.f;
         for (int64_t d = 0; d < D; ++d) out[d] -= bn * n[d];
-        row_from_f32(dn, p->dtype, r * D, D, out);
+        tf_row_from_f32(dn, p->dtype, r * D, D, out);
     }
     free(n);
 }
@@ -172,8 +148,8 @@ void tf_ssm_per_row_fwd_cpu(const tf_ssm_params *p, float *loss, int64_t begin, 
     const int64_t D = p->D, R = p->R;
     float *q = alloc_floats(3 * D + R), *pv = q + D, *n = pv + D, *logit = n + D;
     for (int64_t t = begin; t < end; ++t) {
-        row_to_f32(p->q, p->dtype, t * D, D, q);
-        row_to_f32(p->p, p->dtype, t * D, D, pv);
+        tf_row_to_f32(p->q, p->dtype, t * D, D, q);
+        tf_row_to_f32(p->p, p->dtype, t * D, D, pv);
         const float rq = inv_norm(p, dot(q, q, D)), rp = inv_norm(p, dot(pv, pv, D));
         const float pos = p->scale * dot(q, pv, D) * rq * rp;
         for (int64_t r = 0; r < R; ++r) {
@@ -181,7 +157,7 @@ void tf_ssm_per_row_fwd_cpu(const tf_ssm_params *p, float *loss, int64_t begin, 
                 logit[r] = TF_SSM_MASKED_LOGIT;
                 continue;
             }
-            row_to_f32(p->n, p->dtype, (t * R + r) * D, D, n);
+            tf_row_to_f32(p->n, p->dtype, (t * R + r) * D, D, n);
             logit[r] = p->scale * dot(q, n, D) * rq * inv_norm(p, dot(n, n, D));
         }
         loss[t] = row_loss(pos, logit, R);
@@ -195,8 +171,8 @@ void tf_ssm_per_row_bwd_cpu(const tf_ssm_params *p, const float *loss, const flo
     const float s = p->scale;
     float *buf = alloc_floats(5 * D), *A = buf, *q = A + D, *pv = q + D, *n = pv + D, *out = n + D;
     for (int64_t t = begin; t < end; ++t) {
-        row_to_f32(p->q, p->dtype, t * D, D, q);
-        row_to_f32(p->p, p->dtype, t * D, D, pv);
+        tf_row_to_f32(p->q, p->dtype, t * D, D, q);
+        tf_row_to_f32(p->p, p->dtype, t * D, D, pv);
         const float rq = inv_norm(p, dot(q, q, D)), rp = inv_norm(p, dot(pv, pv, D));
         const float pos = s * dot(q, pv, D) * rq * rp;
         memset(A, 0, (size_t)D * sizeof(float));
@@ -204,17 +180,17 @@ void tf_ssm_per_row_bwd_cpu(const tf_ssm_params *p, const float *loss, const flo
             const int64_t off = (t * R + r) * D;
             if (masked(p, t, r)) {
                 memset(out, 0, (size_t)D * sizeof(float));
-                row_from_f32(dn, p->dtype, off, D, out);
+                tf_row_from_f32(dn, p->dtype, off, D, out);
                 continue;
             }
-            row_to_f32(p->n, p->dtype, off, D, n);
+            tf_row_to_f32(p->n, p->dtype, off, D, n);
             const float qn = dot(q, n, D), rn = inv_norm(p, dot(n, n, D));
             const float e = s * g[t] * expf(s * qn * rq * rn - pos - loss[t]) * rq * rn;
             for (int64_t d = 0; d < D; ++d) A[d] += e * n[d];
             /* dn = B - n^ <B, n^> with B = e q: <B, n^> n^ = e <q, n> rn^2 n */
             const float bn = projects(p, rn) ? e * qn * rn * rn : 0.f;
             for (int64_t d = 0; d < D; ++d) out[d] = e * q[d] - bn * n[d];
-            row_from_f32(dn, p->dtype, off, D, out);
+            tf_row_from_f32(dn, p->dtype, off, D, out);
         }
         rows_bwd_one(p, t, A, q, pv, rq, rp, pos, loss[t], g[t], dq, dp, out);
     }

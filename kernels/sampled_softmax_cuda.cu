@@ -1,4 +1,4 @@
-/* Sampled softmax loss on CUDA (semantics and the A/B gradient forms: sampled_softmax.h).
+/* Sampled softmax loss on CUDA (semantics and the A and B gradient forms: sampled_softmax_kernels.h).
  *
  * Row kernels give one warp to a row of D elements: the row is cut into chunks of 8 (tf_vec.cuh: 16-byte
  * accesses where whole and aligned), chunk j read by lane j % 32, and per-row sums reduce with warp
@@ -11,7 +11,7 @@
  * R columns) or into E / c (one thread per element). */
 #include <cuda_runtime.h>
 
-#include "sampled_softmax.h"
+#include "sampled_softmax_kernels.h"
 #include "tf_vec.cuh"
 
 namespace {
@@ -53,7 +53,7 @@ __device__ __forceinline__ void lse_merge(float &m, float &l, float m2, float l2
 }
 
 /* logsumexp(pos, negatives) - pos from the negatives' online (m, l): log1p where the positive dominates
- * (sampled_softmax.h says why the row loss is what is kept). */
+ * (sampled_softmax_kernels.h says why the row loss is what is kept). */
 __device__ __forceinline__ float row_loss(float pos, float m, float l) {
     if (m <= pos) return log1pf(l * expf(m - pos)); /* also no negatives: m = -inf, l = 0 */
     return (m - pos) + logf(l + expf(pos - m));

@@ -79,6 +79,32 @@ static inline void tf_store_f32(void *base, int dt, int64_t i, float v) {
     else ((uint16_t *)base)[i] = tf_f32_to_f16(v);
 }
 
+/* n elements of a dtype-dt tensor from element off, widened into (narrowed from) a float buffer: one
+ * loop per dtype, so the compiler vectorises each. */
+static inline void tf_row_to_f32(const void *base, int dt, int64_t off, int64_t n, float *out) {
+    if (dt == TF_F32) {
+        memcpy(out, (const float *)base + off, (size_t)n * sizeof(float));
+    } else if (dt == TF_BF16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int64_t c = 0; c < n; ++c) out[c] = tf_bf16_to_f32(p[c]);
+    } else {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int64_t c = 0; c < n; ++c) out[c] = tf_f16_to_f32(p[c]);
+    }
+}
+
+static inline void tf_row_from_f32(void *base, int dt, int64_t off, int64_t n, const float *v) {
+    if (dt == TF_F32) {
+        memcpy((float *)base + off, v, (size_t)n * sizeof(float));
+    } else if (dt == TF_BF16) {
+        uint16_t *p = (uint16_t *)base + off;
+        for (int64_t c = 0; c < n; ++c) p[c] = tf_f32_to_bf16(v[c]);
+    } else {
+        uint16_t *p = (uint16_t *)base + off;
+        for (int64_t c = 0; c < n; ++c) p[c] = tf_f32_to_f16(v[c]);
+    }
+}
+
 /* v rounded to dtype dt and widened back: what storing into a tensor of that dtype keeps. */
 static inline float tf_round_f32(float v, int dt) {
     if (dt == TF_BF16) return tf_bf16_to_f32(tf_f32_to_bf16(v));

@@ -882,29 +882,7 @@ DYNEMB_ROWS = [
 
 # ---------------------------------------------------------------- TorchRec collections
 
-class KJT:
-    """The KeyedJaggedTensor interface the collections read (torchrec need not be installed)."""
-
-    def __init__(self, keys, values, lengths, weights=None):
-        self._keys, self._values, self._lengths, self._weights = list(keys), values, lengths, weights
-
-    def keys(self):
-        return self._keys
-
-    def values(self):
-        return self._values
-
-    def lengths(self):
-        return self._lengths
-
-    def offsets(self):
-        return torch.cat([self._lengths.new_zeros(1), torch.cumsum(self._lengths, 0)])
-
-    def weights_or_none(self):
-        return self._weights
-
-    def stride(self):
-        return self._lengths.numel() // max(len(self._keys), 1)
+KJT = tftr.StandInKJT
 
 
 def tables_cfg(pooling=("sum", "mean")):

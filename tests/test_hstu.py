@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import torchfuse
+from torchfuse.reference import hstu_valid_mask
 from torchfuse.compat import gr
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -18,32 +19,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def gr_valid_mask(n, t, c, m, f, g, has_targets):
     """generative-recommenders' `_get_valid_attn_mask` for one sequence (causal), plus FBGEMM's target
     groups: (n, n) bool, [row p, column q]."""
-    ids = torch.arange(n).view(1, n)
-    max_ids = torch.tensor(n)
-    if c > 0:
-        ids = torch.clamp(ids - c + 1, min=0)
-        max_ids = max_ids - c + 1
-    if has_targets:
-        max_ids = max_ids - t
-        ids = torch.clamp(ids, max=max_ids)
-    row_ids = ids.view(n, 1).expand(n, n)
-    col_ids = ids.view(1, n).expand(n, n)
-    dist = row_ids - col_ids
-    valid = torch.eye(n, dtype=torch.bool) | (dist > 0)
-    if m > 0:
-        if f > 0:
-            valid = valid & ((dist <= m) | (row_ids >= max_ids - f))
-        else:
-            valid = valid & (dist <= m)
-    if c > 0:
-        valid = valid | ((row_ids == 0) & (col_ids < max_ids))
-    if has_targets and g > 1:
-        u = n - t
-        p = torch.arange(n).view(n, 1)
-        qq = torch.arange(n).view(1, n)
-        valid = valid | ((p >= u) & (qq >= u) & (qq < p) & (torch.div(p - u, g, rounding_mode="floor")
-                                                            == torch.div(qq - u, g, rounding_mode="floor")))
-    return valid
+    return hstu_valid_mask(n, t, c, m, f, g, has_targets)
 
 
 def reference(q, k, v, offsets, max_seq_len, alpha, num_targets=None, contextual_seq_len=0, max_attn_len=0,

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import torchfuse
+from torchfuse.torchrec import StandInKJT
 from torchfuse import torchrec as tftr
 
 try:
@@ -18,31 +19,6 @@ try:
     HAVE_TORCHREC = True
 except Exception:  # not installed here: the stand-ins below cover the interface
     HAVE_TORCHREC = False
-
-
-class StandInKJT:
-    """The KJT interface the collections read, and nothing else."""
-
-    def __init__(self, keys, values, lengths, weights=None):
-        self._keys, self._values, self._lengths, self._weights = list(keys), values, lengths, weights
-
-    def keys(self):
-        return self._keys
-
-    def values(self):
-        return self._values
-
-    def lengths(self):
-        return self._lengths
-
-    def offsets(self):
-        return torch.cat([self._lengths.new_zeros(1), torch.cumsum(self._lengths, 0)])
-
-    def weights_or_none(self):
-        return self._weights
-
-    def stride(self):
-        return self._lengths.numel() // max(len(self._keys), 1)
 
 
 def make_kjt(keys, values, lengths, weights=None, real=False):

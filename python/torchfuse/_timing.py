@@ -5,6 +5,18 @@ import time
 import torch
 
 
+def event_time_us(fn, before=None):
+    """One call of fn() between two CUDA events, in microseconds; before() runs untimed first."""
+    if before is not None:
+        before()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
 def device_time_us(fn, device, warmup=10, rep=50):
     """Median time of one call in microseconds: CUDA events around each call on a GPU (the host may
     run ahead), a host clock on the CPU."""
@@ -13,13 +25,7 @@ def device_time_us(fn, device, warmup=10, rep=50):
     times = []
     if device == "cuda":
         torch.cuda.synchronize()
-        for _ in range(rep):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
+        times = [event_time_us(fn) for _ in range(rep)]
     else:
         for _ in range(rep):
             t0 = time.perf_counter()
@@ -35,16 +41,11 @@ def back_to_back_us(fn, calls=10, rounds=3, warmup=1, stat=min):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    def many():
         for _ in range(calls):
             fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return stat(times)
+
+    return stat([event_time_us(many) / calls for _ in range(rounds)])
 
 
 def wall_times_us(fns, device, calls=500, rounds=20):

@@ -109,21 +109,13 @@ class STULayer(torch.nn.Module):
         _padded_dim(config.hidden_dim)
         self._is_inference = is_inference
         self.reset_kv_cache()
-        self._num_heads = config.num_heads
-        self._embedding_dim = config.embedding_dim
-        self._hidden_dim = config.hidden_dim
-        self._attention_dim = config.attention_dim
-        self._output_dropout_ratio = config.output_dropout_ratio
-        self._target_aware = config.target_aware
-        self._causal = config.causal
+        # generative-recommenders' attribute names, one per config field
+        for name in ("num_heads", "embedding_dim", "hidden_dim", "attention_dim", "output_dropout_ratio",
+                     "target_aware", "causal", "use_group_norm", "recompute_normed_x", "recompute_uvqk",
+                     "recompute_y", "sort_by_length", "contextual_seq_len"):
+            setattr(self, "_" + name, getattr(config, name))
         self._max_attn_len = config.max_attn_len or 0
         self._attn_alpha = config.attn_alpha or 1.0 / (self._attention_dim ** 0.5)
-        self._use_group_norm = config.use_group_norm
-        self._recompute_normed_x = config.recompute_normed_x
-        self._recompute_uvqk = config.recompute_uvqk
-        self._recompute_y = config.recompute_y
-        self._sort_by_length = config.sort_by_length
-        self._contextual_seq_len = config.contextual_seq_len
         H, E, Dh, Da = self._num_heads, self._embedding_dim, self._hidden_dim, self._attention_dim
         self._uvqk_weight = torch.nn.Parameter(torch.empty((E, (Dh * 2 + Da * 2) * H)))
         torch.nn.init.xavier_uniform_(self._uvqk_weight)

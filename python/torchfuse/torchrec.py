@@ -18,7 +18,7 @@ from torch import Tensor
 from . import dynemb_tables as _tables
 from .dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag
 
-__all__ = ["DynamicEmbeddingBagCollection", "DynamicEmbeddingCollection", "swap_embedding_modules",
+__all__ = ["DynamicEmbeddingBagCollection", "DynamicEmbeddingCollection", "StandInKJT", "swap_embedding_modules",
            "KeyedTensor", "JaggedTensor"]
 
 
@@ -74,6 +74,36 @@ class JaggedTensor:
 
     def weights_or_none(self) -> Optional[Tensor]:
         return self._weights
+
+
+class StandInKJT:
+    """The part of TorchRec's ``KeyedJaggedTensor`` the collections read (keys, values, lengths,
+    offsets, weights, stride), to feed them where torchrec is not installed: ``StandInKJT(keys,
+    values, lengths, weights=None)``, lengths (len(keys) * B,) feature-major as in a KJT."""
+
+    def __init__(self, keys, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None):
+        self._keys, self._values, self._lengths, self._weights = list(keys), values, lengths, weights
+        self._offsets = None
+
+    def keys(self):
+        return self._keys
+
+    def values(self):
+        return self._values
+
+    def lengths(self):
+        return self._lengths
+
+    def offsets(self):
+        if self._offsets is None:
+            self._offsets = torch.cat([self._lengths.new_zeros(1), torch.cumsum(self._lengths, 0)])
+        return self._offsets
+
+    def weights_or_none(self):
+        return self._weights
+
+    def stride(self):
+        return self._lengths.numel() // max(len(self._keys), 1)
 
 
 def _field(cfg, name, default=None):

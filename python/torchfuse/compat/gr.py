@@ -64,21 +64,8 @@ def concat_2D_jagged_multirow(
                             offsets_right)
 
 
-def split_2D_jagged_multirow(
-    max_seq_len: int,
-    values: Tensor,
-    total_len_left: Optional[int] = None,
-    total_len_right: Optional[int] = None,
-    max_len_left: Optional[int] = None,
-    max_len_right: Optional[int] = None,
-    offsets_left: Optional[Tensor] = None,
-    offsets_right: Optional[Tensor] = None,
-    kernel=None,
-) -> Tuple[Tensor, Tensor]:
-    """generative_recommenders.ops.jagged_tensors.split_2D_jagged_multirow: the same result as
-    split_2D_jagged."""
-    return split_2D_jagged(max_seq_len, values, total_len_left, total_len_right, max_len_left, max_len_right,
-                           offsets_left, offsets_right)
+# GR's multirow variant only launches several rows per program: the same signature and result
+split_2D_jagged_multirow = split_2D_jagged
 
 
 # ---- HSTU attention (hstu_mha) ----

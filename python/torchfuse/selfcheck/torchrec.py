@@ -26,31 +26,6 @@ def _torchrec():
         return None
 
 
-class _KJT:
-    """The KeyedJaggedTensor interface the collections read, and nothing else."""
-
-    def __init__(self, keys, values, lengths):
-        self._keys, self._values, self._lengths = list(keys), values, lengths
-
-    def keys(self):
-        return self._keys
-
-    def values(self):
-        return self._values
-
-    def lengths(self):
-        return self._lengths
-
-    def offsets(self):
-        return torch.cat([self._lengths.new_zeros(1), torch.cumsum(self._lengths, 0)])
-
-    def weights_or_none(self):
-        return None
-
-    def stride(self):
-        return self._lengths.numel() // max(len(self._keys), 1)
-
-
 def _configs(tables, bag):
     tr = _torchrec()
     if tr is None:
@@ -67,7 +42,7 @@ def _configs(tables, bag):
 def _kjt(keys, values, lengths):
     tr = _torchrec()
     if tr is None:
-        return _KJT(keys, values, lengths)
+        return torchfuse.torchrec.StandInKJT(keys, values, lengths)
     return tr.KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
 
 

@@ -23,8 +23,8 @@
  * multiplies back by c.
  *
  * Inputs are contiguous; pointers that may be NULL say so. */
-#ifndef TF_SAMPLED_SOFTMAX_H
-#define TF_SAMPLED_SOFTMAX_H
+#ifndef TF_SAMPLED_SOFTMAX_KERNELS_H
+#define TF_SAMPLED_SOFTMAX_KERNELS_H
 
 #include <stdint.h>
 
@@ -93,4 +93,4 @@ int tf_ssm_per_row_bwd_cuda(const tf_ssm_params *p, const float *loss, const flo
 #ifdef __cplusplus
 }
 #endif
-#endif /* TF_SAMPLED_SOFTMAX_H */
+#endif /* TF_SAMPLED_SOFTMAX_KERNELS_H */
