@@ -31,7 +31,7 @@ def _unavailable():
     if importlib.util.find_spec("transformers") is None:
         return "transformers is not installed"
     try:
-        torchfuse.hf._check_version()
+        torchfuse.hf._version()  # raises for a transformers older than the supported ones
     except Exception as e:
         return str(e)
     return None
