@@ -56,6 +56,11 @@ Case families (row id = family/case):
              to swap; B = 0 (= zeros); a KJT on another device
   hf/        patch_hf / unpatch_hf: a non-model, a string, no argument, an unsupported model type
              (model and model_type=), a model_type that disagrees with the model
+  bmm/       jagged_dense_bmm_broadcast_add: jagged of the wrong width, bias of the wrong shape, offsets
+             of the wrong length for dense's batch, mixed dtypes, negative max_seq_len
+  ssm/       sampled_softmax_loss: temperature 0, positive / negatives / weights of the wrong shape,
+             float ids, an int query
+  stu/       nn.STULayer: x of the wrong width, cached_forward with an empty cache
 """
 import re
 from dataclasses import dataclass
@@ -1001,9 +1006,51 @@ HF_ROWS = [
 ]
 
 
+# ---------------------------------------------------------------- jagged bmm, sampled softmax, STU layer
+
+BMM = torchfuse.jagged_dense_bmm_broadcast_add
+SSM = torchfuse.sampled_softmax_loss
+
+
+def _stu(d):
+    from torchfuse.nn import STULayer, STULayerConfig
+    return STULayer(STULayerConfig(embedding_dim=8, num_heads=1, hidden_dim=8, attention_dim=8)).to(d)
+
+
+LATER_ROWS = [
+    bad("bmm/shape/jagged-columns", ValueError, r"jagged has 3 columns but dense has K = 4",
+        lambda d: BMM(4, t([0, 2, 5], d), rand(5, 3, d=d), rand(2, 4, 3, d=d), rand(2, 3, d=d))),
+    bad("bmm/shape/bias", ValueError, r"bias must be \(B, N\)",
+        lambda d: BMM(4, t([0, 2, 5], d), rand(5, 4, d=d), rand(2, 4, 3, d=d), rand(3, 3, d=d))),
+    bad("bmm/offsets/wrong-length", ValueError, r"seq_offsets must have B \+ 1 = 3 entries",
+        lambda d: BMM(4, t([0, 5], d), rand(5, 4, d=d), rand(2, 4, 3, d=d), rand(2, 3, d=d))),
+    bad("bmm/dtype/mixed", ValueError, r"one float dtype",
+        lambda d: BMM(4, t([0, 2, 5], d), rand(5, 4, d=d), rand(2, 4, 3, d=d, dtype=torch.float16), rand(2, 3, d=d))),
+    bad("bmm/max_seq_len/negative", ValueError, r"max_seq_len must be >= 0",
+        lambda d: BMM(-1, t([0, 2, 5], d), rand(5, 4, d=d), rand(2, 4, 3, d=d), rand(2, 3, d=d))),
+    bad("ssm/temperature/zero", RuntimeError, r"temperature must be a positive finite number",
+        lambda d: SSM(rand(3, 4, d=d), rand(3, 4, d=d), rand(5, 4, d=d), 0.0)),
+    bad("ssm/shape/positive", RuntimeError, r"positive must have the shape of query",
+        lambda d: SSM(rand(3, 4, d=d), rand(2, 4, d=d), rand(5, 4, d=d), 0.05)),
+    bad("ssm/shape/negatives", RuntimeError, r"negatives must be \(R, D\) or \(T, R, D\)",
+        lambda d: SSM(rand(3, 4, d=d), rand(3, 4, d=d), rand(5, 3, d=d), 0.05)),
+    bad("ssm/dtype/float-ids", TypeError, r"positive_ids must be int64 or int32",
+        lambda d: SSM(rand(3, 4, d=d), rand(3, 4, d=d), rand(5, 4, d=d), 0.05, positive_ids=rand(3, d=d),
+                      negative_ids=t(list(range(5)), d))),
+    bad("ssm/shape/weights", RuntimeError, r"weights must be \(T,\)",
+        lambda d: SSM(rand(3, 4, d=d), rand(3, 4, d=d), rand(5, 4, d=d), 0.05, weights=rand(4, d=d))),
+    bad("ssm/dtype/int-query", TypeError, r"query must be float32, float16 or bfloat16",
+        lambda d: SSM(t([[1, 2, 3, 4]] * 3, d), rand(3, 4, d=d), rand(5, 4, d=d), 0.05)),
+    bad("stu/x/width", ValueError, r"x must be \(L, 8\)",
+        lambda d: _stu(d)(rand(3, 9, d=d), t([3], d), t([0, 3], d), 3, None)),
+    bad("stu/cache/empty", RuntimeError, r"the K/V cache is empty",
+        lambda d: _stu(d).cached_forward(rand(2, 8, d=d), None)),
+]
+
+
 # ---------------------------------------------------------------- the test
 
-ROWS = NORM_ROWS + JAGGED_ROWS + HSTU_ROWS + DYNEMB_ROWS + TORCHREC_ROWS + HF_ROWS
+ROWS = NORM_ROWS + JAGGED_ROWS + HSTU_ROWS + DYNEMB_ROWS + TORCHREC_ROWS + HF_ROWS + LATER_ROWS
 
 
 def _sync(device):
@@ -1040,7 +1087,10 @@ def test_rows_are_unique_and_cover_every_family():
     ids = [r.id for r in ROWS]
     assert len(ids) == len(set(ids))
     families = {i.split("/")[0] for i in ids}
-    assert families == {"norm", "jagged", "hstu", "dynemb", "torchrec", "hf"}
+    assert families == {"norm", "jagged", "hstu", "dynemb", "torchrec", "hf", "bmm", "ssm", "stu"}
     exported = set(torchfuse.jagged.__dict__) & set(torchfuse.__all__)
     tried = {i.split("/")[-1].split("-")[0] for i in ids if i.startswith("jagged/offsets-")}
-    assert {n for n in exported if n not in ("complete_cumsum", "jagged_index_select", "validate_jagged")} <= tried
+    # jagged_dense_bmm_broadcast_add reads its offsets through jagged_to_padded_dense and dense_to_jagged,
+    # whose offset rows cover them; its own checks are the bmm/ rows
+    assert {n for n in exported if n not in ("complete_cumsum", "jagged_index_select", "validate_jagged",
+                                             "jagged_dense_bmm_broadcast_add")} <= tried

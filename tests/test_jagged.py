@@ -3,6 +3,9 @@
 Copy ops must be bit-exact (they only move rows); jagged_dense_add / mul must equal PyTorch's own
 add / mul in the same dtype (one rounding of the exact result), so they are compared exactly too.
 """
+import itertools
+import random
+
 import pytest
 import torch
 
@@ -746,3 +749,69 @@ def test_opcheck_index_select_unknown_total(device):
         utils.remove("test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.torchfuse.jagged_index_select.default, (v, lengths, idx, None),
                           test_utils=utils)
+
+
+# ---- jagged_dense_bmm_broadcast_add (generative-recommenders' semantics) ----
+
+
+def _gr_bmm_broadcast_add(max_seq_len, offsets, jagged, dense, bias):
+    """generative-recommenders' pytorch_jagged_dense_bmm_broadcast_add, sequence by sequence, in fp64."""
+    outs = []
+    o = offsets.tolist()
+    for b in range(len(o) - 1):
+        rows = jagged[o[b]:o[b + 1]].double()
+        n = min(rows.shape[0], max_seq_len)
+        out = torch.zeros(rows.shape[0], dense.shape[2], dtype=torch.float64, device=jagged.device)
+        out[:n] = rows[:n] @ dense[b].double() + bias[b].double()
+        outs.append(out)
+    return torch.cat(outs) if outs else jagged.new_zeros((0, dense.shape[2]), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("off_dtype", [torch.int32, torch.int64])
+def test_jagged_dense_bmm_broadcast_add(device, dtype, off_dtype):
+    B = random.choice([0, 1, random.randint(2, 7)])
+    K, N = random.randint(1, 40), random.randint(1, 33)
+    max_seq_len = random.randint(1, 12)
+    lengths = [random.choice([0, 1, max_seq_len, max_seq_len + 3, random.randint(0, max_seq_len)]) for _ in range(B)]
+    offsets = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=off_dtype, device=device)
+    jagged = torch.randn(sum(lengths), K, device=device, dtype=dtype, requires_grad=True)
+    dense = torch.randn(B, K, N, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.randn(B, N, device=device, dtype=dtype, requires_grad=True)
+    out = torchfuse.jagged_dense_bmm_broadcast_add(max_seq_len, offsets, jagged, dense, bias)
+    assert out.shape == (sum(lengths), N) and out.dtype == dtype
+    ins64 = [t.detach().double().requires_grad_(True) for t in (jagged, dense, bias)]
+    ref = _gr_bmm_broadcast_add(max_seq_len, offsets, *ins64)
+    lp = _gr_bmm_broadcast_add(max_seq_len, offsets, jagged.detach(), dense.detach(), bias.detach()).to(dtype)
+
+    def maxabs(t):
+        return t.abs().max().item() if t.numel() else 0.0
+
+    floor = 1e-5 if dtype == torch.float32 else 1e-2
+    assert maxabs(out.double() - ref) <= 3 * maxabs(lp.double() - ref) + floor * max(1.0, maxabs(ref))
+    if B == 0:
+        return
+    g = torch.randn_like(ref)
+    out.backward(g.to(dtype))
+    ref.backward(g)
+    for got, want in zip((jagged.grad, dense.grad, bias.grad), ins64):
+        assert maxabs(got.double() - want.grad) <= (1e-4 if dtype == torch.float32 else 3e-2) * max(1.0, maxabs(want.grad))
+    # compat.gr takes GR's signature (kernel ignored)
+    from torchfuse.compat import gr
+    again = gr.jagged_dense_bmm_broadcast_add(max_seq_len, offsets, jagged, dense, bias, kernel=None)
+    assert torch.equal(again, out)
+
+
+def test_jagged_dense_bmm_broadcast_add_bad_arguments():
+    f = torchfuse.jagged_dense_bmm_broadcast_add
+    j, d, b, o = torch.randn(5, 4), torch.randn(2, 4, 3), torch.randn(2, 3), torch.tensor([0, 2, 5])
+    with pytest.raises(ValueError, match="columns"):
+        f(4, o, torch.randn(5, 3), d, b)
+    with pytest.raises(ValueError, match="bias must be"):
+        f(4, o, j, d, torch.randn(3, 3))
+    with pytest.raises(ValueError, match="seq_offsets must have"):
+        f(4, torch.tensor([0, 5]), j, d, b)
+    with pytest.raises(ValueError, match="one float dtype"):
+        f(4, o, j, d.double(), b)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        f(-1, o, j, d, b)

@@ -16,11 +16,12 @@ __all__ = ["__version__", "layer_norm", "rms_norm", "nn", "stats", "compat", "ba
 
 # ---- jagged tensor ops ----
 from .jagged import (  # noqa: E402
-    complete_cumsum, concat_2d_jagged, dense_to_jagged, jagged_concat, jagged_dense_add, jagged_dense_mul,
-    jagged_index_select, jagged_split, jagged_to_padded_dense, split_2d_jagged, validate_jagged,
+    complete_cumsum, concat_2d_jagged, dense_to_jagged, jagged_concat, jagged_dense_add, jagged_dense_bmm_broadcast_add,
+    jagged_dense_mul, jagged_index_select, jagged_split, jagged_to_padded_dense, split_2d_jagged, validate_jagged,
 )
 
 __all__ += ["complete_cumsum", "concat_2d_jagged", "dense_to_jagged", "jagged_concat", "jagged_dense_add",
+            "jagged_dense_bmm_broadcast_add",
             "jagged_dense_mul", "jagged_index_select", "jagged_split", "jagged_to_padded_dense", "split_2d_jagged",
             "validate_jagged"]
 

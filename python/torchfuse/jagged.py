@@ -123,6 +123,37 @@ def jagged_index_select(values: Tensor, lengths: Tensor, indices: Tensor,
     return _call("jagged_index_select", values, lengths, indices, total_length)
 
 
+def jagged_dense_bmm_broadcast_add(max_seq_len: int, seq_offsets: Tensor, jagged: Tensor, dense: Tensor,
+                                   bias: Tensor) -> Tensor:
+    """generative-recommenders' ``jagged_dense_bmm_broadcast_add``: per sequence b, rows
+    ``jagged[seq_offsets[b]:seq_offsets[b+1]] @ dense[b] + bias[b]``. jagged (T, K), dense (B, K, N), bias
+    (B, N), one float dtype; returns (T, N). Rows at positions >= max_seq_len give zeros (as GR's padded
+    formulation). Computed as jagged_to_padded_dense, one batched GEMM with the bias in its epilogue (fp32
+    accumulation, one rounding) and dense_to_jagged; differentiable in jagged, dense and bias."""
+    count("jagged_dense_bmm_broadcast_add")
+    name = "torchfuse.jagged_dense_bmm_broadcast_add"
+    if jagged.dim() != 2 or dense.dim() != 3 or bias.dim() != 2:
+        raise ValueError(f"{name}: jagged must be (T, K), dense (B, K, N) and bias (B, N), got {tuple(jagged.shape)}, "
+                         f"{tuple(dense.shape)} and {tuple(bias.shape)}")
+    B, K, N = dense.shape
+    if jagged.shape[1] != K:
+        raise ValueError(f"{name}: jagged has {jagged.shape[1]} columns but dense has K = {K} rows per sequence")
+    if tuple(bias.shape) != (B, N):
+        raise ValueError(f"{name}: bias must be (B, N) = {(B, N)}, got {tuple(bias.shape)}")
+    if seq_offsets.dim() != 1 or seq_offsets.numel() != B + 1:
+        raise ValueError(f"{name}: seq_offsets must have B + 1 = {B + 1} entries (B from dense), got shape "
+                         f"{tuple(seq_offsets.shape)}")
+    if not (jagged.dtype == dense.dtype == bias.dtype) or not jagged.is_floating_point():
+        raise ValueError(f"{name}: jagged, dense and bias must share one float dtype, got {jagged.dtype}, "
+                         f"{dense.dtype} and {bias.dtype}")
+    if not (jagged.device == dense.device == bias.device == seq_offsets.device):
+        raise ValueError(f"{name}: jagged, dense, bias and seq_offsets must be on one device")
+    if max_seq_len < 0:
+        raise ValueError(f"{name}: max_seq_len must be >= 0, got {max_seq_len}")
+    padded = jagged_to_padded_dense(jagged, seq_offsets, max_seq_len)
+    return dense_to_jagged(torch.baddbmm(bias.unsqueeze(1), padded, dense), seq_offsets, total_length=jagged.shape[0])
+
+
 def validate_jagged(values: Tensor, offsets: Tensor, exact: bool = False) -> None:
     """Raise ValueError unless ``offsets`` describe a jagged tensor over ``values``: 1-D int32/int64 on
     values' device with B+1 >= 1 entries, offsets[0] == 0, non-decreasing, offsets[-1] <= T (== T with

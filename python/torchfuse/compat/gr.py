@@ -68,6 +68,13 @@ def concat_2D_jagged_multirow(
 split_2D_jagged_multirow = split_2D_jagged
 
 
+def jagged_dense_bmm_broadcast_add(max_seq_len: int, seq_offsets: Tensor, jagged: Tensor, dense: Tensor, bias: Tensor,
+                                   kernel=None) -> Tensor:
+    """generative_recommenders.ops.jagged_tensors.jagged_dense_bmm_broadcast_add (``kernel`` ignored):
+    :func:`torchfuse.jagged_dense_bmm_broadcast_add`."""
+    return _jagged.jagged_dense_bmm_broadcast_add(max_seq_len, seq_offsets, jagged, dense, bias)
+
+
 # ---- HSTU attention (hstu_mha) ----
 from typing import Optional as _Optional
 
