@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from torchfuse._timing import event_time_us
+from torchfuse._timing import event_time_us, wall_times_us
 
 try:
     import triton.testing as _tt
@@ -71,19 +71,7 @@ def calls_us(fn, before=None, after=None, reps=5):
 def wall_us(fns, calls=300, rounds=10):
     """Wall time per call of back-to-back calls (a decode loop's cost: host dispatch and launch), for
     several functions in interleaved rounds, the best round of each."""
-    for f in fns:
-        for _ in range(20):
-            f()
-    best = [float("inf")] * len(fns)
-    for _ in range(rounds):
-        for i, f in enumerate(fns):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                f()
-            torch.cuda.synchronize()
-            best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
-    return best
+    return wall_times_us(fns, "cuda", calls, rounds)
 
 
 def copy_bandwidth_gbs(quick=False):

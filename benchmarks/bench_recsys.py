@@ -1,6 +1,6 @@
 """The HSTU recommender's training step (forward, backward, the table's fused optimizer, the dense Adam)
 on torchfuse against the same model in plain PyTorch (nn.Embedding tables with sparse SGD/Adam, eager
-padded HSTU attention, GR's sampled-softmax formulation) and torch.compile of that model's encoder, at
+padded HSTU attention, GR's sampled-softmax formulation), at
 two published configurations; and serving: scoring d new events per user from the K/V cache against
 re-encoding the whole history.
 
@@ -66,7 +66,10 @@ def run(args):
     rep = C.Report("recsys", "HSTU recommender: training step and cached serving")
     peak = C.tensor_peak_tflops()
     rep.roofline = f"dense bf16 tensor peak {peak} TFLOP/s (MFU column)" if peak else "-"
-    rep.peers = ["plain PyTorch (eager)", "torch.compile of its encoder"]
+    rep.peers = ["plain PyTorch (eager)"]
+    # torch.compile of the plain model's encoder recompiles for every batch's shapes (tens of seconds a
+    # step), so it is not a baseline yet; it needs compiling per layer with dynamic shapes
+    rep.notes.append("torch.compile of the plain-PyTorch model: not measured (it recompiles for every batch)")
     rows = []
     names = ["b"] if args.quick else ["b", "a"]
     for name in names:
@@ -88,21 +91,18 @@ def run(args):
         flops = model_flops(cfg, lengths, negs)
         tokens = int(lengths.sum())
         results["torchfuse"] = step_time_ms(ours, steps)
-        for label, compiled in (("eager", False), ("torch.compile", True)):
-            try:
-                twin = ReferenceRecommender(model, catalog.cuda()).cuda().to(torch.bfloat16)
-                if compiled:
-                    twin.encode = torch.compile(twin.encode, dynamic=True)
-                t = Trainer(twin, train, catalog, tcfg, loss_fn=reference.sampled_softmax_loss,
-                            sparse_optimizer=torch.optim.SGD(twin.sparse_parameters(), lr=0.01))
-                results[label] = step_time_ms(t, steps)
-            except torch.OutOfMemoryError:
-                results[label] = None
-                rep.notes.append(f"{title}: {label} does not fit in memory at batch {batch}")
-            finally:
-                twin = t = None
-                torch.cuda.empty_cache()
-        for label in ("torchfuse", "eager", "torch.compile"):
+        try:
+            twin = ReferenceRecommender(model, catalog.cuda()).cuda().to(torch.bfloat16)
+            t = Trainer(twin, train, catalog, tcfg, loss_fn=reference.sampled_softmax_loss,
+                        sparse_optimizer=torch.optim.SGD(twin.sparse_parameters(), lr=0.01))
+            results["eager"] = step_time_ms(t, steps)
+        except torch.OutOfMemoryError:
+            results["eager"] = None
+            rep.notes.append(f"{title}: eager does not fit in memory at batch {batch}")
+        finally:
+            twin = t = None
+            torch.cuda.empty_cache()
+        for label in ("torchfuse", "eager"):
             ms = results[label]
             mfu = None if ms is None or not peak else flops / (ms * 1e-3) / (peak * 1e12) * 100
             rows.append([title, label, batch, tokens, C.fmt(ms, 2), C.fmt(None if ms is None else tokens / ms * 1e3, 0),

@@ -9,9 +9,9 @@ and shared negatives (an in-batch pool) at T = 25600, R = 8192.
 import sys
 
 import torch
-import torch.nn.functional as F
 
 import torchfuse
+from torchfuse import reference
 
 import _common as C
 
@@ -25,11 +25,7 @@ CASES = [  # (T, R, D, per_row)
 
 def gr_loss(q, p, n, temperature, pos_ids, neg_ids):
     """generative-recommenders' SampledSoftmaxLoss.jagged_forward on gathered rows (weights 1)."""
-    q, p, n = (F.normalize(x, dim=-1) for x in (q, p, n))
-    pos = (q * p).sum(-1, keepdim=True) / temperature
-    neg = (q @ n.t() if n.dim() == 2 else torch.bmm(n, q.unsqueeze(-1)).squeeze(-1)) / temperature
-    neg = torch.where(pos_ids.unsqueeze(1) == neg_ids, -5e4, neg)
-    return -F.log_softmax(torch.cat([pos, neg], dim=1).float(), dim=1)[:, 0].mean()
+    return reference.sampled_softmax_loss(q, p, n, temperature, positive_ids=pos_ids, negative_ids=neg_ids)
 
 
 def fused(q, p, n, temperature, pos_ids, neg_ids):

@@ -7,9 +7,9 @@ under autocast), plus one machine epsilon of the dtype scaled by the reference's
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 import torchfuse
+from torchfuse import reference as _reference
 from torchfuse import losses
 
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -24,19 +24,10 @@ def _cuda_only(device):
 # ---------------------------------------------------------------- reference
 
 
-def reference(q, p, n, temperature, *, l2_norm=True, eps=1e-6, positive_ids=None, negative_ids=None, weights=None):
-    """GR's SampledSoftmaxLoss.jagged_forward on already-gathered rows, in the inputs' dtype (float64 for the
-    exact reference); the log-softmax runs in at least float32, as autocast runs it."""
-    if l2_norm:
-        q, p, n = (F.normalize(x, dim=-1, eps=eps) for x in (q, p, n))
-    pos = (q * p).sum(-1, keepdim=True) / temperature
-    neg = (q @ n.t() if n.dim() == 2 else torch.bmm(n, q.unsqueeze(-1)).squeeze(-1)) / temperature
-    if positive_ids is not None:
-        neg = torch.where(positive_ids.unsqueeze(1) == negative_ids, -5e4, neg)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    loss = -F.log_softmax(torch.cat([pos, neg], dim=1).to(acc), dim=1)[:, 0]
-    w = torch.ones_like(loss) if weights is None else weights.to(acc)
-    return (loss * w).sum() / w.sum()
+def reference(q, p, n, temperature, **kw):
+    """GR's SampledSoftmaxLoss.jagged_forward on already-gathered rows (torchfuse.reference), in the inputs'
+    dtype (float64 for the exact reference)."""
+    return _reference.sampled_softmax_loss(q, p, n, temperature, **kw)
 
 
 def check_close(name, ours, ref64, lowp, dtype, expect_dtype):

@@ -231,15 +231,16 @@ def stu_layer_reference(params, cfg, x, offsets, max_seq_len, num_targets=None, 
 def sampled_softmax_loss(query, positive, negatives, temperature, l2_norm=True, eps=1e-6, positive_ids=None,
                          negative_ids=None, weights=None):
     """generative-recommenders' ``SampledSoftmaxLoss`` on given negatives: (R, D) shared or (T, R, D) per
-    row; a negative whose id equals the row's positive id gets the logit -5e4; weighted mean over rows."""
+    row; a negative whose id equals the row's positive id gets the logit -5e4; weighted mean over rows.
+    Computed in the inputs' dtype, the log-softmax in at least float32 (as autocast runs it)."""
     if l2_norm:
         query, positive, negatives = (F.normalize(t, dim=-1, eps=eps) for t in (query, positive, negatives))
     pos = (query * positive).sum(-1, keepdim=True) / temperature
     neg = (query @ negatives.t() if negatives.dim() == 2 else torch.einsum("td,trd->tr", query, negatives))
     neg = neg / temperature
     if positive_ids is not None and negative_ids is not None:
-        nid = negative_ids.unsqueeze(0) if negative_ids.dim() == 1 else negative_ids
-        neg = torch.where(positive_ids.unsqueeze(1) == nid, torch.full_like(neg, -5e4), neg)
-    loss = -F.log_softmax(torch.cat([pos, neg], dim=1), dim=1)[:, 0]
-    w = torch.ones_like(loss) if weights is None else weights.to(loss.dtype)
+        neg = torch.where(positive_ids.unsqueeze(1) == negative_ids, torch.full_like(neg, -5e4), neg)
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    loss = -F.log_softmax(torch.cat([pos, neg], dim=1).to(acc), dim=1)[:, 0]
+    w = torch.ones_like(loss) if weights is None else weights.to(acc)
     return (loss * w).sum() / w.sum()

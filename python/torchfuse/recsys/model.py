@@ -153,6 +153,7 @@ class HSTURecommender(torch.nn.Module):
         n_ctx = self.config.num_contextual
         y = self._encode(items, offsets, max_len, user_ids, None, kv_caching_lengths=lengths + n_ctx)
         self._cached_lengths = lengths.clone()
+        self._cached_max = int(lengths.max()) if lengths.numel() else 0  # kept on the host: extend needs no sync
         return y[offsets[1:] - 1]
 
     @torch.no_grad()
@@ -168,16 +169,19 @@ class HSTURecommender(torch.nn.Module):
             raise ValueError(f"HSTURecommender.extend: new_items must have B * d entries (B = {B}), "
                              f"got {new_items.numel()}")
         d = new_items.numel() // B
-        if int(self._cached_lengths.max()) + d > c.max_seq_len:
+        if self._cached_max + d > c.max_seq_len:
             raise ValueError(f"HSTURecommender.extend: histories would exceed max_seq_len {c.max_seq_len}")
         x = self.items(new_items) * math.sqrt(c.embedding_dim)
         pos = (self._cached_lengths.unsqueeze(1) + c.num_contextual
                + torch.arange(d, device=new_items.device)).reshape(-1)
         x = x + self.positions(pos)
         self._cached_lengths = self._cached_lengths + d
-        # cached_forward scales by (cached max length + d): pin that to the configured N, as encode does
+        self._cached_max += d
+        # cached_forward scales by (cached max length + d): pin that to the configured N, as encode does; the
+        # same value passed on spares each layer's cache update a device sync for the new maximum
+        pinned = c.max_seq_len + c.num_contextual - d
         for layer in self.stack._stu_layers:
-            layer.max_kv_caching_len = c.max_seq_len + c.num_contextual - d
-        y = self.stack.cached_forward(x.to(c.compute_dtype), None,
+            layer.max_kv_caching_len = pinned
+        y = self.stack.cached_forward(x.to(c.compute_dtype), None, max_kv_caching_len=pinned,
                                       kv_caching_lengths=self._cached_lengths + c.num_contextual).float()
         return F.normalize(y, dim=-1, eps=1e-6)
