@@ -13,10 +13,10 @@ import torch
 
 import torchfuse
 
-from . import dynemb, hf, hstu, jagged, norm, torchrec
+from . import dynemb, hf, hstu, jagged, norm, recsys, torchrec
 from ._common import BenchRow, Check, Context
 
-FAMILIES = [norm, jagged, hstu, dynemb, hf, torchrec]
+FAMILIES = [norm, jagged, hstu, dynemb, hf, torchrec, recsys]
 TRAIN_SCRIPT = "torchfuse.recsys.train"
 
 
