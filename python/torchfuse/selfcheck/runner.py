@@ -265,7 +265,9 @@ def main(argv=None) -> int:
         failed = sum(c["result"] == "FAIL" for c in result["checks"])
         if n:
             print(f"\n{n - failed} of {n} checks passed" if not failed else f"\n{failed} of {n} CHECKS FAILED")
-        print(f"done in {result['seconds']} s")
+        slow = sorted(result["step_seconds"].items(), key=lambda kv: -kv[1])[:3]
+        print(f"done in {result['seconds']} s" +
+              (" (longest: " + ", ".join(f"{k} {v:.1f} s" for k, v in slow) + ")" if slow else ""))
         if _module_exists(TRAIN_SCRIPT):
             print(f"next: train a recommender end to end with `python -m {TRAIN_SCRIPT} --quick`")
     return 0 if result["ok"] else 1
