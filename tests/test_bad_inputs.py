@@ -63,7 +63,8 @@ Case families (row id = family/case):
   stu/       nn.STULayer: x of the wrong width, cached_forward with an empty cache; hstu_preprocess: int x,
              parameters of another dtype, 1-D x, norm_bias / uvqk_weight / uvqk_bias of the wrong size,
              num_heads 0, eps 0; no rows (= reference); non-contiguous x and uvqk_weight; uvqk_weight on
-             another device
+             another device; compat.gr: hstu_preprocess_and_attention with causal=False,
+             hstu_compute_output given both concat_ux and concat_u
 """
 import re
 from dataclasses import dataclass
@@ -1092,6 +1093,15 @@ LATER_ROWS += [
         PRE(**a), _pre_ref(a)))(_pre(d, uvqk_weight=rand(20, 8, d=d).t())), rtol=1e-5, atol=1e-5),
     cross("stu/preprocess/uvqk_weight-device", RuntimeError, r"uvqk_weight must be on x's device",
           lambda d: PRE(**_pre(d, uvqk_weight=rand(8, 20, d="cpu")))),
+    bad("stu/gr/preprocess_and_attention-noncausal", NotImplementedError, r"only causal=True",
+        lambda d: gr.hstu_preprocess_and_attention(**dict(
+            {k: v for k, v in _pre(d).items() if k != "eps"}, norm_eps=1e-6, uvqk_weight=rand(8, 20, d=d),
+            max_seq_len=4, seq_offsets=t([0, 4], d), attn_alpha=0.5, causal=False, num_targets=None,
+            max_attn_len=0, contextual_seq_len=0, recompute_uvqk_in_backward=False,
+            recompute_normed_x_in_backward=False, sort_by_length=False))),
+    bad("stu/gr/compute_output-concat_ux-and-concat_u", ValueError, r"pass concat_ux or concat_u / concat_x",
+        lambda d: gr.hstu_compute_output(rand(2, 4, d=d), rand(2, 4, d=d), rand(2, 3, d=d), W(d, 4), W(d, 4), 1e-6,
+                                         rand(12, 3, d=d), 1, 4, 0.0, False, concat_u=True, concat_ux=True)),
 ]
 
 
