@@ -79,6 +79,26 @@ def test_inference_path_equals_training_path(device, dtype):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_silu_u_false_returns_the_pre_activation(device, recompute):
+    """silu_u=False: u before its SiLU (a view of the GEMM output), gradients through it unchanged."""
+    L, E, H, Da, Dh = 12, 24, 2, 8, 6
+    ins = _inputs(L, E, H, Da, Dh, device, torch.float32)
+    shapes = [(L, H * Dh), (L, H, Da), (L, H, Da), (L, H, Dh)]
+    grads = [torch.randn(s, device=device, dtype=torch.float64) for s in shapes]
+
+    def pre_then_silu(x, nw, nb, eps, w, b, H, Da, Dh):
+        u, q, k, v = torchfuse.hstu_preprocess(x, nw, nb, eps, w, b, H, Da, Dh, silu_u=False,
+                                               recompute_normed_x=recompute, recompute_uvqk=recompute)
+        assert u.data_ptr() + H * Dh * u.element_size() == v.data_ptr()  # a view: v's columns follow u's
+        return torch.nn.functional.silu(u), q, k, v
+
+    out, g = _run(pre_then_silu, ins, (H, Da, Dh), grads)
+    want, want_g = _run(torchfuse.hstu_preprocess, ins, (H, Da, Dh), grads)
+    for a, b in zip(out + g, want + want_g):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_outputs_are_views_of_one_gemm_output(device):
     L, E, H, Da, Dh = 9, 16, 2, 8, 4
     ins = _inputs(L, E, H, Da, Dh, device, torch.float32)

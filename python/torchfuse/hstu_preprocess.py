@@ -32,6 +32,7 @@ def hstu_preprocess(
     *,
     recompute_normed_x: bool = False,
     recompute_uvqk: bool = False,
+    silu_u: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """generative-recommenders' ``hstu_compute_uqvk``: with ``H = num_heads``,
     ``u, v, q, k = split(LayerNorm(x) @ uvqk_weight + uvqk_bias, [H*hidden_dim, H*hidden_dim,
@@ -46,9 +47,11 @@ def hstu_preprocess(
             instead of keeping the normalized rows (L x E less memory, one more norm pass).
         recompute_uvqk: the backward recomputes u's pre-activation (a GEMM over u's columns only)
             instead of keeping it.
+        silu_u: False returns u before its SiLU, a view like q, k, v (no pass over u's columns), for an
+            output op that applies the SiLU as it reads u (``hstu_compute_output(..., silu_u=True)``).
 
     Returns:
-        ``(u, q, k, v)``: u (L, H * hidden_dim) contiguous; q, k (L, H, attn_dim) and v
+        ``(u, q, k, v)``: u (L, H * hidden_dim) contiguous (with ``silu_u``); q, k (L, H, attn_dim) and v
         (L, H, hidden_dim) are views into the GEMM's output (no copies), the layout
         :func:`torchfuse.hstu_attention` reads (it copies only rows whose strides are not 16-byte
         aligned). Differentiable in x and the four parameters.
@@ -56,11 +59,11 @@ def hstu_preprocess(
     count("hstu_preprocess")
     _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim)
     args = (x, norm_weight, norm_bias, float(eps), uvqk_weight, uvqk_bias, int(num_heads), int(attn_dim),
-            int(hidden_dim), bool(recompute_normed_x), bool(recompute_uvqk))
+            int(hidden_dim), bool(recompute_normed_x), bool(recompute_uvqk), bool(silu_u))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, norm_bias, uvqk_weight, uvqk_bias)):
         return _HSTUPreprocess.apply(*args)
     normed, _ = _norm_infer(x, None, norm_weight, norm_bias, float(eps), LAYER_NORM, 0.0)
-    return _split(torch.addmm(uvqk_bias, normed, uvqk_weight), num_heads, attn_dim, hidden_dim, silu=True)
+    return _split(torch.addmm(uvqk_bias, normed, uvqk_weight), num_heads, attn_dim, hidden_dim, silu=bool(silu_u))
 
 
 def _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, H, Da, Dh) -> None:
@@ -111,15 +114,16 @@ def _flat(g: Tensor, like_cols: int, rows: int, ref: Tensor) -> Tensor:
 class _HSTUPreprocess(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, H, Da, Dh, recompute_normed_x,
-                recompute_uvqk):
+                recompute_uvqk, silu_u):
         normed, _, _, mean, rstd = _norm_fwd(x, None, None, norm_weight, norm_bias, None, None, eps, LAYER_NORM,
                                              0.0, None, True)
         uvqk = torch.addmm(uvqk_bias, normed, uvqk_weight)
         u_pre, q, k, v = _split(uvqk, H, Da, Dh, silu=False)
-        u = F.silu(u_pre)
+        u = F.silu(u_pre) if silu_u else u_pre
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, uvqk_weight, uvqk_bias,
-                              None if recompute_normed_x else normed, None if recompute_uvqk else u_pre)
-        ctx.eps, ctx.dims = eps, (H, Da, Dh)
+                              None if recompute_normed_x else normed,
+                              None if recompute_uvqk or not silu_u else u_pre)
+        ctx.eps, ctx.dims, ctx.silu_u = eps, (H, Da, Dh), silu_u
         return u, q, k, v
 
     @staticmethod
@@ -129,10 +133,12 @@ class _HSTUPreprocess(torch.autograd.Function):
         need = ctx.needs_input_grad
         L = x.shape[0]
         need_dw = need[4] or need[5]
-        if normed is None and (need_dw or (u_pre is None and du is not None)):
+        if normed is None and (need_dw or (ctx.silu_u and u_pre is None and du is not None)):
             normed = _norm_infer(x, None, norm_weight, norm_bias, ctx.eps, LAYER_NORM, 0.0)[0]
         if du is None:
             du_pre = x.new_zeros(L, H * Dh)
+        elif not ctx.silu_u:
+            du_pre = du
         else:
             if u_pre is None:  # only u's columns of the GEMM: the others are not needed here
                 u_pre = torch.addmm(uvqk_bias[:H * Dh], normed, uvqk_weight[:, :H * Dh])
@@ -147,4 +153,4 @@ class _HSTUPreprocess(torch.autograd.Function):
             dx, _, _, dnw, dnb, _, _ = _norm_bwd(d_normed, None, None, x, mean, rstd, norm_weight, None, LAYER_NORM,
                                                  0.0, True, False, x.dtype, None, None, need[1] or need[2])
         return (dx if need[0] else None, dnw if need[1] else None, dnb if need[2] else None, None,
-                d_w, d_b, None, None, None, None, None)
+                d_w, d_b, None, None, None, None, None, None)
