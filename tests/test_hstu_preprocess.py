@@ -152,6 +152,21 @@ def test_compile_and_meta():
     assert [tuple(o.shape) for o in out] == [(L, H * Dh), (L, H, Da), (L, H, Da), (L, H, Dh)]
 
 
+def test_autocast_runs_in_its_dtype(device):
+    """fp32 inputs under autocast: the section in autocast's dtype, the same as casting first."""
+    L, E, H, Da, Dh = 9, 16, 2, 8, 8
+    ins = _inputs(L, E, H, Da, Dh, device, torch.float32)
+    shapes = [(L, H * Dh), (L, H, Da), (L, H, Da), (L, H, Dh)]
+    grads = [torch.randn(s, device=device, dtype=torch.float64) for s in shapes]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out, g = _run(torchfuse.hstu_preprocess, ins, (H, Da, Dh), grads, recompute_normed_x=True)
+    want, want_g = _run(torchfuse.hstu_preprocess, [t.bfloat16() for t in ins], (H, Da, Dh), grads,
+                        recompute_normed_x=True)
+    assert all(o.dtype == torch.bfloat16 for o in out)
+    for a, b in zip(out + g, want + want_g):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0)
+
+
 def test_stats_count_the_call():
     ins = _inputs(3, 8, 1, 4, 4, "cpu", torch.float32)
     with torchfuse.stats() as calls:

@@ -54,9 +54,19 @@ def hstu_preprocess(
         ``(u, q, k, v)``: u (L, H * hidden_dim) contiguous (with ``silu_u``); q, k (L, H, attn_dim) and v
         (L, H, hidden_dim) are views into the GEMM's output (no copies), the layout
         :func:`torchfuse.hstu_attention` reads (it copies only rows whose strides are not 16-byte
-        aligned). Differentiable in x and the four parameters.
+        aligned). Differentiable in x and the four parameters. Under autocast every input is cast to
+        autocast's dtype first (the section runs in it).
     """
     count("hstu_preprocess")
+    if isinstance(x, Tensor) and x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
+        # the whole section in autocast's dtype (as its GEMM would be), the backward in the same dtypes
+        dt = torch.get_autocast_dtype(x.device.type)
+        cast = [t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t
+                for t in (x, norm_weight, norm_bias, uvqk_weight, uvqk_bias)]
+        with torch.autocast(x.device.type, enabled=False):
+            return hstu_preprocess(cast[0], cast[1], cast[2], eps, cast[3], cast[4], num_heads, attn_dim, hidden_dim,
+                                   recompute_normed_x=recompute_normed_x, recompute_uvqk=recompute_uvqk,
+                                   silu_u=silu_u)
     _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim)
     args = (x, norm_weight, norm_bias, float(eps), uvqk_weight, uvqk_bias, int(num_heads), int(attn_dim),
             int(hidden_dim), bool(recompute_normed_x), bool(recompute_uvqk), bool(silu_u))
