@@ -158,8 +158,9 @@ def test_autocast_runs_in_its_dtype(device):
     ins = _inputs(L, E, H, Da, Dh, device, torch.float32)
     shapes = [(L, H * Dh), (L, H, Da), (L, H, Da), (L, H, Dh)]
     grads = [torch.randn(s, device=device, dtype=torch.float64) for s in shapes]
-    with torch.autocast(device, dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16), torchfuse.stats() as calls:
         out, g = _run(torchfuse.hstu_preprocess, ins, (H, Da, Dh), grads, recompute_normed_x=True)
+    assert calls["hstu_preprocess"] == 1
     want, want_g = _run(torchfuse.hstu_preprocess, [t.bfloat16() for t in ins], (H, Da, Dh), grads,
                         recompute_normed_x=True)
     assert all(o.dtype == torch.bfloat16 for o in out)

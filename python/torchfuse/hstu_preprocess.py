@@ -41,7 +41,7 @@ def hstu_preprocess(
     Args:
         x: (L, E) float32, bfloat16 or float16; L may be 0.
         norm_weight, norm_bias: (E,), the input LayerNorm's affine parameters; ``eps`` > 0.
-        uvqk_weight: (E, 2 * H * (hidden_dim + attn_dim)); uvqk_bias: its column count.
+        uvqk_weight: (E, N) with N = 2 * H * (hidden_dim + attn_dim); uvqk_bias: (N,).
             All parameters in x's dtype (GR's layer casts them with ``.to(x.dtype)``).
         recompute_normed_x: the backward recomputes LayerNorm(x) from x and the saved row statistics
             instead of keeping the normalized rows (L x E less memory, one more norm pass).
@@ -57,7 +57,6 @@ def hstu_preprocess(
         aligned). Differentiable in x and the four parameters. Under autocast every input is cast to
         autocast's dtype first (the section runs in it).
     """
-    count("hstu_preprocess")
     if isinstance(x, Tensor) and x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
         # the whole section in autocast's dtype (as its GEMM would be), the backward in the same dtypes
         dt = torch.get_autocast_dtype(x.device.type)
@@ -67,6 +66,7 @@ def hstu_preprocess(
             return hstu_preprocess(cast[0], cast[1], cast[2], eps, cast[3], cast[4], num_heads, attn_dim, hidden_dim,
                                    recompute_normed_x=recompute_normed_x, recompute_uvqk=recompute_uvqk,
                                    silu_u=silu_u)
+    count("hstu_preprocess")
     _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim)
     args = (x, norm_weight, norm_bias, float(eps), uvqk_weight, uvqk_bias, int(num_heads), int(attn_dim),
             int(hidden_dim), bool(recompute_normed_x), bool(recompute_uvqk), bool(silu_u))
