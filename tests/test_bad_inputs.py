@@ -60,7 +60,11 @@ Case families (row id = family/case):
              of the wrong length for dense's batch, mixed dtypes, negative max_seq_len
   ssm/       sampled_softmax_loss: temperature 0, positive / negatives / weights of the wrong shape,
              float ids, an int query
-  stu/       nn.STULayer: x of the wrong width, cached_forward with an empty cache
+  stu/       nn.STULayer: x of the wrong width, cached_forward with an empty cache; hstu_preprocess: int x,
+             parameters of another dtype, 1-D x, norm_bias / uvqk_weight / uvqk_bias of the wrong size,
+             num_heads 0, eps 0; no rows (= reference); non-contiguous x and uvqk_weight; uvqk_weight on
+             another device; compat.gr: hstu_preprocess_and_attention with causal=False,
+             hstu_compute_output given both concat_ux and concat_u
 """
 import re
 from dataclasses import dataclass
@@ -1045,6 +1049,59 @@ LATER_ROWS = [
         lambda d: _stu(d)(rand(3, 9, d=d), t([3], d), t([0, 3], d), 3, None)),
     bad("stu/cache/empty", RuntimeError, r"the K/V cache is empty",
         lambda d: _stu(d).cached_forward(rand(2, 8, d=d), None)),
+]
+
+
+
+# hstu_preprocess (the STU layer's input section): E = 8, H = 2, attn_dim 3, hidden_dim 2 -> 20 columns
+PRE = torchfuse.hstu_preprocess
+
+
+def _pre(d, L=4, dtype=torch.float32, **bad_args):
+    a = dict(x=rand(L, 8, d=d, dtype=dtype), norm_weight=W(d, dtype=dtype), norm_bias=W(d, dtype=dtype) - 1,
+             eps=1e-6, uvqk_weight=rand(8, 20, d=d, dtype=dtype), uvqk_bias=rand(20, d=d, dtype=dtype), num_heads=2,
+             attn_dim=3, hidden_dim=2)
+    a.update(bad_args)
+    return a
+
+
+def _pre_ref(a):
+    from torchfuse.reference import hstu_preprocess
+    return hstu_preprocess(**{k: (v.double() if isinstance(v, torch.Tensor) else v)
+                              for k, v in a.items()})
+
+
+LATER_ROWS += [
+    bad("stu/preprocess/x-int", TypeError, r"hstu_preprocess: x must be float32, bfloat16 or float16",
+        lambda d: PRE(**_pre(d, x=t([[1] * 8] * 4, d)))),
+    bad("stu/preprocess/norm_weight-dtype", TypeError, r"norm_weight must have x's dtype",
+        lambda d: PRE(**_pre(d, norm_weight=W(d, dtype=torch.float16)))),
+    bad("stu/preprocess/x-1d", ValueError, r"x must be 2-D \(L, E\)", lambda d: PRE(**_pre(d, x=rand(8, d=d)))),
+    bad("stu/preprocess/norm_bias-size", ValueError, r"norm_bias must be \(8,\)",
+        lambda d: PRE(**_pre(d, norm_bias=W(d, 7)))),
+    bad("stu/preprocess/uvqk_weight-columns", ValueError, r"uvqk_weight must be .* = \(8, 20\), got \(8, 18\)",
+        lambda d: PRE(**_pre(d, uvqk_weight=rand(8, 18, d=d)))),
+    bad("stu/preprocess/uvqk_bias-size", ValueError, r"uvqk_bias must be \(20,\)",
+        lambda d: PRE(**_pre(d, uvqk_bias=rand(21, d=d)))),
+    bad("stu/preprocess/num_heads-0", ValueError, r"num_heads must be an int >= 1, got 0",
+        lambda d: PRE(**_pre(d, num_heads=0))),
+    bad("stu/preprocess/eps-0", ValueError, r"eps must be a positive finite number", lambda d: PRE(**_pre(d, eps=0.0))),
+    same("stu/preprocess/empty-rows", lambda d: (lambda a: (PRE(**a), _pre_ref(a)))(_pre(d, L=0))),
+    same("stu/preprocess/noncontig-x", lambda d: (lambda a: (
+        PRE(**a), PRE(**dict(a, x=a["x"].contiguous()))))(_pre(d, x=rand(8, 4, d=d).t()))),
+    same("stu/preprocess/noncontig-uvqk_weight", lambda d: (lambda a: (
+        PRE(**a), _pre_ref(a)))(_pre(d, uvqk_weight=rand(20, 8, d=d).t())), rtol=1e-5, atol=1e-5),
+    cross("stu/preprocess/uvqk_weight-device", RuntimeError, r"uvqk_weight must be on x's device",
+          lambda d: PRE(**_pre(d, uvqk_weight=rand(8, 20, d="cpu")))),
+    bad("stu/gr/preprocess_and_attention-noncausal", NotImplementedError, r"only causal=True",
+        lambda d: gr.hstu_preprocess_and_attention(**dict(
+            {k: v for k, v in _pre(d).items() if k != "eps"}, norm_eps=1e-6, uvqk_weight=rand(8, 20, d=d),
+            max_seq_len=4, seq_offsets=t([0, 4], d), attn_alpha=0.5, causal=False, num_targets=None,
+            max_attn_len=0, contextual_seq_len=0, recompute_uvqk_in_backward=False,
+            recompute_normed_x_in_backward=False, sort_by_length=False))),
+    bad("stu/gr/compute_output-concat_ux-and-concat_u", ValueError, r"pass concat_ux or concat_u / concat_x",
+        lambda d: gr.hstu_compute_output(rand(2, 4, d=d), rand(2, 4, d=d), rand(2, 3, d=d), W(d, 4), W(d, 4), 1e-6,
+                                         rand(12, 3, d=d), 1, 4, 0.0, False, concat_u=True, concat_ux=True)),
 ]
 
 

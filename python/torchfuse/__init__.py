@@ -56,3 +56,9 @@ from . import compat  # noqa: E402,F401
 from .losses import sampled_softmax_loss  # noqa: E402
 
 __all__ += ["sampled_softmax_loss"]
+
+
+# ---- the HSTU layer's input section ----
+from .hstu_preprocess import hstu_preprocess  # noqa: E402
+
+__all__ += ["hstu_preprocess"]

@@ -244,3 +244,13 @@ def sampled_softmax_loss(query, positive, negatives, temperature, l2_norm=True, 
     loss = -F.log_softmax(torch.cat([pos, neg], dim=1).to(acc), dim=1)[:, 0]
     w = torch.ones_like(loss) if weights is None else weights.to(acc)
     return (loss * w).sum() / w.sum()
+
+
+def hstu_preprocess(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim):
+    """generative-recommenders' ``hstu_compute_uqvk`` (PyTorch kernel) in the inputs' dtype:
+    LayerNorm, addmm, split as u, v, q, k, SiLU on u; returns (u, q, k, v) with q, k, v (L, H, d)."""
+    normed = F.layer_norm(x, (x.shape[-1],), norm_weight, norm_bias, eps)
+    uvqk = torch.addmm(uvqk_bias, normed, uvqk_weight)
+    H = num_heads
+    u, v, q, k = torch.split(uvqk, [hidden_dim * H, hidden_dim * H, attn_dim * H, attn_dim * H], dim=1)
+    return (F.silu(u), q.reshape(-1, H, attn_dim), k.reshape(-1, H, attn_dim), v.reshape(-1, H, hidden_dim))

@@ -3,12 +3,12 @@ torchfuse ops, as drop-ins for generative-recommenders' ``modules/stu.py``: the 
 parameter names, shapes and ``state_dict`` keys, so checkpoints load either way.
 
 One layer, for jagged input x (L, E) with sequence offsets:
-    normed = LayerNorm(x);  u, v, q, k = split(normed @ W_uvqk + b_uvqk);  u = SiLU(u)
+    u, q, k, v = hstu_preprocess(x)    LayerNorm, one GEMM, u = SiLU(u), q/k/v views of its output
     attn = hstu_attention(q, k, v)                      (torchfuse kernel)
     y = dropout(cat[u, attn, u * LayerNorm(attn)])      (GroupNorm per head with use_group_norm)
     out = x + y @ W_out
-The norm-multiply-dropout and the input GEMM's epilogue are plain PyTorch compositions here, computed
-as generative-recommenders' PyTorch ops compute them (fp32 for the output norm and product).
+The output's norm-multiply-dropout is a plain PyTorch composition here, computed as generative-recommenders'
+PyTorch ops compute it (fp32 for the output norm and product).
 """
 import dataclasses
 from typing import List, Optional, Tuple
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .hstu import hstu_attention, hstu_attention_cached
+from .hstu_preprocess import hstu_preprocess
 from .jagged import complete_cumsum, concat_2d_jagged, split_2d_jagged
-from .norm import layer_norm
 
 __all__ = ["STULayerConfig", "STULayer", "STUStack"]
 
@@ -172,11 +172,10 @@ class STULayer(torch.nn.Module):
     # ---- the layer ----
 
     def _uvqk(self, x: Tensor):
-        normed = layer_norm(x, self._input_norm_weight.to(x.dtype), self._input_norm_bias.to(x.dtype), eps=1e-6)
-        uvqk = torch.addmm(self._uvqk_beta.to(x.dtype), normed, self._uvqk_weight.to(x.dtype))
-        H, Dh, Da = self._num_heads, self._hidden_dim, self._attention_dim
-        u, v, q, k = torch.split(uvqk, [Dh * H, Dh * H, Da * H, Da * H], dim=1)
-        return F.silu(u), q.reshape(-1, H, Da), k.reshape(-1, H, Da), v.reshape(-1, H, Dh)
+        return hstu_preprocess(x, self._input_norm_weight.to(x.dtype), self._input_norm_bias.to(x.dtype), 1e-6,
+                               self._uvqk_weight.to(x.dtype), self._uvqk_beta.to(x.dtype), self._num_heads,
+                               self._attention_dim, self._hidden_dim, recompute_normed_x=self._recompute_normed_x,
+                               recompute_uvqk=self._recompute_uvqk)
 
     def _output(self, attn: Tensor, u: Tensor, x: Tensor) -> Tensor:
         y = _norm_mul_dropout(attn, u, self._output_norm_weight.to(x.dtype), self._output_norm_bias.to(x.dtype),

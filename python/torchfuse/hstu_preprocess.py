@@ -1,0 +1,166 @@
+"""The HSTU layer's input section: LayerNorm, one GEMM with bias, SiLU on u, and the split into the
+attention's q, k, v. Composed of torchfuse's norm op and ATen's addmm (cuBLAS, bias in its epilogue),
+with its own autograd so that the ``recompute_*`` choices decide what the backward keeps.
+"""
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
+from ._stats import count
+from .norm import LAYER_NORM
+
+_norm_fwd = torch.ops.torchfuse.norm_fwd.default
+_norm_infer = torch.ops.torchfuse.add_norm.default
+_norm_bwd = torch.ops.torchfuse.norm_bwd.default
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def hstu_preprocess(
+    x: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    eps: float,
+    uvqk_weight: Tensor,
+    uvqk_bias: Tensor,
+    num_heads: int,
+    attn_dim: int,
+    hidden_dim: int,
+    *,
+    recompute_normed_x: bool = False,
+    recompute_uvqk: bool = False,
+    silu_u: bool = True,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """generative-recommenders' ``hstu_compute_uqvk``: with ``H = num_heads``,
+    ``u, v, q, k = split(LayerNorm(x) @ uvqk_weight + uvqk_bias, [H*hidden_dim, H*hidden_dim,
+    H*attn_dim, H*attn_dim])`` and ``u = SiLU(u)``.
+
+    Args:
+        x: (L, E) float32, bfloat16 or float16; L may be 0.
+        norm_weight, norm_bias: (E,), the input LayerNorm's affine parameters; ``eps`` > 0.
+        uvqk_weight: (E, N) with N = 2 * H * (hidden_dim + attn_dim); uvqk_bias: (N,).
+            All parameters in x's dtype (GR's layer casts them with ``.to(x.dtype)``).
+        recompute_normed_x: the backward recomputes LayerNorm(x) from x and the saved row statistics
+            instead of keeping the normalized rows (L x E less memory, one more norm pass).
+        recompute_uvqk: the backward recomputes u's pre-activation (a GEMM over u's columns only)
+            instead of keeping it.
+        silu_u: False returns u before its SiLU, a view like q, k, v (no pass over u's columns), for an
+            output op that applies the SiLU as it reads u (``hstu_compute_output(..., silu_u=True)``).
+
+    Returns:
+        ``(u, q, k, v)``: u (L, H * hidden_dim) contiguous (with ``silu_u``); q, k (L, H, attn_dim) and v
+        (L, H, hidden_dim) are views into the GEMM's output (no copies), the layout
+        :func:`torchfuse.hstu_attention` reads (it copies only rows whose strides are not 16-byte
+        aligned). Differentiable in x and the four parameters. Under autocast every input is cast to
+        autocast's dtype first (the section runs in it).
+    """
+    if isinstance(x, Tensor) and x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
+        # the whole section in autocast's dtype (as its GEMM would be), the backward in the same dtypes
+        dt = torch.get_autocast_dtype(x.device.type)
+        cast = [t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t
+                for t in (x, norm_weight, norm_bias, uvqk_weight, uvqk_bias)]
+        with torch.autocast(x.device.type, enabled=False):
+            return hstu_preprocess(cast[0], cast[1], cast[2], eps, cast[3], cast[4], num_heads, attn_dim, hidden_dim,
+                                   recompute_normed_x=recompute_normed_x, recompute_uvqk=recompute_uvqk,
+                                   silu_u=silu_u)
+    count("hstu_preprocess")
+    _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim)
+    args = (x, norm_weight, norm_bias, float(eps), uvqk_weight, uvqk_bias, int(num_heads), int(attn_dim),
+            int(hidden_dim), bool(recompute_normed_x), bool(recompute_uvqk), bool(silu_u))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, norm_bias, uvqk_weight, uvqk_bias)):
+        return _HSTUPreprocess.apply(*args)
+    normed, _ = _norm_infer(x, None, norm_weight, norm_bias, float(eps), LAYER_NORM, 0.0)
+    return _split(torch.addmm(uvqk_bias, normed, uvqk_weight), num_heads, attn_dim, hidden_dim, silu=bool(silu_u))
+
+
+def _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, H, Da, Dh) -> None:
+    def fail(exc, msg):
+        raise exc(f"torchfuse.hstu_preprocess: {msg}")
+
+    for name, val in (("num_heads", H), ("attn_dim", Da), ("hidden_dim", Dh)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            fail(ValueError, f"{name} must be an int >= 1, got {val!r}")
+    named = (("x", x), ("norm_weight", norm_weight), ("norm_bias", norm_bias), ("uvqk_weight", uvqk_weight),
+             ("uvqk_bias", uvqk_bias))
+    for name, t in named:
+        if not isinstance(t, Tensor):
+            fail(TypeError, f"{name} must be a Tensor, got {type(t).__name__}")
+    if x.dtype not in _FLOATS:
+        fail(TypeError, f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    for name, t in named[1:]:
+        if t.dtype != x.dtype:
+            fail(TypeError, f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+        if t.device != x.device:
+            fail(RuntimeError, f"{name} must be on x's device {x.device}, got {t.device}")
+    if x.dim() != 2:
+        fail(ValueError, f"x must be 2-D (L, E), got shape {tuple(x.shape)}")
+    E, N = x.shape[1], 2 * H * (Dh + Da)
+    if E < 1:
+        fail(ValueError, f"x must have at least one column, got shape {tuple(x.shape)}")
+    for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+        if tuple(t.shape) != (E,):
+            fail(ValueError, f"{name} must be ({E},) for x of shape {tuple(x.shape)}, got {tuple(t.shape)}")
+    if tuple(uvqk_weight.shape) != (E, N):
+        fail(ValueError, f"uvqk_weight must be (E, 2 * num_heads * (hidden_dim + attn_dim)) = ({E}, {N}), "
+                         f"got {tuple(uvqk_weight.shape)}")
+    if tuple(uvqk_bias.shape) != (N,):
+        fail(ValueError, f"uvqk_bias must be ({N},), got {tuple(uvqk_bias.shape)}")
+    if not (isinstance(eps, (int, float)) and 0 < eps < float("inf")):
+        fail(ValueError, f"eps must be a positive finite number, got {eps!r}")
+
+
+def _split(uvqk: Tensor, H: int, Da: int, Dh: int, silu: bool):
+    u, v, q, k = torch.split(uvqk, [Dh * H, Dh * H, Da * H, Da * H], dim=1)
+    return (F.silu(u) if silu else u), q.view(-1, H, Da), k.view(-1, H, Da), v.view(-1, H, Dh)
+
+
+def _flat(g: Tensor, like_cols: int, rows: int, ref: Tensor) -> Tensor:
+    return ref.new_zeros(rows, like_cols) if g is None else g.reshape(rows, like_cols)
+
+
+class _HSTUPreprocess(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, H, Da, Dh, recompute_normed_x,
+                recompute_uvqk, silu_u):
+        normed, _, _, mean, rstd = _norm_fwd(x, None, None, norm_weight, norm_bias, None, None, eps, LAYER_NORM,
+                                             0.0, None, True)
+        uvqk = torch.addmm(uvqk_bias, normed, uvqk_weight)
+        u_pre, q, k, v = _split(uvqk, H, Da, Dh, silu=False)
+        u = F.silu(u_pre) if silu_u else u_pre
+        ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, uvqk_weight, uvqk_bias,
+                              None if recompute_normed_x else normed,
+                              None if recompute_uvqk or not silu_u else u_pre)
+        ctx.eps, ctx.dims, ctx.silu_u = eps, (H, Da, Dh), silu_u
+        return u, q, k, v
+
+    @staticmethod
+    def backward(ctx, du, dq, dk, dv):
+        x, mean, rstd, norm_weight, norm_bias, uvqk_weight, uvqk_bias, normed, u_pre = ctx.saved_tensors
+        H, Da, Dh = ctx.dims
+        need = ctx.needs_input_grad
+        L = x.shape[0]
+        need_dw = need[4] or need[5]
+        if normed is None and (need_dw or (ctx.silu_u and u_pre is None and du is not None)):
+            normed = _norm_infer(x, None, norm_weight, norm_bias, ctx.eps, LAYER_NORM, 0.0)[0]
+        if du is None:
+            du_pre = x.new_zeros(L, H * Dh)
+        elif not ctx.silu_u:
+            du_pre = du
+        else:
+            if u_pre is None:  # only u's columns of the GEMM: the others are not needed here
+                u_pre = torch.addmm(uvqk_bias[:H * Dh], normed, uvqk_weight[:, :H * Dh])
+            du_pre = torch.ops.aten.silu_backward(du, u_pre)
+        # the GEMM output's gradient in its column order: u, v, q, k
+        d_uvqk = torch.cat([du_pre, _flat(dv, H * Dh, L, x), _flat(dq, H * Da, L, x), _flat(dk, H * Da, L, x)], dim=1)
+        d_w = normed.t().mm(d_uvqk) if need[4] else None
+        d_b = d_uvqk.sum(0) if need[5] else None
+        dx = dnw = dnb = None
+        if need[0] or need[1] or need[2]:
+            d_normed = d_uvqk.mm(uvqk_weight.t())
+            dx, _, _, dnw, dnb, _, _ = _norm_bwd(d_normed, None, None, x, mean, rstd, norm_weight, None, LAYER_NORM,
+                                                 0.0, True, False, x.dtype, None, None, need[1] or need[2])
+        return (dx if need[0] else None, dnw if need[1] else None, dnb if need[2] else None, None,
+                d_w, d_b, None, None, None, None, None, None)
