@@ -156,3 +156,35 @@ def test_bad_arguments():
         layer(torch.randn(3, 9), torch.tensor([3]), torch.tensor([0, 3]), 3, None)
     with pytest.raises(RuntimeError, match="cache is empty"):
         layer.cached_forward(torch.randn(2, 8), None)
+
+
+def test_cached_forward_appending_to_the_cache_matches_full_forward(device):
+    """Two serving steps of d1 then d2 events with append_to_cache=True give the full forward's rows
+    (the scale's length pinned to N, as HSTURecommender.extend does)."""
+    cfg = STULayerConfig(embedding_dim=32, num_heads=2, hidden_dim=16, attention_dim=16, output_dropout_ratio=0.0)
+    stack = STUStack([STULayer(cfg), STULayer(cfg)]).to(device).eval()
+    for layer in stack._stu_layers:
+        _randomize(layer)
+    B, d1, d2 = random.randint(1, 4), random.randint(1, 3), random.randint(1, 3)
+    lengths = torch.randint(d1 + d2 + 1, 14, (B,))
+    offsets = torch.zeros(B + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    x = torch.randn(int(offsets[-1]), 32, device=device)
+    N = int(lengths.max())
+    lengths, offsets = lengths.to(device), offsets.to(device)
+
+    def rows(lo, hi):  # positions [len - lo, len - hi) of every sequence, sequence-major
+        return torch.cat([torch.arange(int(offsets[b + 1]) - lo, int(offsets[b + 1]) - hi) for b in range(B)]).to(device)
+
+    with torch.no_grad():
+        full = stack(x, lengths, offsets, N, None)
+        stack(x, lengths, offsets, N, None, kv_caching_lengths=lengths - d1 - d2)
+        got = []
+        for lo, hi in ((d1 + d2, d2), (d2, 0)):
+            for layer in stack._stu_layers:
+                layer.max_kv_caching_len = N - (lo - hi)
+            got.append(stack.cached_forward(x[rows(lo, hi)], None, append_to_cache=True))
+        with pytest.raises(ValueError, match="append_to_cache"):
+            stack.cached_forward(x[rows(1, 0)], None, kv_caching_lengths=lengths, append_to_cache=True)
+    torch.testing.assert_close(got[0], full[rows(d1 + d2, d2)], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], full[rows(d2, 0)], rtol=1e-4, atol=1e-4)

@@ -195,13 +195,23 @@ class STULayer(torch.nn.Module):
         return self._output(attn, u, x)
 
     def cached_forward(self, delta_x: Tensor, num_targets: Optional[Tensor], max_kv_caching_len: int = 0,
-                       kv_caching_lengths: Optional[Tensor] = None) -> Tensor:
+                       kv_caching_lengths: Optional[Tensor] = None, append_to_cache: bool = False) -> Tensor:
         """The last ``delta`` positions of every cached sequence: delta_x (B * delta, E), row
         ``b * delta + i`` the i-th new event of sequence b. Equal to those rows of ``forward`` over the
-        whole histories. Costs O(delta x history) per sequence instead of O(history^2)."""
+        whole histories. Costs O(delta x history) per sequence instead of O(history^2).
+
+        ``append_to_cache=True`` (a torchfuse extension) keeps every sequence's K/V with the new rows as
+        the cache, the common serving case, without the copy that ``kv_caching_lengths`` costs."""
+        if append_to_cache and kv_caching_lengths is not None:
+            raise ValueError("torchfuse.nn.STULayer.cached_forward: pass kv_caching_lengths or "
+                             "append_to_cache=True, not both")
         u, q, k, v = self._uvqk(delta_x)
         full_k, full_v, max_seq_len, offsets = self.construct_full_kv(k.flatten(1, 2), v.flatten(1, 2))
-        self.update_kv_cache(max_seq_len, offsets, full_k, full_v, max_kv_caching_len, kv_caching_lengths)
+        if append_to_cache:
+            self.k_cache, self.v_cache, self.kv_caching_offsets = full_k, full_v, offsets
+            self.max_kv_caching_len = max_seq_len
+        else:
+            self.update_kv_cache(max_seq_len, offsets, full_k, full_v, max_kv_caching_len, kv_caching_lengths)
         H = self._num_heads
         attn = _attention(q, full_k.view(-1, H, self._attention_dim), full_v.view(-1, H, self._hidden_dim), offsets,
                           max_seq_len, self._attn_alpha, num_targets if self._target_aware else None,
@@ -225,11 +235,11 @@ class STUStack(torch.nn.Module):
         return x
 
     def cached_forward(self, delta_x: Tensor, num_targets: Optional[Tensor], max_kv_caching_len: int = 0,
-                       kv_caching_lengths: Optional[Tensor] = None) -> Tensor:
+                       kv_caching_lengths: Optional[Tensor] = None, append_to_cache: bool = False) -> Tensor:
         for layer in self._stu_layers:
             delta_x = layer.cached_forward(delta_x=delta_x, num_targets=num_targets,
                                            max_kv_caching_len=max_kv_caching_len,
-                                           kv_caching_lengths=kv_caching_lengths)
+                                           kv_caching_lengths=kv_caching_lengths, append_to_cache=append_to_cache)
         return delta_x
 
     def reset_kv_cache(self) -> None:

@@ -182,6 +182,5 @@ class HSTURecommender(torch.nn.Module):
         pinned = c.max_seq_len + c.num_contextual - d
         for layer in self.stack._stu_layers:
             layer.max_kv_caching_len = pinned
-        y = self.stack.cached_forward(x.to(c.compute_dtype), None, max_kv_caching_len=pinned,
-                                      kv_caching_lengths=self._cached_lengths + c.num_contextual).float()
+        y = self.stack.cached_forward(x.to(c.compute_dtype), None, append_to_cache=True).float()
         return F.normalize(y, dim=-1, eps=1e-6)
