@@ -12,7 +12,11 @@ MFU = model FLOPs per step / step time / the dense bf16 tensor peak (989 TFLOP/s
 every GEMM 2MNK (backward 2x forward); causal attention 2 * 2 * H * (Dqk + Dv) / 2 * sum(len^2) forward,
 2.5x that backward; the loss's similarities 2 * T * (R + 1) * E forward, 2x backward.
 
-    python benchmarks/bench_recsys.py [--quick] [--out results.md]
+    python benchmarks/bench_recsys.py [--quick] [--configs a,b] [--peers DIR] [--out results.md]
+
+--peers: a folder holding generative_recommenders/ (fetched code, never committed): the same model with
+its STU stack replaced by GR's STUStack on GR's Triton kernels (same weights; bf16 parameters, as GR
+trains them).
 """
 import math
 import sys
@@ -51,6 +55,22 @@ def histories(cfg, users, seed=0):
                                     id_stride=1_000_003, seed=seed)
 
 
+def gr_stack(path, model, cfg):
+    """GR's STUStack on its Triton kernels with `model`'s STU weights (the state_dict keys are GR's),
+    or None when GR does not import."""
+    stu = C.import_peer("generative_recommenders.modules.stu", path) if path else None
+    common = C.import_peer("generative_recommenders.common", path) if path else None
+    if stu is None or common is None:
+        return None
+    common.set_use_runtime_max_seq_len(True)
+    _, layers, E, H, Dh, _, _, _, _ = cfg
+    gcfg = stu.STULayerConfig(embedding_dim=E, num_heads=H, hidden_dim=Dh, attention_dim=Dh, output_dropout_ratio=0.0,
+                              target_aware=False)
+    stack = stu.STUStack([stu.STULayer(gcfg) for _ in range(layers)])
+    stack.load_state_dict(model.stack.state_dict())
+    return stack.to("cuda", torch.bfloat16)
+
+
 def step_time_ms(trainer, steps):
     for _ in range(2):
         trainer.step()
@@ -66,12 +86,12 @@ def run(args):
     rep = C.Report("recsys", "HSTU recommender: training step and cached serving")
     peak = C.tensor_peak_tflops()
     rep.roofline = f"dense bf16 tensor peak {peak} TFLOP/s (MFU column)" if peak else "-"
-    rep.peers = ["plain PyTorch (eager)"]
+    rep.peers = ["plain PyTorch (eager)"] + (["GR Triton STU stack"] if args.peers else [])
     # torch.compile of the plain model's encoder recompiles for every batch's shapes (tens of seconds a
     # step), so it is not a baseline yet; it needs compiling per layer with dynamic shapes
     rep.notes.append("torch.compile of the plain-PyTorch model: not measured (it recompiles for every batch)")
     rows = []
-    names = ["b"] if args.quick else ["b", "a"]
+    names = args.configs.split(",") if getattr(args, "configs", None) else (["b"] if args.quick else ["b", "a"])
     for name in names:
         cfg = CONFIGS[name]
         title, layers, E, H, Dh, N, batch, _, negs = cfg
@@ -91,6 +111,18 @@ def run(args):
         flops = model_flops(cfg, lengths, negs)
         tokens = int(lengths.sum())
         results["torchfuse"] = step_time_ms(ours, steps)
+        stack = gr_stack(args.peers, model, cfg)
+        if stack is not None:
+            try:
+                peer = HSTURecommender(mcfg, device="cuda")
+                peer.stack = stack
+                results["GR Triton"] = step_time_ms(Trainer(peer, train, catalog, tcfg), steps)
+            except torch.OutOfMemoryError:
+                results["GR Triton"] = None
+                rep.notes.append(f"{title}: the GR Triton stack does not fit in memory at batch {batch}")
+            finally:
+                peer = stack = None
+                torch.cuda.empty_cache()
         try:
             twin = ReferenceRecommender(model, catalog.cuda()).cuda().to(torch.bfloat16)
             t = Trainer(twin, train, catalog, tcfg, loss_fn=reference.sampled_softmax_loss,
@@ -102,7 +134,7 @@ def run(args):
         finally:
             twin = t = None
             torch.cuda.empty_cache()
-        for label in ("torchfuse", "eager"):
+        for label in results:
             ms = results[label]
             mfu = None if ms is None or not peak else flops / (ms * 1e-3) / (peak * 1e12) * 100
             rows.append([title, label, batch, tokens, C.fmt(ms, 2), C.fmt(None if ms is None else tokens / ms * 1e3, 0),
@@ -155,4 +187,5 @@ def serving_rows(args):
 
 
 if __name__ == "__main__":
-    sys.exit(C.standalone("recsys", run, doc=__doc__))
+    sys.exit(C.standalone("recsys", run, doc=__doc__,
+                          add_args=lambda ap: ap.add_argument("--configs", help="comma-separated subset of a,b")))
