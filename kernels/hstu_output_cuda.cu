@@ -2,8 +2,9 @@
  *
  * One warp per (row, group) task, a persistent grid striding over the tasks. Chunk j of a group (8
  * elements, tf_vec.cuh: 16-byte vectors where whole and aligned, element by element otherwise) is lane
- * j % 32's. The forward reads the group three times (mean, variance about it, then the write pass; the
- * re-reads come from L1/L2), the backward twice. Dropout draws one Philox block per 4 consecutive
+ * j % 32's. The forward holds groups of up to 1024 columns in registers, all their loads issued at once
+ * (wider ones are read three times: mean, variance about it, the write pass; the re-reads come from
+ * L1/L2); the backward reads a group twice. Dropout draws one Philox block per 4 consecutive
  * elements of the concatenated output; a chunk's elements start at the same phase mod 4 in every lane,
  * so the lanes draw in step.
  *
@@ -25,8 +26,9 @@ namespace {
 constexpr int kWarps = 8; /* per block */
 /* Blocks per SM the register budget is set for: a memory-bound kernel wants many warps in flight, but
  * the backward's register-held weight-gradient sums (K > 0) need more than 128 registers to run
- * unspilled (ptxas, sm_90a: 162 to 221); the forward spills 24 bytes at 3 blocks. */
-constexpr int kFwdMinBlocks = 3;
+ * unspilled (ptxas, sm_90a: 162 to 232). */
+template <int K>
+constexpr int fwd_min_blocks() { return K >= 2 ? 2 : 3; }
 template <int K>
 constexpr int bwd_min_blocks() { return K > 0 ? 1 : 2; }
 
@@ -104,7 +106,36 @@ __device__ __forceinline__ Dropout make_dropout(const tf_philox_args &rng, int o
     return d;
 }
 
-__global__ void __launch_bounds__(kWarps * 32, kFwdMinBlocks) hstu_output_fwd_kernel(const tf_hstu_output_fwd_params p) {
+/* The three parts of one chunk of the output row, dropped out and rounded. */
+__device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params &p, const Dropout &d, void *yrow,
+                                                uint64_t e_row, int64_t ou, int64_t ox, int64_t oy, int64_t g,
+                                                int64_t col, int cn, float mean, float rstd,
+                                                const float (&a)[TF_VEC], const float (&u)[TF_VEC]) {
+    float v[TF_VEC], w[TF_VEC], b[TF_VEC];
+    load_params(p.w, p.b, p.w_dtype, p.group_weights, g, col, cn, w, b);
+    if (ou >= 0) {
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.cat_act);
+        apply_mask(d, e_row + ou + col, cn, v);
+        tf_store_chunk(yrow, p.y_dtype, ou + col, cn, v);
+    }
+    if (ox >= 0) {
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) v[i] = a[i];
+        apply_mask(d, e_row + ox + col, cn, v);
+        tf_store_chunk(yrow, p.y_dtype, ox + col, cn, v);
+    }
+#pragma unroll
+    for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.mul_act) * ((a[i] - mean) * rstd * w[i] + b[i]);
+    apply_mask(d, e_row + oy + col, cn, v);
+    tf_store_chunk(yrow, p.y_dtype, oy + col, cn, v);
+}
+
+/* K > 0: groups of at most 32 * 8 * K columns, held in registers (all of a group's loads issued before
+ * the first is used). K == 0: any width, three passes over the group. */
+template <int K>
+__global__ void __launch_bounds__(kWarps * 32, fwd_min_blocks<K>()) hstu_output_fwd_kernel(
+    const tf_hstu_output_fwd_params p) {
     const int lane = threadIdx.x & 31;
     const int64_t warp0 = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
     const int64_t n_warps = (int64_t)gridDim.x * kWarps;
@@ -123,51 +154,62 @@ __global__ void __launch_bounds__(kWarps * 32, kFwdMinBlocks) hstu_output_fwd_ke
         const void *arow = tf_row(p.attn, p.attn_dtype, r, p.attn_stride);
         const void *urow = tf_row(p.u, p.u_dtype, r, p.u_stride);
         void *yrow = tf_row(p.y, p.y_dtype, r, p.y_cols);
-        float v[TF_VEC];
-        float s = 0.f;
-        for (int64_t j = lane; j < nch; j += 32) {
-            const int cn = chunk_n(j, gs);
-            tf_load_chunk(arow, p.attn_dtype, c0 + j * TF_VEC, cn, v);
-#pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) s += v[i]; /* zero past cn */
-        }
-        const float mean = warp_sum(s) * inv;
-        float q = 0.f;
-        for (int64_t j = lane; j < nch; j += 32) {
-            const int cn = chunk_n(j, gs);
-            tf_load_chunk(arow, p.attn_dtype, c0 + j * TF_VEC, cn, v);
-#pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) if (i < cn) q += (v[i] - mean) * (v[i] - mean);
-        }
-        const float rstd = rsqrtf(warp_sum(q) * inv + p.eps);
-        if (lane == 0) {
-            p.mean[task] = mean;
-            p.rstd[task] = rstd;
-        }
         const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
-        for (int64_t j = lane; j < nch; j += 32) {
-            const int cn = chunk_n(j, gs);
-            const int64_t col = c0 + j * TF_VEC;
-            float a[TF_VEC], u[TF_VEC], w[TF_VEC], b[TF_VEC];
-            tf_load_chunk(arow, p.attn_dtype, col, cn, a);
-            tf_load_chunk(urow, p.u_dtype, col, cn, u);
-            load_params(p.w, p.b, p.w_dtype, p.group_weights, g, col, cn, w, b);
-            if (ou >= 0) {
+        float s = 0.f, q = 0.f;
+        if constexpr (K > 0) {
+            float a[K][TF_VEC], u[K][TF_VEC];
+            int cn[K];
 #pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.cat_act);
-                apply_mask(d, e_row + ou + col, cn, v);
-                tf_store_chunk(yrow, p.y_dtype, ou + col, cn, v);
-            }
-            if (ox >= 0) {
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) v[i] = a[i];
-                apply_mask(d, e_row + ox + col, cn, v);
-                tf_store_chunk(yrow, p.y_dtype, ox + col, cn, v);
+            for (int k = 0; k < K; ++k) {
+                cn[k] = chunk_n(lane + 32 * k, gs);
+                tf_load_chunk(arow, p.attn_dtype, c0 + (lane + 32 * k) * TF_VEC, cn[k], a[k]);
+                tf_load_chunk(urow, p.u_dtype, c0 + (lane + 32 * k) * TF_VEC, cn[k], u[k]);
             }
 #pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.mul_act) * ((a[i] - mean) * rstd * w[i] + b[i]);
-            apply_mask(d, e_row + oy + col, cn, v);
-            tf_store_chunk(yrow, p.y_dtype, oy + col, cn, v);
+            for (int k = 0; k < K; ++k)
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) s += a[k][i]; /* zero past cn */
+            const float mean = warp_sum(s) * inv;
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) if (i < cn[k]) q += (a[k][i] - mean) * (a[k][i] - mean);
+            const float rstd = rsqrtf(warp_sum(q) * inv + p.eps);
+            if (lane == 0) {
+                p.mean[task] = mean;
+                p.rstd[task] = rstd;
+            }
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+                if (cn[k] > 0)
+                    fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, g, c0 + (lane + 32 * k) * TF_VEC, cn[k], mean,
+                                    rstd, a[k], u[k]);
+        } else {
+            float a[TF_VEC], u[TF_VEC];
+            for (int64_t j = lane; j < nch; j += 32) {
+                tf_load_chunk(arow, p.attn_dtype, c0 + j * TF_VEC, chunk_n(j, gs), a);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) s += a[i]; /* zero past cn */
+            }
+            const float mean = warp_sum(s) * inv;
+            for (int64_t j = lane; j < nch; j += 32) {
+                const int cn = chunk_n(j, gs);
+                tf_load_chunk(arow, p.attn_dtype, c0 + j * TF_VEC, cn, a);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) if (i < cn) q += (a[i] - mean) * (a[i] - mean);
+            }
+            const float rstd = rsqrtf(warp_sum(q) * inv + p.eps);
+            if (lane == 0) {
+                p.mean[task] = mean;
+                p.rstd[task] = rstd;
+            }
+            for (int64_t j = lane; j < nch; j += 32) {
+                const int cn = chunk_n(j, gs);
+                const int64_t col = c0 + j * TF_VEC;
+                tf_load_chunk(arow, p.attn_dtype, col, cn, a);
+                tf_load_chunk(urow, p.u_dtype, col, cn, u);
+                fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, g, col, cn, mean, rstd, a, u);
+            }
         }
     }
 }
@@ -314,6 +356,14 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
 
 constexpr int kMaxK = 4;
 
+const void *fwd_fn(const tf_hstu_output_fwd_params *p) {
+    const int64_t nch = (p->cols / p->groups + TF_VEC - 1) / TF_VEC;
+    if (nch <= 32) return (const void *)hstu_output_fwd_kernel<1>;
+    if (nch <= 64) return (const void *)hstu_output_fwd_kernel<2>;
+    if (nch <= 32 * kMaxK) return (const void *)hstu_output_fwd_kernel<4>;
+    return (const void *)hstu_output_fwd_kernel<0>;
+}
+
 const void *bwd_fn(const tf_hstu_output_bwd_params *p) {
     const int64_t nch = (p->cols + TF_VEC - 1) / TF_VEC;
     if (p->group_weights || p->groups != 1 || nch > 32 * kMaxK) return (const void *)hstu_output_bwd_kernel<0>;
@@ -347,7 +397,7 @@ unsigned grid_for(const void *fn, int64_t tasks) {
 } // namespace
 
 extern "C" int tf_hstu_output_fwd_cuda(const tf_hstu_output_fwd_params *p, void *stream) {
-    const void *fn = (const void *)hstu_output_fwd_kernel;
+    const void *fn = fwd_fn(p);
     /* with no rows one block still runs: it writes rng_out */
     const unsigned grid = p->rows == 0 ? 1u : grid_for(fn, p->rows * p->groups);
     tf_hstu_output_fwd_params params = *p;
