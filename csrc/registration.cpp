@@ -200,10 +200,12 @@ TORCH_LIBRARY(torchfuse, m) {
     // multiplying u's and the concatenated u's). dropout_ratio 0: no dropout. The mask comes from rng_state
     // (a forward's) when given, else from seed, else from torch's generator. Returns (y, mean, rstd,
     // rng_state): y (L, (1 + concat_u + concat_x) * n), statistics (L, max(groups, 1)) float32, (seed, offset) int64.
+    // Seeded from the generator: tagged so that compilers neither merge nor reorder two calls.
     m.def(
         "hstu_output_fwd(Tensor attn, Tensor u, Tensor weight, Tensor bias, float eps, int groups, int mul_act, "
         "int cat_act, bool concat_u, bool concat_x, float dropout_ratio, int? seed=None, Tensor? rng_state=None) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+        "-> (Tensor, Tensor, Tensor, Tensor)",
+        {at::Tag::nondeterministic_seeded});
     // Gradients of hstu_output_fwd's y: (dattn, du, dweight, dbias); dweight/dbias empty unless weight_grad.
     m.def(
         "hstu_output_bwd(Tensor dy, Tensor attn, Tensor u, Tensor weight, Tensor bias, Tensor mean, Tensor rstd, "
