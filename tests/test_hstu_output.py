@@ -282,6 +282,8 @@ def test_opcheck(device):
     t = make(9, 2, 4, 6, torch.float32, device, False, True, False, requires_grad=False)
     fwd_args = (t["attn"], t["u"], t["norm_weight"], t["norm_bias"], 1e-5, 0, 1, 1, True, False, 0.25, 11, None)
     torch.library.opcheck(torch.ops.torchfuse.hstu_output_fwd.default, fwd_args)
+    grad_args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) else a for a in fwd_args)
+    torch.library.opcheck(torch.ops.torchfuse.hstu_output_fwd.default, grad_args)
     y, mean, rstd, rng = torch.ops.torchfuse.hstu_output_fwd(*fwd_args)
     bwd_args = (torch.randn_like(y), t["attn"], t["u"], t["norm_weight"], t["norm_bias"], mean, rstd, rng, 0, 1, 1,
                 True, False, 0.25, True)
@@ -359,3 +361,17 @@ def test_against_gr(device, monkeypatch, case, p):
     for name, a, b in zip(names, torch.autograd.grad(got, [t[k] for k in names], dout),
                           torch.autograd.grad(want, [theirs[k] for k in names], dout)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
+def test_op_autograd_matches_the_function(device):
+    """torch.ops.torchfuse.hstu_output_fwd is differentiable by itself, with the same gradients."""
+    t = make(21, 3, 5, 7, torch.float32, device, True, True, True)
+    args = (t["attn"], t["u"], t["norm_weight"], t["norm_bias"], 1e-5, 3, 1, 1, True, True, 0.3, 9, None)
+    y = torch.ops.torchfuse.hstu_output_fwd(*args)[0]
+    out = torch.addmm(t["x"], y, t["output_weight"])
+    want = call(torchfuse.hstu_compute_output, t, 1e-5, num_heads=3, linear_dim=5, dropout_ratio=0.3, training=True,
+                concat_u=True, concat_x=True, mul_u_activation_type="none", group_norm=True, silu_u=True, seed=9)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    dout = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, list(t.values()), dout), torch.autograd.grad(want, list(t.values()), dout)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

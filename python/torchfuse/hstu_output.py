@@ -173,3 +173,25 @@ def _hstu_output_bwd_fake(dy, attn, u, weight, bias, mean, rstd, rng_state, grou
     dw = weight.new_empty(weight.shape) if weight_grad else none
     db = bias.new_empty(bias.shape) if weight_grad else none.clone()
     return attn.new_empty(attn.shape), u.new_empty(u.shape), dw, db
+
+
+# ---- autograd of the op itself (torch.ops.torchfuse.hstu_output_fwd called directly) ----
+
+
+def _setup_context(ctx, inputs, output):
+    attn, u, w, b, _eps, groups, mul_act, cat_act, cu, cx, p = inputs[:11]
+    _y, mean, rstd, rng = output
+    ctx.mark_non_differentiable(mean, rstd, rng)
+    ctx.save_for_backward(attn, u, w, b, mean, rstd, rng)
+    ctx.opts = (groups, mul_act, cat_act, cu, cx, p)
+
+
+def _backward(ctx, dy, _dmean, _drstd, _drng):
+    attn, u, w, b, mean, rstd, rng = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dattn, du, dw, db = _bwd(dy, attn, u, w, b, mean, rstd, rng, *ctx.opts, need[2] or need[3])
+    return (dattn if need[0] else None, du if need[1] else None, dw if need[2] else None,
+            db if need[3] else None) + (None,) * (len(need) - 4)
+
+
+torch.library.register_autograd("torchfuse::hstu_output_fwd", _backward, setup_context=_setup_context)
