@@ -373,5 +373,6 @@ def test_op_autograd_matches_the_function(device):
                 concat_u=True, concat_x=True, mul_u_activation_type="none", group_norm=True, silu_u=True, seed=9)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     dout = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, list(t.values()), dout), torch.autograd.grad(want, list(t.values()), dout)):
+    leaves = list(t.values())
+    for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
