@@ -236,7 +236,8 @@ __device__ __forceinline__ void bwd_load(const tf_hstu_output_bwd_params &p, con
 
 /* K > 0: LayerNorm with at most K chunks per lane, weight-gradient sums in registers. K == 0: any. */
 template <int K>
-__global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_bwd_kernel(const tf_hstu_output_bwd_params p) {
+__global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_bwd_kernel(
+    const tf_hstu_output_bwd_params p) {
     const int lane = threadIdx.x & 31;
     const int64_t slot = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
     const int64_t n_warps = (int64_t)gridDim.x * kWarps;
