@@ -216,23 +216,27 @@ def test_determinism_per_seed(device):
     assert torch.equal(d, f)
 
 
-def test_generator_mask_same_in_backward(device):
+@pytest.mark.parametrize("recompute", [False, True], ids=["save_y", "recompute_y"])
+def test_generator_mask_same_in_backward(device, recompute):
     """seed=None: the backward regenerates the forward's mask. With output_weight = I the forward's y
-    is out - x, and with norm_weight = 0 the gradient of attn is exactly dout's attn part x mask / (1 - p)."""
+    is out - x, and with norm_weight = 0 the gradient of attn is exactly dout's attn part x mask / (1 - p);
+    output_weight's gradient is y^T dout with y saved or recomputed."""
     L, n, p = 64, 24, 0.5
     attn = (torch.rand(L, n, device=device) + 0.5).requires_grad_()
     u = torch.randn(L, n, device=device)
     x = torch.randn(L, 2 * n, device=device)
     w, b = torch.zeros(n, device=device), torch.randn(n, device=device)
-    W = torch.eye(2 * n, device=device)
+    W = torch.eye(2 * n, device=device).requires_grad_()
     out = torchfuse.hstu_compute_output(attn, u, x, w, b, 1e-5, W, num_heads=1, linear_dim=n, dropout_ratio=p,
                                         training=True, concat_u=False, concat_x=True, mul_u_activation_type="none",
-                                        group_norm=False)
-    kept = (out - x)[:, :n] != 0
+                                        group_norm=False, recompute_y_in_backward=recompute)
+    y = (out - x).detach()
+    kept = y[:, :n] != 0
     assert 0 < kept.double().mean().item() < 1
     dout = torch.randn_like(out)
-    (da,) = torch.autograd.grad(out, attn, dout)
+    da, dW = torch.autograd.grad(out, [attn, W], dout)
     torch.testing.assert_close(da, dout[:, :n] * kept / (1 - p), rtol=1e-6, atol=0)
+    torch.testing.assert_close(dW, y.t() @ dout, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_and_cuda_masks_equal(device):
