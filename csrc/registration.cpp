@@ -193,4 +193,22 @@ TORCH_LIBRARY(torchfuse, m) {
         "sampled_softmax_bwd(Tensor dloss, Tensor query, Tensor positive, Tensor negatives, Tensor? positive_ids, "
         "Tensor? negative_ids, Tensor? weights, Tensor row_loss, float temperature, bool l2_norm, float eps, "
         "int chunk_rows) -> (Tensor, Tensor, Tensor)");
+
+    // ---- HSTU output section (python/torchfuse/hstu_output.py; semantics: kernels/hstu_output_kernels.h) ----
+    // The norm-mul-concat-dropout of generative-recommenders' hstu_compute_output before its GEMM. groups: 0
+    // (LayerNorm over the row) or num_heads (GroupNorm); mul_act / cat_act: 0 none, 1 SiLU, 2 sigmoid (the
+    // multiplying u's and the concatenated u's). dropout_ratio 0: no dropout. The mask comes from rng_state
+    // (a forward's) when given, else from seed, else from torch's generator. Returns (y, mean, rstd,
+    // rng_state): y (L, (1 + concat_u + concat_x) * n), statistics (L, max(groups, 1)) float32, (seed, offset) int64.
+    // Seeded from the generator: tagged so that compilers neither merge nor reorder two calls.
+    m.def(
+        "hstu_output_fwd(Tensor attn, Tensor u, Tensor weight, Tensor bias, float eps, int groups, int mul_act, "
+        "int cat_act, bool concat_u, bool concat_x, float dropout_ratio, int? seed=None, Tensor? rng_state=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor)",
+        {at::Tag::nondeterministic_seeded});
+    // Gradients of hstu_output_fwd's y: (dattn, du, dweight, dbias); dweight/dbias empty unless weight_grad.
+    m.def(
+        "hstu_output_bwd(Tensor dy, Tensor attn, Tensor u, Tensor weight, Tensor bias, Tensor mean, Tensor rstd, "
+        "Tensor rng_state, int groups, int mul_act, int cat_act, bool concat_u, bool concat_x, float dropout_ratio, "
+        "bool weight_grad) -> (Tensor, Tensor, Tensor, Tensor)");
 }

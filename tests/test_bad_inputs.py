@@ -65,6 +65,11 @@ Case families (row id = family/case):
              num_heads 0, eps 0; no rows (= reference); non-contiguous x and uvqk_weight; uvqk_weight on
              another device; compat.gr: hstu_preprocess_and_attention with causal=False,
              hstu_compute_output given both concat_ux and concat_u
+  hout/      hstu_compute_output: int inputs, attn / u / x of different dtypes, u / x / norm_weight /
+             output_weight of the wrong shape, group_norm with num_heads * linear_dim != width, unknown
+             activation, dropout_ratio outside [0, 1), eps 0, norm_weight and norm_bias of different
+             dtypes; L = 0 (= reference); non-contiguous attn and u (= contiguous); norm_weight on
+             another device
 """
 import re
 from dataclasses import dataclass
@@ -1052,7 +1057,6 @@ LATER_ROWS = [
 ]
 
 
-
 # hstu_preprocess (the STU layer's input section): E = 8, H = 2, attn_dim 3, hidden_dim 2 -> 20 columns
 PRE = torchfuse.hstu_preprocess
 
@@ -1102,12 +1106,84 @@ LATER_ROWS += [
     bad("stu/gr/compute_output-concat_ux-and-concat_u", ValueError, r"pass concat_ux or concat_u / concat_x",
         lambda d: gr.hstu_compute_output(rand(2, 4, d=d), rand(2, 4, d=d), rand(2, 3, d=d), W(d, 4), W(d, 4), 1e-6,
                                          rand(12, 3, d=d), 1, 4, 0.0, False, concat_u=True, concat_ux=True)),
+
+
+# ---------------------------------------------------------------- hstu_compute_output
+
+
+def _hout(d, L=4, H=2, D=3, E=5, dtype=torch.float32, group_norm=False, concat=(True, True), **over):
+    """Arguments of a valid hstu_compute_output call, with `over` replacing any of them."""
+    n = H * D
+    parts = (3 if all(concat) else 1) if group_norm else 1 + sum(concat)
+    wn = H if group_norm else n
+    a = dict(attn=rand(L, n, d=d, dtype=dtype), u=rand(L, n, d=d, dtype=dtype), x=rand(L, E, d=d, dtype=dtype),
+             norm_weight=rand(wn, d=d), norm_bias=rand(wn, d=d), eps=1e-5, output_weight=rand(parts * n, E, d=d),
+             num_heads=H, linear_dim=D, dropout_ratio=0.1, training=True, concat_u=concat[0], concat_x=concat[1],
+             mul_u_activation_type="silu", group_norm=group_norm, seed=3)
+    a.update(over)
+    return a
+
+
+def HOUT(a):
+    pos = [a.pop(k) for k in ("attn", "u", "x", "norm_weight", "norm_bias", "eps", "output_weight")]
+    return torchfuse.hstu_compute_output(*pos, **a)
+
+
+def _hout_ref(a):
+    a = dict(a)
+    a.pop("seed")
+    a["training"] = False
+    pos = [a.pop(k) for k in ("attn", "u", "x", "norm_weight", "norm_bias", "eps", "output_weight")]
+    from torchfuse import reference
+    return reference.hstu_compute_output(*pos, **a)
+
+
+def _hout_strided(d):
+    a = _hout(d)
+    b = dict(a, attn=torch.stack([a["attn"], a["attn"]], 2)[:, :, 0],  # column stride 2
+             u=a["u"].t().contiguous().t())  # column-major
+    return HOUT(b), HOUT(a)
+
+
+HOUT_ROWS = [
+    bad("hout/dtype/int", TypeError, r"attn must be float32, float16 or bfloat16",
+        lambda d: HOUT(_hout(d, dtype=torch.int64))),
+    bad("hout/dtype/mixed", TypeError, r"attn, u and x must share one dtype",
+        lambda d: HOUT(_hout(d, u=rand(4, 6, d=d, dtype=torch.bfloat16)))),
+    bad("hout/dtype/norm-params", TypeError, r"norm_weight and norm_bias must share one dtype",
+        lambda d: HOUT(_hout(d, norm_bias=rand(6, d=d, dtype=torch.float16)))),
+    bad("hout/shape/u", ValueError, r"u must have attn's shape",
+        lambda d: HOUT(_hout(d, u=rand(4, 5, d=d)))),
+    bad("hout/shape/x-rows", ValueError, r"x must have attn's 4 rows",
+        lambda d: HOUT(_hout(d, x=rand(3, 5, d=d)))),
+    bad("hout/shape/norm_weight", ValueError, r"norm_weight must be 1-D with 6 elements",
+        lambda d: HOUT(_hout(d, norm_weight=rand(2, d=d)))),
+    bad("hout/shape/norm_bias-group", ValueError, r"norm_bias must be 1-D with 2 elements \(one per head",
+        lambda d: HOUT(_hout(d, group_norm=True, norm_bias=rand(6, d=d)))),
+    bad("hout/shape/output_weight", ValueError, r"output_weight must be \(18, 5\)",
+        lambda d: HOUT(_hout(d, output_weight=rand(12, 5, d=d)))),
+    bad("hout/shape/attn-1d", ValueError, r"attn must be a 2-D tensor",
+        lambda d: HOUT(_hout(d, attn=rand(6, d=d)))),
+    bad("hout/group_norm/heads", ValueError, r"group_norm needs attn's width 6 = num_heads \* linear_dim",
+        lambda d: HOUT(_hout(d, group_norm=True, num_heads=4))),
+    bad("hout/activation/unknown", ValueError, r"mul_u_activation_type must be 'none', 'silu' or 'sigmoid'",
+        lambda d: HOUT(_hout(d, mul_u_activation_type="relu"))),
+    bad("hout/dropout/one", ValueError, r"dropout_ratio must be in \[0, 1\)",
+        lambda d: HOUT(_hout(d, dropout_ratio=1.0))),
+    bad("hout/dropout/negative", ValueError, r"dropout_ratio must be in \[0, 1\)",
+        lambda d: HOUT(_hout(d, dropout_ratio=-0.1, training=False))),
+    bad("hout/eps/zero", ValueError, r"eps must be a positive finite number",
+        lambda d: HOUT(_hout(d, eps=0.0))),
+    same("hout/empty/L0", lambda d: (HOUT(_hout(d, L=0)), _hout_ref(_hout(d, L=0)))),
+    same("hout/strided/attn-u", _hout_strided, rtol=0, atol=0),
+    cross("hout/device/norm_weight", RuntimeError, r"norm_weight must be on the same device as attn",
+          lambda d: HOUT(_hout(d, norm_weight=rand(6, d="cpu")))),
 ]
 
 
 # ---------------------------------------------------------------- the test
 
-ROWS = NORM_ROWS + JAGGED_ROWS + HSTU_ROWS + DYNEMB_ROWS + TORCHREC_ROWS + HF_ROWS + LATER_ROWS
+ROWS = NORM_ROWS + JAGGED_ROWS + HSTU_ROWS + DYNEMB_ROWS + TORCHREC_ROWS + HF_ROWS + LATER_ROWS + HOUT_ROWS
 
 
 def _sync(device):
@@ -1144,7 +1220,7 @@ def test_rows_are_unique_and_cover_every_family():
     ids = [r.id for r in ROWS]
     assert len(ids) == len(set(ids))
     families = {i.split("/")[0] for i in ids}
-    assert families == {"norm", "jagged", "hstu", "dynemb", "torchrec", "hf", "bmm", "ssm", "stu"}
+    assert families == {"norm", "jagged", "hstu", "dynemb", "torchrec", "hf", "bmm", "ssm", "stu", "hout"}
     exported = set(torchfuse.jagged.__dict__) & set(torchfuse.__all__)
     tried = {i.split("/")[-1].split("-")[0] for i in ids if i.startswith("jagged/offsets-")}
     # jagged_dense_bmm_broadcast_add reads its offsets through jagged_to_padded_dense and dense_to_jagged,

@@ -35,6 +35,7 @@ def test_cli_checks_every_family_and_passes(device):
     ops = " ".join(c["op"] for c in checks)
     for op in ("add+layer_norm", "add+rms_norm", "backward", "jagged_to_padded_dense", "concat_2d_jagged",
                "jagged_dense_add", "jagged_concat", "hstu_attention backward dq", "hstu_attention_cached",
+               "hstu_compute_output backward dattn",
                "insert + find", "training step", "DynamicEmbeddingBagCollection", "DynamicEmbeddingCollection"):
         assert op in ops, op
     assert result["bench"] == []

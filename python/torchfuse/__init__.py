@@ -30,6 +30,8 @@ __all__ += ["complete_cumsum", "concat_2d_jagged", "dense_to_jagged", "jagged_co
 from .hstu import hstu_attention, hstu_attention_cached  # noqa: E402
 
 __all__ += ["hstu_attention", "hstu_attention_cached"]
+from .hstu_output import hstu_compute_output  # noqa: E402
+__all__ += ["hstu_compute_output"]
 
 
 # ---- dynamic embeddings ----

@@ -254,3 +254,34 @@ def hstu_preprocess(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_
     H = num_heads
     u, v, q, k = torch.split(uvqk, [hidden_dim * H, hidden_dim * H, attn_dim * H, attn_dim * H], dim=1)
     return (F.silu(u), q.reshape(-1, H, attn_dim), k.reshape(-1, H, attn_dim), v.reshape(-1, H, hidden_dim))
+
+
+# ---- HSTU output section ----
+
+
+def hstu_compute_output(attn, u, x, norm_weight, norm_bias, eps, output_weight, *, num_heads, linear_dim,
+                        dropout_ratio, training, concat_u, concat_x, mul_u_activation_type, group_norm,
+                        silu_u=False, dropout_mask=None):
+    """generative-recommenders' ``pytorch_hstu_compute_output``: norm, multiply and concatenate in fp32
+    (fp64 for fp64 inputs), dropout, rounded to attn's dtype, then ``x + y @ output_weight``.
+    ``dropout_mask`` (bool, the concatenation's shape) replaces F.dropout's random mask when dropping."""
+    dtype = attn.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    a, uu = attn.to(acc), u.to(acc)
+    w, b = norm_weight.to(acc), norm_bias.to(acc)
+    silu_or_id = F.silu if silu_u else (lambda t: t)
+    if group_norm:
+        uu = silu_or_id(uu)
+        y = uu * F.group_norm(a.view(-1, num_heads, linear_dim), num_heads, w, b, eps).view(-1, num_heads * linear_dim)
+        parts = [uu, a, y] if concat_u and concat_x else [y]
+    else:
+        act = {"none": lambda t: t, "silu": F.silu, "sigmoid": torch.sigmoid}[mul_u_activation_type]
+        y = act(uu) * F.layer_norm(a, (a.shape[-1],), w, b, eps)
+        parts = ([silu_or_id(uu)] if concat_u else []) + ([a] if concat_x else []) + [y]
+    y = torch.cat(parts, dim=1)
+    if training and dropout_ratio > 0:
+        if dropout_mask is None:
+            y = F.dropout(y, p=dropout_ratio, training=True)
+        else:
+            y = y * dropout_mask.to(acc) / (1.0 - dropout_ratio)
+    return torch.addmm(x, y.to(dtype), output_weight.to(x.dtype))

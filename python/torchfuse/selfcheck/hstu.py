@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import torchfuse
 from torchfuse import reference
 
+from . import hstu_output
 from ._common import bench_row, close
 
 FAMILY = "hstu"
@@ -47,7 +48,7 @@ def checks(ctx):
     ref = reference.hstu_attention_cached(dq.double(), k.double(), v.double(), off, max_len, alpha, **kw)
     lp = reference.hstu_attention_cached(dq, k, v, off, max_len, alpha, **kw)
     out.append(close("hstu_attention_cached (last 4 rows)", got, ref, lp, 2.0, dt))
-    return out
+    return out + hstu_output.checks(ctx)
 
 
 def _eager(q, k, v, idx, mask, B, N, alpha):

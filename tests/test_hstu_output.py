@@ -1,0 +1,392 @@
+"""torchfuse.hstu_compute_output against torchfuse.reference (generative-recommenders' semantics) and,
+when a local copy is found, GR's own pytorch_hstu_compute_output.
+
+Forward and every gradient are compared with the float64 reference; the allowed error is a multiple
+of the same computation's error in the input dtype (the reference run in that dtype) plus one ulp of
+the reference's magnitude. With dropout the reference applies the mask the op draws for that seed
+(torchfuse.hstu_output._dropout_mask), so forward and backward are checked with the mask fixed.
+"""
+import importlib.util
+import itertools
+import os
+
+import pytest
+import torch
+
+import torchfuse
+from torchfuse import reference
+from torchfuse.hstu_output import _dropout_mask
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CONCATS = {"y": (False, False), "uy": (True, False), "xy": (False, True), "uxy": (True, True)}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cuda_only(device):
+    if device != "cuda":
+        pytest.skip("CUDA only")
+
+
+def _parts(group_norm, concat_u, concat_x):
+    if group_norm:
+        return 3 if concat_u and concat_x else 1
+    return 1 + concat_u + concat_x
+
+
+def make(L, H, D, E, dtype, device, group_norm, concat_u, concat_x, requires_grad=True, wdtype=None):
+    n = H * D
+    k = n * _parts(group_norm, concat_u, concat_x)
+    wn = H if group_norm else n
+    t = {
+        "attn": torch.randn(L, n) * 2 + 0.5,
+        "u": torch.randn(L, n),
+        "x": torch.randn(L, E),
+        "norm_weight": torch.randn(wn) * 0.5 + 1,
+        "norm_bias": torch.randn(wn) * 0.1,
+        "output_weight": torch.randn(k, E) / k ** 0.5,
+    }
+    dt = {name: wdtype or dtype if name.startswith("norm_") else dtype for name in t}
+    return {name: v.to(device, dt[name]).requires_grad_(requires_grad) for name, v in t.items()}
+
+
+def call(fn, t, eps, **kw):
+    return fn(t["attn"], t["u"], t["x"], t["norm_weight"], t["norm_bias"], eps, t["output_weight"], **kw)
+
+
+def check_close(name, got, ref64, lowp, factor, terms=1):
+    """terms: the number of fp32 products summed into each element (a norm weight's gradient sums
+    rows x columns-per-weight of them, whose cancellation PyTorch's differently ordered sum may avoid
+    by luck): the floor allows fp32 rounding growing as its square root."""
+    ref64 = ref64.double()
+    err = (got.double() - ref64).abs().max().item() if ref64.numel() else 0.0
+    err_lp = (lowp.double() - ref64).abs().max().item() if ref64.numel() else 0.0
+    big = max(1.0, ref64.abs().max().item() if ref64.numel() else 0.0)
+    floor = max(torch.finfo(got.dtype).eps, torch.finfo(torch.float32).eps * terms ** 0.5) * big
+    assert torch.isfinite(got).all(), name
+    assert err <= factor * err_lp + floor, f"{name}: error {err:.3g} > {factor} x PyTorch's {err_lp:.3g} + {floor:.3g}"
+
+
+def run_case(device, dtype, L, H, D, E, *, group_norm, concat, act, silu_u, p, recompute, grad=True, seed=1234,
+             wdtype=None):
+    concat_u, concat_x = CONCATS[concat]
+    eps = 1e-5
+    kw = dict(num_heads=H, linear_dim=D, dropout_ratio=p, training=True, concat_u=concat_u, concat_x=concat_x,
+              mul_u_activation_type=act, group_norm=group_norm, silu_u=silu_u)
+    ours = make(L, H, D, E, dtype, device, group_norm, concat_u, concat_x, requires_grad=grad, wdtype=wdtype)
+    lowp = {k: v.detach().clone().requires_grad_(grad) for k, v in ours.items()}
+    ref = {k: v.detach().double().requires_grad_(grad) for k, v in ours.items()}
+    mask = _dropout_mask(L, H * D, _parts(group_norm, concat_u, concat_x), p, seed=seed, device=device) if p else None
+    out = call(torchfuse.hstu_compute_output, ours, eps, recompute_y_in_backward=recompute, seed=seed, **kw)
+    out_lp = call(reference.hstu_compute_output, lowp, eps, dropout_mask=mask, **kw)
+    out_ref = call(reference.hstu_compute_output, ref, eps, dropout_mask=mask, **kw)
+    assert out.dtype == dtype and out.shape == (L, E)
+    what = f"{dtype} L={L} H={H} D={D} gn={group_norm} {concat} {act} silu_u={silu_u} p={p}"
+    check_close(f"out ({what})", out, out_ref, out_lp, 2.0)
+    if not grad:
+        return
+    dout = torch.randn_like(out_ref)
+    names = list(ours)
+    g = torch.autograd.grad(out, [ours[k] for k in names], dout.to(dtype))
+    g_lp = torch.autograd.grad(out_lp, [lowp[k] for k in names], dout.to(dtype))
+    g_ref = torch.autograd.grad(out_ref, [ref[k] for k in names], dout)
+    per_weight = L * (D if group_norm else 1)
+    for name, a, b, c in zip(names, g, g_lp, g_ref):
+        assert a.dtype == ours[name].dtype and a.shape == ours[name].shape, name
+        check_close(f"d{name} ({what})", a, c, b, 4.0, terms=per_weight if name.startswith("norm_") else 1)
+
+
+# ---------------------------------------------------------------- every option combination
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["save_y", "recompute_y"])
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["p0", "p0.3"])
+@pytest.mark.parametrize("silu_u", [False, True], ids=["u", "silu_u"])
+@pytest.mark.parametrize("act", ["none", "silu", "sigmoid"])
+@pytest.mark.parametrize("concat", list(CONCATS))
+@pytest.mark.parametrize("group_norm", [False, True], ids=["ln", "gn"])
+def test_options_fp32(device, group_norm, concat, act, silu_u, p, recompute):
+    run_case(device, torch.float32, 37, 3, 7, 11, group_norm=group_norm, concat=concat, act=act, silu_u=silu_u,
+             p=p, recompute=recompute)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("p", [0.0, 0.2], ids=["p0", "p0.2"])
+@pytest.mark.parametrize("concat", list(CONCATS))
+@pytest.mark.parametrize("group_norm", [False, True], ids=["ln", "gn"])
+def test_options_low_precision(device, dtype, group_norm, concat, p):
+    run_case(device, dtype, 45, 4, 8, 24, group_norm=group_norm, concat=concat, act="silu", silu_u=True, p=p,
+             recompute=p > 0)
+
+
+# Widths that take each CUDA path: one to four chunks per lane in registers, the looping one past 1024
+# columns, odd widths (no 16-byte vectors), GroupNorm heads of 1, 25 and 256 columns. (A GroupNorm head
+# of one column normalises to exactly 0 and is left out: its attn gradient is rounding noise.)
+WIDTHS = [(gn, H, D) for gn in (False, True)
+          for H, D in [(1, 8), (2, 150), (4, 256), (3, 700), (5, 25), (16, 1), (1, 1)] if not (gn and D == 1)]
+
+
+@pytest.mark.parametrize("group_norm,H,D", WIDTHS, ids=[f"{'gn' if g else 'ln'}-{h}x{d}" for g, h, d in WIDTHS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_widths(device, dtype, group_norm, H, D):
+    run_case(device, dtype, 19, H, D, 16, group_norm=group_norm, concat="uxy", act="silu", silu_u=False, p=0.1,
+             recompute=False)
+
+
+@pytest.mark.parametrize("group_norm", [False, True], ids=["ln", "gn"])
+def test_fp32_norm_params_with_bf16_activations(device, group_norm):
+    run_case(device, torch.bfloat16, 33, 2, 12, 16, group_norm=group_norm, concat="uxy", act="silu", silu_u=False,
+             p=0.2, recompute=False, wdtype=torch.float32)
+
+
+@pytest.mark.parametrize("L", [0, 1, 2])
+@pytest.mark.parametrize("group_norm", [False, True], ids=["ln", "gn"])
+def test_few_rows(device, L, group_norm):
+    run_case(device, torch.float32, L, 2, 5, 6, group_norm=group_norm, concat="uxy", act="silu", silu_u=True,
+             p=0.25, recompute=True)
+
+
+def test_many_rows(device):
+    run_case(device, torch.bfloat16, 3000, 4, 64, 32, group_norm=False, concat="uxy", act="none", silu_u=False,
+             p=0.1, recompute=False)
+
+
+def test_inference_and_eval(device):
+    """No grad: the op and addmm alone; training=False: no dropout (and no generator draw)."""
+    t = make(20, 2, 8, 12, torch.float32, device, False, True, True, requires_grad=False)
+    kw = dict(num_heads=2, linear_dim=8, dropout_ratio=0.5, training=False, concat_u=True, concat_x=True,
+              mul_u_activation_type="silu", group_norm=False)
+    state = torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+    out = call(torchfuse.hstu_compute_output, t, 1e-6, **kw)
+    after = torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+    assert torch.equal(state, after)
+    ref = call(reference.hstu_compute_output, {k: v.double() for k, v in t.items()}, 1e-6, **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_non_contiguous_inputs(device):
+    t = make(30, 2, 8, 12, torch.float32, device, False, True, True, requires_grad=False)
+    kw = dict(num_heads=2, linear_dim=8, dropout_ratio=0.2, training=True, concat_u=True, concat_x=True,
+              mul_u_activation_type="silu", group_norm=False, seed=7)
+    strided = dict(t)
+    strided["attn"] = torch.stack([t["attn"], t["attn"]], 2)[:, :, 0]  # column stride 2
+    assert strided["attn"].stride() == (32, 2) and torch.equal(strided["attn"], t["attn"])
+    strided["u"] = t["u"].t().contiguous().t()  # column-major
+    out = call(torchfuse.hstu_compute_output, t, 1e-5, **kw)
+    torch.testing.assert_close(call(torchfuse.hstu_compute_output, strided, 1e-5, **kw), out, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- dropout
+
+
+def test_keep_rate_and_scale(device):
+    p, L, n = 0.3, 512, 64
+    mask = _dropout_mask(L, n, 3, p, seed=99, device=device)
+    N = mask.numel()
+    rate = mask.double().mean().item()
+    sigma = (p * (1 - p) / N) ** 0.5
+    assert abs(rate - (1 - p)) < 6 * sigma, (rate, 1 - p)
+    # no structure along rows or columns: each column's and each row-block's keep rate is plausible
+    cols = mask.double().mean(0)
+    assert (cols - (1 - p)).abs().max().item() < 6 * (p * (1 - p) / L) ** 0.5
+    # kept elements are scaled by 1 / (1 - p) exactly (fp32)
+    y = torch.ops.torchfuse.hstu_output_fwd(torch.ones(L, n, device=device), torch.ones(L, n, device=device),
+                                            torch.zeros(n, device=device), torch.ones(n, device=device), 1e-5, 0, 0,
+                                            0, True, True, p, 99, None)[0]
+    assert torch.equal(y[mask], torch.full_like(y[mask], 1 / (1 - p)))
+
+
+def test_determinism_per_seed(device):
+    t = make(50, 2, 16, 8, torch.bfloat16, device, False, True, True, requires_grad=False)
+    kw = dict(num_heads=2, linear_dim=16, dropout_ratio=0.4, training=True, concat_u=True, concat_x=True,
+              mul_u_activation_type="silu", group_norm=False)
+    a = call(torchfuse.hstu_compute_output, t, 1e-5, seed=5, **kw)
+    b = call(torchfuse.hstu_compute_output, t, 1e-5, seed=5, **kw)
+    c = call(torchfuse.hstu_compute_output, t, 1e-5, seed=6, **kw)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    m5, m6 = (_dropout_mask(50, 32, 3, 0.4, seed=s, device=device) for s in (5, 6))
+    assert (m5 != m6).double().mean().item() > 0.3  # independent masks differ in 2 p (1 - p) = 48% of places
+    # seed=None draws from torch's generator: fresh masks per call, reproduced by torch.manual_seed
+    torch.manual_seed(3)
+    d = call(torchfuse.hstu_compute_output, t, 1e-5, **kw)
+    e = call(torchfuse.hstu_compute_output, t, 1e-5, **kw)
+    torch.manual_seed(3)
+    f = call(torchfuse.hstu_compute_output, t, 1e-5, **kw)
+    assert not torch.equal(d, e)
+    assert torch.equal(d, f)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["save_y", "recompute_y"])
+def test_generator_mask_same_in_backward(device, recompute):
+    """seed=None: the backward regenerates the forward's mask. With output_weight = I the forward's y
+    is out - x, and with norm_weight = 0 the gradient of attn is exactly dout's attn part x mask / (1 - p);
+    output_weight's gradient is y^T dout with y saved or recomputed."""
+    L, n, p = 64, 24, 0.5
+    attn = (torch.rand(L, n, device=device) + 0.5).requires_grad_()
+    u = torch.randn(L, n, device=device)
+    x = torch.randn(L, 2 * n, device=device)
+    w, b = torch.zeros(n, device=device), torch.randn(n, device=device)
+    W = torch.eye(2 * n, device=device).requires_grad_()
+    out = torchfuse.hstu_compute_output(attn, u, x, w, b, 1e-5, W, num_heads=1, linear_dim=n, dropout_ratio=p,
+                                        training=True, concat_u=False, concat_x=True, mul_u_activation_type="none",
+                                        group_norm=False, recompute_y_in_backward=recompute)
+    y = (out - x).detach()
+    kept = y[:, :n] != 0
+    assert 0 < kept.double().mean().item() < 1
+    dout = torch.randn_like(out)
+    da, dW = torch.autograd.grad(out, [attn, W], dout)
+    torch.testing.assert_close(da, dout[:, :n] * kept / (1 - p), rtol=1e-6, atol=0)
+    torch.testing.assert_close(dW, y.t() @ dout, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_and_cuda_masks_equal(device):
+    _cuda_only(device)
+    for L, n, parts, p in [(33, 21, 3, 0.3), (7, 1000, 2, 0.1), (1, 3, 1, 0.9)]:
+        for seed in (0, 12345, 2**62 + 3):
+            a = _dropout_mask(L, n, parts, p, seed=seed, device="cpu")
+            b = _dropout_mask(L, n, parts, p, seed=seed, device="cuda")
+            assert torch.equal(a, b.cpu()), (L, n, parts, p, seed)
+    t = make(40, 4, 25, 16, torch.float32, "cpu", True, True, True, requires_grad=False)
+    kw = dict(num_heads=4, linear_dim=25, dropout_ratio=0.2, training=True, concat_u=True, concat_x=True,
+              mul_u_activation_type="none", group_norm=True, seed=77)
+    got = call(torchfuse.hstu_compute_output, {k: v.cuda() for k, v in t.items()}, 1e-5, **kw)
+    torch.testing.assert_close(got.cpu(), call(torchfuse.hstu_compute_output, t, 1e-5, **kw), rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_graph_capture_fresh_mask_per_replay(device):
+    _cuda_only(device)
+    t = make(32, 2, 16, 8, torch.float32, device, False, True, True, requires_grad=False)
+    kw = dict(num_heads=2, linear_dim=16, dropout_ratio=0.5, training=True, concat_u=True, concat_x=True,
+              mul_u_activation_type="silu", group_norm=False)
+    call(torchfuse.hstu_compute_output, t, 1e-5, **kw)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = call(torchfuse.hstu_compute_output, t, 1e-5, **kw)
+    g.replay()
+    first = out.clone()
+    g.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(first, out)
+
+
+# ---------------------------------------------------------------- weight gradients, compile, meta
+
+
+def test_weight_gradients_deterministic(device):
+    t = make(700, 2, 48, 16, torch.bfloat16, device, False, True, True)
+    kw = dict(num_heads=2, linear_dim=48, dropout_ratio=0.1, training=True, concat_u=True, concat_x=True,
+              mul_u_activation_type="silu", group_norm=False, seed=3)
+    out = call(torchfuse.hstu_compute_output, t, 1e-5, **kw)
+    dout = torch.randn_like(out)
+    g1 = torch.autograd.grad(out, [t["norm_weight"], t["norm_bias"]], dout, retain_graph=True)
+    g2 = torch.autograd.grad(out, [t["norm_weight"], t["norm_bias"]], dout)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_meta_tensors():
+    t = make(10, 2, 4, 6, torch.bfloat16, "meta", True, True, True, requires_grad=False)
+    out = call(torchfuse.hstu_compute_output, t, 1e-5, num_heads=2, linear_dim=4, dropout_ratio=0.1, training=True,
+               concat_u=True, concat_x=True, mul_u_activation_type="none", group_norm=True)
+    assert out.shape == (10, 6) and out.dtype == torch.bfloat16 and out.device.type == "meta"
+
+
+def test_opcheck(device):
+    t = make(9, 2, 4, 6, torch.float32, device, False, True, False, requires_grad=False)
+    fwd_args = (t["attn"], t["u"], t["norm_weight"], t["norm_bias"], 1e-5, 0, 1, 1, True, False, 0.25, 11, None)
+    torch.library.opcheck(torch.ops.torchfuse.hstu_output_fwd.default, fwd_args)
+    grad_args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) else a for a in fwd_args)
+    torch.library.opcheck(torch.ops.torchfuse.hstu_output_fwd.default, grad_args)
+    y, mean, rstd, rng = torch.ops.torchfuse.hstu_output_fwd(*fwd_args)
+    bwd_args = (torch.randn_like(y), t["attn"], t["u"], t["norm_weight"], t["norm_bias"], mean, rstd, rng, 0, 1, 1,
+                True, False, 0.25, True)
+    torch.library.opcheck(torch.ops.torchfuse.hstu_output_bwd.default, bwd_args)
+
+
+def test_torch_compile_fullgraph(device):
+    t = make(24, 2, 8, 12, torch.float32, device, False, True, True)
+    kw = dict(num_heads=2, linear_dim=8, dropout_ratio=0.2, training=True, concat_u=True, concat_x=True,
+              mul_u_activation_type="silu", group_norm=False, seed=21)
+
+    def f(attn, u, x, w, b, W):
+        return torchfuse.hstu_compute_output(attn, u, x, w, b, 1e-5, W, **kw)
+
+    args = [t[k] for k in ("attn", "u", "x", "norm_weight", "norm_bias", "output_weight")]
+    eager = f(*args)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    dout = torch.randn_like(eager)
+    for a, b in zip(torch.autograd.grad(compiled, args, dout), torch.autograd.grad(eager, args, dout)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- GR's own function
+
+
+def _gr_module():
+    """pt_hstu_linear.py from a local copy of generative-recommenders (imports torch only), or None."""
+    candidates = [os.environ.get("TORCHFUSE_GR_DIR"), os.path.join(ROOT, "peers", "gr"), "/work/main/peers/gr"]
+    for c in candidates:
+        path = c and os.path.join(c, "generative_recommenders", "ops", "pytorch", "pt_hstu_linear.py")
+        if path and os.path.exists(path):
+            spec = importlib.util.spec_from_file_location("gr_pt_hstu_linear", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod
+    return None
+
+
+GR = _gr_module()
+GR_NEW = GR is not None and "concat_u" in GR.pytorch_hstu_compute_output.__code__.co_varnames
+
+
+def _gr_cases():
+    """(group_norm, concat_u, concat_x, act, silu_u) that this copy of GR's function can express: copies
+    before concat_u / concat_x / mul_u_activation_type had concat_ux and silu_u for both uses of u."""
+    for gn, (cu, cx), act, silu_u in itertools.product([False, True], CONCATS.values(), ["none", "silu", "sigmoid"],
+                                                       [False, True]):
+        if GR_NEW or (cu == cx and (gn or act == ("silu" if silu_u else "none"))):
+            yield gn, cu, cx, act, silu_u
+
+
+@pytest.mark.skipif(GR is None, reason="no local copy of generative-recommenders (set TORCHFUSE_GR_DIR)")
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["p0", "p0.3"])
+@pytest.mark.parametrize("case", list(_gr_cases()) if GR is not None else [None])
+def test_against_gr(device, monkeypatch, case, p):
+    gn, cu, cx, act, silu_u = case
+    H, D, L, E = 3, 8, 29, 10
+    t = make(L, H, D, E, torch.float32, device, gn, cu, cx)
+    theirs = {k: v.detach().clone().requires_grad_() for k, v in t.items()}
+    seed = 31
+    mask = _dropout_mask(L, H * D, _parts(gn, cu, cx), p, seed=seed, device=device) if p else None
+    # GR's F.dropout, with the mask our op draws for this seed
+    monkeypatch.setattr(torch.nn.functional, "dropout",
+                        lambda y, p, training: y * mask.to(y.dtype) / (1 - p) if training and p > 0 else y)
+    kw = dict(eps=1e-5, dropout_ratio=p, training=True, silu_u=silu_u, group_norm=gn, num_heads=H, linear_dim=D)
+    kw.update(dict(concat_u=cu, concat_x=cx, mul_u_activation_type=act) if GR_NEW else dict(concat_ux=cu))
+    want = GR.pytorch_hstu_compute_output(theirs["attn"], theirs["u"], theirs["x"], theirs["norm_weight"],
+                                          theirs["norm_bias"], theirs["output_weight"], **kw)
+    got = call(torchfuse.hstu_compute_output, t, 1e-5, num_heads=H, linear_dim=D, dropout_ratio=p, training=True,
+               concat_u=cu, concat_x=cx, mul_u_activation_type=act, group_norm=gn, silu_u=silu_u, seed=seed)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    dout = torch.randn_like(got)
+    names = list(t)
+    for name, a, b in zip(names, torch.autograd.grad(got, [t[k] for k in names], dout),
+                          torch.autograd.grad(want, [theirs[k] for k in names], dout)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
+def test_op_autograd_matches_the_function(device):
+    """torch.ops.torchfuse.hstu_output_fwd is differentiable by itself, with the same gradients."""
+    t = make(21, 3, 5, 7, torch.float32, device, True, True, True)
+    args = (t["attn"], t["u"], t["norm_weight"], t["norm_bias"], 1e-5, 3, 1, 1, True, True, 0.3, 9, None)
+    y = torch.ops.torchfuse.hstu_output_fwd(*args)[0]
+    out = torch.addmm(t["x"], y, t["output_weight"])
+    want = call(torchfuse.hstu_compute_output, t, 1e-5, num_heads=3, linear_dim=5, dropout_ratio=0.3, training=True,
+                concat_u=True, concat_x=True, mul_u_activation_type="none", group_norm=True, silu_u=True, seed=9)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    dout = torch.randn_like(out)
+    leaves = list(t.values())
+    for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
