@@ -1106,6 +1106,7 @@ LATER_ROWS += [
     bad("stu/gr/compute_output-concat_ux-and-concat_u", ValueError, r"pass concat_ux or concat_u / concat_x",
         lambda d: gr.hstu_compute_output(rand(2, 4, d=d), rand(2, 4, d=d), rand(2, 3, d=d), W(d, 4), W(d, 4), 1e-6,
                                          rand(12, 3, d=d), 1, 4, 0.0, False, concat_u=True, concat_ux=True)),
+]
 
 
 # ---------------------------------------------------------------- hstu_compute_output
