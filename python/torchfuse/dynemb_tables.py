@@ -8,6 +8,7 @@ Each table keeps its own state and semantics (capacity, growth, eviction, initia
 optimizer step): the ops take per-table lists (``torch.ops.torchfuse.dynemb_tables_*``, schemas in
 csrc/registration.cpp) and the results match one call per table (tests/test_torchrec.py checks it).
 """
+import functools
 from typing import List, Optional, Sequence
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
 from .dynamic_embedding import DynamicEmbeddingBag
 from .dynamic_embedding._table import STATE_FIELDS
+from .dynamic_embedding._training import with_step
 
 _FIELDS = len(STATE_FIELDS)
 _VALUES = STATE_FIELDS.index("_values")
@@ -103,48 +105,45 @@ def update(tables, slots: Tensor, grad: Tensor, starts: List[int]):
                               [t.optimizer.step_size(t._step) for t in tables])
 
 
-class _Pooled(torch.autograd.Function):
-    """The pooled KeyedTensor values of all tables; backward: one segment sum over every table's
-    unique ids, then one fused optimizer update."""
-
-    @staticmethod
-    def forward(ctx, anchor, tables, slots_id, offsets, weights, batch, features, means, perm, seg, slots_u, uniq,
-                ustarts, bag_row, scale):
-        ctx.tables = tables
-        ctx.versions = [t._version for t in tables]
-        ctx.ustarts = ustarts
-        ctx.n_bags_total = offsets.numel() - 1
-        ctx.save_for_backward(perm, seg, slots_u, uniq, bag_row, scale)
-        return _ops.dynemb_tables_pool(slots_id, offsets, weights, batch, features, _states(tables), means)
-
-    @staticmethod
-    def backward(ctx, grad):
-        perm, seg, slots_u, uniq, bag_row, scale = ctx.saved_tensors
-        tables = ctx.tables
-        D = tables[0].embedding_dim
-        g = _ops.dynemb_segment_sum(grad.contiguous().view(-1, D), perm, seg, bag_row, scale)
-        if any(t._version != v for t, v in zip(tables, ctx.versions)):  # rehashed or evicted since the forward
-            slots_u = lookup(tables, uniq, ctx.ustarts)
-        update(tables, slots_u, g, ctx.ustarts)
-        return (None,) * 15
+def apply_pooled_gradient(tables, record, grad: Tensor):
+    """The backward of pooled bags (pooled_parts' record): one segment sum over every table's unique
+    ids, then one fused optimizer update."""
+    versions, ustarts, perm, seg, slots_u, uniq, bag_row, scale = record
+    D = tables[0].embedding_dim
+    g = _ops.dynemb_segment_sum(grad.contiguous().view(-1, D), perm, seg, bag_row, scale)
+    if any(t._version != v for t, v in zip(tables, versions)):  # rehashed or evicted since the forward
+        slots_u = lookup(tables, uniq, ustarts)
+    update(tables, slots_u, g, ustarts)
 
 
-def pooled(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batch: int, features: List[int],
-           means: List[bool], id_starts: Optional[List[int]], feature_table: Tensor, feature_mean: Tensor,
-           pending: Optional[Tensor] = None, on_pending=None) -> Tensor:
+def pooled(tables, *args, **kwargs) -> Tensor:
+    """pooled_parts' bags, with the backward that applies the optimizer when it recorded one."""
+    out, record = pooled_parts(tables, *args, **kwargs)
+    if record is None:
+        return out
+    return with_step(out, functools.partial(apply_pooled_gradient, list(tables), record))
+
+
+def pooled_parts(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batch: int, features: List[int],
+                 means: List[bool], id_starts: Optional[List[int]], feature_table: Tensor, feature_mean: Tensor,
+                 pending: Optional[Tensor] = None, on_pending=None, need_grad: Optional[bool] = None):
     """(batch, sum of features[t] * dim) float32: the bags of every table pooled, in TorchRec's
     KeyedTensor layout. ids: every table's ids, table t's at [id_starts[t], id_starts[t + 1]);
     offsets: (sum(features) * batch + 1) bag bounds over ids, ordered (table, feature, sample), already
     validated, or with `pending` (a device int64 vector) not yet: it is read with the first host read
     here and passed to on_pending, which raises on a bad batch before any kernel reads ids through
     the offsets; feature_table, feature_mean: each feature's table index and whether it is
-    MEAN-pooled (device tensors of sum(features) entries); id_starts: each table's ids (eval only)."""
+    MEAN-pooled (device tensors of sum(features) entries); id_starts: each table's ids (eval only).
+    Returns (bags, None), or with gradients (need_grad, default: grad mode and trainable tables)
+    (bags, the record apply_pooled_gradient takes)."""
     tables = list(tables)
     T, n, dev = len(tables), ids.numel(), ids.device
-    training, need_grad = tables[0].training, torch.is_grad_enabled() and tables[0]._trainable
-    if not training:  # eval: no inserts
+    training = tables[0].training
+    if need_grad is None:
+        need_grad = torch.is_grad_enabled() and tables[0]._trainable
+    if not training:  # eval: no inserts (and no optimizer step)
         slots = lookup(tables, ids, id_starts)
-        return _ops.dynemb_tables_pool(slots, offsets, weights, batch, features, _states(tables), means)
+        return _ops.dynemb_tables_pool(slots, offsets, weights, batch, features, _states(tables), means), None
     # Each table's unique ids: a stable sort by id, then by table (ids of one table are contiguous
     # but a feature order may repeat a table, so the table index is sorted on, not assumed).
     ends = offsets[batch::batch].contiguous() if batch else offsets[:0]  # each feature's end in ids
@@ -175,8 +174,9 @@ def pooled(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batc
     slots_u = find_or_insert(tables, uniq, ustarts, lambda: st.to(torch.int64)[first])
     slots_id = torch.empty_like(ids)
     slots_id[perm] = slots_u[useg]
+    out = _ops.dynemb_tables_pool(slots_id, offsets, weights, batch, features, _states(tables), means)
     if not need_grad:
-        return _ops.dynemb_tables_pool(slots_id, offsets, weights, batch, features, _states(tables), means)
+        return out, None
     seg = F.pad(first, (0, 1), value=n)
     n_bags = offsets.numel() - 1
     lengths = offsets[1:] - offsets[:-1]
@@ -188,9 +188,7 @@ def pooled(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batc
     if any(means):  # MEAN tables take no weights (checked by the caller)
         inv = torch.where(feature_mean.repeat_interleave(batch), 1.0 / lengths.clamp(min=1).float(), 1.0)
         scale = inv[bag] if scale is None else scale * inv[bag]
-    anchor = torch.empty(0, device=dev, requires_grad=True)
-    return _Pooled.apply(anchor, tables, slots_id, offsets, weights, batch, features, means, perm, seg, slots_u,
-                         uniq, ustarts, bag_row, scale)
+    return out, ([t._version for t in tables], ustarts, perm, seg, slots_u, uniq, bag_row, scale)
 
 
 # ---- fake kernels (torch.compile / meta tensors) ----
