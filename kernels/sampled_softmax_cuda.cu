@@ -52,6 +52,26 @@ __device__ __forceinline__ void lse_merge(float &m, float &l, float m2, float l2
     m = M;
 }
 
+/* x added to an online log-sum-exp (m, l): one exp per element (the same sums as lse_merge(m, l, x, 1)). */
+__device__ __forceinline__ void lse_push(float &m, float &l, float x) {
+    if (x > m) {
+        l = l * expf(m - x) + 1.f;
+        m = x;
+    } else {
+        l += expf(x - m);
+    }
+}
+
+/* a and b summed over each group of L lanes (every lane of the group gets the sums). */
+template <int L>
+__device__ __forceinline__ void sub_sum2(float &a, float &b) {
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+}
+
 /* logsumexp(pos, negatives) - pos from the negatives' online (m, l): log1p where the positive dominates
  * (sampled_softmax_kernels.h says why the row loss is what is kept). */
 __device__ __forceinline__ float row_loss(float pos, float m, float l) {
@@ -120,12 +140,7 @@ __global__ void block_lse_kernel(tf_ssm_params p, const float *S, int64_t t0, in
     float m = -INFINITY, l = 0.f;
     for (int64_t r = lane; r < p.R; r += 32) {
         const float x = masked(p, t, r) ? TF_SSM_MASKED_LOGIT : k * row[r] * rn[r];
-        if (x > m) {
-            l = l * expf(m - x) + 1.f;
-            m = x;
-        } else {
-            l += expf(x - m);
-        }
+        lse_push(m, l, x);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -260,7 +275,7 @@ __global__ void per_row_fwd_kernel(tf_ssm_params p, float *loss) {
             neg_dots(p, qr, tf_row(p.n, p.dtype, t * p.R + r, p.D), lane, qn, nn);
             x = p.scale * qn * rq * inv_norm(p, nn);
         }
-        lse_merge(m, l, x, 1.f);
+        lse_push(m, l, x);
     }
     if (lane == 0) loss[t] = row_loss(pos, m, l);
 }
@@ -337,19 +352,10 @@ __global__ void per_row_fwd_short_kernel(tf_ssm_params p, float *loss) {
             qn = dot8(q, v);
             nn = dot8(v, v);
         }
-#pragma unroll
-        for (int o = L / 2; o > 0; o >>= 1) {
-            qn += __shfl_xor_sync(0xffffffffu, qn, o);
-            nn += __shfl_xor_sync(0xffffffffu, nn, o);
-        }
+        sub_sum2<L>(qn, nn);
         if (r < p.R) {
             const float x = live ? p.scale * qn * rq * inv_norm(p, nn) : TF_SSM_MASKED_LOGIT;
-            if (x > m) {
-                l = l * expf(m - x) + 1.f;
-                m = x;
-            } else {
-                l += expf(x - m);
-            }
+            lse_push(m, l, x);
         }
     }
 #pragma unroll
@@ -384,11 +390,7 @@ __global__ void per_row_bwd_short_kernel(tf_ssm_params p, const float *loss, con
             qn = dot8(q, v);
             nn = dot8(v, v);
         }
-#pragma unroll
-        for (int o = L / 2; o > 0; o >>= 1) {
-            qn += __shfl_xor_sync(0xffffffffu, qn, o);
-            nn += __shfl_xor_sync(0xffffffffu, nn, o);
-        }
+        sub_sum2<L>(qn, nn);
         if (r < p.R && n > 0) {
             float e = 0.f, bn = 0.f, o[TF_VEC];
             if (live) {
