@@ -135,6 +135,25 @@ const int64_t *dynemb_order(const std::optional<at::Tensor> &order, const at::Te
     return o.data_ptr<int64_t>();
 }
 
+DynembRowCopy dynemb_row_copy(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
+                              const std::optional<at::Tensor> &order, const char *op) {
+    check_index(slots, rows, op, "slots");
+    DynembRowCopy c{};
+    c.r = dynemb_rows(rows, rows_host, rows, op, "rows");
+    c.order = dynemb_order(order, slots, op);
+    return c;
+}
+
+at::Tensor dynemb_scatter_src(const at::Tensor &src, const at::Tensor &slots, const at::Tensor &rows) {
+    const char *op = "torchfuse.dynemb_scatter";
+    check_same_device(src, rows, op, "src", "rows");
+    TORCH_CHECK(src.dim() == 2 && src.size(0) == slots.numel() && src.size(1) == rows.size(1) &&
+                    src.scalar_type() == rows.scalar_type(),
+                op, ": src must be (", slots.numel(), ", ", rows.size(1), ") ", rows.scalar_type(), ", got ",
+                src.scalar_type(), " ", src.sizes());
+    return src.contiguous();
+}
+
 std::vector<int64_t> row_shape(const at::Tensor &rows, int64_t n) {
     std::vector<int64_t> s(rows.sizes().begin(), rows.sizes().end());
     s[0] = n;
@@ -470,10 +489,7 @@ void touch_cpu(at::TensorList table, const at::Tensor &slots, int64_t policy, in
 
 at::Tensor gather_cpu(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
                       const std::optional<at::Tensor> &order) {
-    const char *op = "torchfuse.dynemb_gather";
-    check_index(slots, rows, op, "slots");
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
-    const int64_t *ord = dynemb_order(order, slots, op);
+    const auto [r, ord] = dynemb_row_copy(slots, rows, rows_host, order, "torchfuse.dynemb_gather");
     at::Tensor out = at::empty(row_shape(rows, slots.numel()), rows.options());
     if (r.row_bytes == 0) return out;
     const int64_t *s = slots.data_ptr<int64_t>();
@@ -484,17 +500,9 @@ at::Tensor gather_cpu(const at::Tensor &slots, const at::Tensor &rows, const at:
 
 void scatter_cpu(const at::Tensor &slots, const at::Tensor &src, at::Tensor &rows, at::Tensor &rows_host,
                  const std::optional<at::Tensor> &order) {
-    const char *op = "torchfuse.dynemb_scatter";
-    check_index(slots, rows, op, "slots");
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
-    const int64_t *ord = dynemb_order(order, slots, op);
-    check_same_device(src, rows, op, "src", "rows");
-    TORCH_CHECK(src.dim() == 2 && src.size(0) == slots.numel() && src.size(1) == rows.size(1) &&
-                    src.scalar_type() == rows.scalar_type(),
-                op, ": src must be (", slots.numel(), ", ", rows.size(1), ") ", rows.scalar_type(), ", got ",
-                src.scalar_type(), " ", src.sizes());
+    const auto [r, ord] = dynemb_row_copy(slots, rows, rows_host, order, "torchfuse.dynemb_scatter");
+    const at::Tensor s = dynemb_scatter_src(src, slots, rows);
     if (r.row_bytes == 0) return;
-    at::Tensor s = src.contiguous();
     const int64_t *sl = slots.data_ptr<int64_t>();
     const int64_t n = slots.numel();
     // rows are unique per call (the caller dedups), so ranges never write the same row

@@ -69,6 +69,16 @@ const int64_t *dynemb_order(const std::optional<at::Tensor> &order, const at::Te
 // row shape and dtype (pinned host memory for a CUDA table). host pointer filled by the caller.
 tf_dynemb_rows dynemb_rows(const at::Tensor &rows, const at::Tensor &rows_host, const at::Tensor &ref,
                            const char *op, const char *arg);
+// dynemb_gather / dynemb_scatter's checked arguments: the rows (host pointer filled by the caller)
+// and the visiting order (NULL: batch order).
+struct DynembRowCopy {
+    tf_dynemb_rows r;
+    const int64_t *order;
+};
+DynembRowCopy dynemb_row_copy(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
+                              const std::optional<at::Tensor> &order, const char *op);
+// dynemb_scatter's src checked against slots and rows; contiguous.
+at::Tensor dynemb_scatter_src(const at::Tensor &src, const at::Tensor &slots, const at::Tensor &rows);
 // Trailing row shape of `rows` (everything after dim 0).
 std::vector<int64_t> row_shape(const at::Tensor &rows, int64_t n);
 

@@ -86,33 +86,24 @@ void touch_cuda(at::TensorList table, const at::Tensor &slots, int64_t policy, i
 
 at::Tensor gather_cuda(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
                        const std::optional<at::Tensor> &order) {
-    const char *op = "torchfuse.dynemb_gather";
     const c10::cuda::CUDAGuard guard(rows.device());
-    check_index(slots, rows, op, "slots");
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
-    const int64_t *ord = dynemb_order(order, slots, op);
-    map_host(r, rows_host);
+    DynembRowCopy c = dynemb_row_copy(slots, rows, rows_host, order, "torchfuse.dynemb_gather");
+    map_host(c.r, rows_host);
     at::Tensor out = at::empty(row_shape(rows, slots.numel()), rows.options());
-    check_launch(tf_dynemb_gather_cuda(&r, slots.data_ptr<int64_t>(), ord, slots.numel(), out.data_ptr(), stream()),
+    check_launch(tf_dynemb_gather_cuda(&c.r, slots.data_ptr<int64_t>(), c.order, slots.numel(), out.data_ptr(),
+                                       stream()),
                  "dynemb gather kernel");
     return out;
 }
 
 void scatter_cuda(const at::Tensor &slots, const at::Tensor &src, at::Tensor &rows, at::Tensor &rows_host,
                   const std::optional<at::Tensor> &order) {
-    const char *op = "torchfuse.dynemb_scatter";
     const c10::cuda::CUDAGuard guard(rows.device());
-    check_index(slots, rows, op, "slots");
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
-    const int64_t *ord = dynemb_order(order, slots, op);
-    map_host(r, rows_host);
-    check_same_device(src, rows, op, "src", "rows");
-    TORCH_CHECK(src.dim() == 2 && src.size(0) == slots.numel() && src.size(1) == rows.size(1) &&
-                    src.scalar_type() == rows.scalar_type(),
-                op, ": src must be (", slots.numel(), ", ", rows.size(1), ") ", rows.scalar_type(), ", got ",
-                src.scalar_type(), " ", src.sizes());
-    at::Tensor s = src.contiguous();
-    check_launch(tf_dynemb_scatter_cuda(&r, slots.data_ptr<int64_t>(), ord, slots.numel(), s.data_ptr(), stream()),
+    DynembRowCopy c = dynemb_row_copy(slots, rows, rows_host, order, "torchfuse.dynemb_scatter");
+    map_host(c.r, rows_host);
+    const at::Tensor s = dynemb_scatter_src(src, slots, rows);
+    check_launch(tf_dynemb_scatter_cuda(&c.r, slots.data_ptr<int64_t>(), c.order, slots.numel(), s.data_ptr(),
+                                        stream()),
                  "dynemb scatter kernel");
 }
 

@@ -79,20 +79,28 @@ __device__ __forceinline__ float row_loss(float pos, float m, float l) {
     return (m - pos) + logf(l + expf(pos - m));
 }
 
+/* f(a, b) on each of this lane's TF_VEC-column chunks of rows ra and rb (D elements; zeros past D). */
+template <typename F>
+__device__ __forceinline__ void lane_chunks(const tf_ssm_params &p, int lane, const void *ra, const void *rb, F f) {
+    for (int64_t col = (int64_t)lane * TF_VEC; col < p.D; col += 32 * TF_VEC) {
+        const int n = chunk_n(col, p.D);
+        float a[TF_VEC], b[TF_VEC];
+        tf_load_chunk(ra, p.dtype, col, n, a);
+        tf_load_chunk(rb, p.dtype, col, n, b);
+        f(a, b);
+    }
+}
+
 /* rq, rp, pos of a row (every lane gets them). */
 __device__ __forceinline__ void row_stats(const tf_ssm_params &p, int64_t t, int lane, float &rq, float &rp,
                                           float &pos) {
     const void *qr = tf_row(p.q, p.dtype, t, p.D), *pr = tf_row(p.p, p.dtype, t, p.D);
     float qq = 0.f, pp = 0.f, qp = 0.f;
-    for (int64_t col = (int64_t)lane * TF_VEC; col < p.D; col += 32 * TF_VEC) {
-        const int n = chunk_n(col, p.D);
-        float q[TF_VEC], v[TF_VEC];
-        tf_load_chunk(qr, p.dtype, col, n, q);
-        tf_load_chunk(pr, p.dtype, col, n, v);
+    lane_chunks(p, lane, qr, pr, [&](const float (&q)[TF_VEC], const float (&v)[TF_VEC]) {
         qq += dot8(q, q);
         pp += dot8(v, v);
         qp += dot8(q, v);
-    }
+    });
     qq = warp_sum(qq);
     pp = warp_sum(pp);
     qp = warp_sum(qp);
@@ -248,14 +256,10 @@ __device__ __forceinline__ void neg_dots(const tf_ssm_params &p, const void *qr,
                                          float &nn) {
     qn = 0.f;
     nn = 0.f;
-    for (int64_t col = (int64_t)lane * TF_VEC; col < p.D; col += 32 * TF_VEC) {
-        const int n = chunk_n(col, p.D);
-        float q[TF_VEC], v[TF_VEC];
-        tf_load_chunk(qr, p.dtype, col, n, q);
-        tf_load_chunk(nr, p.dtype, col, n, v);
+    lane_chunks(p, lane, qr, nr, [&](const float (&q)[TF_VEC], const float (&v)[TF_VEC]) {
         qn += dot8(q, v);
         nn += dot8(v, v);
-    }
+    });
     qn = warp_sum(qn);
     nn = warp_sum(nn);
 }
