@@ -1,5 +1,6 @@
 // Dynamic embedding table ops: argument checks, parameter setup, and the CPU implementation.
 #include "dynemb.h"
+#include "dynemb_ops.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -454,38 +455,34 @@ DynembFoiLimits dynemb_foi_limits(const DynembState &st, const std::optional<at:
 
 namespace {
 
-// The slots of the query keys (epoch 0: marks not written).
-at::Tensor probe_cpu(const at::Tensor &query, const DynembState &st, int64_t epoch, const char *op) {
-    check_index(query, st[kKeys], op, "query");
-    at::Tensor slots = at::empty({query.numel()}, query.options());
-    tf_dynemb_probe p{};
-    p.n = query.numel();
-    p.query = query.data_ptr<int64_t>();
-    p.slots = slots.data_ptr<int64_t>();
-    p.epoch = (int32_t)epoch;
-    at::parallel_for(0, p.n, 2048, [&](int64_t b, int64_t e) { tf_dynemb_lookup_cpu(&st.c.t, &p, b, e); });
-    return slots;
-}
-
-at::Tensor lookup_cpu(const at::Tensor &query, at::TensorList table, int64_t epoch) {
-    const char *op = "torchfuse.dynemb_lookup";
-    return probe_cpu(query, dynemb_state(table, op), epoch, op);
-}
-
-DynembInsertResult insert_cpu(const at::Tensor &query, at::Tensor &slots, at::TensorList table, int64_t epoch,
-                              bool allow_evict) {
-    DynembInsert ins = prepare_dynemb_insert(query, slots, dynemb_state(table, "torchfuse.dynemb_insert"), epoch,
-                                             allow_evict);
-    tf_dynemb_insert_cpu(&ins.t, &ins.p);
-    return ins.result();
-}
-
-void touch_cpu(at::TensorList table, const at::Tensor &slots, int64_t policy, int64_t clock) {
-    const char *op = "torchfuse.dynemb_touch";
-    const DynembState st = dynemb_state(table, op);
-    check_index(slots, st[kKeys], op, "slots");
-    tf_dynemb_touch_cpu(st.c.t.scores, slots.data_ptr<int64_t>(), slots.numel(), (int)policy, clock);
-}
+// The CPU's kernel runners (dynemb_ops.h), the batch split over threads where its items are independent.
+struct DynembCpu {
+    struct Guard {
+        explicit Guard(at::Device) {}
+    };
+    static DynembState row_state(at::TensorList table, const char *op) { return dynemb_state(table, op); }
+    static void lookup(const tf_dynemb_table &t, const tf_dynemb_probe &p) {
+        at::parallel_for(0, p.n, 2048, [&](int64_t b, int64_t e) { tf_dynemb_lookup_cpu(&t, &p, b, e); });
+    }
+    static void insert(const tf_dynemb_table &t, const tf_dynemb_probe &p) { tf_dynemb_insert_cpu(&t, &p); }
+    static void touch(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock) {
+        tf_dynemb_touch_cpu(scores, slots, n, policy, clock);
+    }
+    static void init(const tf_dynemb_init_params &p) {
+        at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_cpu(&p, b0, e0); });
+    }
+    static void init_gather(const tf_dynemb_init_params &p, const int64_t *ord, void *out) {
+        // rows are unique per call (the caller's keys are distinct), so ranges never write the same row
+        at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_gather_cpu(&p, ord, out, b0, e0); });
+    }
+    static void evict_rows(const tf_dynemb_evict_params &p) {
+        at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_evict_rows_cpu(&p, b0, e0); });
+    }
+    static void update(const tf_dynemb_update_params &p) {
+        at::parallel_for(0, p.n, 64, [&](int64_t b, int64_t e) { tf_dynemb_update_cpu(&p, b, e); });
+    }
+};
+using CpuOps = DynembOps<DynembCpu>;
 
 at::Tensor gather_cpu(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
                       const std::optional<at::Tensor> &order) {
@@ -509,52 +506,10 @@ void scatter_cpu(const at::Tensor &slots, const at::Tensor &src, at::Tensor &row
     at::parallel_for(0, n, 1024, [&](int64_t b, int64_t e) { tf_dynemb_scatter_cpu(&r, sl, ord, n, s.data_ptr(), b, e); });
 }
 
-void init_cpu(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
-              at::TensorList table, int64_t init_kind, double a, double b, int64_t seed) {
-    const char *op = "torchfuse.dynemb_init";
-    tf_dynemb_init_params p = dynemb_init_params(slots, keys, mask, dynemb_state(table, op), init_kind, a, b, seed, op);
-    at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_cpu(&p, b0, e0); });
-}
-
-at::Tensor init_gather_cpu(const at::Tensor &slots, const at::Tensor &keys, const at::Tensor &is_new,
-                           at::TensorList table, int64_t init_kind, double a, double b, int64_t seed,
-                           const std::optional<at::Tensor> &order) {
-    const int64_t *ord = nullptr;
-    at::Tensor out;
-    tf_dynemb_init_params p = dynemb_init_gather_params(
-        slots, keys, is_new, dynemb_state(table, "torchfuse.dynemb_init_gather"), init_kind, a, b, seed, order, &ord, out);
-    void *o = out.data_ptr();
-    // rows are unique per call (the caller's keys are distinct), so ranges never write the same row
-    at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_gather_cpu(&p, ord, o, b0, e0); });
-    return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> evict_rows_cpu(const at::Tensor &slots, const at::Tensor &new_index,
-                                                  const at::Tensor &keys, const DynembState &st, at::Tensor &rows,
-                                                  int64_t init_kind, double a, double b, int64_t seed) {
-    at::Tensor old_values, old_state;
-    tf_dynemb_evict_params p =
-        dynemb_evict_params(slots, new_index, keys, st, rows, init_kind, a, b, seed, old_values, old_state);
-    at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_evict_rows_cpu(&p, b0, e0); });
-    return {old_values, old_state};
-}
-
-void update_state_cpu(const at::Tensor &slots, const at::Tensor &grad, const DynembState &st, int64_t opt, double lr,
-                      double eps, double beta1, double beta2, double step_size) {
-    tf_dynemb_update_params p = dynemb_update_params(slots, &grad, st, opt, lr, eps, beta1, beta2, step_size);
-    at::parallel_for(0, p.n, 64, [&](int64_t b, int64_t e) { tf_dynemb_update_cpu(&p, b, e); });
-}
-
-void update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::TensorList table, int64_t opt, double lr,
-                double eps, double beta1, double beta2, double step_size) {
-    update_state_cpu(slots, grad, dynemb_state(table, "torchfuse.dynemb_update"), opt, lr, eps, beta1, beta2,
-                     step_size);
-}
-
 std::tuple<at::Tensor, at::Tensor> find_cpu(const at::Tensor &query, at::TensorList table) {
     const char *op = "torchfuse.dynemb_find";
     const DynembState st = dynemb_state(table, op);
-    const at::Tensor slots = probe_cpu(query, st, 0, op);
+    const at::Tensor slots = CpuOps::probe(query, st, 0, op);
     return {gather_cpu(slots, st[kValues], st[kValuesHost], std::nullopt), slots};
 }
 
@@ -579,7 +534,8 @@ void segment_update_cpu(const at::Tensor &grad, const at::Tensor &perm, const at
                         const at::Tensor &slots, at::TensorList table, int64_t opt, double lr, double eps, double beta1,
                         double beta2, double step_size) {
     const DynembState st = dynemb_state(table, "torchfuse.dynemb_segment_update");
-    update_state_cpu(slots, segsum_cpu(grad, perm, seg, bag_of, scale), st, opt, lr, eps, beta1, beta2, step_size);
+    CpuOps::update_state(slots, segsum_cpu(grad, perm, seg, bag_of, scale), st, opt, lr, eps, beta1, beta2,
+                         step_size);
 }
 
 // The reference order of tf_dynemb_foi_params: lookup (marks), insert, init of the new rows (those
@@ -630,7 +586,7 @@ DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::TensorL
     const int64_t *h = std::get<4>(r).data_ptr<int64_t>();
     const int64_t c[5] = {h[0], h[1], h[2], n, aborted ? 1 : 0};
     return finish_find_or_insert(r, c, st, keep_evicted, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
-        return evict_rows_cpu(sl, ni, q, st, rows, init_kind, a, b, seed);
+        return CpuOps::evict_rows(sl, ni, q, st, rows, init_kind, a, b, seed);
     });
 }
 
@@ -654,15 +610,10 @@ TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("dynemb_find_or_insert_sync", &find_or_insert_sync_cpu);
     m.impl("dynemb_pool", &pool_cpu);
     m.impl("dynemb_segment_sum", &segsum_cpu);
-    m.impl("dynemb_lookup", &lookup_cpu);
-    m.impl("dynemb_insert", &insert_cpu);
     m.impl("dynemb_find", &find_cpu);
-    m.impl("dynemb_touch", &touch_cpu);
     m.impl("dynemb_gather", &gather_cpu);
     m.impl("dynemb_scatter", &scatter_cpu);
-    m.impl("dynemb_init", &init_cpu);
-    m.impl("dynemb_init_gather", &init_gather_cpu);
-    m.impl("dynemb_update", &update_cpu);
+    CpuOps::register_impls(m);
     m.impl("dynemb_segment_update", &segment_update_cpu);
 }
 

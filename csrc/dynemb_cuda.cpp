@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "dynemb.h"
+#include "dynemb_ops.h"
 #include "tf_check.h"
 
 namespace torchfuse {
@@ -37,20 +38,33 @@ DynembState cuda_state(at::TensorList table, const char *op) {
     return st;
 }
 
-at::Tensor lookup_cuda(const at::Tensor &query, at::TensorList table, int64_t epoch) {
-    const char *op = "torchfuse.dynemb_lookup";
-    const DynembState st = dynemb_state(table, op);
-    const c10::cuda::CUDAGuard guard(st[kKeys].device());
-    check_index(query, st[kKeys], op, "query");
-    at::Tensor slots = at::empty({query.numel()}, query.options());
-    tf_dynemb_probe p{};
-    p.n = query.numel();
-    p.query = query.data_ptr<int64_t>();
-    p.slots = slots.data_ptr<int64_t>();
-    p.epoch = (int32_t)epoch;
-    check_launch(tf_dynemb_lookup_cuda(&st.c.t, &p, stream()), "dynemb lookup kernel");
-    return slots;
-}
+// The CUDA kernel runners (dynemb_ops.h) on the current stream.
+struct DynembCuda {
+    using Guard = c10::cuda::CUDAGuard;
+    static DynembState row_state(at::TensorList table, const char *op) { return cuda_state(table, op); }
+    static void lookup(const tf_dynemb_table &t, const tf_dynemb_probe &p) {
+        check_launch(tf_dynemb_lookup_cuda(&t, &p, stream()), "dynemb lookup kernel");
+    }
+    static void insert(const tf_dynemb_table &t, const tf_dynemb_probe &p) {
+        check_launch(tf_dynemb_insert_cuda(&t, &p, stream()), "dynemb insert kernel");
+    }
+    static void touch(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock) {
+        check_launch(tf_dynemb_touch_cuda(scores, slots, n, policy, clock, stream()), "dynemb touch kernel");
+    }
+    static void init(const tf_dynemb_init_params &p) {
+        check_launch(tf_dynemb_init_cuda(&p, stream()), "dynemb init kernel");
+    }
+    static void init_gather(const tf_dynemb_init_params &p, const int64_t *ord, void *out) {
+        check_launch(tf_dynemb_init_gather_cuda(&p, ord, out, stream()), "dynemb init-gather kernel");
+    }
+    static void evict_rows(const tf_dynemb_evict_params &p) {
+        check_launch(tf_dynemb_evict_rows_cuda(&p, stream()), "dynemb evict-rows kernel");
+    }
+    static void update(const tf_dynemb_update_params &p) {
+        check_launch(tf_dynemb_update_cuda(&p, stream()), "dynemb update kernel");
+    }
+};
+using CudaOps = DynembOps<DynembCuda>;
 
 std::tuple<at::Tensor, at::Tensor> find_cuda(const at::Tensor &query, at::TensorList table) {
     const char *op = "torchfuse.dynemb_find";
@@ -63,25 +77,6 @@ std::tuple<at::Tensor, at::Tensor> find_cuda(const at::Tensor &query, at::Tensor
                                      &st.c.values, out.data_ptr(), stream()),
                  "dynemb find kernel");
     return {out, slots};
-}
-
-DynembInsertResult insert_cuda(const at::Tensor &query, at::Tensor &slots, at::TensorList table, int64_t epoch,
-                               bool allow_evict) {
-    const DynembState st = dynemb_state(table, "torchfuse.dynemb_insert");
-    const c10::cuda::CUDAGuard guard(st[kKeys].device());
-    DynembInsert ins = prepare_dynemb_insert(query, slots, st, epoch, allow_evict);
-    check_launch(tf_dynemb_insert_cuda(&ins.t, &ins.p, stream()), "dynemb insert kernel");
-    return ins.result();
-}
-
-void touch_cuda(at::TensorList table, const at::Tensor &slots, int64_t policy, int64_t clock) {
-    const char *op = "torchfuse.dynemb_touch";
-    const DynembState st = dynemb_state(table, op);
-    const c10::cuda::CUDAGuard guard(st[kKeys].device());
-    check_index(slots, st[kKeys], op, "slots");
-    check_launch(tf_dynemb_touch_cuda(st.c.t.scores, slots.data_ptr<int64_t>(), slots.numel(), (int)policy, clock,
-                                      stream()),
-                 "dynemb touch kernel");
 }
 
 at::Tensor gather_cuda(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
@@ -105,51 +100,6 @@ void scatter_cuda(const at::Tensor &slots, const at::Tensor &src, at::Tensor &ro
     check_launch(tf_dynemb_scatter_cuda(&c.r, slots.data_ptr<int64_t>(), c.order, slots.numel(), s.data_ptr(),
                                         stream()),
                  "dynemb scatter kernel");
-}
-
-void init_cuda(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
-               at::TensorList table, int64_t init_kind, double a, double b, int64_t seed) {
-    const char *op = "torchfuse.dynemb_init";
-    const DynembState st = cuda_state(table, op);
-    const c10::cuda::CUDAGuard guard(st[kKeys].device());
-    tf_dynemb_init_params p = dynemb_init_params(slots, keys, mask, st, init_kind, a, b, seed, op);
-    check_launch(tf_dynemb_init_cuda(&p, stream()), "dynemb init kernel");
-}
-
-at::Tensor init_gather_cuda(const at::Tensor &slots, const at::Tensor &keys, const at::Tensor &is_new,
-                            at::TensorList table, int64_t init_kind, double a, double b, int64_t seed,
-                            const std::optional<at::Tensor> &order) {
-    const DynembState st = cuda_state(table, "torchfuse.dynemb_init_gather");
-    const c10::cuda::CUDAGuard guard(st[kKeys].device());
-    const int64_t *ord = nullptr;
-    at::Tensor out;
-    tf_dynemb_init_params p = dynemb_init_gather_params(slots, keys, is_new, st, init_kind, a, b, seed, order, &ord, out);
-    check_launch(tf_dynemb_init_gather_cuda(&p, ord, out.data_ptr(), stream()), "dynemb init-gather kernel");
-    return out;
-}
-
-// st: host tiers mapped (cuda_state)
-std::tuple<at::Tensor, at::Tensor> evict_rows_cuda(const at::Tensor &slots, const at::Tensor &new_index,
-                                                   const at::Tensor &keys, const DynembState &st, at::Tensor &rows,
-                                                   int64_t init_kind, double a, double b, int64_t seed) {
-    at::Tensor old_values, old_state;
-    tf_dynemb_evict_params p =
-        dynemb_evict_params(slots, new_index, keys, st, rows, init_kind, a, b, seed, old_values, old_state);
-    check_launch(tf_dynemb_evict_rows_cuda(&p, stream()), "dynemb evict-rows kernel");
-    return {old_values, old_state};
-}
-
-void update_state_cuda(const at::Tensor &slots, const at::Tensor &grad, const DynembState &st, int64_t opt, double lr,
-                       double eps, double beta1, double beta2, double step_size) {
-    tf_dynemb_update_params p = dynemb_update_params(slots, &grad, st, opt, lr, eps, beta1, beta2, step_size);
-    check_launch(tf_dynemb_update_cuda(&p, stream()), "dynemb update kernel");
-}
-
-void update_cuda(const at::Tensor &slots, const at::Tensor &grad, at::TensorList table, int64_t opt, double lr,
-                 double eps, double beta1, double beta2, double step_size) {
-    const DynembState st = cuda_state(table, "torchfuse.dynemb_update");
-    const c10::cuda::CUDAGuard guard(st[kKeys].device());
-    update_state_cuda(slots, grad, st, opt, lr, eps, beta1, beta2, step_size);
 }
 
 at::Tensor host_rows_cuda(const at::Tensor &like, int64_t rows, int64_t cols, at::ScalarType dtype) {
@@ -194,8 +144,8 @@ void segment_update_cuda(const at::Tensor &grad, const at::Tensor &perm, const a
     const DynembState st = cuda_state(table, op);
     const c10::cuda::CUDAGuard guard(st[kKeys].device());
     if (st.c.dim > TF_DYNEMB_SEGSUM_UPDATE_MAX_DIM) {  // wide rows: the sums, then the update
-        update_state_cuda(slots, segsum_cuda(grad, perm, seg, bag_of, scale), st, opt, lr, eps, beta1, beta2,
-                          step_size);
+        CudaOps::update_state(slots, segsum_cuda(grad, perm, seg, bag_of, scale), st, opt, lr, eps, beta1, beta2,
+                              step_size);
         return;
     }
     tf_dynemb_segsum_params sp = dynemb_segsum_params(grad, perm, seg, bag_of, scale, nullptr);
@@ -352,7 +302,7 @@ DynembFoiSyncResult find_or_insert_sync_state(const at::Tensor &query, const Dyn
     }
     return finish_find_or_insert(narrow_foi(r, c), c, st, keep_evicted,
                                  [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
-        return evict_rows_cuda(sl, ni, query, st, rows, args.init_kind, args.a, args.b, args.seed);
+        return CudaOps::evict_rows(sl, ni, query, st, rows, args.init_kind, args.a, args.b, args.seed);
     });
 }
 
@@ -486,16 +436,11 @@ TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("dynemb_tables_pool", &tables_pool_cuda);
     m.impl("dynemb_pool", &pool_cuda);
     m.impl("dynemb_segment_sum", &segsum_cuda);
-    m.impl("dynemb_lookup", &lookup_cuda);
-    m.impl("dynemb_insert", &insert_cuda);
     m.impl("dynemb_find", &find_cuda);
-    m.impl("dynemb_touch", &touch_cuda);
     m.impl("dynemb_gather", &gather_cuda);
     m.impl("dynemb_scatter", &scatter_cuda);
-    m.impl("dynemb_init", &init_cuda);
-    m.impl("dynemb_init_gather", &init_gather_cuda);
-    m.impl("dynemb_update", &update_cuda);
     m.impl("dynemb_segment_update", &segment_update_cuda);
+    CudaOps::register_impls(m);
     m.impl("dynemb_host_rows", &host_rows_cuda);
 }
 
