@@ -1,5 +1,6 @@
 // Dynamic embedding table ops: argument checks, parameter setup, and the CPU implementation.
 #include "dynemb.h"
+#include "dynemb_ops.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,36 +18,110 @@ void check_index(const at::Tensor &t, const at::Tensor &ref, const char *op, con
     check_same_device(t, ref, op, arg, "the table");
 }
 
-tf_dynemb_table dynemb_table(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests,
-                             const at::Tensor *scores, const at::Tensor &marks, const at::Tensor *locks,
-                             int64_t bucket_size, const char *op) {
-    check_index(keys, keys, op, "keys");
-    check_index(query, keys, op, "query");
-    const int64_t cap = keys.numel();
-    TORCH_CHECK(bucket_size >= 4 && bucket_size <= 128 && (bucket_size & (bucket_size - 1)) == 0, op,
-                ": bucket_size must be a power of two in [4, 128], got ", bucket_size);
-    const int64_t nb = cap / bucket_size;
-    TORCH_CHECK(cap % bucket_size == 0 && nb >= 1 && (nb & (nb - 1)) == 0, op,
-                ": the table's capacity (", cap, ") must be bucket_size times a power of two");
-    auto check_arr = [&](const at::Tensor &t, at::ScalarType st, int64_t n, const char *arg) {
-        TORCH_CHECK(t.scalar_type() == st && t.dim() == 1 && t.numel() == n && t.is_contiguous(), op, ": ", arg,
-                    " must be a contiguous 1-D ", st, " tensor of ", n, " elements, got ", t.scalar_type(), " ",
+const char *const kDynembFieldNames[kDynembFields] = {"keys",   "digests",     "scores", "marks",     "locks",
+                                                    "values", "values_host", "state",  "state_host"};
+
+namespace {
+
+// "table[3] (marks)", or "tables[1][3] (marks)" for table 1 of a table-batched op: built only when a
+// check fails.
+std::string field_name(const char *arg, int64_t index, int f) {
+    std::string s(arg);
+    if (index >= 0) s += "[" + std::to_string(index) + "]";
+    return s + "[" + std::to_string(f) + "] (" + kDynembFieldNames[f] + ")";
+}
+
+// Two-tier rows (checked by the caller): slots below rows.size(0) in `rows`, the rest in `host`.
+tf_dynemb_rows tiers(const at::Tensor &rows, const at::Tensor &host) {
+    tf_dynemb_rows r{};
+    r.hbm = static_cast<char *>(rows.data_ptr());
+    r.host = host.numel() > 0 ? static_cast<char *>(host.data_ptr()) : nullptr;
+    r.n_hbm = rows.size(0);
+    r.row_bytes = rows.size(1) * rows.element_size();
+    return r;
+}
+
+}  // namespace
+
+DynembState dynemb_state(at::TensorList table, const char *op, const char *arg, int64_t index) {
+    TORCH_CHECK(table.size() == kDynembFields, op, ": ", arg, " must hold the table's ", int(kDynembFields),
+                " state tensors (keys, digests, scores, marks, locks, values, values_host, state, state_host), got ",
+                table.size());
+    auto name = [&](int f) { return field_name(arg, index, f); };
+    const at::Tensor &keys = table[kKeys];
+    auto check_arr = [&](int f, at::ScalarType st, int64_t n) {
+        const at::Tensor &t = table[f];
+        TORCH_CHECK_TYPE(t.scalar_type() == st, op, ": ", name(f), " must be ", st, ", got ", t.scalar_type());
+        TORCH_CHECK(t.dim() == 1 && (n < 0 || t.numel() == n) && t.is_contiguous(), op, ": ", name(f),
+                    " must be a contiguous 1-D tensor",
+                    n < 0 ? std::string() : " of capacity = " + std::to_string(n) + " elements", ", got shape ",
                     t.sizes());
-        check_same_device(t, keys, op, arg, "keys");
+        TORCH_CHECK(t.device() == keys.device(), op, ": ", name(f), " must be on the device of table[0] (keys) (",
+                    keys.device(), "), got ", t.device());
     };
-    check_arr(digests, at::kByte, cap, "digests");
-    check_arr(marks, at::kInt, cap, "marks");
-    if (scores) check_arr(*scores, at::kLong, cap, "scores");
-    if (locks) check_arr(*locks, at::kInt, nb, "locks");
-    tf_dynemb_table t{};
+    check_arr(kKeys, at::kLong, -1);
+    const int64_t cap = keys.numel();
+    check_arr(kDigests, at::kByte, cap);
+    check_arr(kScores, at::kLong, cap);
+    check_arr(kMarks, at::kInt, cap);
+    check_arr(kLocks, at::kInt, -1);
+    const int64_t nb = table[kLocks].numel();
+    TORCH_CHECK(nb >= 1 && (nb & (nb - 1)) == 0 && cap % nb == 0, op, ": ", name(kLocks),
+                " must hold one entry per bucket, a power of two dividing the capacity (", cap, "), got ", nb);
+    const int64_t bucket_size = cap / nb;
+    TORCH_CHECK(bucket_size >= 4 && bucket_size <= 128 && (bucket_size & (bucket_size - 1)) == 0, op,
+                ": the bucket size (capacity ", cap, " / ", nb, " buckets) must be a power of two in [4, 128], got ",
+                bucket_size);
+    // rows: (n_hbm, width) on the table's device, the host part (capacity - n_hbm, width) beside them
+    // (a CUDA table's host part is mapped pinned memory: dynemb_cuda.cpp's map_host checks it)
+    auto rows = [&](int f, int fh) {
+        const at::Tensor &r = table[f], &h = table[fh];
+        TORCH_CHECK(r.dim() == 2 && r.is_contiguous(), op, ": ", name(f), " must be a contiguous 2-D tensor, got shape ",
+                    r.sizes());
+        TORCH_CHECK(r.device() == keys.device(), op, ": ", name(f), " must be on the device of table[0] (keys) (",
+                    keys.device(), "), got ", r.device());
+        TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) == r.size(1) && h.scalar_type() == r.scalar_type(),
+                    op, ": ", name(fh), " must be contiguous with rows of ", r.size(1), " ", r.scalar_type(), ", got ",
+                    h.scalar_type(), " ", h.sizes());
+        TORCH_CHECK(r.size(0) + h.size(0) == cap, op, ": ", name(f), " and ", name(fh),
+                    " must hold one row per slot (", cap, "), got ", r.size(0), " + ", h.size(0));
+        return tiers(r, h);
+    };
+    const at::Tensor &values = table[kValues], &state = table[kState];
+    const at::ScalarType vt = values.scalar_type();
+    TORCH_CHECK_TYPE(vt == at::kFloat || vt == at::kHalf || vt == at::kBFloat16, op, ": ", name(kValues),
+                     " must be float32, float16 or bfloat16, got ", vt);
+    TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, op, ": ", name(kState), " must be float32, got ",
+                     state.scalar_type());
+    DynembState st{};
+    st.f = table.data();
+    st.c.values = rows(kValues, kValuesHost);
+    st.c.state = rows(kState, kStateHost);
+    TORCH_CHECK(state.size(0) == values.size(0), op, ": ", name(kState), " and ", name(kValues),
+                " must split device/host rows alike, got ", state.size(0), " and ", values.size(0), " device rows");
+    st.c.dtype = kernel_dtype(vt, op, "values");
+    st.c.dim = values.size(1);
+    st.c.state_dim = state.size(1);
+    tf_dynemb_table &t = st.c.t;
     t.keys = keys.data_ptr<int64_t>();
-    t.digests = digests.data_ptr<uint8_t>();
-    t.scores = scores ? scores->data_ptr<int64_t>() : nullptr;
-    t.marks = marks.data_ptr<int32_t>();
-    t.locks = locks ? locks->data_ptr<int32_t>() : nullptr;
+    t.digests = table[kDigests].data_ptr<uint8_t>();
+    t.scores = table[kScores].data_ptr<int64_t>();
+    t.marks = table[kMarks].data_ptr<int32_t>();
+    t.locks = table[kLocks].data_ptr<int32_t>();
     t.num_buckets = nb;
-    t.bucket_size = (int)bucket_size;
-    return t;
+    t.bucket_size = static_cast<int>(bucket_size);
+    return st;
+}
+
+std::vector<DynembState> dynemb_states(at::TensorList tables, const char *op) {
+    const size_t n = tables.size() / kDynembFields;
+    TORCH_CHECK(n >= 1 && tables.size() % kDynembFields == 0, op, ": tables must hold ", int(kDynembFields),
+                " state tensors per table (at least one table), got ", tables.size());
+    std::vector<DynembState> st;
+    st.reserve(n);
+    for (size_t i = 0; i < n; ++i)
+        st.push_back(dynemb_state(tables.slice(i * kDynembFields, kDynembFields), op, "tables", (int64_t)i));
+    return st;
 }
 
 const int64_t *dynemb_order(const std::optional<at::Tensor> &order, const at::Tensor &slots, const char *op) {
@@ -59,6 +134,25 @@ const int64_t *dynemb_order(const std::optional<at::Tensor> &order, const at::Te
     check_same_device(o, slots, op, "order", "slots");
     TORCH_CHECK(o.is_contiguous(), op, ": order must be contiguous");
     return o.data_ptr<int64_t>();
+}
+
+DynembRowCopy dynemb_row_copy(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
+                              const std::optional<at::Tensor> &order, const char *op) {
+    check_index(slots, rows, op, "slots");
+    DynembRowCopy c{};
+    c.r = dynemb_rows(rows, rows_host, rows, op, "rows");
+    c.order = dynemb_order(order, slots, op);
+    return c;
+}
+
+at::Tensor dynemb_scatter_src(const at::Tensor &src, const at::Tensor &slots, const at::Tensor &rows) {
+    const char *op = "torchfuse.dynemb_scatter";
+    check_same_device(src, rows, op, "src", "rows");
+    TORCH_CHECK(src.dim() == 2 && src.size(0) == slots.numel() && src.size(1) == rows.size(1) &&
+                    src.scalar_type() == rows.scalar_type(),
+                op, ": src must be (", slots.numel(), ", ", rows.size(1), ") ", rows.scalar_type(), ", got ",
+                src.scalar_type(), " ", src.sizes());
+    return src.contiguous();
 }
 
 std::vector<int64_t> row_shape(const at::Tensor &rows, int64_t n) {
@@ -77,19 +171,14 @@ tf_dynemb_rows dynemb_rows(const at::Tensor &rows, const at::Tensor &rows_host, 
                 op, ": the host part of ", arg, " must be contiguous with rows of ", rows.size(1), " ",
                 rows.scalar_type(), ", got ", rows_host.scalar_type(), " ", rows_host.sizes());
     // a CUDA table's host part must be mapped pinned memory: dynemb_cuda.cpp's map_host checks it
-    tf_dynemb_rows r{};
-    r.hbm = static_cast<char *>(rows.data_ptr());
-    r.host = rows_host.numel() > 0 ? static_cast<char *>(rows_host.data_ptr()) : nullptr;
-    r.n_hbm = rows.size(0);
-    r.row_bytes = rows.size(1) * rows.element_size();
-    return r;
+    return tiers(rows, rows_host);
 }
 
 tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tensor &keys,
-                                         const std::optional<at::Tensor> &mask, const at::Tensor &values,
-                                         const at::Tensor &values_host, const at::Tensor &state,
-                                         const at::Tensor &state_host, int64_t init_kind, double a, double b,
-                                         int64_t seed, const char *op, const char *mask_arg) {
+                                         const std::optional<at::Tensor> &mask, const DynembState &st,
+                                         int64_t init_kind, double a, double b, int64_t seed, const char *op,
+                                         const char *mask_arg) {
+    const at::Tensor &values = st[kValues];
     check_index(slots, values, op, "slots");
     check_index(keys, values, op, "keys");
     TORCH_CHECK(keys.numel() == slots.numel(), op, ": keys and slots must have the same length");
@@ -102,15 +191,13 @@ tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tens
         TORCH_CHECK(mask->scalar_type() == at::kByte && mask->numel() == p.n && mask->is_contiguous(), op, ": ",
                     mask_arg, " must be a contiguous uint8 tensor of ", p.n, " elements, got ", mask->scalar_type(),
                     " ", mask->sizes());
-        check_same_device(*mask, values, op, mask_arg, "values");
+        check_same_device(*mask, values, op, mask_arg, "the table");
         p.mask = mask->data_ptr<uint8_t>();
     }
-    p.values = dynemb_rows(values, values_host, values, op, "values");
-    p.dtype = kernel_dtype(values.scalar_type(), op, "values");
-    p.dim = values.size(1);
-    TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, op, ": state must be float32");
-    p.state = dynemb_rows(state, state_host, values, op, "state");
-    TORCH_CHECK(state.size(0) == values.size(0), op, ": state and values must split hbm/host rows alike");
+    p.values = st.c.values;
+    p.dtype = st.c.dtype;
+    p.dim = st.c.dim;
+    p.state = st.c.state;
     p.init_kind = (int)init_kind;
     p.a = a;
     p.b = b;
@@ -119,32 +206,28 @@ tf_dynemb_init_params dynemb_init_params(const at::Tensor &slots, const at::Tens
 }
 
 tf_dynemb_init_params dynemb_init_gather_params(const at::Tensor &slots, const at::Tensor &keys,
-                                                const at::Tensor &is_new, const at::Tensor &values,
-                                                const at::Tensor &values_host, const at::Tensor &state,
-                                                const at::Tensor &state_host, int64_t init_kind, double a, double b,
-                                                int64_t seed, const std::optional<at::Tensor> &order,
+                                                const at::Tensor &is_new, const DynembState &st, int64_t init_kind,
+                                                double a, double b, int64_t seed, const std::optional<at::Tensor> &order,
                                                 const int64_t **ord, at::Tensor &out) {
     const char *op = "torchfuse.dynemb_init_gather";
     TORCH_CHECK(is_new.dim() == 1, op, ": is_new must be 1-D, got shape ", is_new.sizes());
-    tf_dynemb_init_params p = dynemb_init_params(slots, keys, is_new, values, values_host, state, state_host,
-                                                 init_kind, a, b, seed, op, "is_new");
+    tf_dynemb_init_params p = dynemb_init_params(slots, keys, is_new, st, init_kind, a, b, seed, op, "is_new");
     *ord = dynemb_order(order, slots, op);
-    out = at::empty(row_shape(values, slots.numel()), values.options());
+    out = at::empty(row_shape(st[kValues], slots.numel()), st[kValues].options());
     return p;
 }
 
-tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::Tensor *grad, const at::Tensor &values,
-                                             const at::Tensor &values_host, const at::Tensor &state,
-                                             const at::Tensor &state_host, int64_t opt, double lr, double eps,
-                                             double beta1, double beta2, double step_size) {
-    const char *op = "torchfuse.dynemb_update";
+tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::Tensor *grad, const DynembState &st,
+                                             int64_t opt, double lr, double eps, double beta1, double beta2,
+                                             double step_size, const char *op) {
+    const at::Tensor &values = st[kValues];
     check_index(slots, values, op, "slots");
     tf_dynemb_update_params p{};
-    p.values = dynemb_rows(values, values_host, values, op, "values");
-    p.dtype = kernel_dtype(values.scalar_type(), op, "values");
-    p.dim = values.size(1);
+    p.values = st.c.values;
+    p.dtype = st.c.dtype;
+    p.dim = st.c.dim;
     if (grad) {  // NULL: the gradient comes from a fused segment sum
-        check_same_device(*grad, values, op, "grad", "values");
+        check_same_device(*grad, values, op, "grad", "the table");
         TORCH_CHECK(grad->dim() == 2 && grad->size(0) == slots.numel() && grad->size(1) == p.dim &&
                         grad->stride(1) == 1,
                     op, ": grad must be (", slots.numel(), ", ", p.dim, ") with unit column stride, got ",
@@ -153,15 +236,13 @@ tf_dynemb_update_params dynemb_update_params(const at::Tensor &slots, const at::
         p.grad = grad->data_ptr();
         p.grad_stride = grad->stride(0);
     }
-    TORCH_CHECK_TYPE(state.scalar_type() == at::kFloat, op, ": state must be float32");
-    p.state = dynemb_rows(state, state_host, values, op, "state");
-    TORCH_CHECK(state.size(0) == values.size(0), op, ": state and values must split hbm/host rows alike");
+    p.state = st.c.state;
     const int64_t need = opt == TF_OPT_SGD ? 0 : opt == TF_OPT_ADAGRAD ? p.dim : opt == TF_OPT_ROWWISE_ADAGRAD ? 1
                                                  : opt == TF_OPT_ADAM         ? 2 * p.dim
                                                                               : -1;
     TORCH_CHECK(need >= 0, op, ": unknown optimizer code ", opt);
-    TORCH_CHECK(state.size(1) == need, op, ": the optimizer needs ", need, " state floats per row, got ",
-                state.size(1));
+    TORCH_CHECK(st.c.state_dim == need, op, ": the optimizer needs ", need,
+                " state floats per row in table[7] (state), got ", st.c.state_dim);
     p.n = slots.numel();
     p.slots = slots.data_ptr<int64_t>();
     p.opt = (int)opt;
@@ -247,13 +328,13 @@ tf_dynemb_segsum_params dynemb_segsum_params(const at::Tensor &grad, const at::T
     return p;
 }
 
-DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
-                                   at::Tensor &scores, at::Tensor &marks, at::Tensor *locks, int64_t bucket_size,
-                                   int64_t epoch, bool allow_evict, bool filled) {
+DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, const DynembState &st, int64_t epoch,
+                                   bool allow_evict, bool filled) {
     const char *op = "torchfuse.dynemb_insert";
     DynembInsert ins{};
-    ins.t = dynemb_table(query, keys, digests, &scores, marks, locks, bucket_size, op);
-    check_index(slots, keys, op, "slots");
+    ins.t = st.c.t;
+    check_index(query, st[kKeys], op, "query");
+    check_index(slots, st[kKeys], op, "slots");
     TORCH_CHECK(slots.numel() == query.numel(), op, ": slots must have one entry per query key");
     const int64_t n = query.numel();
     // entries past the evicted count hold -1 (defined contents: the op is then a function of its inputs);
@@ -278,24 +359,22 @@ DynembInsert prepare_dynemb_insert(const at::Tensor &query, at::Tensor &slots, a
 }
 
 tf_dynemb_evict_params dynemb_evict_params(const at::Tensor &slots, const at::Tensor &new_index, const at::Tensor &keys,
-                                           const at::Tensor &values, const at::Tensor &values_host,
-                                           const at::Tensor &state, const at::Tensor &state_host, at::Tensor &rows,
-                                           int64_t init_kind, double a, double b, int64_t seed, at::Tensor &old_values,
-                                           at::Tensor &old_state) {
+                                           const DynembState &st, at::Tensor &rows, int64_t init_kind, double a,
+                                           double b, int64_t seed, at::Tensor &old_values, at::Tensor &old_state) {
     const char *op = "torchfuse.dynemb_find_or_insert_sync (eviction rows)";
+    const at::Tensor &values = st[kValues], &state = st[kState];
     check_index(slots, values, op, "slots");
     check_index(new_index, values, op, "new_index");
     check_index(keys, values, op, "keys");
     TORCH_CHECK(new_index.numel() == slots.numel(), op, ": new_index must have one entry per slot (", slots.numel(),
                 "), got ", new_index.numel());
     tf_dynemb_evict_params p{};
-    p.init = dynemb_init_params(slots, slots, std::nullopt, values, values_host, state, state_host, init_kind, a, b,
-                                seed);
+    p.init = dynemb_init_params(slots, slots, std::nullopt, st, init_kind, a, b, seed, op);
     p.n = slots.numel();
     p.slots = slots.data_ptr<int64_t>();
     p.new_index = new_index.data_ptr<int64_t>();
     p.keys = keys.data_ptr<int64_t>();
-    check_same_device(rows, values, op, "rows", "values");
+    check_same_device(rows, values, op, "rows", "the table");
     TORCH_CHECK(rows.numel() == 0 || (rows.dim() == 2 && rows.size(0) == keys.numel() && rows.size(1) == values.size(1) &&
                                       rows.scalar_type() == values.scalar_type() && rows.is_contiguous()),
                 op, ": rows must be empty or contiguous (", keys.numel(), ", ", values.size(1), ") ",
@@ -308,16 +387,17 @@ tf_dynemb_evict_params dynemb_evict_params(const at::Tensor &slots, const at::Te
     return p;
 }
 
-DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests, at::Tensor &scores,
-                                 at::Tensor &marks, at::Tensor *locks, at::Tensor &values, at::Tensor &values_host,
-                                 at::Tensor &state, at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
-                                 bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind, double a,
-                                 double b, int64_t seed, bool with_rows, bool filled, bool evicted_list) {
+DynembFoi prepare_find_or_insert(const at::Tensor &query, const DynembState &st, const DynembFoiArgs &args,
+                                 bool filled, bool evicted_list) {
     const char *op = "torchfuse.dynemb_find_or_insert_sync";
-    TORCH_CHECK(policy >= -1 && policy <= TF_DYNEMB_LFU, op, ": policy must be -1 (no touch), 0 (LRU) or 1 (LFU)");
-    TORCH_CHECK(epoch > 0, op, ": epoch must be > 0 (found keys are marked with it)");
+    TORCH_CHECK(args.policy >= -1 && args.policy <= TF_DYNEMB_LFU, op,
+                ": policy must be -1 (no touch), 0 (LRU) or 1 (LFU)");
+    TORCH_CHECK(args.epoch > 0, op, ": epoch must be > 0 (found keys are marked with it)");
+    check_index(query, st[kKeys], op, "query");
+    const at::Tensor &values = st[kValues];
+    const bool with_rows = args.with_rows;
     DynembFoi f{};
-    f.t = dynemb_table(query, keys, digests, &scores, marks, locks, bucket_size, op);
+    f.t = st.c.t;
     const int64_t n = query.numel();
     const at::TensorOptions o = query.options();
     f.slots = at::empty({n}, o);  // the probe writes every entry
@@ -332,8 +412,8 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     p.n = n;
     p.query = query.data_ptr<int64_t>();
     p.slots = f.slots.data_ptr<int64_t>();
-    p.epoch = (int32_t)epoch;
-    p.allow_evict = allow_evict;
+    p.epoch = (int32_t)args.epoch;
+    p.allow_evict = args.allow_evict;
     p.is_new = f.is_new.data_ptr<uint8_t>();
     int64_t *ev = evicted_list ? f.evicted.data_ptr<int64_t>() : nullptr;
     p.evicted_keys = ev;
@@ -342,19 +422,17 @@ DynembFoi prepare_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::
     f.p.evicted_new = ev ? ev + 3 * n : nullptr;
     f.p.keep_victims = 1;
     p.counts = f.counts.data_ptr<int64_t>();
-    f.p.init = dynemb_init_params(f.slots, query, std::nullopt, values, values_host, state, state_host, init_kind, a,
-                                  b, seed);
-    TORCH_CHECK(values.size(0) + values_host.size(0) == keys.numel(), op, ": values must hold one row per slot (",
-                keys.numel(), ")");
-    f.p.policy = static_cast<int>(policy);
-    f.p.clock = clock;
+    f.p.init = dynemb_init_params(f.slots, query, std::nullopt, st, args.init_kind, args.a, args.b, args.seed, op);
+    f.p.policy = static_cast<int>(args.policy);
+    f.p.clock = args.clock;
     f.rows = at::empty(row_shape(values, with_rows ? n : 0), values.options());
     f.p.out = with_rows ? f.rows.data_ptr() : nullptr;
     return f;
 }
 
-DynembFoiLimits dynemb_foi_limits(const at::Tensor &query, const at::Tensor &keys, const std::optional<at::Tensor> &n_valid,
+DynembFoiLimits dynemb_foi_limits(const DynembState &st, const std::optional<at::Tensor> &n_valid,
                                   const std::optional<at::Tensor> &abort) {
+    const at::Tensor &keys = st[kKeys];
     const char *op = "torchfuse.dynemb_find_or_insert_sync";
     DynembFoiLimits lim;
     if (n_valid.has_value()) {
@@ -372,46 +450,43 @@ DynembFoiLimits dynemb_foi_limits(const at::Tensor &query, const at::Tensor &key
         check_same_device(t, keys, op, "abort", "the table");
         lim.abort = static_cast<const uint8_t *>(t.data_ptr());
     }
-    (void)query;
     return lim;
 }
 
 namespace {
 
-at::Tensor lookup_cpu(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests, at::Tensor &marks,
-                      int64_t bucket_size, int64_t epoch) {
-    tf_dynemb_table t = dynemb_table(query, keys, digests, nullptr, marks, nullptr, bucket_size, "torchfuse.dynemb_lookup");
-    at::Tensor slots = at::empty({query.numel()}, query.options());
-    tf_dynemb_probe p{};
-    p.n = query.numel();
-    p.query = query.data_ptr<int64_t>();
-    p.slots = slots.data_ptr<int64_t>();
-    p.epoch = (int32_t)epoch;
-    at::parallel_for(0, p.n, 2048, [&](int64_t b, int64_t e) { tf_dynemb_lookup_cpu(&t, &p, b, e); });
-    return slots;
-}
-
-DynembInsertResult insert_cpu(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
-                              at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, int64_t bucket_size,
-                              int64_t epoch, bool allow_evict) {
-    DynembInsert ins = prepare_dynemb_insert(query, slots, keys, digests, scores, marks, nullptr, bucket_size, epoch,
-                                             allow_evict);
-    tf_dynemb_insert_cpu(&ins.t, &ins.p);
-    return ins.result();
-}
-
-void touch_cpu(at::Tensor &scores, const at::Tensor &slots, int64_t policy, int64_t clock) {
-    check_index(scores, scores, "torchfuse.dynemb_touch", "scores");
-    check_index(slots, scores, "torchfuse.dynemb_touch", "slots");
-    tf_dynemb_touch_cpu(scores.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), slots.numel(), (int)policy, clock);
-}
+// The CPU's kernel runners (dynemb_ops.h), the batch split over threads where its items are independent.
+struct DynembCpu {
+    struct Guard {
+        explicit Guard(at::Device) {}
+    };
+    static DynembState row_state(at::TensorList table, const char *op) { return dynemb_state(table, op); }
+    static void lookup(const tf_dynemb_table &t, const tf_dynemb_probe &p) {
+        at::parallel_for(0, p.n, 2048, [&](int64_t b, int64_t e) { tf_dynemb_lookup_cpu(&t, &p, b, e); });
+    }
+    static void insert(const tf_dynemb_table &t, const tf_dynemb_probe &p) { tf_dynemb_insert_cpu(&t, &p); }
+    static void touch(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock) {
+        tf_dynemb_touch_cpu(scores, slots, n, policy, clock);
+    }
+    static void init(const tf_dynemb_init_params &p) {
+        at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_cpu(&p, b0, e0); });
+    }
+    static void init_gather(const tf_dynemb_init_params &p, const int64_t *ord, void *out) {
+        // rows are unique per call (the caller's keys are distinct), so ranges never write the same row
+        at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_gather_cpu(&p, ord, out, b0, e0); });
+    }
+    static void evict_rows(const tf_dynemb_evict_params &p) {
+        at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_evict_rows_cpu(&p, b0, e0); });
+    }
+    static void update(const tf_dynemb_update_params &p) {
+        at::parallel_for(0, p.n, 64, [&](int64_t b, int64_t e) { tf_dynemb_update_cpu(&p, b, e); });
+    }
+};
+using CpuOps = DynembOps<DynembCpu>;
 
 at::Tensor gather_cpu(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
                       const std::optional<at::Tensor> &order) {
-    const char *op = "torchfuse.dynemb_gather";
-    check_index(slots, rows, op, "slots");
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
-    const int64_t *ord = dynemb_order(order, slots, op);
+    const auto [r, ord] = dynemb_row_copy(slots, rows, rows_host, order, "torchfuse.dynemb_gather");
     at::Tensor out = at::empty(row_shape(rows, slots.numel()), rows.options());
     if (r.row_bytes == 0) return out;
     const int64_t *s = slots.data_ptr<int64_t>();
@@ -422,71 +497,20 @@ at::Tensor gather_cpu(const at::Tensor &slots, const at::Tensor &rows, const at:
 
 void scatter_cpu(const at::Tensor &slots, const at::Tensor &src, at::Tensor &rows, at::Tensor &rows_host,
                  const std::optional<at::Tensor> &order) {
-    const char *op = "torchfuse.dynemb_scatter";
-    check_index(slots, rows, op, "slots");
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
-    const int64_t *ord = dynemb_order(order, slots, op);
-    check_same_device(src, rows, op, "src", "rows");
-    TORCH_CHECK(src.dim() == 2 && src.size(0) == slots.numel() && src.size(1) == rows.size(1) &&
-                    src.scalar_type() == rows.scalar_type(),
-                op, ": src must be (", slots.numel(), ", ", rows.size(1), ") ", rows.scalar_type(), ", got ",
-                src.scalar_type(), " ", src.sizes());
+    const auto [r, ord] = dynemb_row_copy(slots, rows, rows_host, order, "torchfuse.dynemb_scatter");
+    const at::Tensor s = dynemb_scatter_src(src, slots, rows);
     if (r.row_bytes == 0) return;
-    at::Tensor s = src.contiguous();
     const int64_t *sl = slots.data_ptr<int64_t>();
     const int64_t n = slots.numel();
     // rows are unique per call (the caller dedups), so ranges never write the same row
     at::parallel_for(0, n, 1024, [&](int64_t b, int64_t e) { tf_dynemb_scatter_cpu(&r, sl, ord, n, s.data_ptr(), b, e); });
 }
 
-void init_cpu(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask, at::Tensor &values,
-              at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host, int64_t init_kind, double a, double b,
-              int64_t seed) {
-    tf_dynemb_init_params p =
-        dynemb_init_params(slots, keys, mask, values, values_host, state, state_host, init_kind, a, b, seed);
-    at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_cpu(&p, b0, e0); });
-}
-
-at::Tensor init_gather_cpu(const at::Tensor &slots, const at::Tensor &keys, const at::Tensor &is_new,
-                           at::Tensor &values, at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                           int64_t init_kind, double a, double b, int64_t seed, const std::optional<at::Tensor> &order) {
-    const int64_t *ord = nullptr;
-    at::Tensor out;
-    tf_dynemb_init_params p = dynemb_init_gather_params(slots, keys, is_new, values, values_host, state, state_host,
-                                                        init_kind, a, b, seed, order, &ord, out);
-    void *o = out.data_ptr();
-    // rows are unique per call (the caller's keys are distinct), so ranges never write the same row
-    at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_gather_cpu(&p, ord, o, b0, e0); });
-    return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> evict_rows_cpu(const at::Tensor &slots, const at::Tensor &new_index,
-                                                  const at::Tensor &keys, at::Tensor &values, at::Tensor &values_host,
-                                                  at::Tensor &state, at::Tensor &state_host, at::Tensor &rows,
-                                                  int64_t init_kind, double a, double b, int64_t seed) {
-    at::Tensor old_values, old_state;
-    tf_dynemb_evict_params p = dynemb_evict_params(slots, new_index, keys, values, values_host, state, state_host, rows,
-                                                   init_kind, a, b, seed, old_values, old_state);
-    at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_evict_rows_cpu(&p, b0, e0); });
-    return {old_values, old_state};
-}
-
-void update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::Tensor &values, at::Tensor &values_host,
-                at::Tensor &state, at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1,
-                double beta2, double step_size) {
-    tf_dynemb_update_params p = dynemb_update_params(slots, &grad, values, values_host, state, state_host, opt, lr, eps,
-                                                     beta1, beta2, step_size);
-    at::parallel_for(0, p.n, 64, [&](int64_t b, int64_t e) { tf_dynemb_update_cpu(&p, b, e); });
-}
-
-std::tuple<at::Tensor, at::Tensor> find_cpu(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests,
-                                            const at::Tensor &marks, const at::Tensor &rows, const at::Tensor &rows_host,
-                                            int64_t bucket_size) {
-    TORCH_CHECK(rows.dim() == 2 && rows_host.dim() == 2 && rows.size(0) + rows_host.size(0) == keys.numel(),
-                "torchfuse.dynemb_find: rows must hold one row per slot (", keys.numel(), ")");
-    at::Tensor m = marks;  // epoch 0: not written
-    at::Tensor slots = lookup_cpu(query, keys, digests, m, bucket_size, 0);
-    return {gather_cpu(slots, rows, rows_host, std::nullopt), slots};
+std::tuple<at::Tensor, at::Tensor> find_cpu(const at::Tensor &query, at::TensorList table) {
+    const char *op = "torchfuse.dynemb_find";
+    const DynembState st = dynemb_state(table, op);
+    const at::Tensor slots = CpuOps::probe(query, st, 0, op);
+    return {gather_cpu(slots, st[kValues], st[kValuesHost], std::nullopt), slots};
 }
 
 at::Tensor pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
@@ -507,24 +531,18 @@ at::Tensor segsum_cpu(const at::Tensor &grad, const at::Tensor &perm, const at::
 
 void segment_update_cpu(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
                         const std::optional<at::Tensor> &bag_of, const std::optional<at::Tensor> &scale,
-                        const at::Tensor &slots, at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
-                        at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1, double beta2,
-                        double step_size) {
-    update_cpu(slots, segsum_cpu(grad, perm, seg, bag_of, scale), values, values_host, state, state_host, opt, lr,
-               eps, beta1, beta2, step_size);
+                        const at::Tensor &slots, at::TensorList table, int64_t opt, double lr, double eps, double beta1,
+                        double beta2, double step_size) {
+    const DynembState st = dynemb_state(table, "torchfuse.dynemb_segment_update");
+    CpuOps::update_state(slots, segsum_cpu(grad, perm, seg, bag_of, scale), st, opt, lr, eps, beta1, beta2,
+                         step_size);
 }
 
 // The reference order of tf_dynemb_foi_params: lookup (marks), insert, init of the new rows (those
 // that evicted nobody, when keep_victims), touch, rows out.
-DynembFoiResult find_or_insert_kept_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                        at::Tensor &scores, at::Tensor &marks, at::Tensor &values,
-                                        at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                        int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                        int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                        bool with_rows, bool keep_victims) {
-    DynembFoi f = prepare_find_or_insert(query, keys, digests, scores, marks, nullptr, values, values_host, state,
-                                         state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b,
-                                         seed, with_rows);
+DynembFoiResult find_or_insert_kept_cpu(const at::Tensor &query, const DynembState &st, const DynembFoiArgs &args,
+                                        bool keep_victims) {
+    DynembFoi f = prepare_find_or_insert(query, st, args);
     const int64_t n = query.numel();
     tf_dynemb_lookup_cpu(&f.t, &f.p.p, 0, n);
     tf_dynemb_insert_cpu(&f.t, &f.p.p);
@@ -545,49 +563,44 @@ DynembFoiResult find_or_insert_kept_cpu(const at::Tensor &query, at::Tensor &key
     }
     f.p.init.mask = mask.data_ptr<uint8_t>();
     tf_dynemb_init_cpu(&f.p.init, 0, n);
-    if (policy >= 0) tf_dynemb_touch_cpu(scores.data_ptr<int64_t>(), f.slots.data_ptr<int64_t>(), n, (int)policy, clock);
-    if (with_rows && f.p.init.values.row_bytes)
+    if (args.policy >= 0)
+        tf_dynemb_touch_cpu(f.t.scores, f.slots.data_ptr<int64_t>(), n, (int)args.policy, args.clock);
+    if (args.with_rows && f.p.init.values.row_bytes)
         tf_dynemb_gather_cpu(&f.p.init.values, f.slots.data_ptr<int64_t>(), nullptr, n, f.rows.data_ptr(), 0, n);
     return f.result();
 }
 
-DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                            at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
-                                            at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                            int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                            int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                            bool with_rows, const std::optional<at::Tensor> &n_valid,
+DynembFoiSyncResult find_or_insert_sync_cpu(const at::Tensor &query, at::TensorList table, int64_t epoch,
+                                            bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
+                                            double a, double b, int64_t seed, bool with_rows,
+                                            const std::optional<at::Tensor> &n_valid,
                                             const std::optional<at::Tensor> &abort, bool keep_evicted) {
-    const DynembFoiLimits lim = dynemb_foi_limits(query, keys, n_valid, abort);
+    const DynembState st = dynemb_state(table, "torchfuse.dynemb_find_or_insert_sync");
+    const DynembFoiArgs args{epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows};
+    const DynembFoiLimits lim = dynemb_foi_limits(st, n_valid, abort);
     const bool aborted = lim.abort && *lim.abort;
     const int64_t n = aborted ? 0 : lim.n_valid ? std::min(std::max<int64_t>(*lim.n_valid, 0), query.numel()) : query.numel();
     // the keys taken, as the CUDA kernels take them (the CPU reads the limits directly)
     const at::Tensor q = n == query.numel() ? query : query.narrow(0, 0, n);
-    (void)locks;
-    const DynembFoiResult r = find_or_insert_kept_cpu(q, keys, digests, scores, marks, values, values_host, state,
-                                                      state_host, bucket_size, epoch, allow_evict, policy, clock,
-                                                      init_kind, a, b, seed, with_rows, keep_evicted);
+    const DynembFoiResult r = find_or_insert_kept_cpu(q, st, args, keep_evicted);
     const int64_t *h = std::get<4>(r).data_ptr<int64_t>();
     const int64_t c[5] = {h[0], h[1], h[2], n, aborted ? 1 : 0};
-    return finish_find_or_insert(r, c, values, state, dynemb_slot_order(values_host, state_host), keep_evicted, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
-        return evict_rows_cpu(sl, ni, q, values, values_host, state, state_host, rows, init_kind, a, b, seed);
+    return finish_find_or_insert(r, c, st, keep_evicted, [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
+        return CpuOps::evict_rows(sl, ni, q, st, rows, init_kind, a, b, seed);
     });
 }
 
-DynembFoiPoolResult find_or_insert_pool_cpu(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                            at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
-                                            at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                            int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                            int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                            bool with_rows, const std::optional<at::Tensor> &n_valid,
+DynembFoiPoolResult find_or_insert_pool_cpu(const at::Tensor &query, at::TensorList table, int64_t epoch,
+                                            bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
+                                            double a, double b, int64_t seed, bool with_rows,
+                                            const std::optional<at::Tensor> &n_valid,
                                             const std::optional<at::Tensor> &abort, const at::Tensor &pool_offsets,
                                             const at::Tensor &pool_inv, const std::optional<at::Tensor> &pool_weights,
                                             bool pool_mean, bool keep_evicted) {
-    DynembFoiSyncResult r = find_or_insert_sync_cpu(query, keys, digests, scores, marks, locks, values, values_host,
-                                                    state, state_host, bucket_size, epoch, allow_evict, policy, clock,
-                                                    init_kind, a, b, seed, with_rows, n_valid, abort, keep_evicted);
-    return std::tuple_cat(r, std::make_tuple(pool_cpu(std::get<0>(r), pool_offsets, pool_weights, values, values_host,
-                                                      pool_mean, pool_inv)));
+    DynembFoiSyncResult r = find_or_insert_sync_cpu(query, table, epoch, allow_evict, policy, clock, init_kind, a, b,
+                                                    seed, with_rows, n_valid, abort, keep_evicted);
+    return std::tuple_cat(r, std::make_tuple(pool_cpu(std::get<0>(r), pool_offsets, pool_weights, table[kValues],
+                                                      table[kValuesHost], pool_mean, pool_inv)));
 }
 
 }  // namespace
@@ -597,15 +610,10 @@ TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("dynemb_find_or_insert_sync", &find_or_insert_sync_cpu);
     m.impl("dynemb_pool", &pool_cpu);
     m.impl("dynemb_segment_sum", &segsum_cpu);
-    m.impl("dynemb_lookup", &lookup_cpu);
-    m.impl("dynemb_insert", &insert_cpu);
     m.impl("dynemb_find", &find_cpu);
-    m.impl("dynemb_touch", &touch_cpu);
     m.impl("dynemb_gather", &gather_cpu);
     m.impl("dynemb_scatter", &scatter_cpu);
-    m.impl("dynemb_init", &init_cpu);
-    m.impl("dynemb_init_gather", &init_gather_cpu);
-    m.impl("dynemb_update", &update_cpu);
+    CpuOps::register_impls(m);
     m.impl("dynemb_segment_update", &segment_update_cpu);
 }
 

@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "dynemb.h"
+#include "dynemb_ops.h"
 #include "tf_check.h"
 
 namespace torchfuse {
@@ -29,138 +30,76 @@ void map_host(tf_dynemb_rows &r, const at::Tensor &rows_host) {
     r.host = static_cast<char *>(dev);
 }
 
-at::Tensor lookup_cuda(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests, at::Tensor &marks,
-                       int64_t bucket_size, int64_t epoch) {
-    const c10::cuda::CUDAGuard guard(keys.device());
-    tf_dynemb_table t = dynemb_table(query, keys, digests, nullptr, marks, nullptr, bucket_size, "torchfuse.dynemb_lookup");
-    at::Tensor slots = at::empty({query.numel()}, query.options());
-    tf_dynemb_probe p{};
-    p.n = query.numel();
-    p.query = query.data_ptr<int64_t>();
-    p.slots = slots.data_ptr<int64_t>();
-    p.epoch = (int32_t)epoch;
-    check_launch(tf_dynemb_lookup_cuda(&t, &p, stream()), "dynemb lookup kernel");
-    return slots;
+// A table's state with its host tiers' device addresses.
+DynembState cuda_state(at::TensorList table, const char *op) {
+    DynembState st = dynemb_state(table, op);
+    map_host(st.c.values, st[kValuesHost]);
+    map_host(st.c.state, st[kStateHost]);
+    return st;
 }
 
-std::tuple<at::Tensor, at::Tensor> find_cuda(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &digests,
-                                             const at::Tensor &marks, const at::Tensor &rows, const at::Tensor &rows_host,
-                                             int64_t bucket_size) {
+// The CUDA kernel runners (dynemb_ops.h) on the current stream.
+struct DynembCuda {
+    using Guard = c10::cuda::CUDAGuard;
+    static DynembState row_state(at::TensorList table, const char *op) { return cuda_state(table, op); }
+    static void lookup(const tf_dynemb_table &t, const tf_dynemb_probe &p) {
+        check_launch(tf_dynemb_lookup_cuda(&t, &p, stream()), "dynemb lookup kernel");
+    }
+    static void insert(const tf_dynemb_table &t, const tf_dynemb_probe &p) {
+        check_launch(tf_dynemb_insert_cuda(&t, &p, stream()), "dynemb insert kernel");
+    }
+    static void touch(int64_t *scores, const int64_t *slots, int64_t n, int policy, int64_t clock) {
+        check_launch(tf_dynemb_touch_cuda(scores, slots, n, policy, clock, stream()), "dynemb touch kernel");
+    }
+    static void init(const tf_dynemb_init_params &p) {
+        check_launch(tf_dynemb_init_cuda(&p, stream()), "dynemb init kernel");
+    }
+    static void init_gather(const tf_dynemb_init_params &p, const int64_t *ord, void *out) {
+        check_launch(tf_dynemb_init_gather_cuda(&p, ord, out, stream()), "dynemb init-gather kernel");
+    }
+    static void evict_rows(const tf_dynemb_evict_params &p) {
+        check_launch(tf_dynemb_evict_rows_cuda(&p, stream()), "dynemb evict-rows kernel");
+    }
+    static void update(const tf_dynemb_update_params &p) {
+        check_launch(tf_dynemb_update_cuda(&p, stream()), "dynemb update kernel");
+    }
+};
+using CudaOps = DynembOps<DynembCuda>;
+
+std::tuple<at::Tensor, at::Tensor> find_cuda(const at::Tensor &query, at::TensorList table) {
     const char *op = "torchfuse.dynemb_find";
-    const c10::cuda::CUDAGuard guard(keys.device());
-    tf_dynemb_table t = dynemb_table(query, keys, digests, nullptr, marks, nullptr, bucket_size, op);
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, keys, op, "rows");
-    TORCH_CHECK(rows.size(0) + rows_host.size(0) == keys.numel(), op, ": rows must hold one row per slot (",
-                keys.numel(), ")");
-    map_host(r, rows_host);
+    const DynembState st = cuda_state(table, op);
+    const c10::cuda::CUDAGuard guard(st[kKeys].device());
+    check_index(query, st[kKeys], op, "query");
     at::Tensor slots = at::empty({query.numel()}, query.options());
-    at::Tensor out = at::empty(row_shape(rows, query.numel()), rows.options());
-    check_launch(tf_dynemb_find_cuda(&t, query.data_ptr<int64_t>(), query.numel(), slots.data_ptr<int64_t>(), &r,
-                                     out.data_ptr(), stream()),
+    at::Tensor out = at::empty(row_shape(st[kValues], query.numel()), st[kValues].options());
+    check_launch(tf_dynemb_find_cuda(&st.c.t, query.data_ptr<int64_t>(), query.numel(), slots.data_ptr<int64_t>(),
+                                     &st.c.values, out.data_ptr(), stream()),
                  "dynemb find kernel");
     return {out, slots};
 }
 
-DynembInsertResult insert_cuda(const at::Tensor &query, at::Tensor &slots, at::Tensor &keys, at::Tensor &digests,
-                               at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, int64_t bucket_size,
-                               int64_t epoch, bool allow_evict) {
-    const c10::cuda::CUDAGuard guard(keys.device());
-    DynembInsert ins = prepare_dynemb_insert(query, slots, keys, digests, scores, marks, &locks, bucket_size, epoch,
-                                             allow_evict);
-    check_launch(tf_dynemb_insert_cuda(&ins.t, &ins.p, stream()), "dynemb insert kernel");
-    return ins.result();
-}
-
-void touch_cuda(at::Tensor &scores, const at::Tensor &slots, int64_t policy, int64_t clock) {
-    const c10::cuda::CUDAGuard guard(scores.device());
-    check_index(scores, scores, "torchfuse.dynemb_touch", "scores");
-    check_index(slots, scores, "torchfuse.dynemb_touch", "slots");
-    check_launch(tf_dynemb_touch_cuda(scores.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), slots.numel(), (int)policy,
-                                      clock, stream()),
-                 "dynemb touch kernel");
-}
-
 at::Tensor gather_cuda(const at::Tensor &slots, const at::Tensor &rows, const at::Tensor &rows_host,
                        const std::optional<at::Tensor> &order) {
-    const char *op = "torchfuse.dynemb_gather";
     const c10::cuda::CUDAGuard guard(rows.device());
-    check_index(slots, rows, op, "slots");
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
-    const int64_t *ord = dynemb_order(order, slots, op);
-    map_host(r, rows_host);
+    DynembRowCopy c = dynemb_row_copy(slots, rows, rows_host, order, "torchfuse.dynemb_gather");
+    map_host(c.r, rows_host);
     at::Tensor out = at::empty(row_shape(rows, slots.numel()), rows.options());
-    check_launch(tf_dynemb_gather_cuda(&r, slots.data_ptr<int64_t>(), ord, slots.numel(), out.data_ptr(), stream()),
+    check_launch(tf_dynemb_gather_cuda(&c.r, slots.data_ptr<int64_t>(), c.order, slots.numel(), out.data_ptr(),
+                                       stream()),
                  "dynemb gather kernel");
     return out;
 }
 
 void scatter_cuda(const at::Tensor &slots, const at::Tensor &src, at::Tensor &rows, at::Tensor &rows_host,
                   const std::optional<at::Tensor> &order) {
-    const char *op = "torchfuse.dynemb_scatter";
     const c10::cuda::CUDAGuard guard(rows.device());
-    check_index(slots, rows, op, "slots");
-    tf_dynemb_rows r = dynemb_rows(rows, rows_host, rows, op, "rows");
-    const int64_t *ord = dynemb_order(order, slots, op);
-    map_host(r, rows_host);
-    check_same_device(src, rows, op, "src", "rows");
-    TORCH_CHECK(src.dim() == 2 && src.size(0) == slots.numel() && src.size(1) == rows.size(1) &&
-                    src.scalar_type() == rows.scalar_type(),
-                op, ": src must be (", slots.numel(), ", ", rows.size(1), ") ", rows.scalar_type(), ", got ",
-                src.scalar_type(), " ", src.sizes());
-    at::Tensor s = src.contiguous();
-    check_launch(tf_dynemb_scatter_cuda(&r, slots.data_ptr<int64_t>(), ord, slots.numel(), s.data_ptr(), stream()),
+    DynembRowCopy c = dynemb_row_copy(slots, rows, rows_host, order, "torchfuse.dynemb_scatter");
+    map_host(c.r, rows_host);
+    const at::Tensor s = dynemb_scatter_src(src, slots, rows);
+    check_launch(tf_dynemb_scatter_cuda(&c.r, slots.data_ptr<int64_t>(), c.order, slots.numel(), s.data_ptr(),
+                                        stream()),
                  "dynemb scatter kernel");
-}
-
-void init_cuda(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
-               at::Tensor &values, at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-               int64_t init_kind, double a, double b, int64_t seed) {
-    const c10::cuda::CUDAGuard guard(values.device());
-    tf_dynemb_init_params p =
-        dynemb_init_params(slots, keys, mask, values, values_host, state, state_host, init_kind, a, b, seed);
-    map_host(p.values, values_host);
-    map_host(p.state, state_host);
-    check_launch(tf_dynemb_init_cuda(&p, stream()), "dynemb init kernel");
-}
-
-at::Tensor init_gather_cuda(const at::Tensor &slots, const at::Tensor &keys, const at::Tensor &is_new,
-                            at::Tensor &values, at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                            int64_t init_kind, double a, double b, int64_t seed,
-                            const std::optional<at::Tensor> &order) {
-    const c10::cuda::CUDAGuard guard(values.device());
-    const int64_t *ord = nullptr;
-    at::Tensor out;
-    tf_dynemb_init_params p = dynemb_init_gather_params(slots, keys, is_new, values, values_host, state, state_host,
-                                                        init_kind, a, b, seed, order, &ord, out);
-    map_host(p.values, values_host);
-    map_host(p.state, state_host);
-    check_launch(tf_dynemb_init_gather_cuda(&p, ord, out.data_ptr(), stream()), "dynemb init-gather kernel");
-    return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> evict_rows_cuda(const at::Tensor &slots, const at::Tensor &new_index,
-                                                   const at::Tensor &keys, at::Tensor &values, at::Tensor &values_host,
-                                                   at::Tensor &state, at::Tensor &state_host, at::Tensor &rows,
-                                                   int64_t init_kind, double a, double b, int64_t seed) {
-    const c10::cuda::CUDAGuard guard(values.device());
-    at::Tensor old_values, old_state;
-    tf_dynemb_evict_params p = dynemb_evict_params(slots, new_index, keys, values, values_host, state, state_host, rows,
-                                                   init_kind, a, b, seed, old_values, old_state);
-    map_host(p.init.values, values_host);
-    map_host(p.init.state, state_host);
-    check_launch(tf_dynemb_evict_rows_cuda(&p, stream()), "dynemb evict-rows kernel");
-    return {old_values, old_state};
-}
-
-void update_cuda(const at::Tensor &slots, const at::Tensor &grad, at::Tensor &values, at::Tensor &values_host,
-                 at::Tensor &state, at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1,
-                 double beta2, double step_size) {
-    const c10::cuda::CUDAGuard guard(values.device());
-    tf_dynemb_update_params p = dynemb_update_params(slots, &grad, values, values_host, state, state_host, opt, lr, eps,
-                                                     beta1, beta2, step_size);
-    map_host(p.values, values_host);
-    map_host(p.state, state_host);
-    check_launch(tf_dynemb_update_cuda(&p, stream()), "dynemb update kernel");
 }
 
 at::Tensor host_rows_cuda(const at::Tensor &like, int64_t rows, int64_t cols, at::ScalarType dtype) {
@@ -199,52 +138,41 @@ at::Tensor segsum_cuda(const at::Tensor &grad, const at::Tensor &perm, const at:
 
 void segment_update_cuda(const at::Tensor &grad, const at::Tensor &perm, const at::Tensor &seg,
                          const std::optional<at::Tensor> &bag_of, const std::optional<at::Tensor> &scale,
-                         const at::Tensor &slots, at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
-                         at::Tensor &state_host, int64_t opt, double lr, double eps, double beta1, double beta2,
-                         double step_size) {
-    const c10::cuda::CUDAGuard guard(values.device());
-    if (values.size(1) > TF_DYNEMB_SEGSUM_UPDATE_MAX_DIM) {  // wide rows: the sums, then the update
-        update_cuda(slots, segsum_cuda(grad, perm, seg, bag_of, scale), values, values_host, state, state_host, opt, lr,
-                    eps, beta1, beta2, step_size);
+                         const at::Tensor &slots, at::TensorList table, int64_t opt, double lr, double eps,
+                         double beta1, double beta2, double step_size) {
+    const char *op = "torchfuse.dynemb_segment_update";
+    const DynembState st = cuda_state(table, op);
+    const c10::cuda::CUDAGuard guard(st[kKeys].device());
+    if (st.c.dim > TF_DYNEMB_SEGSUM_UPDATE_MAX_DIM) {  // wide rows: the sums, then the update
+        CudaOps::update_state(slots, segsum_cuda(grad, perm, seg, bag_of, scale), st, opt, lr, eps, beta1, beta2,
+                              step_size);
         return;
     }
     tf_dynemb_segsum_params sp = dynemb_segsum_params(grad, perm, seg, bag_of, scale, nullptr);
-    tf_dynemb_update_params up = dynemb_update_params(slots, nullptr, values, values_host, state, state_host, opt, lr,
-                                                      eps, beta1, beta2, step_size);
-    TORCH_CHECK(slots.numel() == sp.n_unique, "torchfuse.dynemb_segment_update: slots must have one entry per unique id (",
-                sp.n_unique, "), got ", slots.numel());
-    TORCH_CHECK(grad.size(1) == values.size(1), "torchfuse.dynemb_segment_update: grad must have ", values.size(1),
-                " columns, got ", grad.size(1));
-    map_host(up.values, values_host);
-    map_host(up.state, state_host);
+    tf_dynemb_update_params up = dynemb_update_params(slots, nullptr, st, opt, lr, eps, beta1, beta2, step_size, op);
+    TORCH_CHECK(slots.numel() == sp.n_unique, op, ": slots must have one entry per unique id (", sp.n_unique, "), got ",
+                slots.numel());
+    TORCH_CHECK(grad.size(1) == st.c.dim, op, ": grad must have ", st.c.dim, " columns, got ", grad.size(1));
     const at::Tensor partial = at::empty({2 * tf_dynemb_seg_chunks(sp.n_occ), sp.dim}, grad.options().dtype(at::kFloat));
     sp.partial = partial.data_ptr<float>();
     check_launch(tf_dynemb_segsum_update_cuda(&sp, &up, stream()), "dynemb segment-sum + update kernels");
 }
 
 // n_valid, abort: tf_dynemb_foi_params' (device pointers or NULL)
-DynembFoiResult launch_find_or_insert(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                      at::Tensor &scores, at::Tensor &marks, at::Tensor &locks, at::Tensor &values,
-                                      at::Tensor &values_host, at::Tensor &state, at::Tensor &state_host,
-                                      int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-                                      int64_t clock, int64_t init_kind, double a, double b, int64_t seed,
-                                      bool with_rows, const int64_t *n_valid, const uint8_t *abort,
-                                      bool keep_victims = true, int64_t *host_counts = nullptr,
-                                      int64_t host_seq = 0) {
-    const c10::cuda::CUDAGuard guard(keys.device());
+// st: host tiers mapped (cuda_state)
+DynembFoiResult launch_find_or_insert(const at::Tensor &query, const DynembState &st, const DynembFoiArgs &args,
+                                      const int64_t *n_valid, const uint8_t *abort, bool keep_victims = true,
+                                      int64_t *host_counts = nullptr, int64_t host_seq = 0) {
+    const int64_t bucket_size = st.bucket_size();
     // 128-slot buckets: step 1 writes the outputs' defined contents itself (tf_dynemb_foi_params.fill_outputs)
     const bool kernel_fills = bucket_size == 128 && query.numel() > 0;
-    DynembFoi f = prepare_find_or_insert(query, keys, digests, scores, marks, &locks, values, values_host, state,
-                                         state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b,
-                                         seed, with_rows, !kernel_fills, keep_victims || bucket_size != 128);
+    DynembFoi f = prepare_find_or_insert(query, st, args, !kernel_fills, keep_victims || bucket_size != 128);
     f.p.fill_outputs = kernel_fills;
     f.p.keep_victims = keep_victims;
     f.p.host_counts = bucket_size == 128 ? host_counts : nullptr;
     f.p.host_seq = host_seq;
     f.p.n_valid = n_valid;
     f.p.abort = abort;
-    map_host(f.p.init.values, values_host);
-    map_host(f.p.init.state, state_host);
     at::Tensor miss;  // step 1's per-block lists of missed keys (128-slot buckets)
     if (bucket_size == 128) {
         TORCH_CHECK(query.numel() < (int64_t{1} << 31), "torchfuse.dynemb_find_or_insert_sync: at most 2^31 - 1 keys per call");
@@ -319,26 +247,20 @@ cudaEvent_t counts_event() {
     return e;
 }
 
-DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                             at::Tensor &scores, at::Tensor &marks, at::Tensor &locks,
-                                             at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
-                                             at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
-                                             bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
-                                             double a, double b, int64_t seed, bool with_rows,
-                                             const std::optional<at::Tensor> &n_valid,
-                                             const std::optional<at::Tensor> &abort, bool keep_evicted,
-                                             const std::function<void(const at::Tensor &)> &before_wait = nullptr) {
-    const c10::cuda::CUDAGuard guard(keys.device());
-    const DynembFoiLimits lim = dynemb_foi_limits(query, keys, n_valid, abort);
+// st: host tiers mapped (cuda_state)
+DynembFoiSyncResult find_or_insert_sync_state(const at::Tensor &query, const DynembState &st, const DynembFoiArgs &args,
+                                              const std::optional<at::Tensor> &n_valid,
+                                              const std::optional<at::Tensor> &abort, bool keep_evicted,
+                                              const std::function<void(const at::Tensor &)> &before_wait = nullptr) {
+    const c10::cuda::CUDAGuard guard(st[kKeys].device());
+    const DynembFoiLimits lim = dynemb_foi_limits(st, n_valid, abort);
     // 128-slot buckets: step 2 hands the counts over in mapped memory (other buckets: the copy and the
     // stream wait below)
-    const bool mapped = bucket_size == 128 && query.numel() > 0;
+    const bool mapped = st.bucket_size() == 128 && query.numel() > 0;
     MappedCounts *m = mapped ? &mapped_counts() : nullptr;
     const int64_t seq = m ? ++m->seq : 0;
-    const DynembFoiResult r = launch_find_or_insert(query, keys, digests, scores, marks, locks, values, values_host,
-                                                    state, state_host, bucket_size, epoch, allow_evict, policy, clock,
-                                                    init_kind, a, b, seed, with_rows, lim.n_valid, lim.abort,
-                                                    keep_evicted, m ? m->dev : nullptr, seq);
+    const DynembFoiResult r =
+        launch_find_or_insert(query, st, args, lim.n_valid, lim.abort, keep_evicted, m ? m->dev : nullptr, seq);
     int64_t c[5] = {0, 0, 0, query.numel(), 0};
     if (m) {
         if (before_wait) before_wait(std::get<0>(r));  // queued behind step 2; the host does not wait for it
@@ -378,35 +300,41 @@ DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::Tensor
         c[4] = lim.abort && reinterpret_cast<const uint8_t *>(h + 4)[0] ? 1 : 0;
         if (c[4]) c[3] = 0;  // none taken
     }
-    return finish_find_or_insert(narrow_foi(r, c), c, values, state, dynemb_slot_order(values_host, state_host),
-                                 keep_evicted,
+    return finish_find_or_insert(narrow_foi(r, c), c, st, keep_evicted,
                                  [&](const at::Tensor &sl, const at::Tensor &ni, at::Tensor &rows) {
-        return evict_rows_cuda(sl, ni, query, values, values_host, state, state_host, rows, init_kind, a, b, seed);
+        return CudaOps::evict_rows(sl, ni, query, st, rows, args.init_kind, args.a, args.b, args.seed);
     });
+}
+
+DynembFoiSyncResult find_or_insert_sync_cuda(const at::Tensor &query, at::TensorList table, int64_t epoch,
+                                             bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
+                                             double a, double b, int64_t seed, bool with_rows,
+                                             const std::optional<at::Tensor> &n_valid,
+                                             const std::optional<at::Tensor> &abort, bool keep_evicted) {
+    const DynembState st = cuda_state(table, "torchfuse.dynemb_find_or_insert_sync");
+    return find_or_insert_sync_state(query, st, {epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows},
+                                     n_valid, abort, keep_evicted);
 }
 
 // find_or_insert_sync with the batch's bags pooled (dynemb_pool through inv) queued before the host's
 // wait. Keys evicted with keep_evicted: their slots' rows changed after that pool (the eviction row
 // work runs after the wait), so the bags are pooled again; without it the kernels wrote those rows
 // before the pool.
-DynembFoiPoolResult find_or_insert_pool_cuda(const at::Tensor &query, at::Tensor &keys, at::Tensor &digests,
-                                             at::Tensor &scores, at::Tensor &marks, at::Tensor &locks,
-                                             at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
-                                             at::Tensor &state_host, int64_t bucket_size, int64_t epoch,
+DynembFoiPoolResult find_or_insert_pool_cuda(const at::Tensor &query, at::TensorList table, int64_t epoch,
                                              bool allow_evict, int64_t policy, int64_t clock, int64_t init_kind,
                                              double a, double b, int64_t seed, bool with_rows,
                                              const std::optional<at::Tensor> &n_valid,
                                              const std::optional<at::Tensor> &abort, const at::Tensor &pool_offsets,
                                              const at::Tensor &pool_inv, const std::optional<at::Tensor> &pool_weights,
                                              bool pool_mean, bool keep_evicted) {
+    const DynembState st = cuda_state(table, "torchfuse.dynemb_find_or_insert_pool");
     at::Tensor pooled;
     auto pool = [&](const at::Tensor &slots) {
-        pooled = pool_cuda(slots, pool_offsets, pool_weights, values, values_host, pool_mean, pool_inv);
+        pooled = pool_cuda(slots, pool_offsets, pool_weights, st[kValues], st[kValuesHost], pool_mean, pool_inv);
     };
-    DynembFoiSyncResult r = find_or_insert_sync_cuda(query, keys, digests, scores, marks, locks, values, values_host,
-                                                     state, state_host, bucket_size, epoch, allow_evict, policy,
-                                                     clock, init_kind, a, b, seed, with_rows, n_valid, abort,
-                                                     keep_evicted, pool);
+    DynembFoiSyncResult r = find_or_insert_sync_state(
+        query, st, {epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows}, n_valid, abort, keep_evicted,
+        pool);
     if (!pooled.defined() || (keep_evicted && std::get<3>(r).size(1) > 0))  // none queued, or rows changed since
         pool(std::get<0>(r));
     return std::tuple_cat(r, std::make_tuple(pooled));
@@ -414,54 +342,59 @@ DynembFoiPoolResult find_or_insert_pool_cuda(const at::Tensor &query, at::Tensor
 
 // ---- table-batched ops (parameters: dynemb_tables.cpp) ----
 
-at::Tensor tables_lookup_cuda(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
-                              at::TensorList digests, at::TensorList marks, at::IntArrayRef bucket_sizes,
+// The tables' states with their host tiers' device addresses.
+std::vector<DynembState> cuda_states(at::TensorList tables, const char *op) {
+    std::vector<DynembState> st = dynemb_states(tables, op);
+    for (DynembState &s : st) {
+        map_host(s.c.values, s[kValuesHost]);
+        map_host(s.c.state, s[kStateHost]);
+    }
+    return st;
+}
+
+at::Tensor tables_lookup_cuda(const at::Tensor &query, at::IntArrayRef starts, at::TensorList tables,
                               at::IntArrayRef epochs) {
     const c10::cuda::CUDAGuard guard(query.device());
-    DynembTablesProbe g =
-        prepare_tables_probe(false, query, nullptr, starts, keys, digests, {}, marks, {}, bucket_sizes, epochs, {});
+    DynembTablesProbe g = prepare_tables_probe(false, query, nullptr, starts,
+                                               dynemb_states(tables, "torchfuse.dynemb_tables_lookup"), epochs, {});
     check_launch(tf_dynemb_tables_lookup_cuda(g.t.data(), g.p.data(), g.start.data(), (int)g.t.size(), stream()),
                  "dynemb tables lookup kernel");
     return g.slots;
 }
 
 DynembInsertResult tables_insert_cuda(const at::Tensor &query, at::Tensor &slots, at::IntArrayRef starts,
-                                      at::TensorList keys, at::TensorList digests, at::TensorList scores,
-                                      at::TensorList marks, at::TensorList locks, at::IntArrayRef bucket_sizes,
-                                      at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
+                                      at::TensorList tables, at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
     const c10::cuda::CUDAGuard guard(query.device());
-    TORCH_CHECK(locks.size() == keys.size(), "torchfuse.dynemb_tables_insert: locks must have one entry per table");
-    DynembTablesProbe g = prepare_tables_probe(true, query, &slots, starts, keys, digests, scores, marks, locks,
-                                               bucket_sizes, epochs, allow_evict.vec());
+    DynembTablesProbe g = prepare_tables_probe(true, query, &slots, starts,
+                                               dynemb_states(tables, "torchfuse.dynemb_tables_insert"), epochs,
+                                               allow_evict.vec());
     check_launch(tf_dynemb_tables_insert_cuda(g.t.data(), g.p.data(), g.start.data(), (int)g.t.size(), stream()),
                  "dynemb tables insert kernel");
     return g.result();
 }
 
 void tables_init_cuda(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
-                      at::IntArrayRef starts, at::TensorList values, at::TensorList values_host, at::TensorList state,
-                      at::TensorList state_host, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
+                      at::IntArrayRef starts, at::TensorList tables, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
                       at::ArrayRef<double> b, at::IntArrayRef seeds) {
+    const char *op = "torchfuse.dynemb_tables_init";
     const c10::cuda::CUDAGuard guard(slots.device());
-    const auto start = tables_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_tables_init");
-    auto p = prepare_tables_init(slots, keys, mask, start, values, values_host, state, state_host, init_kinds, a, b,
-                                 seeds);
-    for (size_t i = 0; i < p.size(); ++i) {
-        map_host(p[i].values, values_host[i]);
-        map_host(p[i].state, state_host[i]);
-    }
+    const auto st = cuda_states(tables, op);
+    const auto start = tables_starts(starts, slots.numel(), st.size(), op);
+    auto p = prepare_tables_init(slots, keys, mask, start, st, init_kinds, a, b, seeds);
     check_launch(tf_dynemb_tables_init_cuda(p.data(), start.data(), (int)p.size(), stream()), "dynemb tables init kernel");
 }
 
-void tables_touch_cuda(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
+void tables_touch_cuda(at::TensorList tables, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
                        at::IntArrayRef clocks) {
+    const char *op = "torchfuse.dynemb_tables_touch";
     const c10::cuda::CUDAGuard guard(slots.device());
-    const auto start = tables_starts(starts, slots.numel(), scores.size(), "torchfuse.dynemb_tables_touch");
-    check_tables_touch(scores, slots, policies, clocks, start);
-    std::vector<int64_t *> sc(scores.size());
-    std::vector<int> pol(scores.size());
-    for (size_t i = 0; i < scores.size(); ++i) {
-        sc[i] = scores[i].data_ptr<int64_t>();
+    const auto st = dynemb_states(tables, op);
+    const auto start = tables_starts(starts, slots.numel(), st.size(), op);
+    check_tables_touch(st, slots, policies, clocks);
+    std::vector<int64_t *> sc(st.size());
+    std::vector<int> pol(st.size());
+    for (size_t i = 0; i < st.size(); ++i) {
+        sc[i] = st[i].c.t.scores;
         pol[i] = (int)policies[i];
     }
     check_launch(tf_dynemb_tables_touch_cuda(sc.data(), slots.data_ptr<int64_t>(), start.data(), pol.data(),
@@ -469,27 +402,22 @@ void tables_touch_cuda(at::TensorList scores, const at::Tensor &slots, at::IntAr
                  "dynemb tables touch kernel");
 }
 
-void tables_update_cuda(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList values,
-                        at::TensorList values_host, at::TensorList state, at::TensorList state_host, int64_t opt,
-                        double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
+void tables_update_cuda(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList tables,
+                        int64_t opt, double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
+    const char *op = "torchfuse.dynemb_tables_update";
     const c10::cuda::CUDAGuard guard(slots.device());
-    const auto start = tables_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_tables_update");
-    auto p = prepare_tables_update(slots, grad, start, values, values_host, state, state_host, opt, lr, eps, beta1,
-                                   beta2, step_sizes);
-    for (size_t i = 0; i < p.size(); ++i) {
-        map_host(p[i].values, values_host[i]);
-        map_host(p[i].state, state_host[i]);
-    }
+    const auto st = cuda_states(tables, op);
+    const auto start = tables_starts(starts, slots.numel(), st.size(), op);
+    auto p = prepare_tables_update(slots, grad, start, st, opt, lr, eps, beta1, beta2, step_sizes);
     check_launch(tf_dynemb_tables_update_cuda(p.data(), start.data(), (int)p.size(), stream()),
                  "dynemb tables update kernel");
 }
 
 at::Tensor tables_pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
-                            int64_t batch, at::IntArrayRef features, at::TensorList rows, at::TensorList rows_host,
-                            const c10::List<bool> &mean) {
+                            int64_t batch, at::IntArrayRef features, at::TensorList tables, const c10::List<bool> &mean) {
     const c10::cuda::CUDAGuard guard(slots.device());
-    DynembTablesPool g = prepare_tables_pool(slots, offsets, weights, batch, features, rows, rows_host, mean.vec());
-    for (size_t i = 0; i < g.p.size(); ++i) map_host(g.p[i].values, rows_host[i]);
+    DynembTablesPool g = prepare_tables_pool(slots, offsets, weights, batch, features,
+                                             cuda_states(tables, "torchfuse.dynemb_tables_pool"), mean.vec());
     check_launch(tf_dynemb_tables_pool_cuda(g.p.data(), g.start.data(), (int)g.p.size(), stream()),
                  "dynemb tables pool kernel");
     return g.out;
@@ -498,16 +426,7 @@ at::Tensor tables_pool_cuda(const at::Tensor &slots, const at::Tensor &offsets, 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
-    m.impl("dynemb_find_or_insert_sync",
-           [](const at::Tensor &query, at::Tensor &keys, at::Tensor &digests, at::Tensor &scores, at::Tensor &marks,
-              at::Tensor &locks, at::Tensor &values, at::Tensor &values_host, at::Tensor &state,
-              at::Tensor &state_host, int64_t bucket_size, int64_t epoch, bool allow_evict, int64_t policy,
-              int64_t clock, int64_t init_kind, double a, double b, int64_t seed, bool with_rows,
-              const std::optional<at::Tensor> &n_valid, const std::optional<at::Tensor> &abort, bool keep_evicted) {
-               return find_or_insert_sync_cuda(query, keys, digests, scores, marks, locks, values, values_host, state,
-                                               state_host, bucket_size, epoch, allow_evict, policy, clock, init_kind,
-                                               a, b, seed, with_rows, n_valid, abort, keep_evicted);
-           });
+    m.impl("dynemb_find_or_insert_sync", &find_or_insert_sync_cuda);
     m.impl("dynemb_find_or_insert_pool", &find_or_insert_pool_cuda);
     m.impl("dynemb_tables_lookup", &tables_lookup_cuda);
     m.impl("dynemb_tables_insert", &tables_insert_cuda);
@@ -517,16 +436,11 @@ TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("dynemb_tables_pool", &tables_pool_cuda);
     m.impl("dynemb_pool", &pool_cuda);
     m.impl("dynemb_segment_sum", &segsum_cuda);
-    m.impl("dynemb_lookup", &lookup_cuda);
-    m.impl("dynemb_insert", &insert_cuda);
     m.impl("dynemb_find", &find_cuda);
-    m.impl("dynemb_touch", &touch_cuda);
     m.impl("dynemb_gather", &gather_cuda);
     m.impl("dynemb_scatter", &scatter_cuda);
-    m.impl("dynemb_init", &init_cuda);
-    m.impl("dynemb_init_gather", &init_gather_cuda);
-    m.impl("dynemb_update", &update_cuda);
     m.impl("dynemb_segment_update", &segment_update_cuda);
+    CudaOps::register_impls(m);
     m.impl("dynemb_host_rows", &host_rows_cuda);
 }
 

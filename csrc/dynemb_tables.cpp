@@ -29,26 +29,18 @@ void check_count(size_t got, size_t tables, const char *op, const char *arg) {
 }  // namespace
 
 DynembTablesProbe prepare_tables_probe(bool insert, const at::Tensor &query, const at::Tensor *slots,
-                                       at::IntArrayRef starts, at::TensorList keys, at::TensorList digests,
-                                       at::TensorList scores, at::TensorList marks, at::TensorList locks,
-                                       at::IntArrayRef bucket_sizes, at::IntArrayRef epochs,
-                                       const std::vector<bool> &allow_evict) {
+                                       at::IntArrayRef starts, const std::vector<DynembState> &st,
+                                       at::IntArrayRef epochs, const std::vector<bool> &allow_evict) {
     const char *op = insert ? "torchfuse.dynemb_tables_insert" : "torchfuse.dynemb_tables_lookup";
-    const size_t T = keys.size();
-    TORCH_CHECK(T >= 1, op, ": needs at least one table");
-    check_index(query, keys[0], op, "query");
+    const size_t T = st.size();
+    check_index(query, st[0][kKeys], op, "query");
     DynembTablesProbe g;
     g.start = tables_starts(starts, query.numel(), T, op);
-    check_count(digests.size(), T, op, "digests");
-    check_count(marks.size(), T, op, "marks");
-    check_count(bucket_sizes.size(), T, op, "bucket_sizes");
     check_count(epochs.size(), T, op, "epochs");
     const int64_t n = query.numel();
     if (insert) {
-        check_count(scores.size(), T, op, "scores");
         check_count(allow_evict.size(), T, op, "allow_evict");
-        TORCH_CHECK(locks.empty() || locks.size() == T, op, ": locks must have one entry per table");
-        check_index(*slots, keys[0], op, "slots");
+        check_index(*slots, st[0][kKeys], op, "slots");
         TORCH_CHECK(slots->numel() == n, op, ": slots must have one entry per query key");
         g.slots = *slots;
         g.is_new = at::zeros({n}, query.options().dtype(at::kByte));
@@ -63,8 +55,9 @@ DynembTablesProbe prepare_tables_probe(bool insert, const at::Tensor &query, con
     g.p.resize(T);
     for (size_t i = 0; i < T; ++i) {
         const int64_t s = g.start[i];
-        g.t[i] = dynemb_table(query, keys[i], digests[i], insert ? &scores[i] : nullptr, marks[i],
-                              insert && !locks.empty() ? &locks[i] : nullptr, bucket_sizes[i], op);
+        TORCH_CHECK(st[i][kKeys].device() == query.device(), op, ": tables[", i, "] must be on the device of query (",
+                    query.device(), "), got ", st[i][kKeys].device());
+        g.t[i] = st[i].c.t;
         tf_dynemb_probe &p = g.p[i];
         p = tf_dynemb_probe{};
         p.n = g.start[i + 1] - s;
@@ -85,16 +78,13 @@ DynembTablesProbe prepare_tables_probe(bool insert, const at::Tensor &query, con
 
 std::vector<tf_dynemb_init_params> prepare_tables_init(const at::Tensor &slots, const at::Tensor &keys,
                                                        const std::optional<at::Tensor> &mask,
-                                                       const std::vector<int64_t> &start, at::TensorList values,
-                                                       at::TensorList values_host, at::TensorList state,
-                                                       at::TensorList state_host, at::IntArrayRef init_kinds,
+                                                       const std::vector<int64_t> &start,
+                                                       const std::vector<DynembState> &st, at::IntArrayRef init_kinds,
                                                        at::ArrayRef<double> a, at::ArrayRef<double> b,
                                                        at::IntArrayRef seeds) {
     const char *op = "torchfuse.dynemb_tables_init";
-    const size_t T = values.size();
-    for (auto [got, arg] : {std::pair<size_t, const char *>{values_host.size(), "values_host"},
-                            {state.size(), "state"}, {state_host.size(), "state_host"},
-                            {init_kinds.size(), "init_kinds"}, {a.size(), "a"}, {b.size(), "b"},
+    const size_t T = st.size();
+    for (auto [got, arg] : {std::pair<size_t, const char *>{init_kinds.size(), "init_kinds"}, {a.size(), "a"}, {b.size(), "b"},
                             {seeds.size(), "seeds"}})
         check_count(got, T, op, arg);
     TORCH_CHECK(keys.numel() == slots.numel(), op, ": keys and slots must have the same length");
@@ -103,8 +93,7 @@ std::vector<tf_dynemb_init_params> prepare_tables_init(const at::Tensor &slots, 
     // tensor views (their dispatcher calls were most of a batched op's host time).
     std::vector<tf_dynemb_init_params> p(T);
     for (size_t i = 0; i < T; ++i) {
-        p[i] = dynemb_init_params(slots, keys, mask, values[i], values_host[i], state[i], state_host[i], init_kinds[i],
-                                  a[i], b[i], seeds[i]);
+        p[i] = dynemb_init_params(slots, keys, mask, st[i], init_kinds[i], a[i], b[i], seeds[i], op);
         p[i].n = start[i + 1] - start[i];
         p[i].slots += start[i];
         p[i].keys += start[i];
@@ -114,23 +103,18 @@ std::vector<tf_dynemb_init_params> prepare_tables_init(const at::Tensor &slots, 
 }
 
 std::vector<tf_dynemb_update_params> prepare_tables_update(const at::Tensor &slots, const at::Tensor &grad,
-                                                           const std::vector<int64_t> &start, at::TensorList values,
-                                                           at::TensorList values_host, at::TensorList state,
-                                                           at::TensorList state_host, int64_t opt, double lr,
+                                                           const std::vector<int64_t> &start,
+                                                           const std::vector<DynembState> &st, int64_t opt, double lr,
                                                            double eps, double beta1, double beta2,
                                                            at::ArrayRef<double> step_sizes) {
     const char *op = "torchfuse.dynemb_tables_update";
-    const size_t T = values.size();
-    for (auto [got, arg] : {std::pair<size_t, const char *>{values_host.size(), "values_host"},
-                            {state.size(), "state"}, {state_host.size(), "state_host"},
-                            {step_sizes.size(), "step_sizes"}})
-        check_count(got, T, op, arg);
+    const size_t T = st.size();
+    check_count(step_sizes.size(), T, op, "step_sizes");
     TORCH_CHECK(grad.dim() == 2 && grad.size(0) == slots.numel(), op, ": grad must have one row per slot (",
                 slots.numel(), "), got ", grad.sizes());
     std::vector<tf_dynemb_update_params> p(T);
     for (size_t i = 0; i < T; ++i) {  // whole-batch params pointed at table i's part, as in init
-        p[i] = dynemb_update_params(slots, &grad, values[i], values_host[i], state[i], state_host[i], opt, lr, eps,
-                                    beta1, beta2, step_sizes[i]);
+        p[i] = dynemb_update_params(slots, &grad, st[i], opt, lr, eps, beta1, beta2, step_sizes[i], op);
         p[i].n = start[i + 1] - start[i];
         p[i].slots += start[i];
         p[i].grad = static_cast<const char *>(p[i].grad) + start[i] * p[i].grad_stride * grad.element_size();
@@ -140,24 +124,24 @@ std::vector<tf_dynemb_update_params> prepare_tables_update(const at::Tensor &slo
 
 DynembTablesPool prepare_tables_pool(const at::Tensor &slots, const at::Tensor &offsets,
                                      const std::optional<at::Tensor> &weights, int64_t batch, at::IntArrayRef features,
-                                     at::TensorList rows, at::TensorList rows_host, const std::vector<bool> &mean) {
+                                     const std::vector<DynembState> &st, const std::vector<bool> &mean) {
     const char *op = "torchfuse.dynemb_tables_pool";
-    const size_t T = rows.size();
-    TORCH_CHECK(T >= 1, op, ": needs at least one table");
+    const size_t T = st.size();
     check_count(features.size(), T, op, "features");
-    check_count(rows_host.size(), T, op, "rows_host");
     check_count(mean.size(), T, op, "mean");
     TORCH_CHECK(batch >= 0, op, ": batch must be >= 0, got ", batch);
-    check_index(slots, rows[0], op, "slots");
-    check_index(offsets, rows[0], op, "offsets");
+    const at::Tensor &rows0 = st[0][kValues];
+    check_index(slots, rows0, op, "slots");
+    check_index(offsets, rows0, op, "offsets");
     DynembTablesPool g;
     g.start.assign(T + 1, 0);
     int64_t cols = 0;
     for (size_t i = 0; i < T; ++i) {
         TORCH_CHECK(features[i] >= 0, op, ": features must be >= 0, got ", features);
-        TORCH_CHECK(rows[i].dim() == 2, op, ": rows[", i, "] must be 2-D");
+        TORCH_CHECK(st[i][kValues].device() == rows0.device(), op, ": tables[", i,
+                    "] must be on the device of tables[0] (", rows0.device(), "), got ", st[i][kValues].device());
         g.start[i + 1] = g.start[i] + features[i] * batch;
-        cols += features[i] * rows[i].size(1);
+        cols += features[i] * st[i].c.dim;
     }
     TORCH_CHECK(offsets.numel() == g.start[T] + 1, op, ": offsets must hold sum(features) * batch + 1 = ",
                 g.start[T] + 1, " entries, got ", offsets.numel());
@@ -166,10 +150,10 @@ DynembTablesPool prepare_tables_pool(const at::Tensor &slots, const at::Tensor &
         TORCH_CHECK(weights->scalar_type() == at::kFloat && weights->numel() == slots.numel() &&
                         weights->is_contiguous(),
                     op, ": weights must be contiguous float32 with one entry per id");
-        check_same_device(*weights, rows[0], op, "weights", "the tables");
+        check_same_device(*weights, rows0, op, "weights", "the tables");
         w = weights->data_ptr<float>();
     }
-    g.out = at::empty({batch, cols}, rows[0].options().dtype(at::kFloat));
+    g.out = at::empty({batch, cols}, rows0.options().dtype(at::kFloat));
     g.p.resize(T);
     int64_t col = 0;
     for (size_t i = 0; i < T; ++i) {
@@ -181,9 +165,9 @@ DynembTablesPool prepare_tables_pool(const at::Tensor &slots, const at::Tensor &
         p.offsets = offsets.data_ptr<int64_t>() + g.start[i];
         p.weights = w;
         p.mean = mean[i];
-        p.values = dynemb_rows(rows[i], rows_host[i], rows[0], op, "rows");
-        p.dtype = kernel_dtype(rows[i].scalar_type(), op, "rows");
-        p.dim = rows[i].size(1);
+        p.values = st[i].c.values;
+        p.dtype = st[i].c.dtype;
+        p.dim = st[i].c.dim;
         p.out = g.out.data_ptr<float>() + col;
         p.out_dtype = TF_F32;
         p.out_block_bags = batch > 0 ? batch : 1;
@@ -193,73 +177,74 @@ DynembTablesPool prepare_tables_pool(const at::Tensor &slots, const at::Tensor &
     return g;
 }
 
-void check_tables_touch(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef policies,
-                        at::IntArrayRef clocks, const std::vector<int64_t> &start) {
+void check_tables_touch(const std::vector<DynembState> &st, const at::Tensor &slots, at::IntArrayRef policies,
+                        at::IntArrayRef clocks) {
     const char *op = "torchfuse.dynemb_tables_touch";
-    const size_t T = scores.size();
+    const size_t T = st.size();
     check_count(policies.size(), T, op, "policies");
     check_count(clocks.size(), T, op, "clocks");
     for (size_t i = 0; i < T; ++i) {
-        check_index(scores[i], scores[0], op, "scores");
+        TORCH_CHECK(st[i][kKeys].device() == slots.device(), op, ": tables[", i, "] must be on the device of slots (",
+                    slots.device(), "), got ", st[i][kKeys].device());
         TORCH_CHECK(policies[i] == TF_DYNEMB_LRU || policies[i] == TF_DYNEMB_LFU, op, ": bad policy ", policies[i]);
     }
-    if (T) check_index(slots, scores[0], op, "slots");
+    check_index(slots, st[0][kKeys], op, "slots");
 }
 
 namespace {
 
-at::Tensor tables_lookup_cpu(const at::Tensor &query, at::IntArrayRef starts, at::TensorList keys,
-                             at::TensorList digests, at::TensorList marks, at::IntArrayRef bucket_sizes,
+at::Tensor tables_lookup_cpu(const at::Tensor &query, at::IntArrayRef starts, at::TensorList tables,
                              at::IntArrayRef epochs) {
-    DynembTablesProbe g =
-        prepare_tables_probe(false, query, nullptr, starts, keys, digests, {}, marks, {}, bucket_sizes, epochs, {});
+    DynembTablesProbe g = prepare_tables_probe(false, query, nullptr, starts,
+                                               dynemb_states(tables, "torchfuse.dynemb_tables_lookup"), epochs, {});
     for (size_t i = 0; i < g.t.size(); ++i)
         at::parallel_for(0, g.p[i].n, 2048, [&](int64_t b, int64_t e) { tf_dynemb_lookup_cpu(&g.t[i], &g.p[i], b, e); });
     return g.slots;
 }
 
 DynembInsertResult tables_insert_cpu(const at::Tensor &query, at::Tensor &slots, at::IntArrayRef starts,
-                                     at::TensorList keys, at::TensorList digests, at::TensorList scores,
-                                     at::TensorList marks, at::TensorList locks, at::IntArrayRef bucket_sizes,
-                                     at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
-    DynembTablesProbe g = prepare_tables_probe(true, query, &slots, starts, keys, digests, scores, marks, {},
-                                               bucket_sizes, epochs, allow_evict.vec());
+                                     at::TensorList tables, at::IntArrayRef epochs, const c10::List<bool> &allow_evict) {
+    DynembTablesProbe g = prepare_tables_probe(true, query, &slots, starts,
+                                               dynemb_states(tables, "torchfuse.dynemb_tables_insert"), epochs,
+                                               allow_evict.vec());
     for (size_t i = 0; i < g.t.size(); ++i) tf_dynemb_insert_cpu(&g.t[i], &g.p[i]);
     return g.result();
 }
 
 void tables_init_cpu(const at::Tensor &slots, const at::Tensor &keys, const std::optional<at::Tensor> &mask,
-                     at::IntArrayRef starts, at::TensorList values, at::TensorList values_host, at::TensorList state,
-                     at::TensorList state_host, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
+                     at::IntArrayRef starts, at::TensorList tables, at::IntArrayRef init_kinds, at::ArrayRef<double> a,
                      at::ArrayRef<double> b, at::IntArrayRef seeds) {
-    const auto start = tables_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_tables_init");
-    for (auto &p : prepare_tables_init(slots, keys, mask, start, values, values_host, state, state_host, init_kinds, a,
-                                       b, seeds))
+    const char *op = "torchfuse.dynemb_tables_init";
+    const auto st = dynemb_states(tables, op);
+    const auto start = tables_starts(starts, slots.numel(), st.size(), op);
+    for (auto &p : prepare_tables_init(slots, keys, mask, start, st, init_kinds, a, b, seeds))
         at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_init_cpu(&p, b0, e0); });
 }
 
-void tables_touch_cpu(at::TensorList scores, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
+void tables_touch_cpu(at::TensorList tables, const at::Tensor &slots, at::IntArrayRef starts, at::IntArrayRef policies,
                       at::IntArrayRef clocks) {
-    const auto start = tables_starts(starts, slots.numel(), scores.size(), "torchfuse.dynemb_tables_touch");
-    check_tables_touch(scores, slots, policies, clocks, start);
-    for (size_t i = 0; i < scores.size(); ++i)
-        tf_dynemb_touch_cpu(scores[i].data_ptr<int64_t>(), slots.data_ptr<int64_t>() + start[i], start[i + 1] - start[i],
+    const char *op = "torchfuse.dynemb_tables_touch";
+    const auto st = dynemb_states(tables, op);
+    const auto start = tables_starts(starts, slots.numel(), st.size(), op);
+    check_tables_touch(st, slots, policies, clocks);
+    for (size_t i = 0; i < st.size(); ++i)
+        tf_dynemb_touch_cpu(st[i].c.t.scores, slots.data_ptr<int64_t>() + start[i], start[i + 1] - start[i],
                             (int)policies[i], clocks[i]);
 }
 
-void tables_update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList values,
-                       at::TensorList values_host, at::TensorList state, at::TensorList state_host, int64_t opt,
-                       double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
-    const auto start = tables_starts(starts, slots.numel(), values.size(), "torchfuse.dynemb_tables_update");
-    for (auto &p : prepare_tables_update(slots, grad, start, values, values_host, state, state_host, opt, lr, eps,
-                                         beta1, beta2, step_sizes))
+void tables_update_cpu(const at::Tensor &slots, const at::Tensor &grad, at::IntArrayRef starts, at::TensorList tables,
+                       int64_t opt, double lr, double eps, double beta1, double beta2, at::ArrayRef<double> step_sizes) {
+    const char *op = "torchfuse.dynemb_tables_update";
+    const auto st = dynemb_states(tables, op);
+    const auto start = tables_starts(starts, slots.numel(), st.size(), op);
+    for (auto &p : prepare_tables_update(slots, grad, start, st, opt, lr, eps, beta1, beta2, step_sizes))
         at::parallel_for(0, p.n, 64, [&](int64_t b0, int64_t e0) { tf_dynemb_update_cpu(&p, b0, e0); });
 }
 
 at::Tensor tables_pool_cpu(const at::Tensor &slots, const at::Tensor &offsets, const std::optional<at::Tensor> &weights,
-                           int64_t batch, at::IntArrayRef features, at::TensorList rows, at::TensorList rows_host,
-                           const c10::List<bool> &mean) {
-    DynembTablesPool g = prepare_tables_pool(slots, offsets, weights, batch, features, rows, rows_host, mean.vec());
+                           int64_t batch, at::IntArrayRef features, at::TensorList tables, const c10::List<bool> &mean) {
+    DynembTablesPool g = prepare_tables_pool(slots, offsets, weights, batch, features,
+                                             dynemb_states(tables, "torchfuse.dynemb_tables_pool"), mean.vec());
     for (auto &p : g.p) at::parallel_for(0, p.n_bags, 16, [&](int64_t b, int64_t e) { tf_dynemb_pool_cpu(&p, b, e); });
     return g.out;
 }

@@ -67,42 +67,41 @@ TORCH_LIBRARY(torchfuse, m) {
         "int max_attn_len, int min_full_attn_seq_len, int target_group_size, bool bias_grad, str? backend=None) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
 
-    // ---- dynamic embeddings (python/torchfuse/dynamic_embedding.py) ----
-    // Internal ops on the table's state tensors (layout and semantics: kernels/dynemb_kernels.h). Slots
-    // passed back in must come from dynemb_lookup / dynemb_insert on the same table.
+    // ---- dynamic embeddings (python/torchfuse/dynamic_embedding/) ----
+    // Internal ops on a table's state (layout and semantics: kernels/dynemb_kernels.h). `table` is the
+    // table's state as one list, in this order (csrc/dynemb.h DynembField, _table.py STATE_FIELDS):
+    // [keys, digests, scores, marks, locks, values, values_host, state, state_host]; the bucket size
+    // is capacity / len(locks). Ops that may write any of it take it as Tensor(a!)[]. Slots passed
+    // back in must come from dynemb_lookup / dynemb_insert on the same table.
     // Slot of each query key (-1: absent); epoch > 0 also marks the found slots.
-    m.def("dynemb_lookup(Tensor query, Tensor keys, Tensor digests, Tensor(a!) marks, int bucket_size, "
-          "int epoch) -> Tensor");
-    // dynemb_lookup + dynemb_gather in one pass: (rows of the query keys, zeros where absent; slots).
-    m.def("dynemb_find(Tensor query, Tensor keys, Tensor digests, Tensor marks, Tensor rows, Tensor rows_host, "
-          "int bucket_size) -> (Tensor, Tensor)");
+    m.def("dynemb_lookup(Tensor query, Tensor(a!)[] table, int epoch) -> Tensor");
+    // dynemb_lookup + dynemb_gather of the values in one pass: (rows of the query keys, zeros where absent; slots).
+    m.def("dynemb_find(Tensor query, Tensor[] table) -> (Tensor, Tensor)");
     // Places the keys whose slot is -1 (repeats end in one slot); returns (is_new uint8, evicted_keys,
     // evicted_slots, evicted_scores, counts = [inserted, evicted, failed]); evicted_* hold counts[1] entries.
-    m.def("dynemb_insert(Tensor query, Tensor(a!) slots, Tensor(b!) keys, Tensor(c!) digests, Tensor(d!) scores, "
-          "Tensor(e!) marks, Tensor(f!) locks, int bucket_size, int epoch, bool allow_evict) "
+    m.def("dynemb_insert(Tensor query, Tensor(a!) slots, Tensor(b!)[] table, int epoch, bool allow_evict) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
     // policy 0 (LRU): scores[slot] = clock; 1 (LFU): scores[slot] += 1 per occurrence.
-    m.def("dynemb_touch(Tensor(a!) scores, Tensor slots, int policy, int clock) -> ()");
+    m.def("dynemb_touch(Tensor(a!)[] table, Tensor slots, int policy, int clock) -> ()");
     // Rows by slot from two-tier storage (rows: the first rows.size(0) slots, rows_host: the rest); zeros for -1.
     // Scatter writes row slots[i] = src[i] (skipped for -1). order: a permutation of 0..n-1 (e.g.
     // argsort(slots)): the rows are visited in that order (host rows in address order); the result is
-    // the same as without it.
+    // the same as without it. (A table's values or its optimizer state: table[5:7] or table[7:9].)
     m.def("dynemb_gather(Tensor slots, Tensor rows, Tensor rows_host, Tensor? order=None) -> Tensor");
     m.def("dynemb_scatter(Tensor slots, Tensor src, Tensor(a!) rows, Tensor(b!) rows_host, Tensor? order=None) -> ()");
     // New rows: values from the per-key initializer (init_kind: 0 none, 1 normal(a, b), 2 uniform(a, b),
     // 3 constant a), optimizer state zeroed; only where mask != 0 when given.
-    m.def("dynemb_init(Tensor slots, Tensor keys, Tensor? mask, Tensor(a!) values, Tensor(b!) values_host, "
-          "Tensor(c!) state, Tensor(d!) state_host, int init_kind, float a, float b, int seed) -> ()");
-    // dynemb_init(slots, keys, is_new, ...) then dynemb_gather(slots, values, values_host, order) in one
-    // pass: returns the rows (n, dim), new rows as the initializer wrote them, zeros for slot -1. order:
-    // as gather's (argsort(slots): rows initialised, read and written in slot order); the result is the
-    // same as without it. Keys distinct (no two entries share a slot).
-    m.def("dynemb_init_gather(Tensor slots, Tensor keys, Tensor is_new, Tensor(a!) values, Tensor(b!) values_host, "
-          "Tensor(c!) state, Tensor(d!) state_host, int init_kind, float a, float b, int seed, Tensor? order=None) "
-          "-> Tensor");
+    m.def("dynemb_init(Tensor slots, Tensor keys, Tensor? mask, Tensor(a!)[] table, int init_kind, float a, float b, "
+          "int seed) -> ()");
+    // dynemb_init(slots, keys, is_new, ...) then dynemb_gather of the values (order) in one pass: returns
+    // the rows (n, dim), new rows as the initializer wrote them, zeros for slot -1. order: as gather's
+    // (argsort(slots): rows initialised, read and written in slot order); the result is the same as
+    // without it. Keys distinct (no two entries share a slot).
+    m.def("dynemb_init_gather(Tensor slots, Tensor keys, Tensor is_new, Tensor(a!)[] table, int init_kind, float a, "
+          "float b, int seed, Tensor? order=None) -> Tensor");
     // One optimizer step per (unique) slot with its gradient row (opt: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam).
-    m.def("dynemb_update(Tensor slots, Tensor grad, Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, "
-          "Tensor(d!) state_host, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");
+    m.def("dynemb_update(Tensor slots, Tensor grad, Tensor(a!)[] table, int opt, float lr, float eps, float beta1, "
+          "float beta2, float step_size) -> ()");
     // Bags pooled straight from the table: (n_bags, dim); offsets holds n_bags + 1 entries (kernels/dynemb_kernels.h;
     // bounds clamped into the batch). inv: ids through their unique index (slots: the unique ids' slots).
     m.def("dynemb_pool(Tensor slots, Tensor offsets, Tensor? weights, Tensor rows, Tensor rows_host, bool mean, "
@@ -125,8 +124,7 @@ TORCH_LIBRARY(torchfuse, m) {
     // dynemb_update(slots, dynemb_segment_sum(...)) in one: on CUDA the sums are applied as they are
     // made, never written out (rows of at most 128 columns; wider rows take the two ops).
     m.def("dynemb_segment_update(Tensor grad, Tensor perm, Tensor seg, Tensor? bag_of, Tensor? scale, Tensor slots, "
-          "Tensor(a!) values, Tensor(b!) values_host, Tensor(c!) state, Tensor(d!) state_host, int opt, float lr, "
-          "float eps, float beta1, float beta2, float step_size) -> ()");
+          "Tensor(a!)[] table, int opt, float lr, float eps, float beta1, float beta2, float step_size) -> ()");
     // (rows, cols) of `dtype` in pinned host memory mapped into `like`'s GPU (cudaHostAlloc, mapped):
     // the host tier of a CUDA table. CUDA only.
     m.def("dynemb_host_rows(Tensor like, int rows, int cols, ScalarType dtype) -> Tensor");
@@ -144,41 +142,34 @@ TORCH_LIBRARY(torchfuse, m) {
     // keep_evicted=False (a caller that keeps no record of evictions): the kernels write the evicting
     // keys' rows over the victims', with no row work after the wait; the list and the victims' values
     // and state come back with 0 entries (the counts still say how many were evicted).
-    m.def("dynemb_find_or_insert_sync(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
-          "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
-          "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
-          "int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid=None, Tensor? abort=None, "
-          "bool keep_evicted=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+    m.def("dynemb_find_or_insert_sync(Tensor query, Tensor(a!)[] table, int epoch, bool allow_evict, int policy, "
+          "int clock, int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid=None, "
+          "Tensor? abort=None, bool keep_evicted=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
     // dynemb_find_or_insert_sync, then the batch's bags pooled from the keys' slots (dynemb_pool with
     // inv): on CUDA the pool is queued before the host's wait, and queued again after the eviction row
     // work when keys were evicted. The eighth output is the pooled bags.
-    m.def("dynemb_find_or_insert_pool(Tensor query, Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, "
-          "Tensor(d!) marks, Tensor(e!) locks, Tensor(f!) values, Tensor(g!) values_host, Tensor(h!) state, "
-          "Tensor(i!) state_host, int bucket_size, int epoch, bool allow_evict, int policy, int clock, "
-          "int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid, Tensor? abort, "
+    m.def("dynemb_find_or_insert_pool(Tensor query, Tensor(a!)[] table, int epoch, bool allow_evict, int policy, "
+          "int clock, int init_kind, float a, float b, int seed, bool with_rows, Tensor? n_valid, Tensor? abort, "
           "Tensor pool_offsets, Tensor pool_inv, Tensor? pool_weights, bool pool_mean, bool keep_evicted=True) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
     // Table-batched forms (a collection's tables in one launch each, as FBGEMM's TBE): the items of
-    // the batch (keys, bags) are concatenated, table t owning [starts[t], starts[t + 1]); every other
-    // list has one entry per table, and each table's part means what the single-table op means.
-    m.def("dynemb_tables_lookup(Tensor query, int[] starts, Tensor[] keys, Tensor[] digests, Tensor(a!)[] marks, "
-          "int[] bucket_sizes, int[] epochs) -> Tensor");
+    // the batch (keys, bags) are concatenated, table t owning [starts[t], starts[t + 1]); `tables`
+    // holds each table's state list one after another (9 entries per table, as `table` above); every
+    // other list has one entry per table, and each table's part means what the single-table op means.
+    m.def("dynemb_tables_lookup(Tensor query, int[] starts, Tensor(a!)[] tables, int[] epochs) -> Tensor");
     // counts: (tables, 3); table t's evicted entries start at starts[t] of evicted_*.
-    m.def("dynemb_tables_insert(Tensor query, Tensor(a!) slots, int[] starts, Tensor(b!)[] keys, Tensor(c!)[] digests, "
-          "Tensor(d!)[] scores, Tensor(e!)[] marks, Tensor(f!)[] locks, int[] bucket_sizes, int[] epochs, "
+    m.def("dynemb_tables_insert(Tensor query, Tensor(a!) slots, int[] starts, Tensor(b!)[] tables, int[] epochs, "
           "bool[] allow_evict) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-    m.def("dynemb_tables_init(Tensor slots, Tensor keys, Tensor? mask, int[] starts, Tensor(a!)[] values, "
-          "Tensor(b!)[] values_host, Tensor(c!)[] state, Tensor(d!)[] state_host, int[] init_kinds, float[] a, "
-          "float[] b, int[] seeds) -> ()");
-    m.def("dynemb_tables_touch(Tensor(a!)[] scores, Tensor slots, int[] starts, int[] policies, int[] clocks) -> ()");
+    m.def("dynemb_tables_init(Tensor slots, Tensor keys, Tensor? mask, int[] starts, Tensor(a!)[] tables, "
+          "int[] init_kinds, float[] a, float[] b, int[] seeds) -> ()");
+    m.def("dynemb_tables_touch(Tensor(a!)[] tables, Tensor slots, int[] starts, int[] policies, int[] clocks) -> ()");
     // Same optimizer (opt, lr, eps, betas) for every table; Adam's step size per table.
-    m.def("dynemb_tables_update(Tensor slots, Tensor grad, int[] starts, Tensor(a!)[] values, Tensor(b!)[] values_host, "
-          "Tensor(c!)[] state, Tensor(d!)[] state_host, int opt, float lr, float eps, float beta1, float beta2, "
-          "float[] step_sizes) -> ()");
+    m.def("dynemb_tables_update(Tensor slots, Tensor grad, int[] starts, Tensor(a!)[] tables, int opt, float lr, "
+          "float eps, float beta1, float beta2, float[] step_sizes) -> ()");
     // A collection's bags: offsets (sum(features) * batch + 1) in (table, feature, sample) order; returns
     // the float32 (batch, sum over t of features[t] * dim[t]) values of a TorchRec KeyedTensor.
-    m.def("dynemb_tables_pool(Tensor slots, Tensor offsets, Tensor? weights, int batch, int[] features, Tensor[] rows, "
-          "Tensor[] rows_host, bool[] mean) -> Tensor");
+    m.def("dynemb_tables_pool(Tensor slots, Tensor offsets, Tensor? weights, int batch, int[] features, "
+          "Tensor[] tables, bool[] mean) -> Tensor");
 
     // ---- sampled softmax loss (python/torchfuse/losses.py; semantics: kernels/sampled_softmax.h) ----
     // negatives (R, D) shared by all T rows or (T, R, D) per row; ids mask a negative equal to the row's

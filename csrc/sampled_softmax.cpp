@@ -275,31 +275,8 @@ void cpu_per_row_bwd(const tf_ssm_params &p, const float *loss, const float *g, 
 const SsmBackend kCpu = {cpu_row_stats,   cpu_neg_norms, cpu_block_lse,   cpu_block_dlogits, cpu_rows_bwd,
                          cpu_neg_bwd,     cpu_per_row_fwd, cpu_per_row_bwd, /*low_precision_gemm=*/false};
 
-std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor &query, const at::Tensor &positive,
-                                           const at::Tensor &negatives, const std::optional<at::Tensor> &positive_ids,
-                                           const std::optional<at::Tensor> &negative_ids,
-                                           const std::optional<at::Tensor> &weights, double temperature, bool l2_norm,
-                                           double eps, int64_t chunk_rows) {
-    return ssm_forward(kCpu, query, positive, negatives, positive_ids, negative_ids, weights, temperature, l2_norm,
-                       eps, chunk_rows);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor &dloss, const at::Tensor &query,
-                                                       const at::Tensor &positive, const at::Tensor &negatives,
-                                                       const std::optional<at::Tensor> &positive_ids,
-                                                       const std::optional<at::Tensor> &negative_ids,
-                                                       const std::optional<at::Tensor> &weights,
-                                                       const at::Tensor &row_loss, double temperature, bool l2_norm,
-                                                       double eps, int64_t chunk_rows) {
-    return ssm_backward(kCpu, dloss, query, positive, negatives, positive_ids, negative_ids, weights, row_loss,
-                        temperature, l2_norm, eps, chunk_rows);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
-    m.impl("sampled_softmax_fwd", &fwd_cpu);
-    m.impl("sampled_softmax_bwd", &bwd_cpu);
-}
+TORCH_LIBRARY_IMPL(torchfuse, CPU, m) { register_ssm<&kCpu, SsmNoGuard>(m); }
 
 }  // namespace torchfuse

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <tuple>
@@ -56,5 +57,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ssm_backward(
     const at::Tensor &negatives, const std::optional<at::Tensor> &positive_ids,
     const std::optional<at::Tensor> &negative_ids, const std::optional<at::Tensor> &weights, const at::Tensor &row_loss,
     double temperature, bool l2_norm, double eps, int64_t chunk_rows);
+
+// The device guard of the CPU: nothing to make current.
+struct SsmNoGuard {
+    explicit SsmNoGuard(at::Device) {}
+};
+
+// Registers sampled_softmax_fwd / _bwd for one device with its kernels (sampled_softmax.cpp: CPU,
+// sampled_softmax_cuda.cpp: CUDA); Guard makes the query's device current around the call.
+template <const SsmBackend *Be, typename Guard>
+void register_ssm(torch::Library &m) {
+    m.impl("sampled_softmax_fwd",
+           [](const at::Tensor &query, const at::Tensor &positive, const at::Tensor &negatives,
+              const std::optional<at::Tensor> &positive_ids, const std::optional<at::Tensor> &negative_ids,
+              const std::optional<at::Tensor> &weights, double temperature, bool l2_norm, double eps,
+              int64_t chunk_rows) {
+               const Guard guard(query.device());
+               return ssm_forward(*Be, query, positive, negatives, positive_ids, negative_ids, weights, temperature,
+                                  l2_norm, eps, chunk_rows);
+           });
+    m.impl("sampled_softmax_bwd",
+           [](const at::Tensor &dloss, const at::Tensor &query, const at::Tensor &positive, const at::Tensor &negatives,
+              const std::optional<at::Tensor> &positive_ids, const std::optional<at::Tensor> &negative_ids,
+              const std::optional<at::Tensor> &weights, const at::Tensor &row_loss, double temperature, bool l2_norm,
+              double eps, int64_t chunk_rows) {
+               const Guard guard(query.device());
+               return ssm_backward(*Be, dloss, query, positive, negatives, positive_ids, negative_ids, weights,
+                                   row_loss, temperature, l2_norm, eps, chunk_rows);
+           });
+}
 
 }  // namespace torchfuse

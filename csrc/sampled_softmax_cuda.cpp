@@ -51,33 +51,8 @@ void cuda_per_row_bwd(const tf_ssm_params &p, const float *loss, const float *g,
 const SsmBackend kCuda = {cuda_row_stats,   cuda_neg_norms,   cuda_block_lse,   cuda_block_dlogits, cuda_rows_bwd,
                           cuda_neg_bwd,     cuda_per_row_fwd, cuda_per_row_bwd, /*low_precision_gemm=*/true};
 
-std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor &query, const at::Tensor &positive,
-                                            const at::Tensor &negatives, const std::optional<at::Tensor> &positive_ids,
-                                            const std::optional<at::Tensor> &negative_ids,
-                                            const std::optional<at::Tensor> &weights, double temperature,
-                                            bool l2_norm, double eps, int64_t chunk_rows) {
-    const c10::cuda::CUDAGuard guard(query.device());
-    return ssm_forward(kCuda, query, positive, negatives, positive_ids, negative_ids, weights, temperature, l2_norm,
-                       eps, chunk_rows);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor &dloss, const at::Tensor &query,
-                                                        const at::Tensor &positive, const at::Tensor &negatives,
-                                                        const std::optional<at::Tensor> &positive_ids,
-                                                        const std::optional<at::Tensor> &negative_ids,
-                                                        const std::optional<at::Tensor> &weights,
-                                                        const at::Tensor &row_loss, double temperature, bool l2_norm,
-                                                        double eps, int64_t chunk_rows) {
-    const c10::cuda::CUDAGuard guard(query.device());
-    return ssm_backward(kCuda, dloss, query, positive, negatives, positive_ids, negative_ids, weights, row_loss,
-                        temperature, l2_norm, eps, chunk_rows);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
-    m.impl("sampled_softmax_fwd", &fwd_cuda);
-    m.impl("sampled_softmax_bwd", &bwd_cuda);
-}
+TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) { register_ssm<&kCuda, c10::cuda::CUDAGuard>(m); }
 
 }  // namespace torchfuse

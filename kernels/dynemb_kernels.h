@@ -82,6 +82,16 @@ TF_HD char *tf_dynemb_row(const tf_dynemb_rows *r, int64_t slot) {
     return slot < r->n_hbm ? r->hbm + slot * r->row_bytes : r->host + (slot - r->n_hbm) * r->row_bytes;
 }
 
+/* A table's whole state: the hash table, its rows (values, `dtype`, dim per row) and their fp32
+ * optimizer state (state_dim per row; 0 for SGD), both split alike between hbm and host. The glue
+ * (csrc/dynemb.h, dynemb_state) builds it from the one list of tensors the ops take per table and
+ * every kernel parameter block below is filled from it. */
+typedef struct {
+    tf_dynemb_table t;
+    tf_dynemb_rows values; int dtype; int64_t dim;
+    tf_dynemb_rows state; int64_t state_dim;
+} tf_dynemb_state;
+
 typedef struct {
     int64_t n;                 /* number of queried keys */
     const int64_t *query;      /* n keys */

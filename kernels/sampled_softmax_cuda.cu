@@ -52,6 +52,26 @@ __device__ __forceinline__ void lse_merge(float &m, float &l, float m2, float l2
     m = M;
 }
 
+/* x added to an online log-sum-exp (m, l): one exp per element (the same sums as lse_merge(m, l, x, 1)). */
+__device__ __forceinline__ void lse_push(float &m, float &l, float x) {
+    if (x > m) {
+        l = l * expf(m - x) + 1.f;
+        m = x;
+    } else {
+        l += expf(x - m);
+    }
+}
+
+/* a and b summed over each group of L lanes (every lane of the group gets the sums). */
+template <int L>
+__device__ __forceinline__ void sub_sum2(float &a, float &b) {
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+}
+
 /* logsumexp(pos, negatives) - pos from the negatives' online (m, l): log1p where the positive dominates
  * (sampled_softmax_kernels.h says why the row loss is what is kept). */
 __device__ __forceinline__ float row_loss(float pos, float m, float l) {
@@ -59,20 +79,28 @@ __device__ __forceinline__ float row_loss(float pos, float m, float l) {
     return (m - pos) + logf(l + expf(pos - m));
 }
 
+/* f(a, b) on each of this lane's TF_VEC-column chunks of rows ra and rb (D elements; zeros past D). */
+template <typename F>
+__device__ __forceinline__ void lane_chunks(const tf_ssm_params &p, int lane, const void *ra, const void *rb, F f) {
+    for (int64_t col = (int64_t)lane * TF_VEC; col < p.D; col += 32 * TF_VEC) {
+        const int n = chunk_n(col, p.D);
+        float a[TF_VEC], b[TF_VEC];
+        tf_load_chunk(ra, p.dtype, col, n, a);
+        tf_load_chunk(rb, p.dtype, col, n, b);
+        f(a, b);
+    }
+}
+
 /* rq, rp, pos of a row (every lane gets them). */
 __device__ __forceinline__ void row_stats(const tf_ssm_params &p, int64_t t, int lane, float &rq, float &rp,
                                           float &pos) {
     const void *qr = tf_row(p.q, p.dtype, t, p.D), *pr = tf_row(p.p, p.dtype, t, p.D);
     float qq = 0.f, pp = 0.f, qp = 0.f;
-    for (int64_t col = (int64_t)lane * TF_VEC; col < p.D; col += 32 * TF_VEC) {
-        const int n = chunk_n(col, p.D);
-        float q[TF_VEC], v[TF_VEC];
-        tf_load_chunk(qr, p.dtype, col, n, q);
-        tf_load_chunk(pr, p.dtype, col, n, v);
+    lane_chunks(p, lane, qr, pr, [&](const float (&q)[TF_VEC], const float (&v)[TF_VEC]) {
         qq += dot8(q, q);
         pp += dot8(v, v);
         qp += dot8(q, v);
-    }
+    });
     qq = warp_sum(qq);
     pp = warp_sum(pp);
     qp = warp_sum(qp);
@@ -120,12 +148,7 @@ __global__ void block_lse_kernel(tf_ssm_params p, const float *S, int64_t t0, in
     float m = -INFINITY, l = 0.f;
     for (int64_t r = lane; r < p.R; r += 32) {
         const float x = masked(p, t, r) ? TF_SSM_MASKED_LOGIT : k * row[r] * rn[r];
-        if (x > m) {
-            l = l * expf(m - x) + 1.f;
-            m = x;
-        } else {
-            l += expf(x - m);
-        }
+        lse_push(m, l, x);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -233,14 +256,10 @@ __device__ __forceinline__ void neg_dots(const tf_ssm_params &p, const void *qr,
                                          float &nn) {
     qn = 0.f;
     nn = 0.f;
-    for (int64_t col = (int64_t)lane * TF_VEC; col < p.D; col += 32 * TF_VEC) {
-        const int n = chunk_n(col, p.D);
-        float q[TF_VEC], v[TF_VEC];
-        tf_load_chunk(qr, p.dtype, col, n, q);
-        tf_load_chunk(nr, p.dtype, col, n, v);
+    lane_chunks(p, lane, qr, nr, [&](const float (&q)[TF_VEC], const float (&v)[TF_VEC]) {
         qn += dot8(q, v);
         nn += dot8(v, v);
-    }
+    });
     qn = warp_sum(qn);
     nn = warp_sum(nn);
 }
@@ -260,7 +279,7 @@ __global__ void per_row_fwd_kernel(tf_ssm_params p, float *loss) {
             neg_dots(p, qr, tf_row(p.n, p.dtype, t * p.R + r, p.D), lane, qn, nn);
             x = p.scale * qn * rq * inv_norm(p, nn);
         }
-        lse_merge(m, l, x, 1.f);
+        lse_push(m, l, x);
     }
     if (lane == 0) loss[t] = row_loss(pos, m, l);
 }
@@ -337,19 +356,10 @@ __global__ void per_row_fwd_short_kernel(tf_ssm_params p, float *loss) {
             qn = dot8(q, v);
             nn = dot8(v, v);
         }
-#pragma unroll
-        for (int o = L / 2; o > 0; o >>= 1) {
-            qn += __shfl_xor_sync(0xffffffffu, qn, o);
-            nn += __shfl_xor_sync(0xffffffffu, nn, o);
-        }
+        sub_sum2<L>(qn, nn);
         if (r < p.R) {
             const float x = live ? p.scale * qn * rq * inv_norm(p, nn) : TF_SSM_MASKED_LOGIT;
-            if (x > m) {
-                l = l * expf(m - x) + 1.f;
-                m = x;
-            } else {
-                l += expf(x - m);
-            }
+            lse_push(m, l, x);
         }
     }
 #pragma unroll
@@ -384,11 +394,7 @@ __global__ void per_row_bwd_short_kernel(tf_ssm_params p, const float *loss, con
             qn = dot8(q, v);
             nn = dot8(v, v);
         }
-#pragma unroll
-        for (int o = L / 2; o > 0; o >>= 1) {
-            qn += __shfl_xor_sync(0xffffffffu, qn, o);
-            nn += __shfl_xor_sync(0xffffffffu, nn, o);
-        }
+        sub_sum2<L>(qn, nn);
         if (r < p.R && n > 0) {
             float e = 0.f, bn = 0.f, o[TF_VEC];
             if (live) {

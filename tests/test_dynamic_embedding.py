@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import torchfuse
 from torchfuse import DynamicEmbedding, DynamicEmbeddingBag
 from torchfuse import optim as tfo
+from torchfuse.dynamic_embedding._table import STATE_FIELDS
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 SPECIAL = [0, -1, 1, I64_MIN, I64_MAX, I64_MIN + 1, I64_MAX - 1]
@@ -706,9 +707,11 @@ def test_bad_inputs(device):
         DynamicEmbedding(3, 8, device=device, optimizer=torch.optim.SGD)
     with pytest.raises(TypeError, match="dtype"):
         DynamicEmbedding(3, 8, device=device, dtype=torch.float64)
-    with pytest.raises(TypeError, match="int64"):  # the raw ops check their arguments too
-        torch.ops.torchfuse.dynemb_lookup(torch.ones(2, dtype=torch.int32, device=device), table._keys,
-                                          table._digests, table._marks, 8, 0)
+    with pytest.raises(TypeError, match="query must be int64"):  # the raw ops check their arguments too
+        torch.ops.torchfuse.dynemb_lookup(torch.ones(2, dtype=torch.int32, device=device), table._tensors, 0)
+    with pytest.raises(TypeError, match=r"table\[0\] \(keys\) must be Long"):
+        torch.ops.torchfuse.dynemb_lookup(torch.ones(2, dtype=torch.int64, device=device),
+                                          [table._keys.int()] + table._tensors[1:], 0)
 
 
 def _bag_layout_ref(offsets, n, incl, mean):
@@ -988,10 +991,8 @@ def test_find_or_insert_sync_n_valid_and_abort(device, bucket_size):
 
     def run(query, n_valid=None, abort=None):
         c = {name: getattr(t, name).clone() for name in _TABLE_TENSORS}
-        out = ops.dynemb_find_or_insert_sync(
-            query, c["_keys"], c["_digests"], c["_scores"], c["_marks"], c["_locks"], c["_values"], c["_values_host"],
-            c["_state"], c["_state_host"], bucket_size, t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3, True,
-            n_valid, abort)
+        out = ops.dynemb_find_or_insert_sync(query, _listed(c), t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3,
+                                             True, n_valid, abort)
         return out, c
 
     (slots, rows, is_new, _, _, _, counts), c_ref = run(q)
@@ -1021,9 +1022,8 @@ def test_find_or_insert_sync_n_valid_and_abort(device, bucket_size):
         del junk  # recycled memory under the outputs: not zeros
         full = _t([0, n, query.numel()], device)
         return ops.dynemb_find_or_insert_pool(
-            query, c["_keys"], c["_digests"], c["_scores"], c["_marks"], c["_locks"], c["_values"], c["_values_host"],
-            c["_state"], c["_state_host"], bucket_size, t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3, True,
-            n_valid, abort, full, torch.arange(query.numel(), device=device), None, False)
+            query, _listed(c), t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3, True, n_valid, abort, full,
+            torch.arange(query.numel(), device=device), None, False)
     padded = torch.cat([q, pad])
     bags = run_pool(padded, _t([n], device), None)[7]
     torch.testing.assert_close(bags[0], rows.float().sum(0), rtol=1e-5, atol=1e-5)
@@ -1128,8 +1128,7 @@ def test_find_op_matches_lookup_gather(device, dim, bucket):
     table.insert(_t(ks, device), torch.randn(30, dim, device=device))
     q = _t(ks[::3] + [random.randint(I64_MIN, I64_MAX) for _ in range(7)], device)
     ops = torch.ops.torchfuse
-    rows, slots = ops.dynemb_find(q, table._keys, table._digests, table._marks, table._values, table._values_host,
-                                  bucket)
+    rows, slots = ops.dynemb_find(q, table._tensors)
     ref_slots = table._lookup(q)
     assert torch.equal(slots, ref_slots)
     assert torch.equal(rows, table._gather(ref_slots, table._values, table._values_host))
@@ -1144,62 +1143,50 @@ def test_ops_opcheck(device):
     t.train()
     t(_t([3, -1, 7, 2**62, 3], device), _t([0, 2, 2, 5], device))  # inserts four keys
     q = _t([3, 7, 11, -1], device)
-    found = ops.dynemb_lookup(q, t._keys, t._digests, t._marks.clone(), t.bucket_size, 0).clamp(min=0)
+    found = ops.dynemb_lookup(q, _state(t), 0).clamp(min=0)
     f32 = dict(device=device, dtype=torch.float32)
     t128 = DynamicEmbedding(5, 128, device=device, bucket_size=128)  # find_or_insert's quarter-warp path on the GPU
     t128.insert(_t([3, 7], device), torch.ones(2, 5, device=device))
     full = DynamicEmbedding(5, 16, device=device, bucket_size=16, optimizer=tfo.Adam(0.1))  # one full bucket: evicts
     full.insert(_t(list(range(1000, 1016)), device), torch.randn(16, 5, device=device))
     cases = [
-        (ops.dynemb_lookup.default, (q, t._keys, t._digests, t._marks.clone(), t.bucket_size, 0)),
-        (ops.dynemb_find.default, (q, t._keys, t._digests, t._marks, t._values, t._values_host, t.bucket_size)),
+        (ops.dynemb_lookup.default, (q, _state(t), 0)),
+        (ops.dynemb_lookup.default, (q, _state(t), 7)),
+        (ops.dynemb_find.default, (q, t._tensors)),
         (ops.dynemb_gather.default, (found, t._values, t._values_host)),
         (ops.dynemb_gather.default, (found, t._values, t._values_host, torch.argsort(found))),
         (ops.dynemb_pool.default, (found, _t([0, 1, 4], device), None, t._values, t._values_host, False)),
         (ops.dynemb_segment_sum.default, (torch.randn(4, 5, **f32), _t([1, 0, 2, 3], device), _t([0, 2, 3, 4], device),
                                           None, None)),
-        (ops.dynemb_touch.default, (t._scores.clone(), found, 0, 5)),
+        (ops.dynemb_touch.default, (_state(t), found, 0, 5)),
         (ops.dynemb_scatter.default, (found[:2], torch.randn(2, 5, **f32), t._values.clone(), t._values_host.clone())),
         (ops.dynemb_scatter.default, (found[:2], torch.randn(2, 5, **f32), t._values.clone(), t._values_host.clone(),
                                       _t([1, 0], device))),
-        (ops.dynemb_update.default, (found[:2], torch.randn(2, 5, **f32), t._values.clone(), t._values_host.clone(),
-                                     t._state.clone(), t._state_host.clone(), 3, 0.1, 1e-8, 0.9, 0.999, 0.1)),
-        (ops.dynemb_init.default, (found[:2], q[:2], None, t._values.clone(), t._values_host.clone(),
-                                   t._state.clone(), t._state_host.clone(), 1, 0.0, 1.0, 0)),
+        (ops.dynemb_update.default, (found[:2], torch.randn(2, 5, **f32), _state(t), 3, 0.1, 1e-8, 0.9, 0.999, 0.1)),
+        (ops.dynemb_init.default, (found[:2], q[:2], None, _state(t), 1, 0.0, 1.0, 0)),
         (ops.dynemb_init_gather.default, (torch.cat([found[:2], _t([-1], device)]), q[:3],
-                                          torch.tensor([1, 0, 1], dtype=torch.uint8, device=device),
-                                          t._values.clone(), t._values_host.clone(), t._state.clone(),
-                                          t._state_host.clone(), 1, 0.0, 1.0, 0)),
+                                          torch.tensor([1, 0, 1], dtype=torch.uint8, device=device), _state(t),
+                                          1, 0.0, 1.0, 0)),
         (ops.dynemb_init_gather.default, (torch.cat([found[:2], _t([-1], device)]), q[:3],
-                                          torch.tensor([0, 1, 1], dtype=torch.uint8, device=device),
-                                          t._values.clone(), t._values_host.clone(), t._state.clone(),
-                                          t._state_host.clone(), 2, -1.0, 1.0, 3, _t([2, 0, 1], device))),
-        (ops.dynemb_insert.default, (_t([99, 100], device), _t([-1, -1], device), t._keys.clone(), t._digests.clone(),
-                                     t._scores.clone(), t._marks.clone(), t._locks.clone(), t.bucket_size, 5, False)),
-        (ops.dynemb_find_or_insert_sync.default, (_t([3, 99, 100, 5], device), t128._keys.clone(),
-                                                  t128._digests.clone(), t128._scores.clone(), t128._marks.clone(),
-                                                  t128._locks.clone(), t128._values.clone(),
-                                                  t128._values_host.clone(), t128._state.clone(),
-                                                  t128._state_host.clone(), 128, 6, True, 0, 9, 2, -1.0, 1.0, 3, True)),
+                                          torch.tensor([0, 1, 1], dtype=torch.uint8, device=device), _state(t),
+                                          2, -1.0, 1.0, 3, _t([2, 0, 1], device))),
+        (ops.dynemb_insert.default, (_t([99, 100], device), _t([-1, -1], device), _state(t), 5, False)),
+        (ops.dynemb_find_or_insert_sync.default, (_t([3, 99, 100, 5], device), _state(t128), 6, True, 0, 9, 2, -1.0,
+                                                  1.0, 3, True)),
         # one key evicting: which victim goes with which new key is a race on the GPU
-        (ops.dynemb_find_or_insert_sync.default, (_t([1000, 1003, 99], device), full._keys.clone(),
-                                                  full._digests.clone(), full._scores.clone(), full._marks.clone(),
-                                                  full._locks.clone(), full._values.clone(),
-                                                  full._values_host.clone(), full._state.clone(),
-                                                  full._state_host.clone(), 16, 6, True, 0, 9, 2, -1.0, 1.0, 3,
-                                                  False)),
+        (ops.dynemb_find_or_insert_sync.default, (_t([1000, 1003, 99], device), _state(full), 6, True, 0, 9, 2, -1.0,
+                                                  1.0, 3, False)),
         (ops.dynemb_segment_update.default, (torch.randn(4, 5, **f32), _t([1, 0, 2, 3], device),
-                                             _t([0, 2, 4], device), None, None, found[:2], t._values.clone(),
-                                             t._values_host.clone(), t._state.clone(), t._state_host.clone(), 3, 0.1,
+                                             _t([0, 2, 4], device), None, None, found[:2], _state(t), 3, 0.1,
                                              1e-8, 0.9, 0.999, 0.1)),
         (ops.dynemb_sort_segments.default, (_t([5, -1, 5, 2**62, 0, -1, 5], device),)),
         (ops.dynemb_sort_segments.default, (_t([], device),)),
-        (ops.dynemb_find_or_insert_sync.default, (_t([3, 99, 100, 5, 77], device), t128._keys.clone(),
-                                                  t128._digests.clone(), t128._scores.clone(), t128._marks.clone(),
-                                                  t128._locks.clone(), t128._values.clone(),
-                                                  t128._values_host.clone(), t128._state.clone(),
-                                                  t128._state_host.clone(), 128, 6, True, 0, 9, 2, -1.0, 1.0, 3, True,
-                                                  _t([3], device), torch.zeros((), dtype=torch.bool, device=device))),
+        (ops.dynemb_find_or_insert_sync.default, (_t([3, 99, 100, 5, 77], device), _state(t128), 6, True, 0, 9, 2,
+                                                  -1.0, 1.0, 3, True, _t([3], device),
+                                                  torch.zeros((), dtype=torch.bool, device=device))),
+        (ops.dynemb_find_or_insert_pool.default, (_t([3, 99, 100, 5], device), _state(t128), 6, True, 0, 9, 2, -1.0,
+                                                  1.0, 3, False, None, None, _t([0, 1, 4], device),
+                                                  _t([0, 1, 2, 3], device), None, False)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -1217,24 +1204,21 @@ def test_tables_ops_opcheck(device):
     starts = [0, 4, 4]
     f32 = dict(device=device, dtype=torch.float32)
 
-    def each(name, clone=True):
-        return [getattr(t, name).clone() if clone else getattr(t, name) for t in ts]
+    def each(clone=True):  # the ops' `tables`: every table's state list, one after another
+        return [x for t in ts for x in (_state(t) if clone else t._tensors)]
 
-    found = ops.dynemb_tables_lookup(q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [0, 0])
+    found = ops.dynemb_tables_lookup(q, starts, each(), [0, 0])
     found = found.clamp(min=0)
     cases = [
-        (ops.dynemb_tables_lookup.default, (q, starts, each("_keys"), each("_digests"), each("_marks"), [16, 16], [3, 3])),
-        (ops.dynemb_tables_insert.default, (_t([99, 100, 101], device), _t([-1, -1, -1], device), [0, 2, 3],
-                                            each("_keys"), each("_digests"), each("_scores"), each("_marks"),
-                                            each("_locks"), [16, 16], [5, 5], [False, True])),
-        (ops.dynemb_tables_init.default, (found, q, None, starts, each("_values"), each("_values_host"), each("_state"),
-                                          each("_state_host"), [1, 2], [0.0, -1.0], [1.0, 1.0], [0, 1])),
-        (ops.dynemb_tables_touch.default, (each("_scores"), found, starts, [0, 1], [5, 6])),
-        (ops.dynemb_tables_update.default, (found, torch.randn(4, 5, **f32), starts, each("_values"),
-                                            each("_values_host"), each("_state"), each("_state_host"), 3, 0.1, 1e-8,
-                                            0.9, 0.999, [0.1, 0.2])),
-        (ops.dynemb_tables_pool.default, (found, _t([0, 1, 4, 4, 4], device), None, 2, [1, 1],
-                                          each("_values", False), each("_values_host", False), [False, True])),
+        (ops.dynemb_tables_lookup.default, (q, starts, each(), [3, 3])),
+        (ops.dynemb_tables_insert.default, (_t([99, 100, 101], device), _t([-1, -1, -1], device), [0, 2, 3], each(),
+                                            [5, 5], [False, True])),
+        (ops.dynemb_tables_init.default, (found, q, None, starts, each(), [1, 2], [0.0, -1.0], [1.0, 1.0], [0, 1])),
+        (ops.dynemb_tables_touch.default, (each(), found, starts, [0, 1], [5, 6])),
+        (ops.dynemb_tables_update.default, (found, torch.randn(4, 5, **f32), starts, each(), 3, 0.1, 1e-8, 0.9, 0.999,
+                                            [0.1, 0.2])),
+        (ops.dynemb_tables_pool.default, (found, _t([0, 1, 4, 4, 4], device), None, 2, [1, 1], each(False),
+                                          [False, True])),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -1275,7 +1259,24 @@ def test_find_or_insert_full_table_rows(device, dtype, bucket_size, n_first, n_n
     assert bool((t._state[new_slots] == 0).all())  # new keys start with zeroed optimizer state
 
 
-_TABLE_TENSORS = ("_keys", "_digests", "_scores", "_marks", "_locks", "_values", "_values_host", "_state", "_state_host")
+_TABLE_TENSORS = STATE_FIELDS
+
+
+def _listed(c):
+    """A {name: tensor} copy of a table's state as the ops' `table` list."""
+    return [c[name] for name in STATE_FIELDS]
+
+
+def _state(t):
+    """A copy of table t's state, as the ops' `table` list."""
+    return [x.clone() for x in t._tensors]
+
+
+def _state_around(values, values_host, state, state_host, bucket_size=16):
+    """A `table` list around these rows: an empty hash table with one slot per row."""
+    cap, dev = values.shape[0] + values_host.shape[0], values.device
+    z = [torch.zeros(cap, dtype=d, device=dev) for d in (torch.int64, torch.uint8, torch.int64, torch.int32)]
+    return z + [torch.zeros(cap // bucket_size, dtype=torch.int32, device=dev), values, values_host, state, state_host]
 
 
 def _compact_of(c):
@@ -1314,9 +1315,7 @@ def test_find_or_insert_without_eviction_record(device, policy, bucket_size, wit
         q = torch.unique(_t(random.sample(pool, n_batch), device))
         size, epoch, clock, dropped = len(t), t._epoch + 1, t._clock + 1, t.evicted_dropped
         slots, rows, is_new, ev, old_values, old_state, counts = ops.dynemb_find_or_insert_sync(
-            q, c["_keys"], c["_digests"], c["_scores"], c["_marks"], c["_locks"], c["_values"], c["_values_host"],
-            c["_state"], c["_state_host"], bucket_size, epoch, True, 1 if policy == "lfu" else 0, clock, 2, -1.0, 1.0,
-            3, True)
+            q, _listed(c), epoch, True, 1 if policy == "lfu" else 0, clock, 2, -1.0, 1.0, 3, True)
         inserted, n_ev, failed, _, _ = counts.tolist()
         assert ev.shape == (4, n_ev) and old_values.shape[0] == n_ev and failed == 0
         if with_rows:
@@ -1335,9 +1334,8 @@ def test_find_or_insert_without_eviction_record(device, policy, bucket_size, wit
     assert n_evicted > 0
     # the op itself: with keep_evicted=False the list and the victims' rows come back empty
     q = torch.unique(_t(_keys(n_batch), device))
-    out = ops.dynemb_find_or_insert_sync(
-        q, t._keys, t._digests, t._scores, t._marks, t._locks, t._values, t._values_host, t._state, t._state_host,
-        bucket_size, t._next_epoch(), True, 0, t._bump("_clock"), 2, -1.0, 1.0, 3, True, None, None, False)
+    out = ops.dynemb_find_or_insert_sync(q, t._tensors, t._next_epoch(), True, 0, t._bump("_clock"), 2, -1.0, 1.0, 3,
+                                         True, None, None, False)
     n_ev = out[6].tolist()[1]
     assert n_ev > 0 and out[3].shape == (4, 0) and out[4].shape == (0, 6) and out[5].shape == (0, 12)
     t._size += out[6].tolist()[0] - n_ev
@@ -1423,18 +1421,19 @@ def test_segment_update_matches_sum_then_update(device, opt, dim, bags):
     grad = torch.randn(n_rows, dim, device=device)
     bag_of = torch.randint(0, n_rows, (n_occ,), device=device) if bags else None
     scale = torch.rand(n_occ, device=device) if bags else None
-    slots = torch.randperm(200, device=device)[:n_u]
+    slots = torch.randperm(256, device=device)[:n_u]
     slots[3] = -1  # an id gone from the table since the forward: skipped
     sdim = [0, dim, 1, 2 * dim][opt]
-    values = torch.randn(200, dim, device=device)
-    state = torch.rand(200, sdim, device=device)
+    values = torch.randn(256, dim, device=device)
+    state = torch.rand(256, sdim, device=device)
     host = values.new_empty(0, dim)
     host_st = state.new_empty(0, sdim)
     args = (opt, 0.05, 1e-8, 0.9, 0.999, 0.07)
     v1, s1 = values.clone(), state.clone()
-    ops.dynemb_update(slots, ops.dynemb_segment_sum(grad, perm, seg, bag_of, scale), v1, host, s1, host_st, *args)
+    ops.dynemb_update(slots, ops.dynemb_segment_sum(grad, perm, seg, bag_of, scale), _state_around(v1, host, s1, host_st),
+                      *args)
     v2, s2 = values.clone(), state.clone()
-    ops.dynemb_segment_update(grad, perm, seg, bag_of, scale, slots, v2, host, s2, host_st, *args)
+    ops.dynemb_segment_update(grad, perm, seg, bag_of, scale, slots, _state_around(v2, host, s2, host_st), *args)
     torch.testing.assert_close(v2, v1)
     torch.testing.assert_close(s2, s1)
     assert not torch.equal(v2, values)
@@ -1548,54 +1547,62 @@ def test_init_gather_matches_init_then_gather(device, dim, dtype):
     for tier in (slots < t.hbm_rows, slots >= t.hbm_rows):  # new and old keys in both tiers
         assert bool((tier & (is_new == 1)).any()) and bool((tier & (is_new == 0) & (slots >= 0)).any())
 
-    def tables():
-        return (t._values.clone(), _host_rows_like(t._values, t._values_host), t._state.clone(),
-                _host_rows_like(t._state, t._state_host))
+    def tables():  # the table's state list (dynamic_embedding._table.STATE_FIELDS), rows copied
+        return _state(t)[:5] + [t._values.clone(), _host_rows_like(t._values, t._values_host), t._state.clone(),
+                                _host_rows_like(t._state, t._state_host)]
 
     orders = [None, torch.randperm(n, device=device), torch.argsort(slots)]
     for init in ((1, 0.5, 2.0), (2, -1.0, 1.0), (3, 0.25, 0.0), (0, 0.0, 0.0)):
         for mask in (is_new, torch.ones_like(is_new), torch.zeros_like(is_new)):
             ref = tables()
-            ops.dynemb_init(slots, keys, mask, *ref, *init, 7)
-            want = ops.dynemb_gather(slots, ref[0], ref[1])
+            ops.dynemb_init(slots, keys, mask, ref, *init, 7)
+            want = ops.dynemb_gather(slots, ref[5], ref[6])
             assert bool((want[slots < 0] == 0).all())
             for order in orders:
                 got_t = tables()
-                got = ops.dynemb_init_gather(slots, keys, mask, *got_t, *init, 7, order)
+                got = ops.dynemb_init_gather(slots, keys, mask, got_t, *init, 7, order)
                 assert got.shape == (n, dim) and got.dtype == dtype
                 assert torch.equal(got, want), (init, order)
                 for x, y in zip(got_t, ref):
                     assert torch.equal(x, y), (init, order)
     empty = _t([], device)
     e8 = empty.to(torch.uint8)
-    assert ops.dynemb_init_gather(empty, empty, e8, *tables(), 1, 0.0, 1.0, 7).shape == (0, dim)
-    assert ops.dynemb_init_gather(empty, empty, e8, *tables(), 1, 0.0, 1.0, 7, empty).shape == (0, dim)
+    assert ops.dynemb_init_gather(empty, empty, e8, tables(), 1, 0.0, 1.0, 7).shape == (0, dim)
+    assert ops.dynemb_init_gather(empty, empty, e8, tables(), 1, 0.0, 1.0, 7, empty).shape == (0, dim)
     args = tables()
     with pytest.raises(RuntimeError, match="dynemb_init_gather: is_new must be a contiguous uint8"):
-        ops.dynemb_init_gather(slots, keys, is_new.to(torch.int32), *args, 1, 0.0, 1.0, 7)
+        ops.dynemb_init_gather(slots, keys, is_new.to(torch.int32), args, 1, 0.0, 1.0, 7)
     with pytest.raises(RuntimeError, match="is_new must be a contiguous uint8 tensor of 60"):
-        ops.dynemb_init_gather(slots, keys, is_new[:59], *args, 1, 0.0, 1.0, 7)
+        ops.dynemb_init_gather(slots, keys, is_new[:59], args, 1, 0.0, 1.0, 7)
     with pytest.raises(RuntimeError, match="is_new must be 1-D"):
-        ops.dynemb_init_gather(slots, keys, is_new.reshape(6, 10), *args, 1, 0.0, 1.0, 7)
+        ops.dynemb_init_gather(slots, keys, is_new.reshape(6, 10), args, 1, 0.0, 1.0, 7)
     with pytest.raises(RuntimeError, match="keys and slots must have the same length"):
-        ops.dynemb_init_gather(slots, keys[:59], is_new, *args, 1, 0.0, 1.0, 7)
+        ops.dynemb_init_gather(slots, keys[:59], is_new, args, 1, 0.0, 1.0, 7)
     with pytest.raises(TypeError, match="slots must be int64"):
-        ops.dynemb_init_gather(slots.to(torch.int32), keys, is_new, *args, 1, 0.0, 1.0, 7)
+        ops.dynemb_init_gather(slots.to(torch.int32), keys, is_new, args, 1, 0.0, 1.0, 7)
     with pytest.raises(RuntimeError, match="bad init_kind"):
-        ops.dynemb_init_gather(slots, keys, is_new, *args, 4, 0.0, 1.0, 7)
-    with pytest.raises(TypeError, match="state must be float32"):
-        ops.dynemb_init_gather(slots, keys, is_new, args[0], args[1], args[2].double(), args[3], 1, 0.0, 1.0, 7)
+        ops.dynemb_init_gather(slots, keys, is_new, args, 4, 0.0, 1.0, 7)
+    with pytest.raises(TypeError, match=r"table\[7\] \(state\) must be float32"):
+        ops.dynemb_init_gather(slots, keys, is_new, args[:7] + [args[7].double()] + args[8:], 1, 0.0, 1.0, 7)
     with pytest.raises(RuntimeError, match="order must have as many entries as slots"):
-        ops.dynemb_init_gather(slots, keys, is_new, *args, 1, 0.0, 1.0, 7, orders[1][:59])
+        ops.dynemb_init_gather(slots, keys, is_new, args, 1, 0.0, 1.0, 7, orders[1][:59])
     with pytest.raises(TypeError, match="order must be int64"):
-        ops.dynemb_init_gather(slots, keys, is_new, *args, 1, 0.0, 1.0, 7, orders[1].to(torch.int32))
-    with pytest.raises(RuntimeError, match="host part of values"):
-        ops.dynemb_init_gather(slots, keys, is_new, args[0], args[1][:, :1], *args[2:], 1, 0.0, 1.0, 7)
+        ops.dynemb_init_gather(slots, keys, is_new, args, 1, 0.0, 1.0, 7, orders[1].to(torch.int32))
+    with pytest.raises(RuntimeError, match=r"table\[6\] \(values_host\) must be contiguous with rows of"):
+        ops.dynemb_init_gather(slots, keys, is_new, args[:6] + [args[6][:, :1]] + args[7:], 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match=r"table\[2\] \(scores\) must be a contiguous 1-D tensor of capacity"):
+        ops.dynemb_init_gather(slots, keys, is_new, args[:2] + [args[2][:5]] + args[3:], 1, 0.0, 1.0, 7)
+    with pytest.raises(TypeError, match=r"table\[3\] \(marks\) must be Int"):
+        ops.dynemb_init_gather(slots, keys, is_new, args[:3] + [args[3].long()] + args[4:], 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match=r"table must hold the table's 9 state tensors"):
+        ops.dynemb_init_gather(slots, keys, is_new, args[:8], 1, 0.0, 1.0, 7)
+    with pytest.raises(RuntimeError, match=r"bucket size .* must be a power of two in \[4, 128\]"):
+        ops.dynemb_init_gather(slots, keys, is_new, args[:4] + [args[4].new_zeros(64)] + args[5:], 1, 0.0, 1.0, 7)
     if device != "cpu":
         with pytest.raises(RuntimeError, match="is_new must be on the same device"):
-            ops.dynemb_init_gather(slots, keys, is_new.cpu(), *args, 1, 0.0, 1.0, 7)
+            ops.dynemb_init_gather(slots, keys, is_new.cpu(), args, 1, 0.0, 1.0, 7)
         with pytest.raises(RuntimeError, match="order must be on the same device as slots"):
-            ops.dynemb_init_gather(slots, keys, is_new, *args, 1, 0.0, 1.0, 7, orders[1].cpu())
+            ops.dynemb_init_gather(slots, keys, is_new, args, 1, 0.0, 1.0, 7, orders[1].cpu())
 
 
 def _elem_size(dtype):
@@ -1702,8 +1709,7 @@ def test_find_or_insert_sync_eviction_record(device, host_tier, dtype):
     q = torch.unique(fresh(12))
     assert not bool(t.contains(q).any())
     slots, rows, is_new, ev, old_values, old_state, counts = ops.dynemb_find_or_insert_sync(
-        q, t._keys, t._digests, t._scores, t._marks, t._locks, t._values, t._values_host, t._state, t._state_host,
-        16, t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3, True)
+        q, t._tensors, t._epoch + 1, True, 0, t._clock + 1, 2, -1.0, 1.0, 3, True)
     inserted, n_ev, failed, n_taken, aborted = counts.tolist()
     assert inserted == n_ev == q.numel() >= 2 and failed == 0 and bool(is_new.all())
     assert n_taken == q.numel() and aborted == 0

@@ -8,11 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import _helpers
 import torchfuse
 
-# one machine epsilon of the dtype (scaled by the reference's magnitude): the rounding of a single
-# output can cost that much even where PyTorch's own result happens to round the other way
-ATOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 KINDS = ["layer", "llama", "gemma"]
 
 
@@ -67,16 +65,7 @@ def call(kind, x, w, b, eps, offset=0.0, **kw):
 
 
 def check_close(name, ours, ref64, lowp, dtype):
-    assert ours.dtype == lowp.dtype, f"{name}: dtype {ours.dtype}, expected {lowp.dtype}"
-    assert ours.shape == ref64.shape, f"{name}: shape {tuple(ours.shape)}, expected {tuple(ref64.shape)}"
-    if ours.numel() == 0:
-        return
-    assert torch.isfinite(ours).all(), f"{name}: non-finite values"
-    err = (ours.double() - ref64).abs().max().item()
-    err_pt = (lowp.double() - ref64).abs().max().item()
-    scale = max(1.0, ref64.abs().max().item())
-    tol = 2 * err_pt + ATOL[dtype] * scale
-    assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (PyTorch's own error {err_pt:.3g})"
+    _helpers.check_close(name, ours, ref64, lowp, dtype, scale_floor=1.0)
 
 
 def make(shape, dtype, device, requires_grad=False, scale=1.0):

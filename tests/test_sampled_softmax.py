@@ -8,11 +8,11 @@ under autocast), plus one machine epsilon of the dtype scaled by the reference's
 import pytest
 import torch
 
+import _helpers
 import torchfuse
 from torchfuse import reference as _reference
 from torchfuse import losses
 
-ATOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -31,15 +31,7 @@ def reference(q, p, n, temperature, **kw):
 
 
 def check_close(name, ours, ref64, lowp, dtype, expect_dtype):
-    assert ours.dtype == expect_dtype, f"{name}: dtype {ours.dtype}, expected {expect_dtype}"
-    assert ours.shape == ref64.shape, f"{name}: shape {tuple(ours.shape)}, expected {tuple(ref64.shape)}"
-    if ours.numel() == 0:
-        return
-    assert torch.isfinite(ours).all(), f"{name}: non-finite values"
-    err = (ours.double() - ref64).abs().max().item()
-    err_pt = (lowp.double() - ref64).abs().max().item()
-    tol = 2 * err_pt + ATOL[dtype] * ref64.abs().max().item() + 1e-12
-    assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (PyTorch's own error {err_pt:.3g})"
+    _helpers.check_close(name, ours, ref64, lowp, dtype, expect_dtype=expect_dtype)
 
 
 def make_case(device, dtype, T, R, D, *, per_row=False, mask=None, weights=False, id_range=8):

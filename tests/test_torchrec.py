@@ -536,8 +536,8 @@ def test_table_batched_path_runs(device):
     from torchfuse import dynemb_group, dynemb_tables
     assert dynemb_group is dynemb_tables  # the former name stays an alias
     calls = []
-    orig = dynemb_tables.pooled
-    dynemb_tables.pooled = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    orig = dynemb_tables.pooled_parts
+    dynemb_tables.pooled_parts = lambda *a, **k: calls.append(1) or orig(*a, **k)
     try:
         keys = ["fa", "shared", "fb", "fc"]
         lengths = torch.randint(1, 3, (4 * 3,))
@@ -548,7 +548,7 @@ def test_table_batched_path_runs(device):
         tftr.DynamicEmbeddingBagCollection(configs(), device=device)(batch)  # dims 12 and 20
         assert calls == [1]
     finally:
-        dynemb_tables.pooled = orig
+        dynemb_tables.pooled_parts = orig
 
 
 @pytest.mark.parametrize("order", ["shuffled", "in_order"])

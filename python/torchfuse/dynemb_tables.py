@@ -8,6 +8,7 @@ Each table keeps its own state and semantics (capacity, growth, eviction, initia
 optimizer step): the ops take per-table lists (``torch.ops.torchfuse.dynemb_tables_*``, schemas in
 csrc/registration.cpp) and the results match one call per table (tests/test_torchrec.py checks it).
 """
+import functools
 from typing import List, Optional, Sequence
 
 import torch
@@ -16,6 +17,11 @@ from torch import Tensor
 
 from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
 from .dynamic_embedding import DynamicEmbeddingBag
+from .dynamic_embedding._table import STATE_FIELDS
+from .dynamic_embedding._training import with_step
+
+_FIELDS = len(STATE_FIELDS)
+_VALUES = STATE_FIELDS.index("_values")
 
 _ops = torch.ops.torchfuse
 
@@ -31,15 +37,14 @@ def can_batch(tables: Sequence[DynamicEmbeddingBag], weights: Optional[Tensor]) 
                and t.optimizer.config() == cfg for t in tables)
 
 
-def _lists(tables, *names):
-    return [[getattr(t, n) for t in tables] for n in names]
+def _states(tables) -> List[Tensor]:
+    """The tables' state lists one after another: the ops' `tables` argument."""
+    return [x for t in tables for x in t._tensors]
 
 
 def lookup(tables, keys: Tensor, starts: List[int], epochs: Optional[List[int]] = None) -> Tensor:
     """Slots of the keys (-1 where absent), table t reading keys[starts[t]:starts[t + 1]]."""
-    k, d, m = _lists(tables, "_keys", "_digests", "_marks")
-    return _ops.dynemb_tables_lookup(keys, starts, k, d, m, [t.bucket_size for t in tables],
-                                     epochs or [0] * len(tables))
+    return _ops.dynemb_tables_lookup(keys, starts, _states(tables), epochs or [0] * len(tables))
 
 
 def find_or_insert(tables, keys: Tensor, starts: List[int], tid_of_keys) -> Tensor:
@@ -61,9 +66,8 @@ def find_or_insert(tables, keys: Tensor, starts: List[int], tid_of_keys) -> Tens
                     tables[i]._grow()
                 continue
         allow = [t.capacity >= t.max_capacity and t.eviction != "none" for t in tables]
-        k, d, s, m, lk = _lists(tables, "_keys", "_digests", "_scores", "_marks", "_locks")
         is_new, ev_keys, ev_slots, ev_scores, counts = _ops.dynemb_tables_insert(
-            keys, slots, starts, k, d, s, m, lk, [t.bucket_size for t in tables], epochs, allow)
+            keys, slots, starts, _states(tables), epochs, allow)
         counts = counts.tolist()
         failed = []
         for i, (t, (inserted, n_ev, n_failed)) in enumerate(zip(tables, counts)):
@@ -75,8 +79,7 @@ def find_or_insert(tables, keys: Tensor, starts: List[int], tid_of_keys) -> Tens
                 failed.append((i, n_failed))
         if any(c[0] for c in counts):
             kinds, a, b = zip(*(t._init_args() for t in tables))
-            v, vh, st, sth = _lists(tables, "_values", "_values_host", "_state", "_state_host")
-            _ops.dynemb_tables_init(slots, keys, is_new, starts, v, vh, st, sth, list(kinds), list(a), list(b),
+            _ops.dynemb_tables_init(slots, keys, is_new, starts, _states(tables), list(kinds), list(a), list(b),
                                     [t.seed for t in tables])
         if failed:
             for i, n_failed in failed:
@@ -88,7 +91,7 @@ def find_or_insert(tables, keys: Tensor, starts: List[int], tid_of_keys) -> Tens
         break
     for t in tables:
         t._bump("_clock")
-    _ops.dynemb_tables_touch([t._scores for t in tables], slots, starts,
+    _ops.dynemb_tables_touch(_states(tables), slots, starts,
                              [1 if t.eviction == "lfu" else 0 for t in tables], [t._clock for t in tables])
     return slots
 
@@ -98,55 +101,49 @@ def update(tables, slots: Tensor, grad: Tensor, starts: List[int]):
     o = tables[0].optimizer
     for t in tables:
         t._bump("_step")
-    v, vh, st, sth = _lists(tables, "_values", "_values_host", "_state", "_state_host")
-    _ops.dynemb_tables_update(slots, grad, starts, v, vh, st, sth, o.code, o.lr, o.eps, o.betas[0], o.betas[1],
+    _ops.dynemb_tables_update(slots, grad, starts, _states(tables), o.code, o.lr, o.eps, o.betas[0], o.betas[1],
                               [t.optimizer.step_size(t._step) for t in tables])
 
 
-class _Pooled(torch.autograd.Function):
-    """The pooled KeyedTensor values of all tables; backward: one segment sum over every table's
-    unique ids, then one fused optimizer update."""
-
-    @staticmethod
-    def forward(ctx, anchor, tables, slots_id, offsets, weights, batch, features, means, perm, seg, slots_u, uniq,
-                ustarts, bag_row, scale):
-        ctx.tables = tables
-        ctx.versions = [t._version for t in tables]
-        ctx.ustarts = ustarts
-        ctx.n_bags_total = offsets.numel() - 1
-        ctx.save_for_backward(perm, seg, slots_u, uniq, bag_row, scale)
-        v, vh = _lists(tables, "_values", "_values_host")
-        return _ops.dynemb_tables_pool(slots_id, offsets, weights, batch, features, v, vh, means)
-
-    @staticmethod
-    def backward(ctx, grad):
-        perm, seg, slots_u, uniq, bag_row, scale = ctx.saved_tensors
-        tables = ctx.tables
-        D = tables[0].embedding_dim
-        g = _ops.dynemb_segment_sum(grad.contiguous().view(-1, D), perm, seg, bag_row, scale)
-        if any(t._version != v for t, v in zip(tables, ctx.versions)):  # rehashed or evicted since the forward
-            slots_u = lookup(tables, uniq, ctx.ustarts)
-        update(tables, slots_u, g, ctx.ustarts)
-        return (None,) * 15
+def apply_pooled_gradient(tables, record, grad: Tensor):
+    """The backward of pooled bags (pooled_parts' record): one segment sum over every table's unique
+    ids, then one fused optimizer update."""
+    versions, ustarts, perm, seg, slots_u, uniq, bag_row, scale = record
+    D = tables[0].embedding_dim
+    g = _ops.dynemb_segment_sum(grad.contiguous().view(-1, D), perm, seg, bag_row, scale)
+    if any(t._version != v for t, v in zip(tables, versions)):  # rehashed or evicted since the forward
+        slots_u = lookup(tables, uniq, ustarts)
+    update(tables, slots_u, g, ustarts)
 
 
-def pooled(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batch: int, features: List[int],
-           means: List[bool], id_starts: Optional[List[int]], feature_table: Tensor, feature_mean: Tensor,
-           pending: Optional[Tensor] = None, on_pending=None) -> Tensor:
+def pooled(tables, *args, **kwargs) -> Tensor:
+    """pooled_parts' bags, with the backward that applies the optimizer when it recorded one."""
+    out, record = pooled_parts(tables, *args, **kwargs)
+    if record is None:
+        return out
+    return with_step(out, functools.partial(apply_pooled_gradient, list(tables), record))
+
+
+def pooled_parts(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batch: int, features: List[int],
+                 means: List[bool], id_starts: Optional[List[int]], feature_table: Tensor, feature_mean: Tensor,
+                 pending: Optional[Tensor] = None, on_pending=None, need_grad: Optional[bool] = None):
     """(batch, sum of features[t] * dim) float32: the bags of every table pooled, in TorchRec's
     KeyedTensor layout. ids: every table's ids, table t's at [id_starts[t], id_starts[t + 1]);
     offsets: (sum(features) * batch + 1) bag bounds over ids, ordered (table, feature, sample), already
     validated, or with `pending` (a device int64 vector) not yet: it is read with the first host read
     here and passed to on_pending, which raises on a bad batch before any kernel reads ids through
     the offsets; feature_table, feature_mean: each feature's table index and whether it is
-    MEAN-pooled (device tensors of sum(features) entries); id_starts: each table's ids (eval only)."""
+    MEAN-pooled (device tensors of sum(features) entries); id_starts: each table's ids (eval only).
+    Returns (bags, None), or with gradients (need_grad, default: grad mode and trainable tables)
+    (bags, the record apply_pooled_gradient takes)."""
     tables = list(tables)
     T, n, dev = len(tables), ids.numel(), ids.device
-    v, vh = _lists(tables, "_values", "_values_host")
-    training, need_grad = tables[0].training, torch.is_grad_enabled() and tables[0]._trainable
-    if not training:  # eval: no inserts
+    training = tables[0].training
+    if need_grad is None:
+        need_grad = torch.is_grad_enabled() and tables[0]._trainable
+    if not training:  # eval: no inserts (and no optimizer step)
         slots = lookup(tables, ids, id_starts)
-        return _ops.dynemb_tables_pool(slots, offsets, weights, batch, features, v, vh, means)
+        return _ops.dynemb_tables_pool(slots, offsets, weights, batch, features, _states(tables), means), None
     # Each table's unique ids: a stable sort by id, then by table (ids of one table are contiguous
     # but a feature order may repeat a table, so the table index is sorted on, not assumed).
     ends = offsets[batch::batch].contiguous() if batch else offsets[:0]  # each feature's end in ids
@@ -177,8 +174,9 @@ def pooled(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batc
     slots_u = find_or_insert(tables, uniq, ustarts, lambda: st.to(torch.int64)[first])
     slots_id = torch.empty_like(ids)
     slots_id[perm] = slots_u[useg]
+    out = _ops.dynemb_tables_pool(slots_id, offsets, weights, batch, features, _states(tables), means)
     if not need_grad:
-        return _ops.dynemb_tables_pool(slots_id, offsets, weights, batch, features, v, vh, means)
+        return out, None
     seg = F.pad(first, (0, 1), value=n)
     n_bags = offsets.numel() - 1
     lengths = offsets[1:] - offsets[:-1]
@@ -190,42 +188,40 @@ def pooled(tables, ids: Tensor, offsets: Tensor, weights: Optional[Tensor], batc
     if any(means):  # MEAN tables take no weights (checked by the caller)
         inv = torch.where(feature_mean.repeat_interleave(batch), 1.0 / lengths.clamp(min=1).float(), 1.0)
         scale = inv[bag] if scale is None else scale * inv[bag]
-    anchor = torch.empty(0, device=dev, requires_grad=True)
-    return _Pooled.apply(anchor, tables, slots_id, offsets, weights, batch, features, means, perm, seg, slots_u,
-                         uniq, ustarts, bag_row, scale)
+    return out, ([t._version for t in tables], ustarts, perm, seg, slots_u, uniq, bag_row, scale)
 
 
 # ---- fake kernels (torch.compile / meta tensors) ----
 
 @torch.library.register_fake("torchfuse::dynemb_tables_lookup")
-def _tables_lookup_fake(query, starts, keys, digests, marks, bucket_sizes, epochs):
+def _tables_lookup_fake(query, starts, tables, epochs):
     return query.new_empty(query.shape)
 
 
 @torch.library.register_fake("torchfuse::dynemb_tables_insert")
-def _tables_insert_fake(query, slots, starts, keys, digests, scores, marks, locks, bucket_sizes, epochs, allow_evict):
+def _tables_insert_fake(query, slots, starts, tables, epochs, allow_evict):
     n = query.shape[0]
     return (query.new_empty((n,), dtype=torch.uint8), query.new_empty((n,)), query.new_empty((n,)),
-            query.new_empty((n,)), query.new_empty((len(keys), 3)))
+            query.new_empty((n,)), query.new_empty((len(epochs), 3)))
 
 
 @torch.library.register_fake("torchfuse::dynemb_tables_init")
-def _tables_init_fake(slots, keys, mask, starts, values, values_host, state, state_host, init_kinds, a, b, seeds):
+def _tables_init_fake(slots, keys, mask, starts, tables, init_kinds, a, b, seeds):
     return None
 
 
 @torch.library.register_fake("torchfuse::dynemb_tables_touch")
-def _tables_touch_fake(scores, slots, starts, policies, clocks):
+def _tables_touch_fake(tables, slots, starts, policies, clocks):
     return None
 
 
 @torch.library.register_fake("torchfuse::dynemb_tables_update")
-def _tables_update_fake(slots, grad, starts, values, values_host, state, state_host, opt, lr, eps, beta1, beta2,
-                        step_sizes):
+def _tables_update_fake(slots, grad, starts, tables, opt, lr, eps, beta1, beta2, step_sizes):
     return None
 
 
 @torch.library.register_fake("torchfuse::dynemb_tables_pool")
-def _tables_pool_fake(slots, offsets, weights, batch, features, rows, rows_host, mean):
+def _tables_pool_fake(slots, offsets, weights, batch, features, tables, mean):
+    rows = tables[_VALUES::_FIELDS]
     cols = sum(f * r.shape[1] for f, r in zip(features, rows))
     return rows[0].new_empty((batch, cols), dtype=torch.float32)

@@ -10,13 +10,15 @@ Inputs are read only through the KJT interface (``keys()``, ``values()``, ``offs
 modules accept any object with that interface and return the stand-ins :class:`KeyedTensor` /
 :class:`JaggedTensor` defined here.
 """
+import functools
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import dynemb_tables as _tables
-from .dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag
+from .dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag, _compiled
+from .dynamic_embedding._training import with_step
 
 __all__ = ["DynamicEmbeddingBagCollection", "DynamicEmbeddingCollection", "StandInKJT", "swap_embedding_modules",
            "KeyedTensor", "JaggedTensor"]
@@ -258,10 +260,37 @@ class _Collection(torch.nn.Module):
                 kw["max_capacity"] = max(int(kw["max_capacity"]), cap)
             mods[t.name] = table_cls(int(t.embedding_dim), cap, device=self._device, eviction=eviction, **kw)
         self.tables = torch.nn.ModuleDict(mods)
+        _compiled.register(self)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _compiled.register(self)  # a copy finds itself, not the original, from compiled code
 
     @property
     def device(self) -> torch.device:
         return self._device
+
+    # ---- torch.compile (dynamic_embedding/_compiled.py): the forward as one opaque op ----
+
+    def _compiled_tables(self):
+        return [self.tables[c.name] for c in self._configs]
+
+    def _need_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(t._trainable for t in self.tables.values())
+
+    def _compiled_inputs(self, features) -> List[Optional[Tensor]]:
+        """The KJT as the op's inputs: values, lengths, weights and its keys (their indices in
+        _all_features, a constant of the graph)."""
+        keys = list(features.keys())
+        unknown = [k for k in keys if k not in self._all_features]
+        if unknown:
+            raise KeyError(f"torchfuse.torchrec.{type(self).__name__}: the KJT has feature keys {unknown} that no "
+                           f"table reads (features: {self._all_features})")
+        idx = torch.tensor([self._all_features.index(k) for k in keys], dtype=torch.int64)
+        return [features.values(), features.lengths(), features.weights_or_none(), idx]
+
+    def _kjt_of(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor], idx: Tensor) -> "StandInKJT":
+        return StandInKJT([self._all_features[i] for i in idx.tolist()], values, lengths, weights)
 
     def table_configs(self):
         return self._configs
@@ -290,6 +319,11 @@ class DynamicEmbeddingBagCollection(_Collection):
             and returned in float32 without rounding to a 16-bit table dtype first.
         **table_options: further :class:`torchfuse.DynamicEmbedding` arguments (dtype, seed,
             hbm_budget_bytes, ...), applied to every table.
+
+    ``torch.compile(fullgraph=True)`` works over it and models around it, with eager mode's results:
+    the forward is one opaque op (as :class:`torchfuse.DynamicEmbedding`'s: the inserts' host
+    decisions run inside it) and the KeyedTensor is built around it. KJT weights that require grad
+    are not supported under torch.compile.
     """
 
     def __init__(self, tables, *, device=None, capacity=None, max_capacity=None, eviction: str = "lru",
@@ -314,7 +348,7 @@ class DynamicEmbeddingBagCollection(_Collection):
                                   torch.tensor(mean, dtype=torch.bool, device=device))
         return self._feature_info[1:]
 
-    def _forward_batched(self, view, tables, use_w) -> Tensor:
+    def _forward_batched(self, view, tables, use_w, need_grad: bool):
         """All tables in one batch. A KJT whose keys are the tables' features in order (the usual
         case) is used as is and its check rides on the batch's first host read (view.bounds None);
         otherwise the features are gathered in table order first."""
@@ -334,10 +368,12 @@ class DynamicEmbeddingBagCollection(_Collection):
                 id_starts.append(id_starts[-1] + sum(counts[k:k + len(fs)]))
                 k += len(fs)
         table_of, mean_of = self._features_on(ids.device)
-        return _tables.pooled(tables, ids, offsets.to(torch.int64), w.float().contiguous() if w is not None else None,
-                              view.B, [len(fs) for fs in self._feature_names], [t.mode == "mean" for t in tables],
-                              id_starts, table_of, mean_of,
-                              pending=view.pending if view.bounds is None else None, on_pending=view.finish)
+        return _tables.pooled_parts(tables, ids, offsets.to(torch.int64),
+                                    w.float().contiguous() if w is not None else None, view.B,
+                                    [len(fs) for fs in self._feature_names], [t.mode == "mean" for t in tables],
+                                    id_starts, table_of, mean_of,
+                                    pending=view.pending if view.bounds is None else None, on_pending=view.finish,
+                                    need_grad=need_grad)
 
     def is_weighted(self) -> bool:
         return bool(self._is_weighted)
@@ -345,7 +381,47 @@ class DynamicEmbeddingBagCollection(_Collection):
     def embedding_bag_configs(self):
         return self._configs
 
+    def _compiled_out(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor], idx: Tensor):
+        return (lengths.shape[0] // max(idx.shape[0], 1), sum(self._length_per_key)), torch.float32
+
+    def _backward(self, record, grad: Tensor):
+        """The optimizer steps of a _pooled record with the gradient of its values."""
+        kind, rec = record
+        if kind == "tables":
+            _tables.apply_pooled_gradient(self._compiled_tables(), rec, grad)
+            return
+        col = 0
+        for bag, bag_rec, n_feats in rec:
+            dim = bag.embedding_dim
+            g = grad[:, col:col + n_feats * dim]
+            col += n_feats * dim
+            if bag_rec is not None:  # the inverse of the forward's (features, B, dim) -> (B, features * dim)
+                g = g.reshape(-1, n_feats, dim).transpose(0, 1).reshape(-1, dim).to(bag.dtype)
+                bag._backward(bag_rec, g)
+
+    def _run(self, need_grad: bool, values: Tensor, lengths: Tensor, weights: Optional[Tensor], idx: Tensor):
+        return self._pooled(self._kjt_of(values, lengths, weights, idx), need_grad)
+
     def forward(self, features):
+        names = [n for ns in self._embedding_names for n in ns]
+        jt = _torchrec()
+        cls = jt.KeyedTensor if jt is not None else KeyedTensor
+        need_grad = self._need_grad()
+        if torch.compiler.is_compiling():
+            w = features.weights_or_none()
+            if w is not None and w.requires_grad and torch.is_grad_enabled() and self._is_weighted is not False:
+                raise NotImplementedError("torchfuse.torchrec.DynamicEmbeddingBagCollection: KJT weights that require "
+                                          "grad are not supported under torch.compile")
+            values = _compiled.forward(self, need_grad, self._compiled_inputs(features))
+        else:
+            values, record = self._pooled(features, need_grad)
+            if record is not None:
+                values = with_step(values, functools.partial(self._backward, record))
+        return cls(keys=names, length_per_key=self._length_per_key, values=values)
+
+    def _pooled(self, features, need_grad: bool):
+        """(values (B, sum of dims) float32, the record of the optimizer steps _backward applies or
+        None). Per-id weights that need their gradient flow through autograd in the values."""
         # the batched path reads a KJT in table-feature order without a sync of its own
         lazy = self.table_batched and list(features.keys()) == self._feature_order
         view = _KJTView(features, self._all_features, "torchfuse.torchrec.DynamicEmbeddingBagCollection",
@@ -358,32 +434,35 @@ class DynamicEmbeddingBagCollection(_Collection):
                 if t.mode != "sum":
                     raise ValueError(f"torchfuse.torchrec.DynamicEmbeddingBagCollection: table {cfg.name!r} has "
                                      f"MEAN pooling but the KJT carries weights (TorchRec allows weights with SUM only)")
-        names = [n for ns in self._embedding_names for n in ns]
-        jt = _torchrec()
-        cls = jt.KeyedTensor if jt is not None else KeyedTensor
         if self.table_batched and _tables.can_batch(tables, view.weights if use_w else None):
-            return cls(keys=names, length_per_key=self._length_per_key, values=self._forward_batched(view, tables, use_w))
+            values, rec = self._forward_batched(view, tables, use_w, need_grad and tables[0]._trainable)
+            return values, (None if rec is None else ("tables", rec))
         if view.bounds is None:
             view.finish(view.pending.tolist())
-        pooled = []
+        pooled, recs = [], []
         for cfg, feats in zip(self._configs, self._feature_names):
             bag = self.tables[cfg.name]
             ids, offsets, w = view.segment(feats, use_w)
             if w is not None and bag.mode != "sum":
                 raise ValueError(f"torchfuse.torchrec.DynamicEmbeddingBagCollection: table {cfg.name!r} has "
                                  f"MEAN pooling but the KJT carries weights (TorchRec allows weights with SUM only)")
-            out = bag(ids, offsets, per_sample_weights=w)            # (len(feats) * B, dim)
+            out, rec = bag._run(need_grad and bag._trainable, ids, offsets, w)  # (len(feats) * B, dim)
+            recs.append((bag, rec, len(feats)))
             dim = bag.embedding_dim
             pooled.append(out.float().view(len(feats), B, dim).transpose(0, 1).reshape(B, len(feats) * dim))
         values = torch.cat(pooled, dim=1) if pooled else torch.empty(B, 0, device=self._device)
-        return cls(keys=names, length_per_key=self._length_per_key, values=values)
+        return values, (("bags", recs) if any(r[1] is not None for r in recs) else None)
 
 
 class DynamicEmbeddingCollection(_Collection):
     """Drop-in for ``torchrec.EmbeddingCollection`` with one :class:`torchfuse.DynamicEmbedding` per
     table config: ``forward(features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]``, each feature's
     (number of ids, dim) float32 rows with the KJT's lengths. Arguments as
-    :class:`DynamicEmbeddingBagCollection` (no pooling, no weights)."""
+    :class:`DynamicEmbeddingBagCollection` (no pooling, no weights).
+
+    Not one graph under ``torch.compile(fullgraph=True)``: the sizes of its outputs (each feature's
+    number of ids) are read from the KJT on the host. Compile around it, or use one
+    :class:`torchfuse.DynamicEmbedding` per table inside the compiled region."""
 
     def __init__(self, tables, *, device=None, capacity=None, max_capacity=None, eviction: str = "lru",
                  optimizer=None, initializer=None, **table_options):

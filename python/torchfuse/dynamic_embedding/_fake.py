@@ -2,6 +2,11 @@
 import torch
 
 from .. import _C  # noqa: F401  (registers torch.ops.torchfuse)
+from ._table import STATE_FIELDS
+
+# `table` entries (STATE_FIELDS order)
+_VALUES = STATE_FIELDS.index("_values")
+_STATE = STATE_FIELDS.index("_state")
 
 
 @torch.library.register_fake("torchfuse::dynemb_bag_layout")
@@ -20,7 +25,7 @@ def _sort_segments_fake(ids):
 
 
 @torch.library.register_fake("torchfuse::dynemb_lookup")
-def _lookup_fake(query, keys, digests, marks, bucket_size, epoch):
+def _lookup_fake(query, table, epoch):
     return query.new_empty(query.shape)
 
 
@@ -35,7 +40,8 @@ def _segsum_fake(grad, perm, seg, bag_of, scale):
 
 
 @torch.library.register_fake("torchfuse::dynemb_find")
-def _find_fake(query, keys, digests, marks, rows, rows_host, bucket_size):
+def _find_fake(query, table):
+    rows = table[_VALUES]
     return rows.new_empty((query.shape[0], *rows.shape[1:])), query.new_empty(query.shape)
 
 
@@ -45,22 +51,21 @@ def _gather_fake(slots, rows, rows_host, order=None):
 
 
 @torch.library.register_fake("torchfuse::dynemb_insert")
-def _insert_fake(query, slots, keys, digests, scores, marks, locks, bucket_size, epoch, allow_evict):
+def _insert_fake(query, slots, table, epoch, allow_evict):
     n = query.shape[0]
     return (query.new_empty((n,), dtype=torch.uint8), query.new_empty((n,)), query.new_empty((n,)),
             query.new_empty((n,)), query.new_empty((3,)))
 
 
 @torch.library.register_fake("torchfuse::dynemb_segment_update")
-def _segment_update_fake(grad, perm, seg, bag_of, scale, slots, values, values_host, state, state_host, opt, lr, eps,
-                         beta1, beta2, step_size):
+def _segment_update_fake(grad, perm, seg, bag_of, scale, slots, table, opt, lr, eps, beta1, beta2, step_size):
     return None
 
 
 @torch.library.register_fake("torchfuse::dynemb_find_or_insert_sync")
-def _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                              bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
+def _find_or_insert_sync_fake(query, table, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
                               n_valid=None, abort=None, keep_evicted=True):
+    values, state = table[_VALUES], table[_STATE]
     ctx = torch.library.get_ctx()
     n = query.shape[0] if n_valid is None and abort is None else ctx.new_dynamic_size()  # the keys taken
     n_ev = ctx.new_dynamic_size()
@@ -71,17 +76,16 @@ def _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values
 
 
 @torch.library.register_fake("torchfuse::dynemb_find_or_insert_pool")
-def _find_or_insert_pool_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                              bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
-                              n_valid, abort, pool_offsets, pool_inv, pool_weights, pool_mean, keep_evicted=True):
-    out = _find_or_insert_sync_fake(query, keys, digests, scores, marks, locks, values, values_host, state, state_host,
-                                    bucket_size, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
+def _find_or_insert_pool_fake(query, table, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows, n_valid,
+                              abort, pool_offsets, pool_inv, pool_weights, pool_mean, keep_evicted=True):
+    out = _find_or_insert_sync_fake(query, table, epoch, allow_evict, policy, clock, init_kind, a, b, seed, with_rows,
                                     n_valid, abort, keep_evicted)
+    values = table[_VALUES]
     return out + (values.new_empty((pool_offsets.shape[0] - 1, values.shape[1])),)
 
 
 @torch.library.register_fake("torchfuse::dynemb_touch")
-def _touch_fake(scores, slots, policy, clock):
+def _touch_fake(table, slots, policy, clock):
     return None
 
 
@@ -91,15 +95,16 @@ def _scatter_fake(slots, src, rows, rows_host, order=None):
 
 
 @torch.library.register_fake("torchfuse::dynemb_init")
-def _init_fake(slots, keys, mask, values, values_host, state, state_host, init_kind, a, b, seed):
+def _init_fake(slots, keys, mask, table, init_kind, a, b, seed):
     return None
 
 
 @torch.library.register_fake("torchfuse::dynemb_init_gather")
-def _init_gather_fake(slots, keys, is_new, values, values_host, state, state_host, init_kind, a, b, seed, order=None):
+def _init_gather_fake(slots, keys, is_new, table, init_kind, a, b, seed, order=None):
+    values = table[_VALUES]
     return values.new_empty((slots.shape[0], *values.shape[1:]))
 
 
 @torch.library.register_fake("torchfuse::dynemb_update")
-def _update_fake(slots, grad, values, values_host, state, state_host, opt, lr, eps, beta1, beta2, step_size):
+def _update_fake(slots, grad, table, opt, lr, eps, beta1, beta2, step_size):
     return None

@@ -1,5 +1,6 @@
 """The modules: DynamicEmbedding (per-id rows) and DynamicEmbeddingBag (pooled bags) over a
 :class:`DynamicEmbeddingTable`, with their training paths."""
+import functools
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -7,9 +8,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._stats import count
+from . import _compiled
 from ._checkpoint import CheckpointMixin
 from ._table import DynamicEmbeddingTable, _ops
-from ._training import _Fused, _Rows
+from ._training import _Rows, apply_batch_gradient, with_step
 
 
 class DynamicEmbedding(DynamicEmbeddingTable, CheckpointMixin, torch.nn.Module):
@@ -45,6 +47,14 @@ class DynamicEmbedding(DynamicEmbeddingTable, CheckpointMixin, torch.nn.Module):
             ``evicted_dropped``, and the kernels write the new keys' rows over the victims' at once (no
             copy of the victims' rows; HierarchicalKV's find_or_insert semantics). ``insert(...,
             return_evicted=True)`` still returns what it evicted.
+
+    ``torch.compile(fullgraph=True)`` works over the module and models around it, with the same
+    results as eager. An eval forward without gradients is traced as the lookup ops. A forward that
+    inserts (training mode) or records gradients is one opaque op (dynamic_embedding/_compiled.py): the
+    host decisions of an insert (growth, eviction records, a full table's error) run inside it as in
+    eager mode, so the compiler fuses the model around the table, not the table step itself. A table
+    that grows makes the compiled graph recompile (its state tensors change shape). Per-id weights
+    that need their own gradient (DynamicEmbeddingBag) are not supported under torch.compile.
     """
 
     def __init__(self, embedding_dim: int, capacity: int, *, max_capacity: Optional[int] = None,
@@ -57,6 +67,11 @@ class DynamicEmbedding(DynamicEmbeddingTable, CheckpointMixin, torch.nn.Module):
                          eviction=eviction, initializer=initializer, optimizer=optimizer,
                          hbm_budget_bytes=hbm_budget_bytes, seed=seed, max_load_factor=max_load_factor,
                          bucket_size=bucket_size, evicted_record_limit=evicted_record_limit)
+        _compiled.register(self)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _compiled.register(self)  # a copy finds itself, not the original, from compiled code
 
     def extra_repr(self) -> str:
         return (f"{self.embedding_dim}, capacity={self.capacity}, max_capacity={self.max_capacity}, size={self._size}, "
@@ -126,16 +141,46 @@ class DynamicEmbedding(DynamicEmbeddingTable, CheckpointMixin, torch.nn.Module):
     def _need_grad(self) -> bool:
         return torch.is_grad_enabled() and self._trainable
 
+    # ---- the forward's table work, shared by eager mode and the compiled op (_compiled.py) ----
+
+    def _compiled_tables(self):
+        return [self]
+
+    def _backward(self, record, grad: Tensor):
+        """The backward of a _run with need_grad: record = (version, batch)."""
+        apply_batch_gradient(self, record[0], record[1], grad)
+
+    def _compiled_out(self, flat: Tensor):
+        return (flat.shape[0], self.embedding_dim), self.dtype
+
+    def _run(self, need_grad: bool, flat: Tensor):
+        return self._run_rows(need_grad, flat)
+
+    def _run_rows(self, need_grad: bool, flat: Tensor):
+        """(rows (n, dim) of the ids `flat`, None) or, with need_grad, (rows, (version, batch)): what
+        the backward needs (apply_batch_gradient's batch). (DynamicEmbeddingBag's _run pools.)"""
+        if not need_grad:
+            if not self.training:
+                return self._find(flat)[0], None
+            return self._gather(self._segments(flat)[4], self._values, self._values_host), None
+        perm, seg, slots_u, uniq, slots_id = self._segments(flat)
+        out = self._gather(slots_id, self._values, self._values_host)
+        return out, (self._version, (slots_id, None, None, False, perm, seg, slots_u, uniq, None, None))
+
+    def _finish(self, out: Tensor, record) -> Tensor:
+        """Eager mode: the output hung from the backward that applies the optimizer."""
+        if record is None:
+            return out
+        return with_step(out, functools.partial(self._backward, record))
+
     def forward(self, ids: Tensor) -> Tensor:
         count("dynemb_forward")
         flat = self._check_keys(ids)
-        if not self._need_grad():
-            out = self._find(flat)[0] if not self.training else \
-                self._gather(self._segments(flat)[4], self._values, self._values_host)
+        need_grad = self._need_grad()
+        if torch.compiler.is_compiling() and (self.training or need_grad):
+            out = _compiled.forward(self, need_grad, [flat])
         else:
-            perm, seg, slots_u, uniq, slots_id = self._segments(flat)
-            anchor = torch.empty(0, device=self.device, requires_grad=True)
-            out = _Fused.apply(anchor, self, (slots_id, None, None, False, perm, seg, slots_u, uniq, None, None))
+            out = self._finish(*self._run_rows(need_grad, flat))
         return out.reshape(*ids.shape, self.embedding_dim)
 
 
@@ -161,9 +206,27 @@ class DynamicEmbeddingBag(DynamicEmbedding):
         cfg["mode"] = self.mode
         return cfg
 
+    def _compiled_out(self, ids: Tensor, offsets: Optional[Tensor] = None,
+                      per_sample_weights: Optional[Tensor] = None):
+        bags = ids.shape[0] if offsets is None else offsets.shape[0] - (1 if self.include_last_offset else 0)
+        return (bags, self.embedding_dim), self.dtype
+
     def forward(self, ids: Tensor, offsets: Optional[Tensor] = None,
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
         count("dynemb_bag_forward")
+        need_grad = self._need_grad()
+        if torch.compiler.is_compiling():
+            if per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled():
+                raise NotImplementedError("torchfuse.DynamicEmbeddingBag: per_sample_weights that require grad are "
+                                          "not supported under torch.compile")
+            return _compiled.forward(self, need_grad, [ids, offsets, per_sample_weights])
+        return self._finish(*self._run(need_grad, ids, offsets, per_sample_weights))
+
+    def _run(self, need_grad: bool, ids: Tensor, offsets: Optional[Tensor] = None,
+             per_sample_weights: Optional[Tensor] = None):
+        """The forward's work: (bags, None), or with need_grad (bags, (version, batch))
+        (apply_batch_gradient's batch); a gradient for per_sample_weights comes through autograd in
+        the bags themselves."""
         name = "torchfuse.DynamicEmbeddingBag"
         if not isinstance(ids, Tensor):
             raise TypeError(f"{name}: ids must be a tensor")
@@ -190,7 +253,6 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             per_sample_weights = per_sample_weights.reshape(-1)
         n = flat.numel()
         weights_grad = per_sample_weights is not None and per_sample_weights.requires_grad and torch.is_grad_enabled()
-        need_grad = self._need_grad()
         # The training paths' sort goes first: the host work below (the offsets' checks, the bags'
         # layout) is then launched while the GPU sorts, not before it starts.
         segs = _ops.dynemb_sort_segments(flat) if (self.training or need_grad) and not weights_grad else None
@@ -215,7 +277,8 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             if inv is None:
                 inv = torch.arange(n, device=self.device)
             return F.embedding_bag(inv, rows, offsets.to(torch.int64), mode=self.mode,
-                                   per_sample_weights=per_sample_weights.to(rows.dtype), include_last_offset=incl)
+                                   per_sample_weights=per_sample_weights.to(rows.dtype),
+                                   include_last_offset=incl), None
         w = per_sample_weights.float().contiguous() if per_sample_weights is not None else None
         if not need_grad:
             if self.training:
@@ -223,12 +286,13 @@ class DynamicEmbeddingBag(DynamicEmbedding):
             else:
                 check_offsets()
                 slots = self._lookup(flat)
-            return _ops.dynemb_pool(slots, full, w, self._values, self._values_host, mean)
+            return _ops.dynemb_pool(slots, full, w, self._values, self._values_host, mean), None
         if w is not None:
             scale = w
         elif not mean:
             scale = None
         g = self._segments(flat, check_offsets, segs, bad, (full, w, mean))
         perm, seg, slots_u, uniq, slots_id = g[:5]
-        anchor = torch.empty(0, device=self.device, requires_grad=True)
-        return _Fused.apply(anchor, self, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale) + g[5:])
+        # pooled during the insert's host wait (dynemb_find_or_insert_pool), or now
+        out = g[5] if len(g) > 5 else _ops.dynemb_pool(slots_id, full, w, self._values, self._values_host, mean)
+        return out, (self._version, (slots_id, full, w, mean, perm, seg, slots_u, uniq, bag_of, scale))

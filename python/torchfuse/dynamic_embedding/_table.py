@@ -19,6 +19,11 @@ _INIT_KINDS = {"normal": 1, "uniform": 2, "constant": 3}
 _NO_INIT = (0, 0.0, 0.0)  # TF_INIT_NONE: rows left as they are, optimizer state zeroed
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_EPOCH = 2**31 - 2
+# The table's state as the internal ops take it: one list (their `table` argument) of these
+# attributes, in this order (csrc/dynemb.h, DynembField). A table-batched op takes its tables' lists
+# one after another.
+STATE_FIELDS = ("_keys", "_digests", "_scores", "_marks", "_locks", "_values", "_values_host", "_state",
+                "_state_host")
 _FUSED_FIND_MIN_ROW_BYTES = 512
 
 
@@ -153,6 +158,15 @@ class DynamicEmbeddingTable:
         n_hbm = self._hbm_rows(cap, device)
         self._values, self._values_host = self._tiered(n_hbm, cap, self.embedding_dim, self.dtype, device)
         self._state, self._state_host = self._tiered(n_hbm, cap, self._state_dim(), torch.float32, device)
+        # the list the ops take (STATE_FIELDS), built once per allocation
+        self.__dict__["_tensors"] = [getattr(self, f) for f in STATE_FIELDS]
+
+    def _set_tensors(self, tensors: List[Tensor]):
+        """The table's state from a list in STATE_FIELDS order (same shapes as the allocation's)."""
+        d = self.__dict__
+        for f, x in zip(STATE_FIELDS, tensors):
+            d[f] = x
+        d["_tensors"] = list(tensors)
 
     @property
     def capacity(self) -> int:
@@ -196,7 +210,7 @@ class DynamicEmbeddingTable:
         return self._epoch
 
     def _lookup(self, keys: Tensor, epoch: int = 0) -> Tensor:
-        return _ops.dynemb_lookup(keys, self._keys, self._digests, self._marks, self.bucket_size, epoch)
+        return _ops.dynemb_lookup(keys, self._tensors, epoch)
 
     def _host_tier_on_cuda(self) -> bool:
         """A CUDA table with rows in mapped host memory. Its row copies visit rows in slot order
@@ -218,8 +232,7 @@ class DynamicEmbeddingTable:
             return _ops.dynemb_gather(slots, self._values, self._values_host, torch.argsort(slots)), slots
         if (self.bucket_size == 128 and self._values.is_cuda) or \
                 self._values.shape[1] * self._values.element_size() >= _FUSED_FIND_MIN_ROW_BYTES:
-            return _ops.dynemb_find(keys, self._keys, self._digests, self._marks, self._values, self._values_host,
-                                    self.bucket_size)
+            return _ops.dynemb_find(keys, self._tensors)
         slots = self._lookup(keys)
         return self._gather(slots, self._values, self._values_host), slots
 
@@ -238,8 +251,7 @@ class DynamicEmbeddingTable:
             _ops.dynemb_scatter(slots, src, rows, rows_host)
 
     def _insert_slots(self, keys: Tensor, slots: Tensor, epoch: int, allow_evict: bool):
-        return _ops.dynemb_insert(keys, slots, self._keys, self._digests, self._scores, self._marks, self._locks,
-                                  self.bucket_size, epoch, allow_evict)
+        return _ops.dynemb_insert(keys, slots, self._tensors, epoch, allow_evict)
 
     def _init_args(self) -> Tuple[int, float, float]:
         """The initializer as the kernels take it: (init_kind code, a, b); b is 0 for a constant. Kept
@@ -269,8 +281,7 @@ class DynamicEmbeddingTable:
         return h.tolist()
 
     def _init_rows(self, slots: Tensor, keys: Tensor, mask: Optional[Tensor], init: Tuple[int, float, float]):
-        _ops.dynemb_init(slots, keys, mask, self._values, self._values_host, self._state, self._state_host,
-                         *init, self.seed)
+        _ops.dynemb_init(slots, keys, mask, self._tensors, *init, self.seed)
 
     def _find_or_insert_fused(self, keys: Tensor, touch: bool, with_rows: bool, init_rows: bool = True,
                               n_valid: Optional[Tensor] = None, abort: Optional[Tensor] = None,
@@ -302,9 +313,8 @@ class DynamicEmbeddingTable:
         clock = self._bump("_clock") if touch else self._clock
         by_slot = with_rows and init_rows and self._host_tier_on_cuda()
         init = self._init_args() if init_rows and not by_slot else _NO_INIT
-        args = (keys, self._keys, self._digests, self._scores, self._marks, self._locks, self._values,
-                self._values_host, self._state, self._state_host, self.bucket_size, epoch, self.eviction != "none",
-                policy, clock, *init, self.seed, with_rows and not by_slot, n_valid, abort)
+        args = (keys, self._tensors, epoch, self.eviction != "none", policy, clock, *init, self.seed,
+                with_rows and not by_slot, n_valid, abort)
         pooled = None
         if pool is not None:
             assert not by_slot
@@ -331,8 +341,8 @@ class DynamicEmbeddingTable:
         if by_slot:  # before a failure raises, as the op's own init would have run
             # is_new covers the keys that took evicted slots too (their old rows saved above); new rows are
             # written and every row read in one slot-ordered pass (nothing written, then read back)
-            rows = _ops.dynemb_init_gather(slots, keys, is_new, self._values, self._values_host, self._state,
-                                           self._state_host, *self._init_args(), self.seed, torch.argsort(slots))
+            rows = _ops.dynemb_init_gather(slots, keys, is_new, self._tensors, *self._init_args(), self.seed,
+                                           torch.argsort(slots))
         if failed:
             raise RuntimeError(self._full_message(failed))
         return slots, is_new, saved, rows if with_rows else None, n_taken, pooled
@@ -390,7 +400,7 @@ class DynamicEmbeddingTable:
 
     def _touch(self, slots: Tensor):
         self._clock += 1
-        _ops.dynemb_touch(self._scores, slots, 1 if self.eviction == "lfu" else 0, self._clock)
+        _ops.dynemb_touch(self._tensors, slots, 1 if self.eviction == "lfu" else 0, self._clock)
 
     def _record_evicted(self, ev):
         if self.evicted_record_limit <= 0:
@@ -449,17 +459,16 @@ class DynamicEmbeddingTable:
         (dynemb_segment_sum's arguments), in one op: on CUDA the sums are never written out."""
         self._step += 1
         o = self.optimizer
-        _ops.dynemb_segment_update(grad, perm, seg, bag_of, scale, slots, self._values, self._values_host,
-                                   self._state, self._state_host, o.code, o.lr, o.eps, o.betas[0], o.betas[1],
-                                   o.step_size(self._step))
+        _ops.dynemb_segment_update(grad, perm, seg, bag_of, scale, slots, self._tensors, o.code, o.lr, o.eps,
+                                   o.betas[0], o.betas[1], o.step_size(self._step))
 
     def _apply_gradient(self, slots: Tensor, grad: Tensor):
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
         self._step += 1
         o = self.optimizer
-        _ops.dynemb_update(slots, grad, self._values, self._values_host, self._state, self._state_host, o.code,
-                           o.lr, o.eps, o.betas[0], o.betas[1], o.step_size(self._step))
+        _ops.dynemb_update(slots, grad, self._tensors, o.code, o.lr, o.eps, o.betas[0], o.betas[1],
+                           o.step_size(self._step))
 
     # ---- checks ----
 

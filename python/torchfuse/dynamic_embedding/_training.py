@@ -25,34 +25,35 @@ class _Rows(torch.autograd.Function):
         return None, None, None, None
 
 
-class _Fused(torch.autograd.Function):
-    """Per-id rows (offsets None) or bags pooled straight from the table; backward sums each unique
-    id's gradient in a fixed order (dynemb_segment_sum) and applies the optimizer to its row.
-    The batch's layout comes as one tuple, kept on ctx (none of its tensors is an input that
+def apply_batch_gradient(table, version: int, batch, grad):
+    """The optimizer step of a forward's batch (slots_id, offsets, weights, mean, perm, seg, slots_u,
+    uniq, bag_of, scale) with its output's gradient (version: the table's at the forward)."""
+    perm, seg, slots_u, uniq, bag_of, scale = batch[4:10]
+    if table._version != version:  # rehashed, evicted or erased since the forward
+        slots_u = table._lookup(uniq)
+    table._apply_segment_gradient(slots_u, grad.contiguous(), perm, seg, bag_of, scale)
+
+
+class _Step(torch.autograd.Function):
+    """An output the forward's table work computed (rows or bags), hung from `anchor` (a leaf of no
+    elements: the tables have no parameters); backward calls step(grad), the optimizer steps of that
+    work. Its record travels inside `step`, kept on ctx (none of its tensors is an input that
     requires grad or an output): autograd.Function's per-call cost grows with the number of
     arguments (each is inspected in apply and answered in backward), and a training step from an
-    idle GPU waits for that host time. batch: (slots_id, offsets, weights, mean, perm, seg,
-    slots_u, uniq, bag_of, scale), and an eleventh entry when the bags were pooled already (by
-    dynemb_find_or_insert_pool, during the insert's host wait): then forward returns it as the
-    output (slots_id is None)."""
+    idle GPU waits for that host time."""
 
     @staticmethod
-    def forward(ctx, anchor, table, batch):
-        slots_id, offsets, weights, mean = batch[:4]
-        ctx.table = table
-        ctx.version = table._version
-        ctx.batch = batch[:10]
-        if len(batch) > 10:  # pooled already (dynemb_find_or_insert_pool)
-            return batch[10]
-        if offsets is None:
-            return table._gather(slots_id, table._values, table._values_host)
-        return _ops.dynemb_pool(slots_id, offsets, weights, table._values, table._values_host, mean)
+    def forward(ctx, anchor, step, out):
+        ctx.step = step
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        perm, seg, slots_u, uniq, bag_of, scale = ctx.batch[4:]
-        table = ctx.table
-        if table._version != ctx.version:  # rehashed, evicted or erased since the forward
-            slots_u = table._lookup(uniq)
-        table._apply_segment_gradient(slots_u, grad.contiguous(), perm, seg, bag_of, scale)
+        ctx.step(grad)
         return None, None, None
+
+
+def with_step(out, step):
+    """`out` with a backward that calls step(grad)."""
+    anchor = torch.empty(0, device=out.device, requires_grad=True)
+    return _Step.apply(anchor, step, out)
