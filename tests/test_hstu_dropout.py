@@ -286,3 +286,17 @@ def test_opcheck_and_compile_with_dropout():
     g_comp = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(*ins), ins)
     for a, b in zip(g_eager, g_comp):
         torch.testing.assert_close(a, b)
+
+
+def test_gradcheck_with_the_mask_fixed():
+    """float64 gradcheck of the op with dropout (one rng_state: the mask fixed), zero-length sequences
+    and a nonzero offset included: the backward's mask is the forward's."""
+    off = torch.tensor([0, 0, 6, 6, 11])
+    q, k, v = (torch.randn(11, 2, n, dtype=torch.float64, requires_grad=True) for n in (5, 5, 3))
+    state = torch.tensor([int(torch.randint(0, 2**62, ())), 4])
+
+    def f(q, k, v):
+        return torch.ops.torchfuse.hstu_fwd(q, k, v, off, None, None, 7, 0.3, None, 0, 0, 0, 1, 0, True, None, 0.4,
+                                            state)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
