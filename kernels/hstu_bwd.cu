@@ -327,8 +327,9 @@ __global__ void hstu_bwd_dq_f32(const tf_hstu_params p) {
         const float z = (float)p.alpha * x, sg = 1.f / (1.f + expf(-z));
         float dz = warp_dot(dout, v, (int)p.dv, lane) * (float)p.inv_scale * sg * (1.f + z * (1.f - sg)) *
                    (float)p.alpha;
-        if constexpr (DROP) dz *= tf_hstu_drop_factor(dseed, doff, tf_hstu_drop_index(row, h, p.H, p.max_seq_len, key), drop_p,
-                                            drop_scale);
+        if constexpr (DROP)
+            dz *= tf_hstu_drop_factor(dseed, doff, tf_hstu_drop_index(row, h, p.H, p.max_seq_len, key), drop_p,
+                                      drop_scale);
 #pragma unroll
         for (int c = 0; c < 8; ++c)
             if (lane + 32 * c < p.dqk) acc[c] += dz * k[lane + 32 * c];

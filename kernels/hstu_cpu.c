@@ -133,7 +133,8 @@ void tf_hstu_fwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1) {
                 if (pos >= 0) {
                     FOR_VALID_COLS(&s.mask, pos, col) {
                         const double z = z_of(p, b, h, pos, col, Q + i * dqk, K + col * dqk);
-                        const double w = z / (1.0 + exp(-z)) * p->inv_scale * drop_factor(p, &dr, s.start + pos, h, col);
+                        const double w =
+                            z / (1.0 + exp(-z)) * p->inv_scale * drop_factor(p, &dr, s.start + pos, h, col);
                         for (int64_t j = 0; j < dv; ++j) acc[j] += w * V[col * dv + j];
                     }
                 }

@@ -134,8 +134,9 @@ __global__ void __launch_bounds__(kFwdThreads, FwdCfg<D>::MIN_BLOCKS) hstu_fwd_m
                     for (int hh = 0; hh < 2; ++hh) {
                         const int64_t row = s.start + pos0 + qrow + g + 8 * hh;  // full form: q row = k row
                         float f0, f1;
-                        tf_hstu_drop_pair(dseed, doff, tf_hstu_drop_index(row, h, p.H, p.max_seq_len, k0 + nt * 8 + 2 * t4),
-                                          drop_p, drop_scale, &f0, &f1);
+                        const int key = k0 + nt * 8 + 2 * t4;
+                        tf_hstu_drop_pair(dseed, doff, tf_hstu_drop_index(row, h, p.H, p.max_seq_len, key), drop_p,
+                                          drop_scale, &f0, &f1);
                         sacc[nt][2 * hh] *= f0;
                         sacc[nt][2 * hh + 1] *= f1;
                     }
@@ -209,8 +210,9 @@ __global__ void hstu_fwd_f32(const tf_hstu_params p, int64_t q_rows) {
             for (int off = 16; off; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
             if (p.bias) d += tf_bias_load(p.bias, p.bias_dtype, b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key);
             float w = silu_of((float)p.alpha * d) * (float)p.inv_scale;
-            if constexpr (DROP) w *= tf_hstu_drop_factor(dseed, doff, tf_hstu_drop_index(row, h, p.H, p.max_seq_len, key), drop_p,
-                                               drop_scale);
+            if constexpr (DROP)
+                w *= tf_hstu_drop_factor(dseed, doff, tf_hstu_drop_index(row, h, p.H, p.max_seq_len, key), drop_p,
+                                         drop_scale);
             const float *v = (const float *)p.v + (s.start + key) * p.v_sr + h * p.v_sh;
 #pragma unroll
             for (int c = 0; c < 8; ++c)
