@@ -118,7 +118,7 @@ def load_triton(path):
 
 # head dims the 16-bit kernels take on a zero-padded copy, each beside the dim it is padded to (lengths
 # U[N/2, N]): GR's MovieLens-1M config (2 heads x 25 there; H = 4 here) and a mid-size dim
-PADDED = [((128, 200, 25), 32), ((16, 1024, 100), 128)]
+PADDED = [((128, 200, 25), 32), ((16, 1024, 100), 104)]
 DROPOUT_SHAPES = [(16, 1024, 128), (16, 4096, 128)]
 
 

@@ -12,15 +12,12 @@
 namespace torchfuse {
 namespace {
 
-// Head dims the 16-bit kernels take: rows of 16-byte multiples for cp.async and the copy engine (96 and
-// 192 run zero-filled in the 128 / 256 tiles). Any other head dim runs on a copy zero-padded to the next
-// one, exact: zero columns of q and k add nothing to q k^T, zero columns of v give zero output columns
-// (sliced off), and alpha and the scaling take no part in the padding. fp32 runs every dim directly.
-int64_t kernel_head_dim(int64_t d) {
-    for (int64_t k : {32, 64, 96, 128, 192, 256})
-        if (d <= k) return k;
-    return d;
-}
+// Head dims the 16-bit kernels take: multiples of 8, rows of 16-byte multiples that cp.async and the copy
+// engine address; the kernels zero-fill their tiles past the real dim (as 96 and 192 always ran in the
+// 128 / 256 tiles). Any other head dim runs on a copy zero-padded to the next multiple of 8, exact: zero
+// columns of q and k add nothing to q k^T, zero columns of v give zero output columns (sliced off), and
+// alpha and the scaling take no part in the padding. fp32 runs every dim directly.
+int64_t kernel_head_dim(int64_t d) { return (d + 7) / 8 * 8; }
 
 struct HeadPad {
     bool on;

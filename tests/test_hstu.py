@@ -181,10 +181,11 @@ def test_forward(target, dtype, case):
     run_case(target, dtype, case, grad=False)
 
 
-# Head dims the 16-bit CUDA kernels do not take directly (they run on a zero-padded copy), the ones they
-# do, and Dqk != Dv pairs of both kinds; generative-recommenders' tests use 16, its MovieLens config 25.
-HEAD_DIMS = [(1, 1), (16, 16), (25, 25), (50, 50), (100, 100), (200, 200), (256, 256), (25, 50), (16, 200),
-             (100, 1), (256, 25), (7, 64)]
+# Head dims the 16-bit CUDA kernels do not take directly (not multiples of 8: a zero-padded copy), those
+# they take in partly zero-filled tiles (8, 16, 40, 200), and Dqk != Dv pairs of both kinds;
+# generative-recommenders' tests use 16, its MovieLens config 25.
+HEAD_DIMS = [(1, 1), (8, 8), (16, 16), (25, 25), (40, 40), (50, 50), (100, 100), (200, 200), (256, 256),
+             (25, 50), (16, 200), (100, 1), (256, 25), (7, 64), (8, 136)]
 
 
 @pytest.mark.parametrize("dqk, dv", HEAD_DIMS, ids=lambda d: str(d))

@@ -55,10 +55,10 @@ def hstu_attention(
 
     Args:
         q, k: (L, H, Dqk); v: (L, H, Dv); bf16/fp16 (tensor cores on CUDA), fp32, or fp64 (CPU).
-            Any head dims from 1 to 256; Dqk may differ from Dv. On CUDA the 16-bit kernels take 32, 64,
-            96, 128, 192 and 256 directly; other dims run on a copy zero-padded to the next of those
-            (exact; the copy is one extra pass over q, k and v, which a model avoids by projecting to
-            one of those dims).
+            Any head dims from 1 to 256; Dqk may differ from Dv. On CUDA the 16-bit kernels take
+            multiples of 8 directly; other dims run on a copy zero-padded to the next multiple of 8
+            (exact; the copy is one extra pass over q, k and v, which a model avoids with a multiple
+            of 8).
         seq_offsets: (B + 1,) int32/int64, non-decreasing; sequence lengths at most ``max_seq_len``.
         num_targets: (B,) int32/int64 or None.
         attn_bias: (B, 1 or H, max_seq_len, max_seq_len) or None, indexed by position in the sequence.
