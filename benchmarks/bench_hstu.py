@@ -2,7 +2,9 @@
 Triton `triton_hstu_mha` (given --peers), and F.scaled_dot_product_attention(is_causal=True) (softmax
 flash attention, the yardstick), on one GPU, in one run. torchfuse runs with validate=False (no host-side
 check of the offsets), as a training loop with known-good jagged metadata would, under the default
-backend (torchfuse.backends.hstu); the forward is also timed with each backend forced.
+backend (torchfuse.backends.hstu); the forward is also timed with each backend forced. A second table
+times head dims the 16-bit kernels take on a zero-padded copy (25, 100) against the dims they pad to, and
+attention dropout against dropout off.
 
 TFLOP/s use one count for every row: forward = sum over b of 2*H*(Dqk+Dv)*len_b^2/2, backward = 2.5x
 forward (so windowed rows count the causal work they skip: an "effective" rate). SDPA runs on the padded
@@ -114,6 +116,42 @@ def load_triton(path):
     return mod.triton_hstu_mha
 
 
+# head dims the 16-bit kernels take on a zero-padded copy, each beside the dim it is padded to (lengths
+# U[N/2, N]): GR's MovieLens-1M config (2 heads x 25 there; H = 4 here) and a mid-size dim
+PADDED = [((128, 200, 25), 32), ((16, 1024, 100), 104)]
+DROPOUT_SHAPES = [(16, 1024, 128), (16, 4096, 128)]
+
+
+def padded_and_dropout(args):
+    """Forward / backward microseconds of the padded head dims against the dims they pad to (the copy's
+    cost is the difference), and of attention dropout (mma.sync on every GPU) against dropout off."""
+    rows = []
+
+    def times(B, N, D, **kw):
+        c = make_case(B, N, D, varied=True)
+        q, k, v = c["q"], c["k"], c["v"]
+        return fwd_bwd_us(lambda: torchfuse.hstu_attention(q, k, v, c["offsets"], N, c["alpha"], validate=False, **kw),
+                          [q, k, v], torch.randn_like(v), args.quick)
+
+    for (B, N, D), Dk in PADDED:
+        t_p, t_k = times(B, N, D), times(B, N, Dk)
+        rows.append([f"{B}, {N}, {D}", f"head dim {D} (padded to {Dk})", f"{t_p[0]:.0f} / {t_p[1]:.0f}",
+                     f"{t_k[0]:.0f} / {t_k[1]:.0f}", f"{C.ratio(t_p[0], t_k[0])} / {C.ratio(t_p[1], t_k[1])}"])
+    for B, N, D in DROPOUT_SHAPES:
+        t_d = times(B, N, D, dropout_p=0.1)
+        t_0 = times(B, N, D)
+        with torchfuse.backends.use(hstu="mma"):
+            t_m = times(B, N, D)
+        rows.append([f"{B}, {N}, {D}", "dropout 0.1 vs off (auto)", f"{t_d[0]:.0f} / {t_d[1]:.0f}",
+                     f"{t_0[0]:.0f} / {t_0[1]:.0f}", f"{C.ratio(t_d[0], t_0[0])} / {C.ratio(t_d[1], t_0[1])}"])
+        rows.append([f"{B}, {N}, {D}", "dropout 0.1 vs off (mma)", f"{t_d[0]:.0f} / {t_d[1]:.0f}",
+                     f"{t_m[0]:.0f} / {t_m[1]:.0f}", f"{C.ratio(t_d[0], t_m[0])} / {C.ratio(t_d[1], t_m[1])}"])
+        torch.cuda.empty_cache()
+    return ("Padded head dims and attention dropout, us (lower is better; lengths U[N/2, N]); x = the row's "
+            "time / the baseline's, so the padded copy's or the dropout's cost.",
+            ["B, N, D", "case", "fwd / bwd us", "baseline fwd / bwd us", "time / baseline (fwd / bwd)"], rows)
+
+
 def run(args):
     rep = C.Report("hstu", "HSTU attention, bf16, causal, H = 4")
     peak = C.tensor_peak_tflops()
@@ -186,6 +224,7 @@ def run(args):
               ["B, N, D", "lengths", "ours fwd", "ours bwd", "fwd % of peak", "fwd sm90 / mma", "Triton fwd",
                "Triton bwd", "fwd vs Triton", "bwd vs Triton", "SDPA fwd", "fwd vs SDPA", "eager fwd / bwd",
                "compile fwd / bwd"], rows)
+    rep.table(*padded_and_dropout(args))
     return rep
 
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "tf_check.h"
+#include "tf_philox_glue.h"
 
 namespace torchfuse {
 namespace {
@@ -21,7 +22,7 @@ int hstu_dtype(at::ScalarType t, const char *op, const char *arg, bool cuda) {
     return kernel_dtype(t, op, arg);
 }
 
-bool head_dim_ok(int64_t d) { return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
+bool head_dim_ok(int64_t d) { return d >= 1 && d <= 256; }
 
 // A (rows, H, D) tensor with unit last stride (and, for CUDA, 16-byte aligned rows and heads).
 at::Tensor rows_heads(const at::Tensor &t, bool cuda) {
@@ -86,7 +87,7 @@ Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, cons
                 v.size(1));
     TORCH_CHECK(k.size(2) == p.dqk, op, ": k's head dim must equal q's (", p.dqk, "), got ", k.size(2));
     TORCH_CHECK(head_dim_ok(p.dqk) && head_dim_ok(p.dv), op,
-                ": head dims must be one of 32, 64, 96, 128, 192, 256, got Dqk=", p.dqk, " Dv=", p.dv);
+                ": head dims must lie in [1, 256], got Dqk=", p.dqk, " Dv=", p.dv);
     TORCH_CHECK(v.size(0) == p.L, op, ": k and v must have the same number of rows, got ", p.L, " and ", v.size(0));
     TORCH_CHECK(seq_offsets.dim() == 1 && seq_offsets.size(0) >= 1, op,
                 ": seq_offsets must be 1-D with B + 1 entries, got shape ", seq_offsets.sizes());
@@ -186,6 +187,29 @@ Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, cons
     return g;
 }
 
+void prepare_hstu_dropout(Hstu &g, const char *op, double dropout_p, const std::optional<at::Tensor> &rng_state,
+                          bool cuda) {
+    TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p must lie in [0, 1), got ", dropout_p);
+    if (dropout_p == 0.0) return;
+    TORCH_CHECK_VALUE(g.p.delta == 0, op, ": the cached-inference form has no dropout (dropout_p must be 0)");
+    TORCH_CHECK_VALUE(rng_state.has_value(), op, ": dropout_p > 0 needs rng_state (hstu_dropout_state)");
+    const at::Tensor &r = *rng_state;
+    check_same_device(r, g.q, op, "rng_state", "q");
+    TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 1 && r.size(0) == 2, op,
+                ": rng_state must be int64 of shape (2,) (seed, offset), got ", r.scalar_type(), " of shape ",
+                r.sizes());
+    g.rng = r.contiguous();
+    g.p.dropout_p = dropout_p;
+    const int64_t *st = g.rng.data_ptr<int64_t>();
+    if (cuda) {
+        g.p.philox.seed_ptr = st;
+        g.p.philox.offset_ptr = st + 1;
+    } else {
+        g.p.philox.seed = (uint64_t)st[0];
+        g.p.philox.offset = (uint64_t)st[1];
+    }
+}
+
 void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda) {
     tf_hstu_params &p = g.p;
     const char *op = "torchfuse.hstu_bwd";
@@ -228,12 +252,14 @@ at::Tensor hstu_fwd_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tens
                         int64_t max_seq_len, double alpha, std::optional<int64_t> scaling_seqlen,
                         int64_t contextual_seq_len, int64_t max_attn_len, int64_t min_full_attn_seq_len,
                         int64_t target_group_size, int64_t delta, bool validate,
-                        std::optional<c10::string_view> backend) {
+                        std::optional<c10::string_view> backend, double dropout_p,
+                        const std::optional<at::Tensor> &rng_state) {
     hstu_backend(backend, "torchfuse.hstu_attention");  // checked; the CPU has one path
     Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias,
                           opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
                                min_full_attn_seq_len, target_group_size, delta, /*validate=*/true),
                           false);  // on the CPU checking costs nothing: always
+    prepare_hstu_dropout(g, "torchfuse.hstu_attention", dropout_p, rng_state, false);
     const tf_hstu_params p = g.p;
     at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) { tf_hstu_fwd_cpu(&p, b0, b1); });
     return g.o;
@@ -244,12 +270,14 @@ HstuBwdResult hstu_bwd_cpu(const at::Tensor &dout, const at::Tensor &q, const at
                            const std::optional<at::Tensor> &attn_bias, int64_t max_seq_len, double alpha,
                            std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
                            int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad,
-                           std::optional<c10::string_view> backend) {
+                           std::optional<c10::string_view> backend, double dropout_p,
+                           const std::optional<at::Tensor> &rng_state) {
     hstu_backend(backend, "torchfuse.hstu_bwd");
     Hstu g = prepare_hstu("torchfuse.hstu_bwd", q, k, v, seq_offsets, num_targets, attn_bias,
                           opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
                                min_full_attn_seq_len, target_group_size, 0, true),
                           false);
+    prepare_hstu_dropout(g, "torchfuse.hstu_bwd", dropout_p, rng_state, false);
     prepare_hstu_bwd(g, dout, bias_grad, false);
     const tf_hstu_params p = g.p;
     at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) { tf_hstu_bwd_cpu(&p, b0, b1); });
@@ -257,11 +285,20 @@ HstuBwdResult hstu_bwd_cpu(const at::Tensor &dout, const at::Tensor &q, const at
     return {g.dq, g.dk, g.dv, db};
 }
 
+at::Tensor hstu_dropout_state_cpu(const at::Tensor &like, std::optional<int64_t> seed) {
+    const tf_philox_args a = philox_args_cpu(seed);
+    at::Tensor r = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+    r.data_ptr<int64_t>()[0] = (int64_t)a.seed;
+    r.data_ptr<int64_t>()[1] = (int64_t)a.offset;
+    return r;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("hstu_fwd", &hstu_fwd_cpu);
     m.impl("hstu_bwd", &hstu_bwd_cpu);
+    m.impl("hstu_dropout_state", &hstu_dropout_state_cpu);
 }
 
 }  // namespace torchfuse

@@ -18,7 +18,7 @@ using HstuBwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 // Checked inputs (kept alive while the kernels read them), outputs and kernel params.
 struct Hstu {
     tf_hstu_params p;
-    at::Tensor q, k, v, offsets, targets, bias, dout;  // possibly contiguous copies
+    at::Tensor q, k, v, offsets, targets, bias, dout, rng;  // possibly contiguous copies
     at::Tensor o, dq, dk, dv, dbias;                   // outputs (dbias: the accumulation buffer)
     bool covered;  // the sequences cover every row of k / v (else outputs start zeroed)
 };
@@ -40,6 +40,11 @@ Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, cons
 // "mma"; None: the process default, TORCHFUSE_HSTU_BACKEND (read once; unset: auto). The CPU path checks
 // the name only.
 int hstu_backend(const std::optional<c10::string_view> &backend, const char *op);
+
+// Dropout on top of prepare_hstu: checks dropout_p (in [0, 1)) and, when it is > 0, rng_state (int64 (2,):
+// seed, offset, on q's device), read by the kernels (on CUDA from the device, so that CUDA graphs replay it).
+void prepare_hstu_dropout(Hstu &g, const char *op, double dropout_p, const std::optional<at::Tensor> &rng_state,
+                          bool cuda);
 
 // Backward extras on top of prepare_hstu: dout and the gradient outputs / accumulators.
 void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda);

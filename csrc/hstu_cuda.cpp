@@ -7,9 +7,48 @@
 
 #include "hstu.h"
 #include "tf_check.h"
+#include "tf_philox_glue_cuda.h"
 
 namespace torchfuse {
 namespace {
+
+// Head dims the 16-bit kernels take: multiples of 8, rows of 16-byte multiples that cp.async and the copy
+// engine address; the kernels zero-fill their tiles past the real dim (as 96 and 192 always ran in the
+// 128 / 256 tiles). Any other head dim runs on a copy zero-padded to the next multiple of 8, exact: zero
+// columns of q and k add nothing to q k^T, zero columns of v give zero output columns (sliced off), and
+// alpha and the scaling take no part in the padding. fp32 runs every dim directly.
+int64_t kernel_head_dim(int64_t d) { return (d + 7) / 8 * 8; }
+
+struct HeadPad {
+    bool on;
+    int64_t dqk, dv, pqk, pv;  // the real dims and the kernels'
+};
+
+// Inputs the op will accept except for their head dims; anything else goes to the checks unpadded.
+HeadPad head_pad(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
+    HeadPad h{};
+    if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3) return h;
+    const at::ScalarType t = q.scalar_type();
+    if ((t != at::kHalf && t != at::kBFloat16) || k.scalar_type() != t || v.scalar_type() != t) return h;
+    h.dqk = q.size(2);
+    h.dv = v.size(2);
+    if (k.size(2) != h.dqk || h.dqk < 1 || h.dqk > 256 || h.dv < 1 || h.dv > 256) return h;
+    h.pqk = kernel_head_dim(h.dqk);
+    h.pv = kernel_head_dim(h.dv);
+    h.on = h.pqk != h.dqk || h.pv != h.dv;
+    return h;
+}
+
+at::Tensor pad_dim(const at::Tensor &t, int64_t d) {
+    return t.size(2) == d ? t : at::constant_pad_nd(t, {0, d - t.size(2)});
+}
+
+at::Tensor cut_dim(const at::Tensor &t, int64_t d) { return t.size(2) == d ? t : t.narrow(2, 0, d).contiguous(); }
+
+void check_kernel_dims(const tf_hstu_params &p) {
+    TORCH_INTERNAL_ASSERT(p.dtype == TF_F32 || (kernel_head_dim(p.dqk) == p.dqk && kernel_head_dim(p.dv) == p.dv),
+                          "torchfuse: HSTU head dims ", p.dqk, ", ", p.dv, " reached the 16-bit kernels unpadded");
+}
 
 void check_launch(int err, const char *what) {
     TORCH_CHECK(err == 0, "torchfuse: ", what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
@@ -37,14 +76,23 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
                          int64_t max_seq_len, double alpha, std::optional<int64_t> scaling_seqlen,
                          int64_t contextual_seq_len, int64_t max_attn_len, int64_t min_full_attn_seq_len,
                          int64_t target_group_size, int64_t delta, bool validate,
-                         std::optional<c10::string_view> backend) {
+                         std::optional<c10::string_view> backend, double dropout_p,
+                         const std::optional<at::Tensor> &rng_state) {
+    if (const HeadPad hp = head_pad(q, k, v); hp.on)
+        return cut_dim(hstu_fwd_cuda(pad_dim(q, hp.pqk), pad_dim(k, hp.pqk), pad_dim(v, hp.pv), seq_offsets,
+                                     num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen, contextual_seq_len,
+                                     max_attn_len, min_full_attn_seq_len, target_group_size, delta, validate, backend,
+                                     dropout_p, rng_state),
+                       hp.dv);
     const c10::cuda::CUDAGuard guard(q.device());
     const int kernels = hstu_backend(backend, "torchfuse.hstu_attention");
     Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias,
                           HstuOpts{max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
                                    min_full_attn_seq_len, target_group_size, delta, validate},
                           true);
+    prepare_hstu_dropout(g, "torchfuse.hstu_attention", dropout_p, rng_state, true);
     g.p.backend = kernels;
+    check_kernel_dims(g.p);
     // the sm_90a kernel's work counter (it zeroes it on the stream before its launch)
     const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
@@ -59,15 +107,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
     const std::optional<at::Tensor> &attn_bias, int64_t max_seq_len, double alpha,
     std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
     int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad,
-    std::optional<c10::string_view> backend) {
+    std::optional<c10::string_view> backend, double dropout_p, const std::optional<at::Tensor> &rng_state) {
+    if (const HeadPad hp = head_pad(q, k, v); hp.on && dout.dim() == 3 && dout.size(2) == hp.dv) {
+        auto [dq, dk, dv, db] = hstu_bwd_cuda(pad_dim(dout, hp.pv), pad_dim(q, hp.pqk), pad_dim(k, hp.pqk),
+                                              pad_dim(v, hp.pv), seq_offsets, num_targets, attn_bias, max_seq_len,
+                                              alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
+                                              min_full_attn_seq_len, target_group_size, bias_grad, backend,
+                                              dropout_p, rng_state);
+        return {cut_dim(dq, hp.dqk), cut_dim(dk, hp.dqk), cut_dim(dv, hp.dv), db};
+    }
     const c10::cuda::CUDAGuard guard(q.device());
     const int kernels = hstu_backend(backend, "torchfuse.hstu_bwd");
     Hstu g = prepare_hstu("torchfuse.hstu_bwd", q, k, v, seq_offsets, num_targets, attn_bias,
                           HstuOpts{max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
                                    min_full_attn_seq_len, target_group_size, 0, false},
                           true);
+    prepare_hstu_dropout(g, "torchfuse.hstu_bwd", dropout_p, rng_state, true);
     prepare_hstu_bwd(g, dout, bias_grad, true);
     g.p.backend = kernels;
+    check_kernel_dims(g.p);
     // the persistent sm_90a backward's work counter, its own (zeroed by the launch on the stream)
     const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
@@ -78,11 +136,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
     return {dq, g.dk, g.dv, db};
 }
 
+// Reserved from the CUDA generator as PyTorch's fused dropout does; under graph capture the values are
+// read from the generator's device slots by the two small ops here, so each replay draws a fresh mask.
+at::Tensor hstu_dropout_state_cuda(const at::Tensor &like, std::optional<int64_t> seed) {
+    const c10::cuda::CUDAGuard guard(like.device());
+    const at::TensorOptions opt = like.options().dtype(at::kLong);
+    const tf_philox_args a = philox_args_cuda(seed);
+    if (a.seed_ptr) {
+        const at::Tensor s = at::from_blob(const_cast<int64_t *>(a.seed_ptr), {1}, opt);
+        const at::Tensor o = at::from_blob(const_cast<int64_t *>(a.offset_ptr), {1}, opt);
+        return at::cat({s, o + (int64_t)a.offset_intragraph});
+    }
+    at::Tensor r = at::full({2}, (int64_t)a.seed, opt);
+    r.narrow(0, 1, 1).fill_((int64_t)a.offset);
+    return r;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("hstu_fwd", &hstu_fwd_cuda);
     m.impl("hstu_bwd", &hstu_bwd_cuda);
+    m.impl("hstu_dropout_state", &hstu_dropout_state_cuda);
 }
 
 }  // namespace torchfuse

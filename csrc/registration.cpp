@@ -58,14 +58,20 @@ TORCH_LIBRARY(torchfuse, m) {
     m.def(
         "hstu_fwd(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, Tensor? num_targets, Tensor? attn_bias, "
         "int max_seq_len, float alpha, int? scaling_seqlen, int contextual_seq_len, int max_attn_len, "
-        "int min_full_attn_seq_len, int target_group_size, int delta, bool validate=True, str? backend=None) "
-        "-> Tensor");
+        "int min_full_attn_seq_len, int target_group_size, int delta, bool validate=True, str? backend=None, "
+        "float dropout_p=0.0, Tensor? rng_state=None) -> Tensor");
+    // dropout_p > 0 (delta = 0 only): dropout on the attention weights, its mask from rng_state
+    // (hstu_dropout_state), the same in hstu_bwd.
     // Gradients of hstu_fwd (delta = 0): (dq, dk, dv, dattn_bias); dattn_bias empty unless bias_grad.
     m.def(
         "hstu_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor seq_offsets, Tensor? num_targets, "
         "Tensor? attn_bias, int max_seq_len, float alpha, int? scaling_seqlen, int contextual_seq_len, "
-        "int max_attn_len, int min_full_attn_seq_len, int target_group_size, bool bias_grad, str? backend=None) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+        "int max_attn_len, int min_full_attn_seq_len, int target_group_size, bool bias_grad, str? backend=None, "
+        "float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor, Tensor, Tensor, Tensor)");
+    // Dropout's Philox (seed, offset) for one hstu_fwd call and its backward: int64 (2,) on like's device.
+    // seed=None draws from torch's default generator of that device (on CUDA the 4 offsets PyTorch's fused
+    // dropout reserves, the values written on the device, so a captured CUDA graph draws anew each replay).
+    m.def("hstu_dropout_state(Tensor like, int? seed=None) -> Tensor");
 
     // ---- dynamic embeddings (python/torchfuse/dynamic_embedding/) ----
     // Internal ops on a table's state (layout and semantics: kernels/dynemb_kernels.h). `table` is the

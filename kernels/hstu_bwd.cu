@@ -17,6 +17,11 @@
  * Jagged scheduling: blocks ordered by key tile, lowest first (the most query tiles to visit), then
  * sequence and head; blocks past the end of their sequence exit at once.
  *
+ * Dropout (DROP, a separate instantiation so the kernel without it is unchanged): P^T and dZ^T are
+ * multiplied by the forward's factors, regenerated from Philox (one block per element: a thread's
+ * elements of one key are rows apart), before dbias, dV and dK take them. tf_hstu_bwd_cuda sends dropout
+ * here on every GPU.
+ *
  * fp32 kernels: one warp per (row, head) for dQ and one per (key, head) for dK, dV, dbias; plain FMA. */
 #include <cuda_runtime.h>
 
@@ -47,7 +52,7 @@ __device__ __forceinline__ uint16_t to_bits<__half>(float x) {
     return __half_as_ushort(__float2half_rn(x));
 }
 
-template <typename T, int D>
+template <typename T, int D, bool DROP>
 __global__ void __launch_bounds__(32 * BwdCfg<D>::NW) hstu_bwd_mma(const tf_hstu_params p, int k_tiles) {
     using C = BwdCfg<D>;
     constexpr int NW = C::NW, NT = 32 * NW, BM = C::BM, BN = C::BN, LDS = C::LDS, LDSS = C::LDSS;
@@ -68,6 +73,14 @@ __global__ void __launch_bounds__(32 * BwdCfg<D>::NW) hstu_bwd_mma(const tf_hstu
     const float alpha = (float)p.alpha, inv_scale = (float)p.inv_scale;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
     const int ks = warp / C::DSPLIT, dpart = warp % C::DSPLIT;
+    uint64_t dseed = 0, doff = 0;
+    if constexpr (DROP) tf_philox_resolve(&p.philox, &dseed, &doff);
+    const float drop_p = (float)p.dropout_p, drop_scale = 1.f / (1.f - drop_p);
+    // dropout's factor of (query position pos, key): the forward's
+    auto drop_at = [&](int pos, int key) {
+        return tf_hstu_drop_factor(dseed, doff, tf_hstu_drop_index(s.start + pos, h, p.H, p.max_seq_len, key), drop_p,
+                                   drop_scale);
+    };
 
     int ctx_end, lo, hi;
     tf_hstu_row_range(&s.mask, k0, k0 + nk, &ctx_end, &lo, &hi);
@@ -140,6 +153,11 @@ __global__ void __launch_bounds__(32 * BwdCfg<D>::NW) hstu_bwd_mma(const tf_hstu
                     const float z = alpha * st[nt][e], sg = sigmoid_fast(z);
                     st[nt][e] = z * sg * inv_scale;
                     dpt[nt][e] *= inv_scale * alpha * sg * fmaf(z, 1.f - sg, 1.f);
+                    if constexpr (DROP) {
+                        const float f = drop_at(q0 + nt * 8 + 2 * t4 + (e & 1), k0 + ks * 16 + g + (e >= 2 ? 8 : 0));
+                        st[nt][e] *= f;
+                        dpt[nt][e] *= f;
+                    }
                 }
         } else {
             float *dbias = (float *)p.dbias;
@@ -155,8 +173,14 @@ __global__ void __launch_bounds__(32 * BwdCfg<D>::NW) hstu_bwd_mma(const tf_hstu
                     float x = st[nt][e];
                     if (p.bias && in) x += tf_bias_load(p.bias, p.bias_dtype, bidx);
                     const float z = alpha * x, sg = sigmoid_fast(z);
-                    const float dz = dpt[nt][e] * inv_scale * alpha * sg * fmaf(z, 1.f - sg, 1.f);
-                    st[nt][e] = in ? z * sg * inv_scale : 0.f;
+                    float dz = dpt[nt][e] * inv_scale * alpha * sg * fmaf(z, 1.f - sg, 1.f);
+                    float pw = z * sg * inv_scale;
+                    if constexpr (DROP) {
+                        const float f = drop_at(pos, key);
+                        dz *= f;
+                        pw *= f;
+                    }
+                    st[nt][e] = in ? pw : 0.f;
                     dpt[nt][e] = in ? dz : 0.f;
                     if (dbias && in && dpart == 0) atomicAdd(dbias + bidx, dz);
                 }
@@ -276,6 +300,7 @@ __device__ __forceinline__ float warp_dot(const float *a, const float *b, int d,
 }
 
 /* fp32 dQ: one warp per (row, head); writes p.dq_acc. */
+template <bool DROP>
 __global__ void hstu_bwd_dq_f32(const tf_hstu_params p) {
     const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int h = blockIdx.y, lane = threadIdx.x % 32;
@@ -288,6 +313,9 @@ __global__ void hstu_bwd_dq_f32(const tf_hstu_params p) {
     const float *q = (const float *)p.q + row * p.q_sr + h * p.q_sh;
     const float *dout = (const float *)p.dout + row * p.do_sr + h * p.do_sh;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    uint64_t dseed = 0, doff = 0;
+    if constexpr (DROP) tf_philox_resolve(&p.philox, &dseed, &doff);
+    const float drop_p = (float)p.dropout_p, drop_scale = 1.f / (1.f - drop_p);
     int lo, hi;
     tf_hstu_col_range(&s.mask, pos, pos + 1, &lo, &hi);
     for (int key = lo; key <= hi; ++key) {
@@ -297,8 +325,11 @@ __global__ void hstu_bwd_dq_f32(const tf_hstu_params p) {
         float x = warp_dot(q, k, (int)p.dqk, lane);
         if (p.bias) x += tf_bias_load(p.bias, p.bias_dtype, b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key);
         const float z = (float)p.alpha * x, sg = 1.f / (1.f + expf(-z));
-        const float dz = warp_dot(dout, v, (int)p.dv, lane) * (float)p.inv_scale * sg * (1.f + z * (1.f - sg)) *
-                         (float)p.alpha;
+        float dz = warp_dot(dout, v, (int)p.dv, lane) * (float)p.inv_scale * sg * (1.f + z * (1.f - sg)) *
+                   (float)p.alpha;
+        if constexpr (DROP)
+            dz *= tf_hstu_drop_factor(dseed, doff, tf_hstu_drop_index(row, h, p.H, p.max_seq_len, key), drop_p,
+                                      drop_scale);
 #pragma unroll
         for (int c = 0; c < 8; ++c)
             if (lane + 32 * c < p.dqk) acc[c] += dz * k[lane + 32 * c];
@@ -310,6 +341,7 @@ __global__ void hstu_bwd_dq_f32(const tf_hstu_params p) {
 }
 
 /* fp32 dK, dV (and dbias): one warp per (key row, head). */
+template <bool DROP>
 __global__ void hstu_bwd_dkv_f32(const tf_hstu_params p) {
     const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int h = blockIdx.y, lane = threadIdx.x % 32;
@@ -323,6 +355,9 @@ __global__ void hstu_bwd_dkv_f32(const tf_hstu_params p) {
     const float *k = (const float *)p.k + row * p.k_sr + h * p.k_sh;
     const float *v = (const float *)p.v + row * p.v_sr + h * p.v_sh;
     float dka[8] = {0, 0, 0, 0, 0, 0, 0, 0}, dva[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    uint64_t dseed = 0, doff = 0;
+    if constexpr (DROP) tf_philox_resolve(&p.philox, &dseed, &doff);
+    const float drop_p = (float)p.dropout_p, drop_scale = 1.f / (1.f - drop_p);
     int ctx_end, lo, hi;
     tf_hstu_row_range(&s.mask, key, key + 1, &ctx_end, &lo, &hi);
     for (int pos = 0; in_seq && pos <= hi; ++pos) {
@@ -334,9 +369,13 @@ __global__ void hstu_bwd_dkv_f32(const tf_hstu_params p) {
         float x = warp_dot(q, k, (int)p.dqk, lane);
         if (p.bias) x += tf_bias_load(p.bias, p.bias_dtype, bidx);
         const float z = (float)p.alpha * x, sg = 1.f / (1.f + expf(-z));
-        const float pw = z * sg * (float)p.inv_scale;
+        const float f = DROP ? tf_hstu_drop_factor(dseed, doff, tf_hstu_drop_index(s.start + pos, h, p.H,
+                                                                                   p.max_seq_len, key),
+                                                    drop_p, drop_scale)
+                             : 1.f;
+        const float pw = z * sg * (float)p.inv_scale * f;
         const float dz = warp_dot(dout, v, (int)p.dv, lane) * (float)p.inv_scale * sg * (1.f + z * (1.f - sg)) *
-                         (float)p.alpha;
+                         (float)p.alpha * f;
         if (p.dbias && lane == 0) atomicAdd((float *)p.dbias + bidx, dz);
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
@@ -352,35 +391,43 @@ __global__ void hstu_bwd_dkv_f32(const tf_hstu_params p) {
     }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool DROP>
 cudaError_t launch_bwd(const tf_hstu_params &p, cudaStream_t stream) {
     using C = BwdCfg<D>;
     const int k_tiles = (int)((p.max_seq_len + C::BN - 1) / C::BN);
     const int64_t blocks = (int64_t)k_tiles * p.B * p.H;
     if (blocks == 0) return cudaSuccess;
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    cudaError_t err = cudaFuncSetAttribute(hstu_bwd_mma<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    cudaError_t err =
+        cudaFuncSetAttribute(hstu_bwd_mma<T, D, DROP>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
     if (err != cudaSuccess) return err;
-    hstu_bwd_mma<T, D><<<(unsigned)blocks, 32 * C::NW, C::SMEM, stream>>>(p, k_tiles);
+    hstu_bwd_mma<T, D, DROP><<<(unsigned)blocks, 32 * C::NW, C::SMEM, stream>>>(p, k_tiles);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t dispatch_bwd(const tf_hstu_params &p, cudaStream_t stream) {
-    return hstu_with_head_dim(p, [&](auto D) { return launch_bwd<T, decltype(D)::value>(p, stream); });
+    if (p.dropout_p > 0)
+        return hstu_with_head_dim(p, [&](auto D) { return launch_bwd<T, decltype(D)::value, true>(p, stream); });
+    return hstu_with_head_dim(p, [&](auto D) { return launch_bwd<T, decltype(D)::value, false>(p, stream); });
 }
 
 }  // namespace
 
 extern "C" int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
-    const int sm90 = tf_hstu_bwd_sm90(p, stream_);
+    const int sm90 = p->dropout_p > 0 ? -1 : tf_hstu_bwd_sm90(p, stream_);
     if (sm90 != -1) return sm90;
     if (p->dtype == TF_BF16) return (int)dispatch_bwd<__nv_bfloat16>(*p, stream);
     if (p->dtype == TF_F16) return (int)dispatch_bwd<__half>(*p, stream);
     if (p->L == 0 || p->H == 0) return 0;
     const dim3 grid((unsigned)((p->L + 3) / 4), (unsigned)p->H);
-    hstu_bwd_dq_f32<<<grid, 128, 0, stream>>>(*p);
-    hstu_bwd_dkv_f32<<<grid, 128, 0, stream>>>(*p);
+    if (p->dropout_p > 0) {
+        hstu_bwd_dq_f32<true><<<grid, 128, 0, stream>>>(*p);
+        hstu_bwd_dkv_f32<true><<<grid, 128, 0, stream>>>(*p);
+    } else {
+        hstu_bwd_dq_f32<false><<<grid, 128, 0, stream>>>(*p);
+        hstu_bwd_dkv_f32<false><<<grid, 128, 0, stream>>>(*p);
+    }
     return (int)cudaGetLastError();
 }

@@ -4,7 +4,7 @@
  * the row's spans (tf_hstu_row_spans()) only in 16-column blocks that tf_hstu_tile_full() does not clear, the
  * decisions the CUDA kernels make per tile (so these tests exercise them too). The backward makes two
  * passes: by rows for dQ, by columns (over tf_hstu_row_range(), testing the column's spans) for dK, dV
- * and dbias. */
+ * and dbias. Dropout multiplies P (and so dZ) by the factor tf_philox_keep draws per element, in every pass. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -62,6 +62,32 @@ static double z_of(const tf_hstu_params *p, int64_t b, int64_t h, int64_t pos, i
     return p->alpha * s;
 }
 
+/* Dropout on P: its seed and offset, resolved once per call (on the CPU the pointers are never set). */
+typedef struct {
+    int on;
+    uint64_t seed, offset;
+    float p;       /* the keep test's threshold, as the CUDA kernels compare it */
+    double scale;  /* 1 / (1 - p) */
+} drop_state;
+
+static drop_state drop_of(const tf_hstu_params *p) {
+    drop_state d = {0, 0, 0, 0.f, 1.0};
+    if (p->dropout_p > 0 && p->delta == 0) {
+        d.on = 1;
+        tf_philox_resolve(&p->philox, &d.seed, &d.offset);
+        d.p = (float)p->dropout_p;
+        d.scale = 1.0 / (1.0 - p->dropout_p);
+    }
+    return d;
+}
+
+/* P's factor at (row of q, head h, column col): 1 without dropout, else 0 or 1 / (1 - p) */
+static double drop_factor(const tf_hstu_params *p, const drop_state *d, int64_t row, int64_t h, int64_t col) {
+    if (!d->on) return 1.0;
+    return tf_philox_keep(d->seed, d->offset, tf_hstu_drop_index(row, h, p->H, p->max_seq_len, col), d->p) ? d->scale
+                                                                                                         : 0.0;
+}
+
 /* x lies in one of the n half-open spans [lo[i], hi[i]) */
 static int in_any_span(const int *lo, const int *hi, int n, int x) {
     for (int i = 0; i < n; ++i)
@@ -92,6 +118,7 @@ static int in_col_spans(const tf_hstu_mask *mk, int pos, int col) {
 
 void tf_hstu_fwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1) {
     const int64_t dqk = p->dqk, dv = p->dv;
+    const drop_state dr = drop_of(p);
     for (int64_t b = b0; b < b1; ++b) {
         const seq_info s = seq_of(p, b);
         double *Q = (double *)malloc(sizeof(double) * (size_t)(s.nq * dqk + s.n * (dqk + dv) + dv + 1));
@@ -106,7 +133,8 @@ void tf_hstu_fwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1) {
                 if (pos >= 0) {
                     FOR_VALID_COLS(&s.mask, pos, col) {
                         const double z = z_of(p, b, h, pos, col, Q + i * dqk, K + col * dqk);
-                        const double w = z / (1.0 + exp(-z)) * p->inv_scale;
+                        const double w =
+                            z / (1.0 + exp(-z)) * p->inv_scale * drop_factor(p, &dr, s.start + pos, h, col);
                         for (int64_t j = 0; j < dv; ++j) acc[j] += w * V[col * dv + j];
                     }
                 }
@@ -126,6 +154,7 @@ static double dz_of(const tf_hstu_params *p, double z, const double *dorow, cons
 void tf_hstu_bwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1) {
     const int64_t dqk = p->dqk, dv = p->dv;
     const double alpha = p->alpha;
+    const drop_state dr = drop_of(p);
     for (int64_t b = b0; b < b1; ++b) {
         const seq_info s = seq_of(p, b);
         const int64_t n = s.n;
@@ -141,7 +170,8 @@ void tf_hstu_bwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1) {
                 for (int64_t j = 0; j < dqk; ++j) acc[j] = 0;
                 FOR_VALID_COLS(&s.mask, pos, col) {
                     const double z = z_of(p, b, h, pos, col, Q + pos * dqk, K + col * dqk);
-                    const double dz = alpha * dz_of(p, z, DO + pos * dv, V + col * dv);
+                    const double dz = alpha * dz_of(p, z, DO + pos * dv, V + col * dv) *
+                                      drop_factor(p, &dr, s.start + pos, h, col);
                     for (int64_t j = 0; j < dqk; ++j) acc[j] += dz * K[col * dqk + j];
                 }
                 for (int64_t j = 0; j < dqk; ++j) st(p->dq, p->dtype, ((s.start + pos) * p->H + h) * dqk + j, acc[j]);
@@ -157,8 +187,9 @@ void tf_hstu_bwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1) {
                     if (!in_col_spans(&s.mask, pos, col)) continue;
                     const double z = z_of(p, b, h, pos, col, Q + pos * dqk, K + col * dqk);
                     const double sg = 1.0 / (1.0 + exp(-z));
-                    const double pw = z * sg * p->inv_scale;
-                    const double dz = alpha * dz_of(p, z, DO + pos * dv, V + col * dv);
+                    const double f = drop_factor(p, &dr, s.start + pos, h, col);
+                    const double pw = z * sg * p->inv_scale * f;
+                    const double dz = alpha * dz_of(p, z, DO + pos * dv, V + col * dv) * f;
                     for (int64_t j = 0; j < dqk; ++j) acc[j] += dz * Q[pos * dqk + j];
                     for (int64_t j = 0; j < dv; ++j) acc2[j] += pw * DO[pos * dv + j];
                     if (p->dbias) ((double *)p->dbias)[b * p->bias_sb + h * p->bias_sh + pos * p->bias_sr + col] += dz;

@@ -13,6 +13,10 @@
  * sequence, head) with the highest tile first, so the tiles with the most keys start first and the
  * blocks of short sequences (which exit at once past their end) fill in behind them.
  *
+ * Dropout (DROP, a separate instantiation so the kernel without it is unchanged): P's elements are
+ * multiplied by their factor (tf_hstu_drop_pair: a thread's two adjacent columns share one Philox block)
+ * before P V. tf_hstu_fwd_cuda sends dropout here on every GPU (the sm_90a kernel has no dropout form).
+ *
  * fp32 kernel: one warp per (query row, head), lanes across the head dims; plain FMA, for correctness. */
 #include <cuda_runtime.h>
 
@@ -30,7 +34,7 @@ struct FwdCfg {
     static constexpr int MIN_BLOCKS = D >= 256 ? 1 : 2;  // two blocks (16 warps) per SM up to D = 128
 };
 
-template <typename T, int D>
+template <typename T, int D, bool DROP>
 __global__ void __launch_bounds__(kFwdThreads, FwdCfg<D>::MIN_BLOCKS) hstu_fwd_mma(const tf_hstu_params p, int q_tiles) {
     constexpr int BM = kFwdBM, BN = FwdCfg<D>::BN, LDS = FwdCfg<D>::LDS;
     extern __shared__ __align__(16) uint16_t smem[];
@@ -49,6 +53,9 @@ __global__ void __launch_bounds__(kFwdThreads, FwdCfg<D>::MIN_BLOCKS) hstu_fwd_m
     const int rows_here = min(BM, s.nq - i0);
     const int dqk = (int)p.dqk, dv = (int)p.dv;
     const float alpha = (float)p.alpha, inv_scale = (float)p.inv_scale;
+    uint64_t dseed = 0, doff = 0;
+    if constexpr (DROP) tf_philox_resolve(&p.philox, &dseed, &doff);
+    const float drop_p = (float)p.dropout_p, drop_scale = 1.f / (1.f - drop_p);
 
     float o[D / 8][4];
 #pragma unroll
@@ -120,6 +127,20 @@ __global__ void __launch_bounds__(kFwdThreads, FwdCfg<D>::MIN_BLOCKS) hstu_fwd_m
                     }
                 }
             }
+            if constexpr (DROP) {
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int64_t row = s.start + pos0 + qrow + g + 8 * hh;  // full form: q row = k row
+                        float f0, f1;
+                        const int key = k0 + nt * 8 + 2 * t4;
+                        tf_hstu_drop_pair(dseed, doff, tf_hstu_drop_index(row, h, p.H, p.max_seq_len, key), drop_p,
+                                          drop_scale, &f0, &f1);
+                        sacc[nt][2 * hh] *= f0;
+                        sacc[nt][2 * hh + 1] *= f1;
+                    }
+            }
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
                 const uint32_t a[4] = {pack2<T>(sacc[2 * kk][0], sacc[2 * kk][1]),
@@ -154,6 +175,7 @@ __global__ void __launch_bounds__(kFwdThreads, FwdCfg<D>::MIN_BLOCKS) hstu_fwd_m
 }
 
 /* fp32: one warp per (query row, head); lanes split the head dims (up to 8 each). */
+template <bool DROP>
 __global__ void hstu_fwd_f32(const tf_hstu_params p, int64_t q_rows) {
     const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int h = blockIdx.y, lane = threadIdx.x % 32;
@@ -174,6 +196,9 @@ __global__ void hstu_fwd_f32(const tf_hstu_params p, int64_t q_rows) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     const float *q = (const float *)p.q + row * p.q_sr + h * p.q_sh;
     const bool covered = p.delta > 0 || (row >= s.start && i < s.n);
+    uint64_t dseed = 0, doff = 0;  // DROP: the full form only (the glue refuses dropout with delta)
+    if constexpr (DROP) tf_philox_resolve(&p.philox, &dseed, &doff);
+    const float drop_p = (float)p.dropout_p, drop_scale = 1.f / (1.f - drop_p);
     if (covered && pos >= 0) {
         int lo, hi;
         tf_hstu_col_range(&s.mask, pos, pos + 1, &lo, &hi);
@@ -184,7 +209,10 @@ __global__ void hstu_fwd_f32(const tf_hstu_params p, int64_t q_rows) {
             for (int j = lane; j < p.dqk; j += 32) d += q[j] * k[j];
             for (int off = 16; off; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
             if (p.bias) d += tf_bias_load(p.bias, p.bias_dtype, b * p.bias_sb + h * p.bias_sh + (int64_t)pos * p.bias_sr + key);
-            const float w = silu_of((float)p.alpha * d) * (float)p.inv_scale;
+            float w = silu_of((float)p.alpha * d) * (float)p.inv_scale;
+            if constexpr (DROP)
+                w *= tf_hstu_drop_factor(dseed, doff, tf_hstu_drop_index(row, h, p.H, p.max_seq_len, key), drop_p,
+                                         drop_scale);
             const float *v = (const float *)p.v + (s.start + key) * p.v_sr + h * p.v_sh;
 #pragma unroll
             for (int c = 0; c < 8; ++c)
@@ -197,20 +225,23 @@ __global__ void hstu_fwd_f32(const tf_hstu_params p, int64_t q_rows) {
         if (lane + 32 * c < p.dv && covered) o[lane + 32 * c] = acc[c];
 }
 
-template <typename T, int D>
+template <typename T, int D, bool DROP>
 cudaError_t launch_fwd(const tf_hstu_params &p, cudaStream_t stream) {
     const HstuFwdGrid g = hstu_fwd_grid(p, kFwdBM);
     if (g.err != cudaSuccess || g.blocks == 0) return g.err;
     constexpr int smem = FwdCfg<D>::SMEM;
-    cudaError_t err = cudaFuncSetAttribute(hstu_fwd_mma<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t err =
+        cudaFuncSetAttribute(hstu_fwd_mma<T, D, DROP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    hstu_fwd_mma<T, D><<<(unsigned)g.blocks, kFwdThreads, smem, stream>>>(p, g.q_tiles);
+    hstu_fwd_mma<T, D, DROP><<<(unsigned)g.blocks, kFwdThreads, smem, stream>>>(p, g.q_tiles);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t dispatch_fwd(const tf_hstu_params &p, cudaStream_t stream) {
-    return hstu_with_head_dim(p, [&](auto D) { return launch_fwd<T, decltype(D)::value>(p, stream); });
+    if (p.dropout_p > 0 && p.delta == 0)
+        return hstu_with_head_dim(p, [&](auto D) { return launch_fwd<T, decltype(D)::value, true>(p, stream); });
+    return hstu_with_head_dim(p, [&](auto D) { return launch_fwd<T, decltype(D)::value, false>(p, stream); });
 }
 
 
@@ -236,14 +267,17 @@ __global__ void hstu_zero_outside(ZeroOutside z, int64_t L, const void *offsets,
 
 extern "C" int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
-    const int sm90 = tf_hstu_fwd_sm90(p, stream_);
+    const int sm90 = p->dropout_p > 0 && p->delta == 0 ? -1 : tf_hstu_fwd_sm90(p, stream_);
     if (sm90 >= 0) return sm90;
     if (p->dtype == TF_BF16) return (int)dispatch_fwd<__nv_bfloat16>(*p, stream);
     if (p->dtype == TF_F16) return (int)dispatch_fwd<__half>(*p, stream);
     const int64_t q_rows = p->delta > 0 ? p->B * p->delta : p->L;
     if (q_rows == 0 || p->H == 0) return 0;
     const dim3 grid((unsigned)((q_rows + 3) / 4), (unsigned)p->H);
-    hstu_fwd_f32<<<grid, 128, 0, stream>>>(*p, q_rows);
+    if (p->dropout_p > 0 && p->delta == 0)
+        hstu_fwd_f32<true><<<grid, 128, 0, stream>>>(*p, q_rows);
+    else
+        hstu_fwd_f32<false><<<grid, 128, 0, stream>>>(*p, q_rows);
     return (int)cudaGetLastError();
 }
 

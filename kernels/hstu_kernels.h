@@ -11,6 +11,11 @@
  *   dV = P^T dO;  dZ = (dO V^T) . M * inv_scale . s (1 + z (1 - s));
  *   dQ = alpha dZ K;  dK = alpha dZ^T Q;  dbias = alpha dZ (summed over heads when bias has one head).
  *
+ * Dropout (training, full form only; dropout_p > 0): P is replaced by P . keep / (1 - dropout_p) in O and in
+ * the backward (dV = P'^T dO, dZ gains the same factor), keep drawn by Philox (tf_philox.h) per element
+ * from tf_hstu_drop_index(), so every path draws the same mask for the same seed and offset and the
+ * backward regenerates it.
+ *
  * Cached inference (delta > 0): q holds `delta` query rows per sequence (row b*delta + i is the query
  * at position n - delta + i; rows at negative positions give zeros); k, v are the full sequences.
  *
@@ -23,6 +28,7 @@
 #include <stdint.h>
 
 #include "tf_dtype.h"
+#include "tf_philox.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -58,6 +64,9 @@ typedef struct {
     float *dq_acc;                               /* CUDA: fp32 (rows, H, dqk) zeroed, or NULL */
     int *sched;    /* CUDA: one int of device scratch (the sm_90a kernels' work queue), or NULL */
     void *dbias;   /* NULL: no bias gradient; else zeroed, bias's (contiguous) shape: double on the CPU, fp32 on CUDA */
+    /* dropout on P (delta == 0 only): off when dropout_p is 0 */
+    double dropout_p;  /* the keep test compares against (float)dropout_p on every path */
+    tf_philox_args philox;
 } tf_hstu_params;
 
 /* ---- the mask, shared by every path ---- */
@@ -189,6 +198,30 @@ TF_HSTU_HD int tf_hstu_tile_full(const tf_hstu_mask *k, int p0, int p1, int q0, 
     if (p1 > k->n) p1 = k->n;
     if (p1 > k->u || q1 - 1 > p0 || p0 < k->c || q0 < 0) return 0;
     return k->m == 0 || tf_hstu_id(k, p1 - 1) - tf_hstu_id(k, q0) <= k->m;
+}
+
+/* ---- dropout ---- */
+/* Philox element index of P's element (query row `row` of q, i.e. offsets[b] + position; head h; key
+ * position col < max_seq_len). Rows are max_seq_len rounded up to a multiple of 4 apart, so an even
+ * column and the next share one Philox block (the mma.sync forward holds such pairs). */
+TF_HSTU_HD uint64_t tf_hstu_drop_index(int64_t row, int64_t h, int64_t H, int64_t max_seq_len, int64_t col) {
+    const uint64_t stride = ((uint64_t)max_seq_len + 3u) & ~(uint64_t)3u;
+    return ((uint64_t)row * (uint64_t)H + (uint64_t)h) * stride + (uint64_t)col;
+}
+
+/* The element's factor: 1 / (1 - p) (scale) when kept, else 0. */
+TF_HSTU_HD float tf_hstu_drop_factor(uint64_t seed, uint64_t offset, uint64_t e, float p, float scale) {
+    return tf_philox_keep(seed, offset, e, p) ? scale : 0.f;
+}
+
+/* The factors of elements e and e + 1, e even (one Philox block). */
+TF_HSTU_HD void tf_hstu_drop_pair(uint64_t seed, uint64_t offset, uint64_t e, float p, float scale, float *f0,
+                                  float *f1) {
+    uint32_t w[4];
+    tf_philox4x32_10(seed, offset, e >> 2, w);
+    const int i = (int)(e & 2u);
+    *f0 = tf_philox_uniform(w[i]) >= p ? scale : 0.f;
+    *f1 = tf_philox_uniform(w[i + 1]) >= p ? scale : 0.f;
 }
 
 /* ---- CPU (kernels/hstu_cpu.c) ---- */

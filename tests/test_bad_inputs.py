@@ -30,9 +30,11 @@ Case families (row id = family/case):
   hstu/      hstu_attention (plain, cached, with attn_bias), compat.gr.hstu_mha: int q, q/k/v dtypes
              that differ, float64 on CUDA, int attn_bias, float seq_offsets / num_targets, 2-D q or
              seq_offsets or num_targets, 3-D attn_bias, heads / head dims / rows that differ, head dims
-             16, 48, 512 and Dv 512, max_seq_len < 0 or 2^30, scaling_seqlen 0, target_group_size 0,
-             contextual_seq_len < 0, alpha NaN; num_targets / attn_bias / delta_q sized for another
-             batch, empty or 2-D seq_offsets (cached too), causal=False and dropout (gr); seq_offsets
+             0, 512 and Dv 257, max_seq_len < 0 or 2^30, scaling_seqlen 0, target_group_size 0,
+             contextual_seq_len < 0, alpha NaN, dropout_p < 0, 1 or NaN (op, wrapper, gr's
+             dropout_pr), rng_state of the wrong shape; num_targets / attn_bias / delta_q sized for another
+             batch, empty or 2-D seq_offsets (cached too), causal=False (gr); head dims 16, 48 / 25 and 1
+             (= reference); seq_offsets
              negative (near and -2^40), decreasing, past k's rows (near and 2^31 - 1), num_targets
              negative or past a sequence, a sequence longer than max_seq_len with attn_bias (unchecked:
              forward and backward, fp32 and bf16 on CUDA); empty batches, zero-length sequences,
@@ -660,14 +662,32 @@ HSTU_ROWS = _hstu_rows() + [
         lambda d: (lambda q, k, v: hstu(q, k, v[:-1], t(GOOD, d), MSL, 0.5))(*QKV(d))),
     bad("hstu/size/q-rows-differ", RuntimeError, r"q, k and v must have the same number of rows",
         lambda d: (lambda q, k, v: hstu(q[:-1], k, v, t(GOOD, d), MSL, 0.5))(*QKV(d))),
-    bad("hstu/limit/head-dim-16", RuntimeError, r"head dims must be one of 32, 64, 96, 128, 192, 256, got Dqk=16",
-        lambda d: hstu(*QKV(d, dqk=16, dv=16), t(GOOD, d), MSL, 0.5)),
-    bad("hstu/limit/head-dim-48", RuntimeError, r"head dims must be one of .* got Dqk=48",
-        lambda d: hstu(*QKV(d, dqk=48), t(GOOD, d), MSL, 0.5)),
-    bad("hstu/limit/head-dim-512", RuntimeError, r"head dims must be one of .* got Dqk=512",
+    same("hstu/head-dim/16", lambda d: _hstu_same(*QKV(d, dqk=16, dv=16), t(GOOD, d)), **HTOL),
+    same("hstu/head-dim/48-dv-25", lambda d: _hstu_same(*QKV(d, dqk=48, dv=25), t(GOOD, d)), **HTOL),
+    same("hstu/head-dim/1-bf16", lambda d: _hstu_same(*QKV(d, dqk=1, dv=1, dtype=torch.bfloat16), t(GOOD, d)),
+         rtol=2e-2, atol=2e-2),
+    bad("hstu/limit/head-dim-0", RuntimeError, r"head dims must lie in \[1, 256\], got Dqk=0",
+        lambda d: hstu(*QKV(d, dqk=0), t(GOOD, d), MSL, 0.5)),
+    bad("hstu/limit/head-dim-512", RuntimeError, r"head dims must lie in \[1, 256\], got Dqk=512",
         lambda d: hstu(*QKV(d, dqk=512, dv=512), t(GOOD, d), MSL, 0.5)),
-    bad("hstu/limit/dv-512", RuntimeError, r"head dims must be one of .* Dv=512",
-        lambda d: hstu(*QKV(d, dv=512), t(GOOD, d), MSL, 0.5)),
+    bad("hstu/limit/dv-257", RuntimeError, r"head dims must lie in \[1, 256\], got Dqk=32 Dv=257",
+        lambda d: hstu(*QKV(d, dv=257), t(GOOD, d), MSL, 0.5)),
+    bad("hstu/limit/dv-257-bf16", RuntimeError, r"head dims must lie in \[1, 256\], got Dqk=32 Dv=257",
+        lambda d: hstu(*QKV(d, dv=257, dtype=torch.bfloat16), t(GOOD, d), MSL, 0.5)),
+    bad("hstu/dropout/p-negative", ValueError, r"hstu_attention: dropout_p must lie in \[0, 1\), got -0.1",
+        lambda d: hstu(*QKV(d), t(GOOD, d), MSL, 0.5, dropout_p=-0.1)),
+    bad("hstu/dropout/p-1", ValueError, r"hstu_attention: dropout_p must lie in \[0, 1\), got 1.0",
+        lambda d: hstu(*QKV(d), t(GOOD, d), MSL, 0.5, dropout_p=1.0)),
+    bad("hstu/dropout/p-nan", ValueError, r"hstu_attention: dropout_p must lie in \[0, 1\), got nan",
+        lambda d: hstu(*QKV(d), t(GOOD, d), MSL, 0.5, dropout_p=float("nan"))),
+    bad("hstu/dropout/op-p-1", ValueError, r"hstu_attention: dropout_p must lie in \[0, 1\), got 1",
+        lambda d: torch.ops.torchfuse.hstu_fwd(*QKV(d), t(GOOD, d), None, None, MSL, 0.5, None, 0, 0, 0, 1, 0, True,
+                                               None, 1.0, t([1, 0], d))),
+    bad("hstu/dropout/gr-dropout_pr-1", ValueError, r"dropout_p must lie in \[0, 1\), got 1.0",
+        lambda d: gr.hstu_mha(MSL, 0.5, *QKV(d), t(GOOD, d), dropout_pr=1.0)),
+    bad("hstu/dropout/rng_state-shape", RuntimeError, r"rng_state must be int64 of shape \(2,\)",
+        lambda d: torch.ops.torchfuse.hstu_fwd(*QKV(d), t(GOOD, d), None, None, MSL, 0.5, None, 0, 0, 0, 1, 0, True,
+                                               None, 0.5, t([1, 0, 0], d))),
     bad("hstu/limit/max_seq_len-negative", RuntimeError, r"max_seq_len must be >= 0, got -1",
         lambda d: hstu(*QKV(d), t(GOOD, d), -1, 0.5)),
     bad("hstu/limit/max_seq_len-2^30", RuntimeError, r"max_seq_len too large",
@@ -700,8 +720,6 @@ HSTU_ROWS = _hstu_rows() + [
         lambda d: (lambda q, k, v: hstu_cached(q[:6], k, v, t([GOOD], d), MSL, 0.5))(*QKV(d))),
     bad("hstu/value/gr-causal-false", NotImplementedError, r"hstu_mha: only causal=True",
         lambda d: gr.hstu_mha(MSL, 0.5, *QKV(d), t(GOOD, d), causal=False)),
-    bad("hstu/value/gr-dropout", NotImplementedError, r"hstu_mha: attention dropout \(dropout_pr=0.1\)",
-        lambda d: gr.hstu_mha(MSL, 0.5, *QKV(d), t(GOOD, d), dropout_pr=0.1)),
     same("hstu/empty/B0", lambda d: (hstu(*QKV(d, rows=0), t([0], d), 0, 1.0), torch.zeros(0, HH, HD, device=d))),
     same("hstu/empty/zero-length-sequences", lambda d: _hstu_same(*QKV(d), t([0, 0, 4, 4, 4, 10], d), 6), **HTOL),
     same("hstu/empty/cached-B0", lambda d: (hstu_cached(*QKV(d, rows=0), t([0], d), MSL, 0.5),

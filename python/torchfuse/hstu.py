@@ -14,6 +14,12 @@ from ._stats import count
 
 _fwd = torch.ops.torchfuse.hstu_fwd.default
 _bwd = torch.ops.torchfuse.hstu_bwd.default
+_dropout_state = torch.ops.torchfuse.hstu_dropout_state.default
+
+
+def _check_dropout_p(op: str, dropout_p: float) -> None:
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"torchfuse.{op}: dropout_p must lie in [0, 1), got {dropout_p!r}")
 
 
 def hstu_attention(
@@ -32,6 +38,9 @@ def hstu_attention(
     scaling_seqlen: Optional[int] = None,
     attn_bias: Optional[Tensor] = None,
     validate: bool = True,
+    dropout_p: float = 0.0,
+    training: bool = True,
+    seed: Optional[int] = None,
 ) -> Tensor:
     """HSTU attention ("Actions Speak Louder than Words", Zhai et al. 2024) over jagged sequences.
 
@@ -46,7 +55,10 @@ def hstu_attention(
 
     Args:
         q, k: (L, H, Dqk); v: (L, H, Dv); bf16/fp16 (tensor cores on CUDA), fp32, or fp64 (CPU).
-            Head dims 32, 64, 96, 128, 192, 256; Dqk may differ from Dv.
+            Any head dims from 1 to 256; Dqk may differ from Dv. On CUDA the 16-bit kernels take
+            multiples of 8 directly; other dims run on a copy zero-padded to the next multiple of 8
+            (exact; the copy is one extra pass over q, k and v, which a model avoids with a multiple
+            of 8).
         seq_offsets: (B + 1,) int32/int64, non-decreasing; sequence lengths at most ``max_seq_len``.
         num_targets: (B,) int32/int64 or None.
         attn_bias: (B, 1 or H, max_seq_len, max_seq_len) or None, indexed by position in the sequence.
@@ -55,6 +67,14 @@ def hstu_attention(
             metadata is known good (GR's kernels never check): bad metadata then gives unspecified
             results, though the kernels clamp what they read to the tensors (no out-of-bounds access).
             On the CPU the checks always run (they cost nothing there).
+        dropout_p, training, seed: dropout on the attention weights (after SiLU, mask and 1 / S; kept
+            weights scaled by 1 / (1 - dropout_p)) when ``training`` and ``dropout_p > 0``, as
+            generative-recommenders' ``F.dropout`` there. The mask comes from Philox4x32-10 keyed by
+            ``(seed, offset)`` and each element's (row, head, column), and is regenerated in the
+            backward, never stored. ``seed=None`` draws seed and offset from torch's default generator
+            of q's device as PyTorch's fused dropout does (CUDA-graph safe); an explicit seed gives the
+            same mask on the CPU and on CUDA. On CUDA, dropout runs on the mma.sync kernels on every GPU
+            (the sm_90a wgmma kernels have no dropout form yet).
 
     Returns:
         (L, H, Dv) in q's dtype. Differentiable in q, k, v and attn_bias (its gradient is summed over
@@ -63,9 +83,12 @@ def hstu_attention(
     The CUDA kernels follow ``torchfuse.backends.hstu`` (see :mod:`torchfuse.backends`).
     """
     count("hstu_fwd")
+    _check_dropout_p("hstu_attention", dropout_p)
     args = (q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
             contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, 0, validate,
             backends.hstu)
+    if training and dropout_p > 0.0:
+        args += (float(dropout_p), _dropout_state(q, seed))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                     (attn_bias is not None and attn_bias.requires_grad)):
         return _HstuAttention.apply(*args)  # see _autograd.py: the same gradients, less host time
@@ -119,7 +142,7 @@ def hstu_attention_cached(
 @torch.library.register_fake("torchfuse::hstu_fwd")
 def _hstu_fwd_fake(q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
                    contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, delta, validate=True,
-                   backend=None):
+                   backend=None, dropout_p=0.0, rng_state=None):
     torch._check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
                  lambda: "torchfuse.hstu_attention: q, k, v must be 3-D")
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
@@ -127,9 +150,15 @@ def _hstu_fwd_fake(q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, al
 
 @torch.library.register_fake("torchfuse::hstu_bwd")
 def _hstu_bwd_fake(dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
-                   contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, bias_grad, backend=None):
+                   contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, bias_grad, backend=None,
+                   dropout_p=0.0, rng_state=None):
     db = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty(0, dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), db
+
+
+@torch.library.register_fake("torchfuse::hstu_dropout_state")
+def _hstu_dropout_state_fake(like, seed=None):
+    return like.new_empty((2,), dtype=torch.int64)
 
 
 # ---- autograd ----
@@ -137,19 +166,23 @@ def _hstu_bwd_fake(dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_l
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen, c, m, f, g, delta) = inputs[:14]
-    ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_bias)
+    dropout_p = inputs[16] if len(inputs) > 16 else 0.0
+    rng_state = inputs[17] if len(inputs) > 17 else None
+    ctx.save_for_backward(q, k, v, seq_offsets, num_targets, attn_bias, rng_state)
     ctx.opts = (max_seq_len, alpha, scaling_seqlen, c, m, f, g)
     ctx.delta = delta
     ctx.backend = inputs[15] if len(inputs) > 15 else None  # the backward runs the forward's selection
+    ctx.dropout_p = dropout_p
 
 
 def _backward(ctx, dout):
     if ctx.delta != 0:
         raise RuntimeError("torchfuse.hstu_attention_cached is inference-only; use hstu_attention for training")
-    q, k, v, seq_offsets, num_targets, attn_bias = ctx.saved_tensors
+    q, k, v, seq_offsets, num_targets, attn_bias, rng_state = ctx.saved_tensors
     need = ctx.needs_input_grad
     bias_grad = attn_bias is not None and need[5]
-    dq, dk, dv, db = _bwd(dout, q, k, v, seq_offsets, num_targets, attn_bias, *ctx.opts, bias_grad, ctx.backend)
+    dq, dk, dv, db = _bwd(dout, q, k, v, seq_offsets, num_targets, attn_bias, *ctx.opts, bias_grad, ctx.backend,
+                          ctx.dropout_p, rng_state)
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None,
             db if bias_grad else None) + (None,) * (len(need) - 6)
 

@@ -82,12 +82,13 @@ def jagged_dense_bmm_broadcast_add(max_seq_len: int, seq_offsets: Tensor, jagged
     return _jagged.jagged_dense_bmm_broadcast_add(max_seq_len, seq_offsets, jagged, dense, bias)
 
 
-# ---- HSTU attention (hstu_mha) ----
+# ---- HSTU attention (hstu_mha, delta_hstu_mha) ----
 from typing import Optional as _Optional
 
 import torch as _torch
 
 from ..hstu import hstu_attention as _hstu_attention
+from ..hstu import hstu_attention_cached as _hstu_attention_cached
 
 
 def hstu_mha(
@@ -106,21 +107,19 @@ def hstu_mha(
     min_full_attn_seq_len: int = 0,
     sort_by_length: bool = False,
     kernel=None,
+    enable_tma: bool = False,
 ) -> _torch.Tensor:
     """generative-recommenders' ``hstu_mha`` (same signature and semantics), on
-    :func:`torchfuse.hstu_attention`. ``sort_by_length`` and ``kernel`` are accepted and ignored (the
-    kernels schedule long sequences first themselves). Not supported: ``causal=False`` and dropout in
-    training (``dropout_pr > 0`` with ``training=True``): both raise NotImplementedError."""
+    :func:`torchfuse.hstu_attention`: any head dims up to 256, and attention dropout (``dropout_pr``
+    applied when ``training``, as GR's PyTorch form does, with the mask drawn from torch's generator).
+    ``sort_by_length``, ``kernel`` and ``enable_tma`` are accepted and ignored (the kernels schedule long
+    sequences first themselves and choose their loads). Not supported: ``causal=False``
+    (NotImplementedError, as GR's own kernels)."""
     if not causal:
         raise NotImplementedError("torchfuse.compat.gr.hstu_mha: only causal=True is implemented")
-    if dropout_pr > 0.0 and training:
-        raise NotImplementedError(
-            f"torchfuse.compat.gr.hstu_mha: attention dropout (dropout_pr={dropout_pr}) is not implemented; "
-            "pass dropout_pr=0.0 or training=False"
-        )
     return _hstu_attention(q, k, v, seq_offsets, max_seq_len, alpha, num_targets=num_targets,
                            contextual_seq_len=contextual_seq_len, max_attn_len=max_attn_len,
-                           min_full_attn_seq_len=min_full_attn_seq_len)
+                           min_full_attn_seq_len=min_full_attn_seq_len, dropout_p=dropout_pr, training=training)
 
 
 def delta_hstu_mha(
@@ -136,11 +135,11 @@ def delta_hstu_mha(
     kernel=None,
     enable_tma: bool = False,
 ) -> _torch.Tensor:
-    """generative-recommenders' ``delta_hstu_mha`` (cached attention of the last ``L / B`` queries of
-    every sequence), on :func:`torchfuse.hstu_attention_cached`; ``kernel`` and ``enable_tma`` ignored."""
-    from ..stu import _attention
-    return _attention(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets, contextual_seq_len, max_attn_len,
-                      delta=1)
+    """generative-recommenders' ``delta_hstu_mha`` (cached inference: ``delta_q`` holds the last
+    ``len(delta_q) // B`` query rows of every sequence), on :func:`torchfuse.hstu_attention_cached`.
+    ``kernel`` and ``enable_tma`` are accepted and ignored."""
+    return _hstu_attention_cached(delta_q, k, v, seq_offsets, max_seq_len, alpha, num_targets=num_targets,
+                                  contextual_seq_len=contextual_seq_len, max_attn_len=max_attn_len)
 
 
 # ---- the STU layer's input and output sections (ops/hstu_compute.py) ----
@@ -195,13 +194,13 @@ def hstu_preprocess_and_attention(
     returned whether or not ``prefill`` is set (GR's Triton path returns None for them). ``kernel``,
     ``sort_by_length`` and ``enable_tma`` are ignored; ``causal=False`` raises NotImplementedError."""
     from ..hstu_preprocess import hstu_preprocess
-    from ..stu import _attention
     if not causal:
         raise NotImplementedError("torchfuse.compat.gr.hstu_preprocess_and_attention: only causal=True is implemented")
     u, q, k, v = hstu_preprocess(x, norm_weight, norm_bias, norm_eps, uvqk_weight, uvqk_bias, num_heads, attn_dim,
                                  hidden_dim, recompute_normed_x=recompute_normed_x_in_backward,
                                  recompute_uvqk=recompute_uvqk_in_backward)
-    attn = _attention(q, k, v, seq_offsets, max_seq_len, attn_alpha, num_targets, contextual_seq_len, max_attn_len)
+    attn = _hstu_attention(q, k, v, seq_offsets, max_seq_len, attn_alpha, num_targets=num_targets,
+                           contextual_seq_len=contextual_seq_len, max_attn_len=max_attn_len, validate=False)
     return u, attn.reshape(-1, hidden_dim * num_heads), k, v
 
 
