@@ -6,9 +6,8 @@ One layer, for jagged input x (L, E) with sequence offsets:
     u, q, k, v = hstu_preprocess(x)    LayerNorm, one GEMM, u = SiLU(u), q/k/v views of its output
     attn = hstu_attention(q, k, v)                      (torchfuse kernel)
     y = dropout(cat[u, attn, u * LayerNorm(attn)])      (GroupNorm per head with use_group_norm)
-    out = x + y @ W_out
-The output's norm-multiply-dropout is a plain PyTorch composition here, computed as generative-recommenders'
-PyTorch ops compute it (fp32 for the output norm and product).
+    out = x + y @ W_out                                  hstu_compute_output: one kernel and the GEMM
+Any head dims from 1 to 256.
 """
 import dataclasses
 from typing import List, Optional, Tuple
@@ -18,14 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .hstu import hstu_attention, hstu_attention_cached
+from .hstu_output import hstu_compute_output
 from .hstu_preprocess import hstu_preprocess
 from .jagged import complete_cumsum, concat_2d_jagged, split_2d_jagged
 
 __all__ = ["STULayerConfig", "STULayer", "STUStack"]
-
-# head dims the attention kernels take; others run zero-padded to the next one (a copy of q, k, v)
-_KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-
 
 @dataclasses.dataclass
 class STULayerConfig:
@@ -48,44 +44,13 @@ class STULayerConfig:
     contextual_seq_len: int = 0
 
 
-def _padded_dim(d: int) -> int:
-    for k in _KERNEL_HEAD_DIMS:
-        if d <= k:
-            return k
-    raise ValueError(f"torchfuse.nn.STULayer: head dims up to {_KERNEL_HEAD_DIMS[-1]} are supported, got {d}")
-
-
-def _pad_last(t: Tensor, d: int) -> Tensor:
-    return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
-
-
 def _attention(q, k, v, offsets, max_seq_len, alpha, num_targets, contextual_seq_len, max_attn_len,
                delta: int = 0) -> Tensor:
-    """hstu_attention (delta = 0) or its cached rows (delta > 0), any head dims: zero columns added to
-    q and k add nothing to q k^T, and zero columns of v give zero output columns, sliced off."""
-    dv = v.shape[-1]
-    dqk = _padded_dim(q.shape[-1])
-    q, k, v = _pad_last(q, dqk), _pad_last(k, dqk), _pad_last(v, _padded_dim(dv))
+    """hstu_attention (delta = 0) or its cached rows (delta > 0); offsets were checked by the caller's
+    forward, so the kernels skip re-validating them."""
     fn = hstu_attention_cached if delta else hstu_attention
-    out = fn(q, k, v, offsets, max_seq_len, alpha, num_targets=num_targets,
-             contextual_seq_len=contextual_seq_len, max_attn_len=max_attn_len, validate=False)
-    return out if out.shape[-1] == dv else out[..., :dv]
-
-
-def _norm_mul_dropout(attn: Tensor, u: Tensor, weight: Tensor, bias: Tensor, eps: float, dropout_ratio: float,
-                      training: bool, group_norm: bool, num_heads: int, linear_dim: int) -> Tensor:
-    """cat[u, attn, u * norm(attn)] then dropout, in fp32, returned in attn's dtype (GR's
-    ``pytorch_norm_mul_dropout`` with ``concat_ux=True``)."""
-    dtype = attn.dtype
-    x = attn.float()
-    u = u.float()
-    if group_norm:
-        normed = F.group_norm(x.view(-1, num_heads, linear_dim), num_groups=num_heads, weight=weight.float(),
-                              bias=bias.float(), eps=eps).view(-1, num_heads * linear_dim)
-    else:
-        normed = F.layer_norm(x, (x.shape[-1],), weight=weight.float(), bias=bias.float(), eps=eps)
-    y = torch.cat([u, x, u * normed], dim=1)
-    return F.dropout(y, p=dropout_ratio, training=training).to(dtype)
+    return fn(q, k, v, offsets, max_seq_len, alpha, num_targets=num_targets, contextual_seq_len=contextual_seq_len,
+              max_attn_len=max_attn_len, validate=False)
 
 
 class STULayer(torch.nn.Module):
@@ -105,8 +70,10 @@ class STULayer(torch.nn.Module):
         for name in ("embedding_dim", "num_heads", "hidden_dim", "attention_dim"):
             if getattr(config, name) < 1:
                 raise ValueError(f"torchfuse.nn.STULayer: {name} must be >= 1, got {getattr(config, name)}")
-        _padded_dim(config.attention_dim)
-        _padded_dim(config.hidden_dim)
+        for name in ("hidden_dim", "attention_dim"):
+            if getattr(config, name) > 256:
+                raise ValueError(f"torchfuse.nn.STULayer: {name} must be at most 256 (the attention's head dims), "
+                                 f"got {getattr(config, name)}")
         self._is_inference = is_inference
         self.reset_kv_cache()
         # generative-recommenders' attribute names, one per config field
@@ -175,13 +142,16 @@ class STULayer(torch.nn.Module):
         return hstu_preprocess(x, self._input_norm_weight.to(x.dtype), self._input_norm_bias.to(x.dtype), 1e-6,
                                self._uvqk_weight.to(x.dtype), self._uvqk_beta.to(x.dtype), self._num_heads,
                                self._attention_dim, self._hidden_dim, recompute_normed_x=self._recompute_normed_x,
-                               recompute_uvqk=self._recompute_uvqk)
+                               recompute_uvqk=self._recompute_uvqk, silu_u=False)
 
     def _output(self, attn: Tensor, u: Tensor, x: Tensor) -> Tensor:
-        y = _norm_mul_dropout(attn, u, self._output_norm_weight.to(x.dtype), self._output_norm_bias.to(x.dtype),
-                              1e-6, self._output_dropout_ratio, self.training, self._use_group_norm,
-                              self._num_heads, self._hidden_dim)
-        return torch.addmm(x, y, self._output_weight.to(x.dtype))
+        # u arrives before its SiLU: the output op applies it as it reads u (one pass less over u)
+        return hstu_compute_output(attn, u, x, self._output_norm_weight.to(x.dtype), self._output_norm_bias.to(x.dtype),
+                                   1e-6, self._output_weight.to(x.dtype), num_heads=self._num_heads,
+                                   linear_dim=self._hidden_dim, dropout_ratio=self._output_dropout_ratio,
+                                   training=self.training, concat_u=True, concat_x=True, mul_u_activation_type="silu",
+                                   group_norm=self._use_group_norm, silu_u=True,
+                                   recompute_y_in_backward=self._recompute_y)
 
     def forward(self, x: Tensor, x_lengths: Tensor, x_offsets: Tensor, max_seq_len: int, num_targets: Optional[Tensor],
                 max_kv_caching_len: int = 0, kv_caching_lengths: Optional[Tensor] = None) -> Tensor:
