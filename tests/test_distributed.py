@@ -15,6 +15,7 @@ multiples of 1/8, so that every gradient sum is exact in fp32 in any order). Two
   fed the union's distinct keys that the owner owns, with their gradients summed over the union:
   outputs, rows, optimizer state, scores and the evicted keys equal bit for bit.
 """
+import copy
 import os
 import tempfile
 from datetime import timedelta
@@ -367,3 +368,125 @@ def test_owner_hash():
         assert got.tolist() == [owner_of_int(k, world) for k in keys]
         counts = torch.bincount(got, minlength=world)
         assert counts.min() > len(keys) / world * 0.8
+
+
+# ---------------------------------------------------------------- TorchRec's DistributedModelParallel
+
+def _kjt(keys, per_feature, cls):
+    """A KJT of feature-major (values, lengths) per feature."""
+    values = torch.cat([v for v, _ in per_feature])
+    lengths = torch.cat([l for _, l in per_feature])
+    return cls(keys=keys, values=values, lengths=lengths)
+
+
+def _dmp_checks(rank, world, seed):
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchfuse.torchrec import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection, DynamicEmbeddingSharder
+    from torchfuse.distributed._torchrec import ShardedDynamicEmbeddingCollection
+
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=64, feature_names=["f0", "f1"]),
+              EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f2"],
+                                 pooling=PoolingType.MEAN)]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = DynamicEmbeddingBagCollection(tables, device="cpu", capacity=16, max_capacity=1 << 14,
+                                                     eviction="none", optimizer=tfo.Adam(lr=0.05), seed=2)
+            self.dense = torch.nn.Linear(12, 1)
+
+        def forward(self, kjt):
+            return self.dense(self.ebc(kjt).values())
+
+    class ECModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ec = DynamicEmbeddingCollection(
+                [EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=64, feature_names=["f0", "f2"])],
+                device="cpu", capacity=16, max_capacity=1 << 14, eviction="none", optimizer=tfo.SGD(lr=0.5))
+
+        def forward(self, kjt):
+            jts = self.ec(kjt)
+            return [jts[f].values() for f in ("f0", "f2")]
+
+    torch.manual_seed(0)
+    model = Model()
+    torch.manual_seed(0)
+    ref = Model()
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), sharders=[DynamicEmbeddingSharder()])
+    sharded = [m for m in dmp.modules() if isinstance(m, ShardedDynamicEmbeddingCollection)]
+    assert len(sharded) == 1
+    assert {ps.sharding_type for ps in dmp.plan.get_plan_for_module("ebc").values()} == {"row_wise"}
+    # an EmbeddingCollection's dynamic form, through its own sharder
+    torch.manual_seed(0)
+    ec_model = ECModel()
+    ec_ref = copy.deepcopy(ec_model)
+    ec_dmp = DistributedModelParallel(ec_model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                      device=torch.device("cpu"),
+                                      sharders=[DynamicEmbeddingSharder(DynamicEmbeddingCollection)])
+    dense_w = [p for n, p in dmp.named_parameters() if n.endswith("dense.weight")]
+    assert len(dense_w) == 1
+    g = torch.Generator().manual_seed(seed)
+    pool = _pool(g, 80)
+    keys = ["f0", "f1", "f2"]
+    B = 3
+    for step in range(3):
+        feats = []  # feats[r][f] = (values, lengths)
+        for r in range(world):
+            fr = []
+            for _ in keys:
+                lengths = torch.randint(0, 4, (B,), generator=g)
+                fr.append((pool[torch.randint(0, pool.numel(), (int(lengths.sum()),), generator=g)], lengths))
+            feats.append(fr)
+        union = [(torch.cat([feats[r][f][0] for r in range(world)]), torch.cat([feats[r][f][1] for r in range(world)]))
+                 for f in range(len(keys))]
+        gw = _dyadic(g, world * B, 1)
+        out = dmp(_kjt(keys, feats[rank], KeyedJaggedTensor))
+        (out * gw[rank * B:(rank + 1) * B]).sum().backward()
+        ref_out = ref(_kjt(keys, union, KeyedJaggedTensor))
+        (ref_out * gw).sum().backward()
+        torch.testing.assert_close(out, ref_out[rank * B:(rank + 1) * B], rtol=1e-6, atol=1e-7)
+        # the EmbeddingCollection: per-id rows, exact (dyadic loss weights)
+        ec_out = ec_dmp(_kjt(["f0", "f2"], [feats[rank][0], feats[rank][2]], KeyedJaggedTensor))
+        ec_ref_out = ec_ref(_kjt(["f0", "f2"], [union[0], union[2]], KeyedJaggedTensor))
+        ec_gw = [_dyadic(g, int(u[1].sum()), 4) for u in (union[0], union[2])]
+        loss = 0
+        for f, (mine, full, w) in enumerate(zip(ec_out, ec_ref_out, ec_gw)):
+            fi = (0, 2)[f]
+            lo = int(sum(feats[r][fi][1].sum() for r in range(rank)))
+            hi = lo + int(feats[rank][fi][1].sum())
+            assert torch.equal(mine, full[lo:hi])
+            loss = loss + (mine * w[lo:hi]).sum()
+        loss.backward()
+        sum((full * w).sum() for full, w in zip(ec_ref_out, ec_gw)).backward()
+        # DDP averages the dense gradients over the ranks; the tables' gradients are summed
+        torch.testing.assert_close(dense_w[0].grad * world, ref.dense.weight.grad, rtol=1e-5, atol=1e-7)
+        dense_w[0].grad = None
+        ref.dense.weight.grad = None
+        for name in ("t0", "t1"):
+            local = sharded[0]._inner.tables[name].local
+            mine = _by_key(local.export())
+            k, v = mine[0], mine[1]
+            assert (owner_of(k, world) == rank).all()
+            rv, found = ref.ebc.tables[name].find(k)
+            assert found.all()
+            torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-7)
+            n = torch.tensor([k.numel()])
+            dist.all_reduce(n)
+            assert int(n) == len(ref.ebc.tables[name])
+        ec_local = [m for m in ec_dmp.modules() if isinstance(m, ShardedDynamicEmbeddingCollection)][0]
+        _check_same_rows(ec_local._inner.tables["t2"].local, [ec_ref.ec.tables["t2"]], rank, world, "EC")
+
+
+def test_dmp_sharder_matches_unsharded(fresh_seed):
+    """DistributedModelParallel with DynamicEmbeddingSharder (planned row-wise by TorchRec's planner)
+    on a small model against the unsharded model fed both ranks' samples: the same outputs, dense
+    gradients (DDP's mean times the world size) and table rows, to fp32 rounding (the dense layer's
+    gradients make the sums' order matter)."""
+    pytest.importorskip("torchrec")
+    _spawn(_dmp_checks, 2, fresh_seed)

@@ -34,7 +34,7 @@ def shard(module: torch.nn.Module, process_group=None) -> torch.nn.Module:
             out = copy.deepcopy(module)
         finally:
             module.tables = tables
-        out.tables = torch.nn.ModuleDict({k: shard(t, process_group) for k, t in tables.items()})
+        out.tables = type(tables)({k: shard(t, process_group) for k, t in tables.items()}, tables())
         if hasattr(out, "table_batched"):
             out.table_batched = False
         return out
