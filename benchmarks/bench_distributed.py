@@ -8,9 +8,9 @@ Reported per configuration: step time (wall, median of the timed steps; the step
 for the exchanged counts anyway), ids/s per GPU and in all, the all-to-all time and bytes of a step
 (measured in separate steps with the device synchronized around each all-to-all), and NCCL's own
 all_to_all_single on plain buffers of the same split sizes in the same run, so that the exchange's
-bandwidth is read against the fabric's at those message sizes. The bytes column for a per-owner
-partial-sum exchange of the bags (each owner pooling its part of every bag) is computed from the same
-batches: it is not run.
+bandwidth is read against the fabric's at those message sizes. Both exchanges of the bags run: the
+distinct ids' rows back and pooled locally ("rows"), and each owner pooling its part of every bag
+("partial_sums").
 """
 import argparse
 import json
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 ZIPF_S = 1.05
+CONFIGS = [("sgd", "rows"), ("adam", "rows"), ("sgd", "partial_sums"), ("adam", "partial_sums")]
 
 
 def zipf_ids(n, universe, g, dev):
@@ -77,10 +78,10 @@ def worker(rank, world, tmp, args, out_path):
     n, dim, L = args.ids_per_rank, args.dim, 64
     B = n // L
     results = []
-    for opt in ("sgd", "adam"):
+    for opt, exchange in CONFIGS:
         emb = ShardedDynamicEmbeddingBag(dim, args.capacity, max_capacity=args.capacity, device=dev,
                                          optimizer=tfo.SGD(0.01) if opt == "sgd" else tfo.Adam(0.001),
-                                         eviction="lru", evicted_record_limit=0)
+                                         eviction="lru", evicted_record_limit=0, exchange=exchange)
         g = torch.Generator().manual_seed(1000 * rank + 1)
         batches = [zipf_ids(B * L, args.universe, g, dev).view(B, L) for _ in range(4)]
         grad = torch.randn(B, dim, generator=g).to(dev)
@@ -109,7 +110,7 @@ def worker(rank, world, tmp, args, out_path):
             logs.append(log)
         uniq = torch.unique(batches[0]).numel()
         partial_rows = B * (world - 1)  # bags' partial sums from the other owners, each way
-        results.append({"opt": opt, "step_s": statistics.median(times), "a2a_s": statistics.median(a2a_s),
+        results.append({"opt": opt, "exchange": exchange, "step_s": statistics.median(times), "a2a_s": statistics.median(a2a_s),
                         "a2a_bytes": statistics.median(a2a_bytes), "uniq": uniq, "B": B, "n": B * L,
                         "partial_rows": partial_rows, "log": [(e[0], e[1], e[2], e[3]) for e in logs[-1]]})
         emb = batches = None
@@ -172,12 +173,12 @@ def main():
                      f"{'gloo on CPU' if args.cpu else 'NCCL'}; step: wall time, median of {args.steps} steps")
     rep.notes.append("a2a: the step's all-to-alls (ids, rows, gradients) timed with the device synchronized "
                      "around each, in separate steps; raw a2a: all_to_all_single on plain buffers of the same "
-                     "bytes in the same run; partial-sum rows: the rows a per-owner pooling of the bags would move "
-                     "each way instead of the distinct ids' rows (computed, not run)")
+                     "bytes in the same run; partial-sum rows: the partial bags a rank receives from the other "
+                     "owners with exchange='partial_sums'")
     rows = []
     base = {}
     for w in worlds:
-        for i, opt in enumerate(("sgd", "adam")):
+        for i, (opt, exchange) in enumerate(CONFIGS):
             rs = [per[w][r][i] for r in range(w)]
             step = max(r["step_s"] for r in rs)
             ids = sum(r["n"] for r in rs)
@@ -188,15 +189,16 @@ def main():
             gbs = a2a_b / a2a / 1e9 if w > 1 and a2a > 0 else None
             raw_gbs = raw_b / raw_s / 1e9 if w > 1 and raw_s > 0 else None
             uniq = sum(r["uniq"] for r in rs) / w
+            key = (opt, exchange)
             if w == 1:
-                base[opt] = ids / step
-            rows.append([w, opt, C.fmt(step * 1e3, 2), C.fmt(ids / step / w / 1e6, 2), C.fmt(ids / step / 1e6, 2),
-                         f"{ids / step / base[opt]:.2f}x" if opt in base else "-",
+                base[key] = ids / step
+            rows.append([w, opt, exchange, C.fmt(step * 1e3, 2), C.fmt(ids / step / w / 1e6, 2),
+                         C.fmt(ids / step / 1e6, 2), f"{ids / step / base[key]:.2f}x" if key in base else "-",
                          C.fmt(a2a * 1e3, 2), C.fmt(a2a_b / 1e6, 1), C.fmt(gbs, 1), C.fmt(raw_gbs, 1),
                          f"{gbs / raw_gbs:.0%}" if gbs and raw_gbs else "-",
                          C.fmt(uniq, 0), C.fmt(rs[0]["partial_rows"], 0)])
     rep.table("Training step (per-GPU batch fixed)",
-              ["GPUs", "opt", "step ms", "M ids/s per GPU", "M ids/s", "vs 1 GPU", "a2a ms", "a2a MB sent",
+              ["GPUs", "opt", "bags' exchange", "step ms", "M ids/s per GPU", "M ids/s", "vs 1 GPU", "a2a ms", "a2a MB sent",
                "a2a GB/s", "raw a2a GB/s", "a2a / raw", "distinct ids per rank", "partial-sum rows per rank"],
               rows)
     C.TIMER = "wall time per step with the device synchronized, median of the timed steps"

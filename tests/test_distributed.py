@@ -152,13 +152,17 @@ def _check_union_per_id(rank, world, seed, dev, opt, dtype=torch.float32):
     assert len(emb) == n_before
 
 
-def _check_union_bags(rank, world, seed, dev, mode):
+def _check_union_bags(rank, world, seed, dev, mode, exchange="rows"):
+    """exchange="partial_sums": each owner pools its part of every bag and the partial bags are added
+    in rank order, so the outputs equal one device's to rounding only; the rows' gradients are exact
+    either way, so the tables still match bit for bit."""
     g = torch.Generator().manual_seed(seed + 1)
     pool = _pool(g, 200)
     cfg = dict(capacity=16, max_capacity=1 << 14, device=dev, optimizer=tfo.Adam(lr=0.05), seed=3, bucket_size=8,
                mode=mode, eviction="none")
-    emb = ShardedDynamicEmbeddingBag(4, include_last_offset=False, **cfg)
+    emb = ShardedDynamicEmbeddingBag(4, include_last_offset=False, exchange=exchange, **cfg)
     ref = DynamicEmbeddingBag(4, **cfg)
+    emb.exchange_log = log = []
     for step in range(3):
         if mode == "mean":  # fixed-size bags (2-D ids): the mean's 1/4 is exact in the backward too
             ids = [b[: b.numel() // 4 * 4].view(-1, 4) for b in _batches(g, pool, world, 40, step)]
@@ -187,7 +191,9 @@ def _check_union_bags(rank, world, seed, dev, mode):
                           per_sample_weights=ref_w)
         (ref_out * torch.cat(gw).to(dev)).sum().backward()
         lo = sum(x.shape[0] for x in gw[:rank])
-        if mode == "sum" and w_grad:
+        if exchange == "partial_sums" and world > 1:
+            torch.testing.assert_close(out, ref_out[lo:lo + gw[rank].shape[0]], rtol=1e-6, atol=1e-7)
+        elif mode == "sum" and w_grad:
             # With gradients for the weights the single-device module pools through F.embedding_bag,
             # whose sums run in another order than its kernel's (and this module's): equal to rounding.
             # The rows' gradients are dyadic either way, so the rows stay equal bit for bit.
@@ -196,6 +202,9 @@ def _check_union_bags(rank, world, seed, dev, mode):
             torch.testing.assert_close(w.grad, ref_w.grad[wlo:wlo + ids[rank].numel()], rtol=1e-6, atol=1e-7)
         else:
             assert torch.equal(out, ref_out[lo:lo + gw[rank].shape[0]]), f"{mode} step {step}"
+    # which exchange ran (the weights with gradients take the rows' exchange)
+    assert any(e[0] == "partial bags" for e in log) == (exchange == "partial_sums")
+    assert any(e[0] == "rows" for e in log) == (exchange == "rows" or mode == "sum")
     _check_same_rows(emb.local, [ref], rank, world, f"union bags {mode}")
 
 
@@ -258,13 +267,15 @@ def _world_checks(rank, world, seed, backend):
     _check_union_per_id(rank, world, seed + 7, dev, tfo.Adam(lr=0.1))
     _check_union_bags(rank, world, seed, dev, "sum")
     _check_union_bags(rank, world, seed, dev, "mean")
+    _check_union_bags(rank, world, seed, dev, "sum", "partial_sums")
+    _check_union_bags(rank, world, seed, dev, "mean", "partial_sums")
     _check_eviction(rank, world, seed, dev)
     _check_frozen_and_nograd(rank, world, seed, dev)
     # the same inputs give the same results run to run
     runs = []
     for _ in range(2):
         torch.manual_seed(0)
-        emb = ShardedDynamicEmbeddingBag(4, 32, max_capacity=256, device=dev, bucket_size=4,
+        emb = ShardedDynamicEmbeddingBag(4, 32, max_capacity=1 << 14, device=dev, bucket_size=8, eviction="none",
                                          optimizer=tfo.Adam(lr=0.1))
         g = torch.Generator().manual_seed(seed)
         pool = _pool(g, 100)

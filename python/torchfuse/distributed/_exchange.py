@@ -6,6 +6,7 @@ owner with a stable sort, exchanged in rank order, and every gradient sum runs i
 (torch.segment_reduce per id here, the owner's table sums the ranks' contributions in rank order),
 so the same inputs give the same results run to run on CPU and GPU.
 """
+import math
 import time
 from typing import List, Optional, Tuple
 
@@ -33,7 +34,7 @@ def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group, lo
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
     rank = dist.get_rank(group)
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()
     sent = (sum(in_splits) - in_splits[rank]) * row
     recv = (sum(out_splits) - out_splits[rank]) * row
     log.append((what, sent, recv, time.perf_counter() - t0))
@@ -119,3 +120,67 @@ class PerId(torch.autograd.Function):
     def backward(ctx, grad):
         plan = ctx.plan
         return plan.per_id_sum(grad.contiguous())[plan.order], None
+
+
+class PartialPlan:
+    """Per-owner pooling of a batch's bags: every id (not de-duplicated) goes to its owner with its
+    bag's index (and weight), grouped by owner with a stable sort, so each owner receives each
+    source's ids in bag order. The counts' exchange also carries each rank's number of bags."""
+
+    def __init__(self, flat: Tensor, bag_of: Tensor, weights: Optional[Tensor], n_bags: int, world: int, group,
+                 log=None):
+        owner = owner_of(flat, world)
+        order = torch.argsort(owner, stable=True)
+        if n_bags >= 2**31:
+            raise ValueError(f"torchfuse.distributed: {n_bags} bags in one batch; the exchange sends bag indices as int32")
+        self.send_ids, self.send_bags = flat[order], bag_of[order].to(torch.int32)  # half the bytes of int64
+        self.send_w = weights[order] if weights is not None else None
+        counts = torch.bincount(owner, minlength=world)
+        meta = torch.stack([counts, torch.full_like(counts, n_bags)], 1)
+        recv_meta = all_to_all(meta, [1] * world, [1] * world, group, log, "counts")
+        host = torch.cat([meta.reshape(-1), recv_meta.reshape(-1)]).tolist()  # the one host sync
+        self.send_splits, self.recv_splits = host[0:2 * world:2], host[2 * world::2]
+        self.src_bags = host[2 * world + 1::2]  # each source rank's number of bags
+        self.n_bags, self.world, self.group, self.log = n_bags, world, group, log
+
+    def owner_batch(self):
+        """(ids, offsets, weights) the owner pools: the sources' bags one after another (source
+        rank order), so its partial bags come out grouped by source."""
+        dev = self.send_ids.device
+        recv_ids = all_to_all(self.send_ids, self.recv_splits, self.send_splits, self.group, self.log, "ids")
+        recv_bags = all_to_all(self.send_bags, self.recv_splits, self.send_splits, self.group, self.log, "bags")
+        recv_w = None
+        if self.send_w is not None:
+            recv_w = all_to_all(self.send_w, self.recv_splits, self.send_splits, self.group, self.log, "weights")
+        base = torch.tensor([0] + self.src_bags[:-1], device=dev).cumsum(0)
+        src = torch.repeat_interleave(torch.arange(self.world, device=dev),
+                                      torch.tensor(self.recv_splits, device=dev))
+        combined = recv_bags.to(torch.int64) + base[src]  # ascending: bag order within a source, sources in rank order
+        offsets = torch.searchsorted(combined, torch.arange(sum(self.src_bags), device=dev))
+        return recv_ids, offsets, recv_w
+
+
+class PartialSums(torch.autograd.Function):
+    """(world, bags, dim): owner r's sum of its ids' rows in each of this rank's bags. Backward sends
+    each bag's gradient to every owner, whose table expands it to the bag's ids, sums them per key
+    and applies its optimizer (its local module's backward)."""
+
+    @staticmethod
+    def forward(ctx, anchor, local_pool, plan: PartialPlan):
+        ids, offsets, w = plan.owner_batch()
+        with torch.enable_grad():
+            partial = local_pool(ids, offsets, w)
+        ctx.plan, ctx.partial = plan, partial
+        back = all_to_all(partial.detach(), [plan.n_bags] * plan.world, plan.src_bags, plan.group, plan.log,
+                          "partial bags")
+        return back.view(plan.world, plan.n_bags, partial.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, partial = ctx.plan, ctx.partial
+        ctx.partial = None
+        g = all_to_all(grad.reshape(-1, grad.shape[-1]), plan.src_bags, [plan.n_bags] * plan.world, plan.group,
+                       plan.log, "partial grads")
+        if partial.requires_grad:
+            torch.autograd.backward(partial, g.to(partial.dtype))
+        return None, None, None

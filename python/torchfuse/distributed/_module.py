@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag
 from ._checkpoint import ShardCheckpointMixin
-from ._exchange import PerId, sharded_rows
+from ._exchange import PartialPlan, PartialSums, PerId, all_to_all, sharded_rows
 
 
 class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
@@ -93,22 +93,37 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
     """A :class:`torchfuse.DynamicEmbeddingBag` sharded row-wise (see :class:`ShardedDynamicEmbedding`):
     ``forward(ids, offsets=None, per_sample_weights=None) -> (B, embedding_dim)``.
 
-    The rows of the batch's distinct ids come back from their owners and the bags are pooled on the
-    rank that asked (fp32 sums in id order, as the single-device kernel sums; gradients reach
-    per_sample_weights too). The alternative, each owner pooling its part of every bag and the ranks
-    summing the partial bags, moves world_size x bags rows each way instead of the distinct ids' rows
-    (fewer bytes for long bags) but sums a bag's rows in another order than one device does; it is
-    not what this module does (docs/design/distributed.md compares the two)."""
+    ``exchange``:
+
+    - ``"rows"`` (default): the rows of the batch's distinct ids come back from their owners and the
+      bags are pooled on the rank that asked (fp32 sums in id order, as the single-device kernel
+      sums, so the outputs equal one device's bit for bit; gradients reach per_sample_weights too).
+    - ``"partial_sums"``: every id goes to its owner with its bag's index, each owner pools its part
+      of every bag, and the rank adds the owners' partial bags in rank order (then divides for
+      "mean"). This moves world_size x bags rows each way instead of the distinct ids' rows: fewer
+      bytes for long bags (docs/design/distributed.md). A bag's sum then runs in another order than
+      on one device (equal to rounding), and 16-bit tables round each partial bag to their dtype.
+      Weights that need gradients take the "rows" exchange.
+    """
 
     _local_cls = DynamicEmbeddingBag
 
     def __init__(self, embedding_dim: int, capacity: int, *, mode: str = "sum", include_last_offset: bool = False,
-                 process_group=None, **options):
-        super().__init__(embedding_dim, capacity, process_group=process_group, mode=mode,
-                         include_last_offset=include_last_offset, **options)
+                 process_group=None, exchange: str = "rows", **options):
+        if exchange not in ("rows", "partial_sums"):
+            raise ValueError(f"torchfuse.distributed.{type(self).__name__}: exchange must be 'rows' or 'partial_sums', "
+                             f"got {exchange!r}")
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"torchfuse.distributed.{type(self).__name__}: mode must be 'sum' or 'mean', got {mode!r}")
+        # the owners' partial bags are sums; the mean divides their total
+        super().__init__(embedding_dim, capacity, process_group=process_group,
+                         mode="sum" if exchange == "partial_sums" else mode, include_last_offset=False, **options)
+        self.exchange = exchange
+        self._mode = mode
+        self._include_last_offset = bool(include_last_offset)
 
-    mode = property(lambda self: self.local.mode)
-    include_last_offset = property(lambda self: self.local.include_last_offset)
+    mode = property(lambda self: self._mode)
+    include_last_offset = property(lambda self: self._include_last_offset)
 
     def forward(self, ids: Tensor, offsets: Optional[Tensor] = None,
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
@@ -146,6 +161,9 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
         if full.numel() and bool((full[0] != 0) | (lengths < 0).any() | (full[-1] != n)):
             raise ValueError(f"{name}: offsets must start at 0, be non-decreasing and end at most at "
                              f"len(ids) = {n}" + (" (exactly, with include_last_offset)" if incl else ""))
+        if self.exchange == "partial_sums" and not (per_sample_weights is not None and per_sample_weights.requires_grad
+                                                    and torch.is_grad_enabled()):
+            return self._partial_sums(flat, lengths, per_sample_weights)
         rows = self._per_id_rows(flat).float()
         if per_sample_weights is not None:
             rows = rows * per_sample_weights.to(torch.float32).unsqueeze(1)
@@ -156,3 +174,28 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
         if self.mode == "mean":
             pooled = pooled / lengths.clamp(min=1).to(torch.float32).unsqueeze(1)
         return pooled.to(self.dtype)
+
+    def _partial_sums(self, flat: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> Tensor:
+        n_bags = lengths.numel()
+        bag_of = torch.repeat_interleave(torch.arange(n_bags, device=flat.device), lengths)
+        w = weights.to(torch.float32).contiguous() if weights is not None else None
+        plan = PartialPlan(flat, bag_of, w, n_bags, self.world_size, self.process_group, self.exchange_log)
+        pool = functools.partial(DynamicEmbeddingBag.forward, self.local)
+        if torch.is_grad_enabled() and self.local._trainable:
+            anchor = torch.empty(0, device=flat.device, requires_grad=True)
+            parts = PartialSums.apply(anchor, pool, plan)
+        else:
+            parts = _partial_no_grad(pool, plan)
+        pooled = parts[0].float()
+        for r in range(1, self.world_size):  # the owners' partial bags added in rank order
+            pooled = pooled + parts[r].float()
+        if self._mode == "mean":
+            pooled = pooled / lengths.clamp(min=1).to(torch.float32).unsqueeze(1)
+        return pooled.to(self.dtype)
+
+
+def _partial_no_grad(pool, plan) -> Tensor:
+    ids, offsets, w = plan.owner_batch()
+    partial = pool(ids, offsets, w)
+    back = all_to_all(partial, [plan.n_bags] * plan.world, plan.src_bags, plan.group, plan.log, "partial bags")
+    return back.view(plan.world, plan.n_bags, partial.shape[1])
