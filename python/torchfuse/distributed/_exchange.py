@@ -118,8 +118,9 @@ class PerId(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # summed in fp32 (as one device sums a key's occurrences), rounded once to the rows' dtype
         plan = ctx.plan
-        return plan.per_id_sum(grad.contiguous())[plan.order], None
+        return plan.per_id_sum(grad.float().contiguous()).to(grad.dtype)[plan.order], None
 
 
 class PartialPlan:
