@@ -136,11 +136,11 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
                 raise ValueError(f"{name}: ids must be 2-D (bags, ids per bag) without offsets, got shape {tuple(ids.shape)}")
             B, L = ids.shape
             offsets = torch.arange(B, device=ids.device) * L
-            incl = False
+            incl, given = False, False
         else:
             if ids.dim() != 1:
                 raise ValueError(f"{name}: ids must be 1-D with offsets, got shape {tuple(ids.shape)}")
-            incl = self.include_last_offset
+            incl, given = self.include_last_offset, True
         flat = self.local._check_keys(ids)
         if not isinstance(offsets, Tensor) or offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1:
             raise TypeError(f"{name}: offsets must be a 1-D int32 or int64 tensor")
@@ -158,7 +158,8 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
         offsets = offsets.to(torch.int64)
         full = offsets if incl else torch.cat([offsets, offsets.new_full((1,), n)])
         lengths = full[1:] - full[:-1]
-        if full.numel() and bool((full[0] != 0) | (lengths < 0).any() | (full[-1] != n)):
+        # a host read, so only for offsets the caller gave (fixed-size bags' are valid by construction)
+        if given and full.numel() and bool((full[0] != 0) | (lengths < 0).any() | (full[-1] != n)):
             raise ValueError(f"{name}: offsets must start at 0, be non-decreasing and end at most at "
                              f"len(ids) = {n}" + (" (exactly, with include_last_offset)" if incl else ""))
         if self.exchange == "partial_sums" and not (per_sample_weights is not None and per_sample_weights.requires_grad
