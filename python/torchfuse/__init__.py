@@ -42,6 +42,9 @@ __all__ += ["DynamicEmbedding", "DynamicEmbeddingBag", "optim"]
 from . import torchrec  # noqa: E402  (TorchRec drop-ins; imports torchrec itself lazily)
 
 __all__ += ["torchrec"]
+from . import distributed  # noqa: E402  (sharded dynamic embeddings over torch.distributed)
+
+__all__ += ["distributed"]
 
 
 # ---- HuggingFace patching ----

@@ -229,6 +229,18 @@ def _offsets_of(features) -> Tensor:
     return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
 
 
+class _Tables(torch.nn.ModuleDict):
+    """The collections' tables by name; calling it returns their configs, as TorchRec's planner reads
+    a pooled-embedding module's ``tables()``."""
+
+    def __init__(self, modules, configs):
+        super().__init__(modules)
+        self._table_configs = list(configs)
+
+    def forward(self):
+        return self._table_configs
+
+
 class _Collection(torch.nn.Module):
     def __init__(self, tables, table_cls, *, device, capacity, max_capacity, eviction, optimizer,
                  initializer, extra):
@@ -259,7 +271,7 @@ class _Collection(torch.nn.Module):
             if kw.get("max_capacity") is not None:
                 kw["max_capacity"] = max(int(kw["max_capacity"]), cap)
             mods[t.name] = table_cls(int(t.embedding_dim), cap, device=self._device, eviction=eviction, **kw)
-        self.tables = torch.nn.ModuleDict(mods)
+        self.tables = _Tables(mods, self._configs)
         _compiled.register(self)
 
     def __setstate__(self, state):
@@ -549,3 +561,11 @@ def swap_embedding_modules(model: torch.nn.Module, **dynamic_options) -> Dict[st
         setattr(parent, attr, new)
         replaced[name] = mod
     return replaced
+
+
+def __getattr__(name):
+    # the TorchRec sharder subclasses torchrec's ModuleSharder: built when first asked for
+    if name in ("DynamicEmbeddingSharder", "ShardedDynamicEmbeddingCollection"):
+        from .distributed import _torchrec
+        return getattr(_torchrec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

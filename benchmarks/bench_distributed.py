@@ -1,0 +1,214 @@
+"""Sharded dynamic embeddings over NCCL: one training step (pooled bags of 64 ids, dim 128, Zipf ids
+over 1e9 keys, SGD and Adam) on 1 GPU and on N GPUs at the same per-GPU batch (weak scaling).
+
+    python benchmarks/bench_distributed.py                 # 1 and 2 GPUs
+    python benchmarks/bench_distributed.py --cpu --quick   # gloo on CPU, tiny sizes (a smoke run)
+
+Reported per configuration: step time (wall, median of the timed steps; the step waits on the host
+for the exchanged counts anyway), ids/s per GPU and in all, the all-to-all time and bytes of a step
+(measured in separate steps with the device synchronized around each all-to-all), and NCCL's own
+all_to_all_single on plain buffers of the same split sizes in the same run, so that the exchange's
+bandwidth is read against the fabric's at those message sizes. Both exchanges of the bags run: the
+distinct ids' rows back and pooled locally ("rows"), and each owner pooling its part of every bag
+("partial_sums").
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+ZIPF_S = 1.05
+CONFIGS = [("sgd", "rows"), ("adam", "rows"), ("sgd", "partial_sums"), ("adam", "partial_sums")]
+
+
+def zipf_ids(n, universe, g, dev):
+    """n ids with P(rank k) ~ k^-s over `universe` ranks (continuous inverse CDF, floored), each
+    rank mapped to a spread-out int64 key (an odd multiplier modulo 2**64)."""
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    a = 1.0 - ZIPF_S
+    ranks = torch.floor(((universe ** a - 1.0) * u + 1.0) ** (1.0 / a)).to(torch.int64)
+    return (ranks * -7046029254386353131).to(dev)  # 0x9E3779B97F4A7C15 as int64
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _raw_a2a_seconds(log_sizes, world, dev, reps):
+    """NCCL's (gloo's) own all_to_all_single on float buffers with each logged exchange's split
+    sizes (in bytes), the median of reps per exchange, summed over the step's exchanges."""
+    total = 0.0
+    for send_b, recv_b in log_sizes:
+        src = torch.empty(sum(send_b) // 4, dtype=torch.float32, device=dev)
+        dst = torch.empty(sum(recv_b) // 4, dtype=torch.float32, device=dev)
+        ins, outs = [b // 4 for b in send_b], [b // 4 for b in recv_b]
+        times = []
+        for _ in range(reps):
+            _sync(dev)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_to_all_single(dst, src, outs, ins)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        total += statistics.median(times)
+    return total
+
+
+def worker(rank, world, tmp, args, out_path):
+    dev = torch.device(f"cuda:{rank}") if not args.cpu else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("gloo" if args.cpu else "nccl", init_method=f"file://{tmp}/pg", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600),
+                            **({} if args.cpu else {"device_id": dev}))
+    from torchfuse import optim as tfo
+    from torchfuse.distributed import ShardedDynamicEmbeddingBag
+    n, dim, L = args.ids_per_rank, args.dim, 64
+    B = n // L
+    results = []
+    for opt, exchange in CONFIGS:
+        emb = ShardedDynamicEmbeddingBag(dim, args.capacity, max_capacity=args.capacity, device=dev,
+                                         optimizer=tfo.SGD(0.01) if opt == "sgd" else tfo.Adam(0.001),
+                                         eviction="lru", evicted_record_limit=0, exchange=exchange)
+        g = torch.Generator().manual_seed(1000 * rank + 1)
+        batches = [zipf_ids(B * L, args.universe, g, dev).view(B, L) for _ in range(4)]
+        grad = torch.randn(B, dim, generator=g).to(dev)
+
+        def step(i):
+            (emb(batches[i % len(batches)]) * grad).sum().backward()
+
+        for i in range(args.warmup):
+            step(i)
+        _sync(dev)
+        times = []
+        for i in range(args.steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(i)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        # the exchange, step by step, with the device synchronized around every all-to-all
+        a2a_s, a2a_bytes, logs = [], [], []
+        for i in range(3):
+            emb.exchange_log = log = []
+            step(i)
+            emb.exchange_log = None
+            a2a_s.append(sum(e[3] for e in log))
+            a2a_bytes.append(sum(e[1] for e in log))
+            logs.append(log)
+        uniq = torch.unique(batches[0]).numel()
+        partial_rows = B * (world - 1)  # bags' partial sums from the other owners, each way
+        results.append({"opt": opt, "exchange": exchange, "step_s": statistics.median(times), "a2a_s": statistics.median(a2a_s),
+                        "a2a_bytes": statistics.median(a2a_bytes), "uniq": uniq, "B": B, "n": B * L,
+                        "partial_rows": partial_rows, "log": [(e[0], e[1], e[2], e[3]) for e in logs[-1]]})
+        emb = batches = None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    # plain all-to-alls of the same bytes: each rank's logged bytes of an exchange spread evenly over
+    # its peers (exact for 2 ranks)
+    logs_all = [None] * world
+    dist.all_gather_object(logs_all, [r["log"] for r in results])
+    for i, r in enumerate(results):
+        sizes = []
+        for j, (what, _, _, _) in enumerate(r["log"]):
+            if what == "counts":
+                continue
+            per = [logs_all[p][i][j][1] // max(world - 1, 1) // 4 * 4 for p in range(world)]
+            sizes.append(([0 if q == rank else per[rank] for q in range(world)],
+                          [0 if p == rank else per[p] for p in range(world)]))
+        r["raw_s"] = _raw_a2a_seconds(sizes, world, dev, 5) if world > 1 else 0.0
+        r["raw_bytes"] = sum(sum(s[0]) for s in sizes)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(world, args):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(worker, args=(world, tmp, args, out), nprocs=world, join=True)
+        with open(out) as f:
+            return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes and few steps")
+    ap.add_argument("--worlds", default="1,2", help="world sizes to run (default 1,2)")
+    ap.add_argument("--ids-per-rank", type=int, default=None)
+    ap.add_argument("--out", help="also write the markdown here")
+    args = ap.parse_args()
+    args.dim = 16 if args.quick else 128
+    args.ids_per_rank = args.ids_per_rank or (64 * 64 if args.quick else 1 << 20)
+    args.universe = 10**9
+    args.capacity = 1 << 16 if args.quick else 1 << 24
+    args.warmup, args.steps = (2, 3) if args.quick else (20, 20)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if not args.cpu:
+        if torch.cuda.device_count() < max(worlds):
+            print(f"bench_distributed: needs {max(worlds)} CUDA GPUs (or --cpu)")
+            return 1
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
+    per = {w: run_world(w, args) for w in worlds}
+    rep = C.Report("distributed", "Sharded dynamic embeddings: training step on 1 and N GPUs")
+    rep.notes.append(f"{args.ids_per_rank} ids per rank in bags of 64, dim {args.dim}, Zipf(s={ZIPF_S}) ids over "
+                     f"1e9 keys, {args.capacity} slots per rank (LRU), fp32 rows, sum pooling; "
+                     f"{'gloo on CPU' if args.cpu else 'NCCL'}; step: wall time, median of {args.steps} steps")
+    rep.notes.append("a2a: the step's all-to-alls (ids, rows, gradients) timed with the device synchronized "
+                     "around each, in separate steps; raw a2a: all_to_all_single on plain buffers of the same "
+                     "bytes in the same run; partial-sum rows: the partial bags a rank receives from the other "
+                     "owners with exchange='partial_sums'")
+    rows = []
+    base = {}
+    for w in worlds:
+        for i, (opt, exchange) in enumerate(CONFIGS):
+            rs = [per[w][r][i] for r in range(w)]
+            step = max(r["step_s"] for r in rs)
+            ids = sum(r["n"] for r in rs)
+            a2a = max(r["a2a_s"] for r in rs)
+            a2a_b = sum(r["a2a_bytes"] for r in rs) / w
+            raw_s = max(r["raw_s"] for r in rs)
+            raw_b = sum(r["raw_bytes"] for r in rs) / w
+            gbs = a2a_b / a2a / 1e9 if w > 1 and a2a > 0 else None
+            raw_gbs = raw_b / raw_s / 1e9 if w > 1 and raw_s > 0 else None
+            uniq = sum(r["uniq"] for r in rs) / w
+            key = (opt, exchange)
+            if w == 1:
+                base[key] = ids / step
+            rows.append([w, opt, exchange, C.fmt(step * 1e3, 2), C.fmt(ids / step / w / 1e6, 2),
+                         C.fmt(ids / step / 1e6, 2), f"{ids / step / base[key]:.2f}x" if key in base else "-",
+                         C.fmt(a2a * 1e3, 2), C.fmt(a2a_b / 1e6, 1), C.fmt(gbs, 1), C.fmt(raw_gbs, 1),
+                         f"{gbs / raw_gbs:.0%}" if gbs and raw_gbs else "-",
+                         C.fmt(uniq, 0), C.fmt(rs[0]["partial_rows"], 0)])
+    rep.table("Training step (per-GPU batch fixed)",
+              ["GPUs", "opt", "bags' exchange", "step ms", "M ids/s per GPU", "M ids/s", "vs 1 GPU", "a2a ms", "a2a MB sent",
+               "a2a GB/s", "raw a2a GB/s", "a2a / raw", "distinct ids per rank", "partial-sum rows per rank"],
+              rows)
+    C.TIMER = "wall time per step with the device synchronized, median of the timed steps"
+    text = rep.markdown(C.command_line())
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

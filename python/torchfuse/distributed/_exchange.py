@@ -1,0 +1,187 @@
+"""The all-to-all exchange of a sharded dynamic embedding: ids to their owners, rows back, and in
+the backward pass the rows' gradients to the owners, whose tables apply their fused optimizer.
+
+Every step is a fixed function of the ranks' batches: ids are sorted (torch.unique), grouped by
+owner with a stable sort, exchanged in rank order, and every gradient sum runs in a fixed order
+(torch.segment_reduce per id here, the owner's table sums the ranks' contributions in rank order),
+so the same inputs give the same results run to run on CPU and GPU.
+"""
+import math
+import time
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._hash import owner_of
+
+
+def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group, log: Optional[list] = None,
+               what: str = "") -> Tensor:
+    """torch.distributed.all_to_all_single along dim 0 with uneven splits. log (a list): appends
+    (what, bytes sent to other ranks, bytes received from them, seconds), timed with a device
+    synchronization before and after (a measuring aid: it stalls the stream)."""
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    if log is None:
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        return out
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    t0 = time.perf_counter()
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    rank = dist.get_rank(group)
+    row = math.prod(x.shape[1:]) * x.element_size()
+    sent = (sum(in_splits) - in_splits[rank]) * row
+    recv = (sum(out_splits) - out_splits[rank]) * row
+    log.append((what, sent, recv, time.perf_counter() - t0))
+    return out
+
+
+class Plan:
+    """Where a batch's ids go: its unique ids (sorted) and each id's index into them (inv), the
+    unique ids grouped by owner (send_ids = uniq[order]) and the split sizes both ways. Building one
+    exchanges the counts (one all-to-all and one host read of both split lists)."""
+
+    def __init__(self, flat: Tensor, rank: int, world: int, group, log=None):
+        self.uniq, self.inv, self.counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
+        owner = owner_of(self.uniq, world)
+        self.order = torch.argsort(owner, stable=True)
+        self.send_ids = self.uniq[self.order]
+        send_counts = torch.bincount(owner, minlength=world)
+        recv_counts = all_to_all(send_counts, [1] * world, [1] * world, group, log, "counts")
+        host = torch.cat([send_counts, recv_counts]).tolist()  # the exchange's one host sync
+        self.send_splits, self.recv_splits = host[:world], host[world:]
+        self.group, self.log, self.n = group, log, flat.numel()
+        self._perm = None
+
+    def per_id_sum(self, grad: Tensor) -> Tensor:
+        """grad (n, dim) per id -> (n_unique, dim) per unique id, each id's occurrences summed in
+        batch order (deterministic: no atomics)."""
+        if self.uniq.numel() == 0:
+            return grad.new_zeros((0, grad.shape[1]))
+        if self._perm is None:
+            self._perm = torch.argsort(self.inv, stable=True)
+        return torch.segment_reduce(grad[self._perm], "sum", lengths=self.counts, axis=0, unsafe=True)
+
+
+class ShardedRows(torch.autograd.Function):
+    """Rows of a batch's unique ids, grouped by owner (plan.send_ids), found or inserted by their
+    owners' tables. Backward sends each row's gradient to its owner, whose table sums the ranks'
+    gradients of a key in rank order and applies its optimizer (the local module's own backward).
+    Collective in both directions: every rank of the group calls forward and backward together."""
+
+    @staticmethod
+    def forward(ctx, anchor, local_lookup, plan: Plan):
+        recv_ids = all_to_all(plan.send_ids, plan.recv_splits, plan.send_splits, plan.group, plan.log, "ids")
+        with torch.enable_grad():
+            local_rows = local_lookup(recv_ids)
+        ctx.plan, ctx.local_rows = plan, local_rows
+        return all_to_all(local_rows.detach(), plan.send_splits, plan.recv_splits, plan.group, plan.log, "rows")
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, local_rows = ctx.plan, ctx.local_rows
+        ctx.local_rows = None
+        g = all_to_all(grad, plan.recv_splits, plan.send_splits, plan.group, plan.log, "grads")
+        if local_rows.requires_grad:
+            torch.autograd.backward(local_rows, g.to(local_rows.dtype))
+        return None, None, None
+
+
+def sharded_rows(local, local_lookup, flat: Tensor, rank: int, world: int, group, need_grad: bool,
+                 log=None) -> Tuple[Tensor, Plan]:
+    """(rows of plan.send_ids, plan): the exchange of one batch. need_grad: build the backward."""
+    plan = Plan(flat, rank, world, group, log)
+    if need_grad:
+        anchor = torch.empty(0, device=flat.device, requires_grad=True)
+        rows = ShardedRows.apply(anchor, local_lookup, plan)
+    else:
+        recv_ids = all_to_all(plan.send_ids, plan.recv_splits, plan.send_splits, group, log, "ids")
+        rows = all_to_all(local_lookup(recv_ids), plan.send_splits, plan.recv_splits, group, log, "rows")
+    return rows, plan
+
+
+class PerId(torch.autograd.Function):
+    """rows grouped by owner -> one row per id of the batch (rows[argsort(order)][inv]); backward:
+    each unique id's occurrences summed in batch order (Plan.per_id_sum), regrouped by owner."""
+
+    @staticmethod
+    def forward(ctx, rows, plan: Plan):
+        ctx.plan = plan
+        by_uniq = torch.empty_like(rows)
+        by_uniq[plan.order] = rows
+        return by_uniq[plan.inv]
+
+    @staticmethod
+    def backward(ctx, grad):
+        # summed in fp32 (as one device sums a key's occurrences), rounded once to the rows' dtype
+        plan = ctx.plan
+        return plan.per_id_sum(grad.float().contiguous()).to(grad.dtype)[plan.order], None
+
+
+class PartialPlan:
+    """Per-owner pooling of a batch's bags: every id (not de-duplicated) goes to its owner with its
+    bag's index (and weight), grouped by owner with a stable sort, so each owner receives each
+    source's ids in bag order. The counts' exchange also carries each rank's number of bags."""
+
+    def __init__(self, flat: Tensor, bag_of: Tensor, weights: Optional[Tensor], n_bags: int, world: int, group,
+                 log=None):
+        owner = owner_of(flat, world)
+        order = torch.argsort(owner, stable=True)
+        if n_bags >= 2**31:
+            raise ValueError(f"torchfuse.distributed: {n_bags} bags in one batch; the exchange sends bag indices as int32")
+        self.send_ids, self.send_bags = flat[order], bag_of[order].to(torch.int32)  # half the bytes of int64
+        self.send_w = weights[order] if weights is not None else None
+        counts = torch.bincount(owner, minlength=world)
+        meta = torch.stack([counts, torch.full_like(counts, n_bags)], 1)
+        recv_meta = all_to_all(meta, [1] * world, [1] * world, group, log, "counts")
+        host = torch.cat([meta.reshape(-1), recv_meta.reshape(-1)]).tolist()  # the one host sync
+        self.send_splits, self.recv_splits = host[0:2 * world:2], host[2 * world::2]
+        self.src_bags = host[2 * world + 1::2]  # each source rank's number of bags
+        self.n_bags, self.world, self.group, self.log = n_bags, world, group, log
+
+    def owner_batch(self):
+        """(ids, offsets, weights) the owner pools: the sources' bags one after another (source
+        rank order), so its partial bags come out grouped by source."""
+        dev = self.send_ids.device
+        recv_ids = all_to_all(self.send_ids, self.recv_splits, self.send_splits, self.group, self.log, "ids")
+        recv_bags = all_to_all(self.send_bags, self.recv_splits, self.send_splits, self.group, self.log, "bags")
+        recv_w = None
+        if self.send_w is not None:
+            recv_w = all_to_all(self.send_w, self.recv_splits, self.send_splits, self.group, self.log, "weights")
+        base = torch.tensor([0] + self.src_bags[:-1], device=dev).cumsum(0)
+        src = torch.repeat_interleave(torch.arange(self.world, device=dev),
+                                      torch.tensor(self.recv_splits, device=dev))
+        combined = recv_bags.to(torch.int64) + base[src]  # ascending: bag order within a source, sources in rank order
+        offsets = torch.searchsorted(combined, torch.arange(sum(self.src_bags), device=dev))
+        return recv_ids, offsets, recv_w
+
+
+class PartialSums(torch.autograd.Function):
+    """(world, bags, dim): owner r's sum of its ids' rows in each of this rank's bags. Backward sends
+    each bag's gradient to every owner, whose table expands it to the bag's ids, sums them per key
+    and applies its optimizer (its local module's backward)."""
+
+    @staticmethod
+    def forward(ctx, anchor, local_pool, plan: PartialPlan):
+        ids, offsets, w = plan.owner_batch()
+        with torch.enable_grad():
+            partial = local_pool(ids, offsets, w)
+        ctx.plan, ctx.partial = plan, partial
+        back = all_to_all(partial.detach(), [plan.n_bags] * plan.world, plan.src_bags, plan.group, plan.log,
+                          "partial bags")
+        return back.view(plan.world, plan.n_bags, partial.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, partial = ctx.plan, ctx.partial
+        ctx.partial = None
+        g = all_to_all(grad.reshape(-1, grad.shape[-1]), plan.src_bags, [plan.n_bags] * plan.world, plan.group,
+                       plan.log, "partial grads")
+        if partial.requires_grad:
+            torch.autograd.backward(partial, g.to(partial.dtype))
+        return None, None, None

@@ -1,0 +1,86 @@
+"""TorchRec's sharding API for the dynamic-embedding collections: a ModuleSharder, so that
+DistributedModelParallel places them through TorchRec's planner, and the sharded module it returns.
+Imported only when torchfuse.torchrec.DynamicEmbeddingSharder is first used (it needs torchrec)."""
+from typing import Dict, List, Optional, Type
+
+import torch
+from torch import nn
+
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import (LazyNoWait, ModuleSharder, NoWait, NullShardedModuleContext, ShardedModule,
+                                        ShardingEnv, ShardingType)
+
+from ..torchrec import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
+from ._shard import shard
+
+
+class ShardedDynamicEmbeddingCollection(ShardedModule):
+    """A DynamicEmbedding(Bag)Collection sharded row-wise by key hash over the sharding environment's
+    process group (``torchfuse.distributed.shard`` of the collection). The KJT stays data-parallel
+    through input_dist: each table's exchange sends the distinct ids of the rank's batch to their
+    owners (all_to_all_single, grouped by ``owner_of``) inside compute, and its rows come back there,
+    so output_dist has nothing left to move."""
+
+    def __init__(self, module, plan, env: ShardingEnv, device: Optional[torch.device] = None):
+        super().__init__()
+        pg = env.process_group
+        world = env.world_size
+        for name, ps in plan.items():
+            if ps.sharding_type != ShardingType.ROW_WISE.value or sorted(ps.ranks or []) != list(range(world)):
+                raise ValueError(f"torchfuse.torchrec.DynamicEmbeddingSharder: table {name!r} was planned as "
+                                 f"{ps.sharding_type} on ranks {ps.ranks}; only row-wise over all ranks is supported")
+        self._unsharded_type = type(module)
+        self._inner = shard(module, pg)
+
+    @property
+    def unsharded_module_type(self):
+        return self._unsharded_type
+
+    def create_context(self):
+        return NullShardedModuleContext()
+
+    def input_dist(self, ctx, features):
+        return NoWait(NoWait(features))
+
+    def compute(self, ctx, dist_input):
+        return self._inner(dist_input)
+
+    def output_dist(self, ctx, output):
+        return LazyNoWait(output)
+
+
+class DynamicEmbeddingSharder(ModuleSharder[nn.Module]):
+    """TorchRec ``ModuleSharder`` for :class:`torchfuse.torchrec.DynamicEmbeddingBagCollection`
+    (default) or, with ``module_type=DynamicEmbeddingCollection``, :class:`DynamicEmbeddingCollection`:
+
+        model = DistributedModelParallel(model, sharders=[DynamicEmbeddingSharder(),
+                                                          DynamicEmbeddingSharder(DynamicEmbeddingCollection)])
+
+    The planner sees one parameter per table, (its capacity, embedding_dim) on the meta device, and
+    is offered row-wise sharding with the fused kernel; the sharded module keys rows by the shard
+    hash (``torchfuse.distributed.owner_of``), not by TorchRec's row ranges. Each rank's table keeps
+    the collection's per-table capacity."""
+
+    def __init__(self, module_type: Type[nn.Module] = DynamicEmbeddingBagCollection, qcomm_codecs_registry=None):
+        super().__init__(qcomm_codecs_registry)
+        if module_type not in (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection):
+            raise TypeError("torchfuse.torchrec.DynamicEmbeddingSharder: module_type must be DynamicEmbeddingBagCollection "
+                            f"or DynamicEmbeddingCollection, got {module_type!r}")
+        self._module_type = module_type
+
+    @property
+    def module_type(self) -> Type[nn.Module]:
+        return self._module_type
+
+    def shardable_parameters(self, module) -> Dict[str, nn.Parameter]:
+        return {name: nn.Parameter(torch.empty(t.capacity, t.embedding_dim, device="meta"), requires_grad=False)
+                for name, t in module.tables.items()}
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return [ShardingType.ROW_WISE.value]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [EmbeddingComputeKernel.FUSED.value]
+
+    def shard(self, module, params, env, device=None, module_fqn=None):
+        return ShardedDynamicEmbeddingCollection(module, params, env, device)
