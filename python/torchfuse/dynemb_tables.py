@@ -30,6 +30,8 @@ def can_batch(tables: Sequence[DynamicEmbeddingBag], weights: Optional[Tensor]) 
     """Whether `tables` can run as one batch: one device, one row width, one optimizer configuration,
     all trainable or all frozen, and no gradient wanted for per-id weights."""
     t0 = tables[0]
+    if not all(isinstance(t, DynamicEmbeddingBag) for t in tables):  # sharded tables exchange their own ids
+        return False
     if weights is not None and weights.requires_grad and torch.is_grad_enabled():
         return False
     cfg = t0.optimizer.config()

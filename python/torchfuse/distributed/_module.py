@@ -58,6 +58,13 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
     eviction = property(lambda self: self.local.eviction)
     optimizer = property(lambda self: self.local.optimizer)
 
+    # what torchfuse.torchrec's collections read of a table: whether it trains, and _run, whose
+    # backward is this module's own autograd (the exchange is collective), so it returns no record
+    _trainable = property(lambda self: self.local._trainable)
+
+    def _run(self, need_grad: bool, *args):
+        return self.forward(*args), None
+
     def __len__(self) -> int:
         """Keys in this rank's table."""
         return len(self.local)
