@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
                 bwd_load(p, d, arow, urow, dyrow, e_row, oy, g, c0 + j * TF_VEC, cn, mean, rstd, c);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) {
-                    const float dx = c.dn[i] * c.w[i];
+                    const float dx = __fmul_rn(c.dn[i], c.w[i]); /* rounded as in da below */
                     s1 += dx;
                     s2 += dx * c.xhat[i];
                     acc_w[k][i] += c.dn[i] * c.xhat[i];
@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
                 bwd_load(p, d, arow, urow, dyrow, e_row, oy, g, col, cn, mean, rstd, c);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) {
-                    const float dx = c.dn[i] * c.w[i];
+                    const float dx = __fmul_rn(c.dn[i], c.w[i]); /* rounded as in da below */
                     s1 += dx;
                     s2 += dx * c.xhat[i];
                     gw += c.dn[i] * c.xhat[i];
@@ -321,7 +321,9 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
             float da[TF_VEC], du[TF_VEC], t[TF_VEC];
 #pragma unroll
             for (int i = 0; i < TF_VEC; ++i) {
-                da[i] = rstd * (c.dn[i] * c.w[i] - m1 - c.xhat[i] * m2);
+                /* the product rounded before the subtraction, as in m1's terms: an FMA here would leave
+                 * the product's rounding error, which rstd magnifies when the row is constant */
+                da[i] = rstd * (__fmul_rn(c.dn[i], c.w[i]) - m1 - c.xhat[i] * m2);
                 du[i] = c.gy[i] * (c.xhat[i] * c.w[i] + c.b[i]) * act_grad(c.u[i], p.mul_act);
             }
             if (ox >= 0) {

@@ -12,6 +12,16 @@ from torchfuse import DynamicEmbedding, DynamicEmbeddingBag
 from torchfuse import optim as tfo
 
 
+
+@pytest.fixture(autouse=True)
+def _fresh_compiler():
+    """Each test compiles from scratch: dynamo's recompile limit counts per code object across the
+    whole process, and earlier tests' graphs of the same modules would count against this one's."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _tables_equal(a, b, tol=0.0):
     """The same keys with the same rows, optimizer state and scores (slots may differ after growth).
     tol: the rows' gradients came through layers that inductor compiled (its own summation order)."""

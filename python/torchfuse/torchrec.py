@@ -258,6 +258,11 @@ class _Collection(torch.nn.Module):
         self._embedding_names = _embedding_names(tables)
         self._all_features = list(dict.fromkeys(f for fs in self._feature_names for f in fs))
         self._device = torch.device(device) if device is not None else torch.device("cpu")
+        # the output classes, torchrec's when it imports: resolved here, because compiled code cannot
+        # try an import that fails
+        jt = _torchrec()
+        self._keyed_tensor_cls = jt.KeyedTensor if jt is not None else KeyedTensor
+        self._jagged_tensor_cls = jt.JaggedTensor if jt is not None else JaggedTensor
         mods = {}
         for t in tables:
             kw = dict(extra(t))
@@ -416,8 +421,7 @@ class DynamicEmbeddingBagCollection(_Collection):
 
     def forward(self, features):
         names = [n for ns in self._embedding_names for n in ns]
-        jt = _torchrec()
-        cls = jt.KeyedTensor if jt is not None else KeyedTensor
+        cls = self._keyed_tensor_cls
         need_grad = self._need_grad()
         if torch.compiler.is_compiling():
             w = features.weights_or_none()
@@ -487,8 +491,7 @@ class DynamicEmbeddingCollection(_Collection):
 
     def forward(self, features):
         view = _KJTView(features, self._all_features, "torchfuse.torchrec.DynamicEmbeddingCollection")
-        jt = _torchrec()
-        cls = jt.JaggedTensor if jt is not None else JaggedTensor
+        cls = self._jagged_tensor_cls
         out: Dict[str, object] = {}
         for cfg, feats, names in zip(self._configs, self._feature_names, self._embedding_names):
             ids, offsets, _ = view.segment(feats, False)
