@@ -244,9 +244,47 @@ def memory_rows(cfg, quick):
     return rows
 
 
+def output_kernel_rows(quick):
+    """hstu_compute_output's fused kernels alone (torch.ops.torchfuse.hstu_output_fwd / _bwd, without
+    the GEMM) at each config's rows and width, against the bytes they must move over copy bandwidth;
+    LayerNorm, SiLU on u, concatenation [u, attn, y], dropout 0 and 0.1. Eager: the same section in
+    PyTorch ops (norm, multiply, cat, dropout), forward."""
+    from torchfuse import reference
+    fwd, bwd = torch.ops.torchfuse.hstu_output_fwd.default, torch.ops.torchfuse.hstu_output_bwd.default
+    copy_gbs = C.copy_bandwidth_gbs(quick)
+    rows = []
+    for name in ("b", "a"):
+        label, B, N, _, H, D = CONFIGS[name]
+        L, n = B * (3 * N // 4), H * D  # lengths U[N/2, N]: 3N/4 rows per sequence on average
+        attn, u = (torch.randn(L, n, device=DEVICE, dtype=DTYPE) for _ in range(2))
+        w, b = torch.randn(n, device=DEVICE, dtype=DTYPE), torch.randn(n, device=DEVICE, dtype=DTYPE)
+        for p in (0.0, 0.1):
+            y, mean, rstd, rng = fwd(attn, u, w, b, 1e-6, 0, 1, 1, True, True, p, 0, None)
+            dy = torch.randn_like(y)
+            t_f = C.bench_us(lambda: fwd(attn, u, w, b, 1e-6, 0, 1, 1, True, True, p, 0, None), quick)
+            t_b = C.bench_us(lambda: bwd(dy, attn, u, w, b, mean, rstd, rng, 0, 1, 1, True, True, p, True), quick)
+
+            def eager():
+                y_ = torch.nn.functional.silu(u.float())
+                z = torch.cat([y_, attn.float(), y_ * torch.nn.functional.layer_norm(attn.float(), (n,), w.float(),
+                                                                                      b.float(), 1e-6)], 1)
+                return torch.nn.functional.dropout(z, p, training=True).to(DTYPE)
+            t_e = C.bench_us(eager, quick)
+            el = attn.element_size()
+            fb, bb = L * n * el * 5, L * n * el * 7  # fwd: read attn, u, write 3n; bwd: read attn, u, dy (3n), write 2n
+            for what, t, nb in (("forward", t_f, fb), ("backward", t_b, bb)):
+                rows.append([f"{label}: {L} x {n}", p, what, C.fmt(t, 1), C.fmt(nb / (t * 1e-6) / 1e9, 0),
+                             f"{nb / (t * 1e-6) / 1e9 / copy_gbs * 100:.0f}%",
+                             C.fmt(t_e, 1) if what == "forward" else "-",
+                             C.ratio(t_e, t) if what == "forward" else "-"])
+            y = dy = mean = rstd = rng = None
+        attn = u = None
+        torch.cuda.empty_cache()
+    return rows, copy_gbs
+
+
 def run(args):
     rep = C.Report("hstu_layer", "STU layer and 4-layer stack, forward + backward, bf16")
-    rep.roofline = "-"
     gr_stu = load_gr(args.peers)
     vs = variants(gr_stu)
     rep.peers = [label for label, _ in vs if label != "torchfuse STULayer"]
@@ -275,6 +313,10 @@ def run(args):
         if n_layers == 1:
             cols.append("GPU launches, kernels + copies (config b)")
         rep.table(f"{'One STU layer' if n_layers == 1 else 'Stack of 4 STU layers'}, forward + backward", cols, rows)
+    out_rows, copy_gbs = output_kernel_rows(args.quick)
+    rep.roofline = f"device-to-device copy {copy_gbs:.0f} GB/s (read + write), measured in this run (output op table)"
+    rep.table("hstu_compute_output's fused kernels alone (no GEMM): bytes they must move over copy bandwidth",
+              ["rows x width", "dropout", "pass", "us", "GB/s", "% of copy", "eager fwd us", "vs eager"], out_rows)
     if not args.quick:
         rep.table("torchfuse STULayer at config (a): what the forward keeps for the backward, by recompute choice",
                   ["recompute_normed_x", "recompute_uvqk", "kept MiB", "fwd+bwd ms"], memory_rows(CONFIGS["a"], False))

@@ -22,7 +22,8 @@ sys.path.insert(0, HERE)
 
 import _common as C  # noqa: E402
 
-FAMILIES = ["norm", "jagged", "hstu", "dynamic_embedding", "hf", "torchrec", "sampled_softmax", "recsys"]
+# one GPU each; bench_distributed.py runs on a machine of several GPUs by itself
+FAMILIES = ["norm", "jagged", "hstu", "hstu_layer", "dynamic_embedding", "hf", "torchrec", "sampled_softmax", "recsys"]
 
 
 def main():
