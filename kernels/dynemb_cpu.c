@@ -189,20 +189,42 @@ void tf_dynemb_update_cpu(const tf_dynemb_update_params *p, int64_t begin, int64
     }
 }
 
+/* Rows are walked id by id into a block of column sums (each column still sums its ids in order, as
+ * the CUDA kernel does): a row is located once per id, not once per element. */
+#define TF_POOL_COLS 256
 void tf_dynemb_pool_cpu(const tf_dynemb_pool_params *p, int64_t begin, int64_t end) {
+    float acc[TF_POOL_COLS];
     for (int64_t b = begin; b < end; ++b) {
         int64_t i0, i1;
         tf_dynemb_pool_bag(p, b, &i0, &i1);
-        for (int64_t j = 0; j < p->dim; ++j) {
-            float acc = 0.f;
+        for (int64_t j0 = 0; j0 < p->dim; j0 += TF_POOL_COLS) {
+            const int64_t m = p->dim - j0 < TF_POOL_COLS ? p->dim - j0 : TF_POOL_COLS;
+            for (int64_t j = 0; j < m; ++j) acc[j] = 0.f;
             for (int64_t i = i0; i < i1; ++i) {
                 const int64_t slot = tf_dynemb_pool_slot(p, i);
                 if (slot < 0) continue;
-                const float v = tf_load_f32(tf_dynemb_row(&p->values, slot), p->dtype, j);
-                acc += p->weights ? p->weights[i] * v : v;
+                const char *row = tf_dynemb_row(&p->values, slot);
+                if (p->dtype == TF_F32) {
+                    const float *r = (const float *)row + j0;
+                    if (p->weights) {
+                        const float w = p->weights[i];
+                        for (int64_t j = 0; j < m; ++j) acc[j] += w * r[j];
+                    } else {
+                        for (int64_t j = 0; j < m; ++j) acc[j] += r[j];
+                    }
+                } else {
+                    for (int64_t j = 0; j < m; ++j) {
+                        const float v = tf_load_f32(row, p->dtype, j0 + j);
+                        acc[j] += p->weights ? p->weights[i] * v : v;
+                    }
+                }
             }
-            if (p->mean && i1 > i0) acc /= (float)(i1 - i0);
-            tf_store_f32(p->out, p->out_dtype, tf_dynemb_pool_out_index(p, b) + j, acc);
+            const int64_t o = tf_dynemb_pool_out_index(p, b) + j0;
+            for (int64_t j = 0; j < m; ++j) {
+                float v = acc[j];
+                if (p->mean && i1 > i0) v /= (float)(i1 - i0);
+                tf_store_f32(p->out, p->out_dtype, o + j, v);
+            }
         }
     }
 }
