@@ -118,11 +118,14 @@ def test_options_low_precision(device, dtype, group_norm, concat, p):
              recompute=p > 0)
 
 
-# Widths that take each CUDA path: one to four chunks per lane in registers, the looping one past 1024
-# columns, odd widths (no 16-byte vectors), GroupNorm heads of 1, 25 and 256 columns. (A GroupNorm head
-# of one column normalises to exactly 0 and is left out: its attn gradient is rounding noise.)
+# Widths that take each CUDA path. LayerNorm rows kernels: 1, 2, 16, 64 (two warps per row, two rows a
+# block) and 128 threads per row at one chunk each, two chunks each (1200 columns); the warp kernels past
+# 2048 columns. Odd widths (no 16-byte vectors); GroupNorm heads of 1, 25, 256, 600 and 700 columns in
+# the warp kernels. (A GroupNorm head of one column normalises to exactly 0 and is left out: its attn
+# gradient is rounding noise.)
 WIDTHS = [(gn, H, D) for gn in (False, True)
-          for H, D in [(1, 8), (2, 150), (4, 256), (3, 700), (5, 25), (16, 1), (1, 1)] if not (gn and D == 1)]
+          for H, D in [(1, 8), (2, 150), (4, 256), (2, 600), (3, 700), (5, 25), (16, 1), (1, 1)]
+          if not (gn and D == 1)]
 
 
 @pytest.mark.parametrize("group_norm,H,D", WIDTHS, ids=[f"{'gn' if g else 'ln'}-{h}x{d}" for g, h, d in WIDTHS])
