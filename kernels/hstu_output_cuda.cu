@@ -50,6 +50,18 @@ __device__ __forceinline__ float act_grad(float x, int act) {
     return act == TF_ACT_SILU ? s * (1.f + x * (1.f - s)) : s * (1.f - s);
 }
 
+/* act_f and act_grad together, bit for bit the same values, from one exponential. */
+__device__ __forceinline__ void act_fg(float x, int act, float &f, float &g) {
+    if (act == TF_ACT_NONE) {
+        f = x;
+        g = 1.f;
+        return;
+    }
+    const float den = 1.f + expf(-x), s = 1.f / den;
+    f = act == TF_ACT_SILU ? x / den : s;
+    g = act == TF_ACT_SILU ? s * (1.f + x * (1.f - s)) : s * (1.f - s);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
@@ -162,10 +174,16 @@ __device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params 
                                                 int64_t col, int cn, float mean, float rstd,
                                                 const float (&a)[TF_VEC], const float (&u)[TF_VEC],
                                                 const float (&w)[TF_VEC], const float (&b)[TF_VEC]) {
-    float v[TF_VEC];
-    if (ou >= 0) {
+    float v[TF_VEC], fm[TF_VEC];
 #pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.cat_act);
+    for (int i = 0; i < TF_VEC; ++i) fm[i] = act_f(u[i], p.mul_act);
+    if (ou >= 0) {
+        if (p.cat_act == p.mul_act) /* one exponential per element when the activations agree */
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) v[i] = fm[i];
+        else
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.cat_act);
         apply_mask(d, e_row + ou + col, cn, v);
         tf_st_chunk(yrow, p.y_dtype, ou + col, cn, v);
     }
@@ -176,7 +194,7 @@ __device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params 
         tf_st_chunk(yrow, p.y_dtype, ox + col, cn, v);
     }
 #pragma unroll
-    for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.mul_act) * ((a[i] - mean) * rstd * w[i] + b[i]);
+    for (int i = 0; i < TF_VEC; ++i) v[i] = fm[i] * ((a[i] - mean) * rstd * w[i] + b[i]);
     apply_mask(d, e_row + oy + col, cn, v);
     tf_st_chunk(yrow, p.y_dtype, oy + col, cn, v);
 }
@@ -643,14 +661,16 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
         for (int k = 0; k < K; ++k) {
             if (cn[k] == 0) continue;
             const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
-            float da[TF_VEC], du[TF_VEC];
+            float da[TF_VEC], du[TF_VEC], gm[TF_VEC];
 #pragma unroll
             for (int i = 0; i < TF_VEC; ++i) {
-                const float dn = i < cn[k] ? gy[k][i] * act_f(u[k][i], p.mul_act) : 0.f;
+                float fm;
+                act_fg(u[k][i], p.mul_act, fm, gm[i]);
+                const float dn = i < cn[k] ? gy[k][i] * fm : 0.f;
                 /* the product rounded before the subtraction, as in m1's terms: an FMA here would leave
                  * the product's rounding error, which rstd magnifies when the row is constant */
                 da[i] = rstd * (__fmul_rn(dn, w[k][i]) - m1 - xh[k][i] * m2);
-                du[i] = gy[k][i] * (xh[k][i] * w[k][i] + b[k][i]) * act_grad(u[k][i], p.mul_act);
+                du[i] = gy[k][i] * (xh[k][i] * w[k][i] + b[k][i]) * gm[i];
             }
             /* K > 1: the dY parts of u and attn read only now, which keeps the registers under the
              * launch bound; they are read once either way */
@@ -664,7 +684,8 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
             if (ou >= 0) {
                 apply_mask(d, e_row + ou + col, cn[k], tu[k]);
 #pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) du[i] += tu[k][i] * act_grad(u[k][i], p.cat_act);
+                for (int i = 0; i < TF_VEC; ++i)
+                    du[i] += tu[k][i] * (p.cat_act == p.mul_act ? gm[i] : act_grad(u[k][i], p.cat_act));
             }
             tf_st_chunk(darow, p.dattn_dtype, col, cn[k], da);
             tf_st_chunk(durow, p.du_dtype, col, cn[k], du);
