@@ -12,11 +12,8 @@
  * Dropout: a chunk's 8 elements of the concatenated output span two or three Philox blocks of 4
  * consecutive elements; each block is drawn once per chunk and its 4 words used for 4 elements.
  *
- * Warp kernels' weight gradients: LayerNorm rows of up to 32 * 8 * K columns (K <= 4) keep each lane's
- * column sums in registers across the rows its warp visits and store them once into the warp's
- * partial row; longer rows, and GroupNorm (one weight per group: a warp sum per task), add into the
- * warp's partial row as they go. A warp owns its partial row, so the order of additions is fixed:
- * deterministic. */
+ * Warp backward's weight gradients: each warp adds into its own partial row as it goes (LayerNorm: a
+ * lane's columns; GroupNorm: a warp sum per task), so the order of additions is fixed: deterministic. */
 #include <cuda_runtime.h>
 
 #include <map>
@@ -35,8 +32,6 @@ constexpr int kWarps = 8; /* per block */
  * unspilled (ptxas, sm_90a: 162 to 232). */
 template <int K>
 constexpr int fwd_min_blocks() { return K >= 2 ? 2 : 3; }
-template <int K>
-constexpr int bwd_min_blocks() { return K > 0 ? 1 : 2; }
 
 __device__ __forceinline__ float act_f(float x, int act) {
     if (act == TF_ACT_SILU) return x / (1.f + expf(-x));
@@ -168,7 +163,8 @@ __device__ __forceinline__ Dropout make_dropout(const tf_philox_args &rng, int o
     return d;
 }
 
-/* The three parts of one chunk of the output row, dropped out and rounded. */
+/* The three parts of one chunk of the output row, dropped out and rounded. y's part first: the norm
+ * weight and bias (and, after attn's part, attn) are dead before the later parts' mask draws. */
 __device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params &p, const Dropout &d, void *yrow,
                                                 uint64_t e_row, int64_t ou, int64_t ox, int64_t oy,
                                                 int64_t col, int cn, float mean, float rstd,
@@ -176,7 +172,18 @@ __device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params 
                                                 const float (&w)[TF_VEC], const float (&b)[TF_VEC]) {
     float v[TF_VEC], fm[TF_VEC];
 #pragma unroll
-    for (int i = 0; i < TF_VEC; ++i) fm[i] = act_f(u[i], p.mul_act);
+    for (int i = 0; i < TF_VEC; ++i) {
+        fm[i] = act_f(u[i], p.mul_act);
+        v[i] = fm[i] * ((a[i] - mean) * rstd * w[i] + b[i]);
+    }
+    apply_mask(d, e_row + oy + col, cn, v);
+    tf_st_chunk(yrow, p.y_dtype, oy + col, cn, v);
+    if (ox >= 0) {
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) v[i] = a[i];
+        apply_mask(d, e_row + ox + col, cn, v);
+        tf_st_chunk(yrow, p.y_dtype, ox + col, cn, v);
+    }
     if (ou >= 0) {
         if (p.cat_act == p.mul_act) /* one exponential per element when the activations agree */
 #pragma unroll
@@ -187,16 +194,6 @@ __device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params 
         apply_mask(d, e_row + ou + col, cn, v);
         tf_st_chunk(yrow, p.y_dtype, ou + col, cn, v);
     }
-    if (ox >= 0) {
-#pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) v[i] = a[i];
-        apply_mask(d, e_row + ox + col, cn, v);
-        tf_st_chunk(yrow, p.y_dtype, ox + col, cn, v);
-    }
-#pragma unroll
-    for (int i = 0; i < TF_VEC; ++i) v[i] = fm[i] * ((a[i] - mean) * rstd * w[i] + b[i]);
-    apply_mask(d, e_row + oy + col, cn, v);
-    tf_st_chunk(yrow, p.y_dtype, oy + col, cn, v);
 }
 
 /* K > 0: groups of at most 32 * 8 * K columns, held in registers (all of a group's loads issued before
@@ -307,9 +304,8 @@ __device__ __forceinline__ void bwd_load(const tf_hstu_output_bwd_params &p, con
     }
 }
 
-/* K > 0: LayerNorm with at most K chunks per lane, weight-gradient sums in registers. K == 0: any. */
-template <int K>
-__global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_bwd_kernel(
+/* GroupNorm, and LayerNorm rows wider than the rows kernels take: any width, each chunk read twice. */
+__global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
     const tf_hstu_output_bwd_params p) {
     const int lane = threadIdx.x & 31;
     const int64_t slot = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -321,12 +317,6 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
     const float inv = 1.f / (float)gs;
     float *dwp = p.dw_part ? p.dw_part + slot * wcols : nullptr;
     float *dbp = p.db_part ? p.db_part + slot * wcols : nullptr;
-    constexpr int KR = K > 0 ? K : 1;
-    float acc_w[KR][TF_VEC], acc_b[KR][TF_VEC];
-#pragma unroll
-    for (int k = 0; k < KR; ++k)
-#pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.f;
 
     for (int64_t task = slot; task < p.rows * G; task += n_warps) {
         const int64_t r = task / G, g = task - r * G, c0 = g * gs;
@@ -337,51 +327,33 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
         const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
         float s1 = 0.f, s2 = 0.f, gw = 0.f, gb = 0.f;
         BwdChunk c;
-        if constexpr (K > 0) {
+        for (int64_t j = lane; j < nch; j += 32) {
+            const int cn = chunk_n(j, gs);
+            const int64_t col = c0 + j * TF_VEC;
+            bwd_load(p, d, arow, urow, dyrow, e_row, oy, g, col, cn, mean, rstd, c);
 #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const int64_t j = lane + 32 * k;
-                const int cn = chunk_n(j, gs);
-                if (cn == 0) continue;
-                bwd_load(p, d, arow, urow, dyrow, e_row, oy, g, c0 + j * TF_VEC, cn, mean, rstd, c);
+            for (int i = 0; i < TF_VEC; ++i) {
+                const float dx = __fmul_rn(c.dn[i], c.w[i]); /* rounded as in da below */
+                s1 += dx;
+                s2 += dx * c.xhat[i];
+                gw += c.dn[i] * c.xhat[i];
+                gb += c.dn[i];
+            }
+            if (!p.group_weights) { /* this lane's columns of the warp's own partial row */
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) {
-                    const float dx = __fmul_rn(c.dn[i], c.w[i]); /* rounded as in da below */
-                    s1 += dx;
-                    s2 += dx * c.xhat[i];
-                    acc_w[k][i] += c.dn[i] * c.xhat[i];
-                    acc_b[k][i] += c.dn[i];
+                    if (i >= cn) break;
+                    if (dwp) dwp[col + i] += c.dn[i] * c.xhat[i];
+                    if (dbp) dbp[col + i] += c.dn[i];
                 }
             }
-        } else {
-            for (int64_t j = lane; j < nch; j += 32) {
-                const int cn = chunk_n(j, gs);
-                const int64_t col = c0 + j * TF_VEC;
-                bwd_load(p, d, arow, urow, dyrow, e_row, oy, g, col, cn, mean, rstd, c);
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) {
-                    const float dx = __fmul_rn(c.dn[i], c.w[i]); /* rounded as in da below */
-                    s1 += dx;
-                    s2 += dx * c.xhat[i];
-                    gw += c.dn[i] * c.xhat[i];
-                    gb += c.dn[i];
-                }
-                if (!p.group_weights) { /* this lane's columns of the warp's own partial row */
-#pragma unroll
-                    for (int i = 0; i < TF_VEC; ++i) {
-                        if (i >= cn) break;
-                        if (dwp) dwp[col + i] += c.dn[i] * c.xhat[i];
-                        if (dbp) dbp[col + i] += c.dn[i];
-                    }
-                }
-            }
-            if (p.group_weights) {
-                gw = warp_sum(gw);
-                gb = warp_sum(gb);
-                if (lane == 0) {
-                    if (dwp) dwp[g] += gw;
-                    if (dbp) dbp[g] += gb;
-                }
+        }
+        if (p.group_weights) {
+            gw = warp_sum(gw);
+            gb = warp_sum(gb);
+            if (lane == 0) {
+                if (dwp) dwp[g] += gw;
+                if (dbp) dbp[g] += gb;
             }
         }
         const float m1 = warp_sum(s1) * inv, m2 = warp_sum(s2) * inv;
@@ -415,19 +387,6 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
             tf_store_chunk(durow, p.du_dtype, col, cn, du);
         }
     }
-    if constexpr (K > 0) {
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int64_t j = lane + 32 * k;
-            const int cn = chunk_n(j, n);
-#pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) {
-                if (i >= cn) break;
-                if (dwp) dwp[j * TF_VEC + i] = acc_w[k][i];
-                if (dbp) dbp[j * TF_VEC + i] = acc_b[k][i];
-            }
-        }
-    }
 }
 
 /* ---- LayerNorm rows of up to kRowBlock * 8 * kRowMaxK columns: a group of tpr threads per row ----
@@ -443,8 +402,10 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
  * row groups in a fixed order at the end into the block's own partial row: deterministic. */
 constexpr int kRowBlock = 128;
 constexpr int kRowMaxK = 2;
-template <int K>
-constexpr int rows_fwd_min_blocks() { return K == 1 ? 6 : 4; }
+/* Blocks per SM the register budgets are set for: the largest counts whose kernels compile unspilled
+ * (ptxas, sm_90a); the staged forward's prefetch keeps loads in flight with one block fewer. */
+template <int K, bool STAGED>
+constexpr int rows_fwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 6) : 4; }
 template <int K>
 constexpr int rows_bwd_min_blocks() { return K == 1 ? 4 : 2; }
 
@@ -498,7 +459,7 @@ __device__ __forceinline__ void stage_to_float(const uint4 *pl0, const uint4 *pl
 }
 
 template <int K, bool STAGED>
-__global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K>()) hstu_output_fwd_rows(
+__global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) hstu_output_fwd_rows(
     const tf_hstu_output_fwd_params p, int tpr) {
     __shared__ float red[kRowBlock / 32][1];
     extern __shared__ uint4 stage_buf[];
@@ -784,13 +745,7 @@ Launch bwd_launch(const tf_hstu_output_bwd_params *p) {
     const RowMap m = row_map(p->cols, p->groups, p->group_weights);
     if (m.k == 1) return {(const void *)hstu_output_bwd_rows<1>, kRowBlock, m.tpr, 0};
     if (m.k == 2) return {(const void *)hstu_output_bwd_rows<2>, kRowBlock, m.tpr, 0};
-    const int64_t nch = (p->cols + TF_VEC - 1) / TF_VEC;
-    const int w = kWarps * 32;
-    if (p->group_weights || p->groups != 1 || nch > 32 * kMaxK)
-        return {(const void *)hstu_output_bwd_kernel<0>, w, 0, 0};
-    if (nch <= 32) return {(const void *)hstu_output_bwd_kernel<1>, w, 0, 0};
-    if (nch <= 64) return {(const void *)hstu_output_bwd_kernel<2>, w, 0, 0};
-    return {(const void *)hstu_output_bwd_kernel<4>, w, 0, 0};
+    return {(const void *)hstu_output_bwd_kernel, kWarps * 32, 0, 0};
 }
 
 /* Blocks of `fn` resident on the current device at once (looked up once per device and kernel). */
