@@ -1,17 +1,19 @@
 /* HSTU output section on CUDA (semantics: hstu_output_kernels.h).
  *
- * One warp per (row, group) task, a persistent grid striding over the tasks. Chunk j of a group (8
- * elements, tf_vec.cuh: 16-byte vectors where whole and aligned, element by element otherwise) is lane
- * j % 32's. The forward holds groups of up to 1024 columns in registers, all their loads issued at once
- * (wider ones are read three times: mean, variance about it, the write pass; the re-reads come from
- * L1/L2); the backward reads a group twice. Dropout draws one Philox block per 4 consecutive
- * elements of the concatenated output; a chunk's elements start at the same phase mod 4 in every lane,
- * so the lanes draw in step.
+ * Two kernel families. LayerNorm rows of up to 2048 columns (the common case) go to the rows kernels
+ * (hstu_output_fwd_rows / _bwd_rows, described at their definition): a group of threads per row sized
+ * so each thread holds one or two 8-element chunks per tensor, several rows per block for narrow rows.
+ * GroupNorm and wider rows go to the warp kernels: one warp per (row, group) task, a persistent grid
+ * striding over the tasks, chunk j of a group (8 elements, tf_vec.cuh: 16-byte vectors where whole and
+ * aligned, element by element otherwise) lane j % 32's. Their forward holds groups of up to 1024
+ * columns in registers (wider ones are read three times: mean, variance about it, the write pass; the
+ * re-reads come from L1/L2); their backward reads a group twice.
  *
- * Weight gradients: LayerNorm rows of up to 32 * 8 * K columns (K <= 4) keep each lane's column sums in
- * registers across the rows its warp visits and store them once into the warp's partial row; longer
- * rows, and GroupNorm (one weight per group: a warp sum per task), add into the warp's partial row as
- * they go. A warp owns its partial row, so the order of additions is fixed: deterministic. */
+ * Dropout: a chunk's 8 elements of the concatenated output span two or three Philox blocks of 4
+ * consecutive elements; each block is drawn once per chunk and its 4 words used for 4 elements.
+ *
+ * Warp backward's weight gradients: each warp adds into its own partial row as it goes (LayerNorm: a
+ * lane's columns; GroupNorm: a warp sum per task), so the order of additions is fixed: deterministic. */
 #include <cuda_runtime.h>
 
 #include <map>
@@ -19,6 +21,7 @@
 #include <utility>
 
 #include "hstu_output_kernels.h"
+#include "tf_cp_async.cuh"
 #include "tf_vec.cuh"
 
 namespace {
@@ -29,8 +32,6 @@ constexpr int kWarps = 8; /* per block */
  * unspilled (ptxas, sm_90a: 162 to 232). */
 template <int K>
 constexpr int fwd_min_blocks() { return K >= 2 ? 2 : 3; }
-template <int K>
-constexpr int bwd_min_blocks() { return K > 0 ? 1 : 2; }
 
 __device__ __forceinline__ float act_f(float x, int act) {
     if (act == TF_ACT_SILU) return x / (1.f + expf(-x));
@@ -44,10 +45,63 @@ __device__ __forceinline__ float act_grad(float x, int act) {
     return act == TF_ACT_SILU ? s * (1.f + x * (1.f - s)) : s * (1.f - s);
 }
 
+/* act_f and act_grad together, bit for bit the same values, from one exponential. */
+__device__ __forceinline__ void act_fg(float x, int act, float &f, float &g) {
+    if (act == TF_ACT_NONE) {
+        f = x;
+        g = 1.f;
+        return;
+    }
+    const float den = 1.f + expf(-x), s = 1.f / den;
+    f = act == TF_ACT_SILU ? x / den : s;
+    g = act == TF_ACT_SILU ? s * (1.f + x * (1.f - s)) : s * (1.f - s);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
     return v;
+}
+
+/* tf_load_chunk / tf_store_chunk, plus 4-byte words for whole 16-bit chunks that are 4- but not
+ * 16-byte aligned: narrow rows (n = 50: 100-byte rows) start at every 4-byte boundary, and half as many
+ * accesses per chunk keep those rows near the vectorised rate. */
+__device__ __forceinline__ void tf_ld_chunk(const void *row, int dt, int64_t col, int n, float (&v)[TF_VEC]) {
+    const uint16_t *h = (const uint16_t *)row + col;
+    if (dt != TF_F32 && n == TF_VEC && !tf_aligned16(h) && ((uintptr_t)h & 3u) == 0) {
+        uint32_t q[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = ((const uint32_t *)h)[i];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint16_t lo = (uint16_t)(q[i] & 0xffffu), hi = (uint16_t)(q[i] >> 16);
+            v[2 * i] = dt == TF_BF16 ? __bfloat162float(__ushort_as_bfloat16(lo)) : __half2float(__ushort_as_half(lo));
+            v[2 * i + 1] =
+                dt == TF_BF16 ? __bfloat162float(__ushort_as_bfloat16(hi)) : __half2float(__ushort_as_half(hi));
+        }
+        return;
+    }
+    tf_load_chunk(row, dt, col, n, v);
+}
+
+__device__ __forceinline__ void tf_st_chunk(void *row, int dt, int64_t col, int n, const float (&v)[TF_VEC]) {
+    uint16_t *h = (uint16_t *)row + col;
+    if (dt != TF_F32 && n == TF_VEC && !tf_aligned16(h) && ((uintptr_t)h & 3u) == 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            uint16_t lo, hi;
+            if (dt == TF_BF16) {
+                lo = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]));
+                hi = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]));
+            } else {
+                lo = __half_as_ushort(__float2half_rn(v[2 * i]));
+                hi = __half_as_ushort(__float2half_rn(v[2 * i + 1]));
+            }
+            ((uint32_t *)h)[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+        return;
+    }
+    tf_store_chunk(row, dt, col, n, v);
 }
 
 struct Dropout {
@@ -56,23 +110,26 @@ struct Dropout {
     bool on;
 };
 
-/* v[i] *= keep(e0 + i) / (1 - p) for i < n. */
+/* v[i] *= keep(e0 + i) / (1 - p) for i < n <= 8. The chunk's elements span at most three Philox blocks:
+ * each is drawn once, its four words turned into keep bits at once (bit 4 * block + word, shifted by the
+ * chunk's phase afterwards), so only four words and a bit mask are live at a time. */
 __device__ __forceinline__ void apply_mask(const Dropout &d, uint64_t e0, int n, float (&v)[TF_VEC]) {
-    if (!d.on) return;
-    uint64_t blk = ~(uint64_t)0;
-    uint32_t w[4];
+    if (!d.on || n <= 0) return;
+    const uint64_t b0 = e0 >> 2;
+    const unsigned ph = (unsigned)(e0 & 3), end = ph + (unsigned)n;
+    uint32_t bits = 0u;
 #pragma unroll
-    for (int i = 0; i < TF_VEC; ++i) {
-        if (i >= n) break;
-        const uint64_t e = e0 + i;
-        if ((e >> 2) != blk) {
-            blk = e >> 2;
-            tf_philox4x32_10(d.seed, d.offset, blk, w);
-        }
-        const unsigned k = (unsigned)(e & 3); /* selects, not a local-memory index */
-        const uint32_t word = k == 0 ? w[0] : k == 1 ? w[1] : k == 2 ? w[2] : w[3];
-        v[i] = tf_philox_uniform(word) >= d.p ? v[i] * d.scale : 0.f;
+    for (int j = 0; j < 3; ++j) {
+        if (4u * j >= end) break;
+        uint32_t w[4];
+        tf_philox4x32_10(d.seed, d.offset, b0 + j, w);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) bits |= (tf_philox_uniform(w[q]) >= d.p ? 1u : 0u) << (4 * j + q);
     }
+    bits >>= ph;
+#pragma unroll
+    for (int i = 0; i < TF_VEC; ++i)
+        if (i < n) v[i] = (bits >> i) & 1u ? v[i] * d.scale : 0.f;
 }
 
 __device__ __forceinline__ void load_params(const void *w, const void *b, int dt, int group_weights, int64_t g,
@@ -106,29 +163,37 @@ __device__ __forceinline__ Dropout make_dropout(const tf_philox_args &rng, int o
     return d;
 }
 
-/* The three parts of one chunk of the output row, dropped out and rounded. */
+/* The three parts of one chunk of the output row, dropped out and rounded. y's part first: the norm
+ * weight and bias (and, after attn's part, attn) are dead before the later parts' mask draws. */
 __device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params &p, const Dropout &d, void *yrow,
-                                                uint64_t e_row, int64_t ou, int64_t ox, int64_t oy, int64_t g,
+                                                uint64_t e_row, int64_t ou, int64_t ox, int64_t oy,
                                                 int64_t col, int cn, float mean, float rstd,
-                                                const float (&a)[TF_VEC], const float (&u)[TF_VEC]) {
-    float v[TF_VEC], w[TF_VEC], b[TF_VEC];
-    load_params(p.w, p.b, p.w_dtype, p.group_weights, g, col, cn, w, b);
-    if (ou >= 0) {
+                                                const float (&a)[TF_VEC], const float (&u)[TF_VEC],
+                                                const float (&w)[TF_VEC], const float (&b)[TF_VEC]) {
+    float v[TF_VEC], fm[TF_VEC];
 #pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.cat_act);
-        apply_mask(d, e_row + ou + col, cn, v);
-        tf_store_chunk(yrow, p.y_dtype, ou + col, cn, v);
+    for (int i = 0; i < TF_VEC; ++i) {
+        fm[i] = act_f(u[i], p.mul_act);
+        v[i] = fm[i] * ((a[i] - mean) * rstd * w[i] + b[i]);
     }
+    apply_mask(d, e_row + oy + col, cn, v);
+    tf_st_chunk(yrow, p.y_dtype, oy + col, cn, v);
     if (ox >= 0) {
 #pragma unroll
         for (int i = 0; i < TF_VEC; ++i) v[i] = a[i];
         apply_mask(d, e_row + ox + col, cn, v);
-        tf_store_chunk(yrow, p.y_dtype, ox + col, cn, v);
+        tf_st_chunk(yrow, p.y_dtype, ox + col, cn, v);
     }
+    if (ou >= 0) {
+        if (p.cat_act == p.mul_act) /* one exponential per element when the activations agree */
 #pragma unroll
-    for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.mul_act) * ((a[i] - mean) * rstd * w[i] + b[i]);
-    apply_mask(d, e_row + oy + col, cn, v);
-    tf_store_chunk(yrow, p.y_dtype, oy + col, cn, v);
+            for (int i = 0; i < TF_VEC; ++i) v[i] = fm[i];
+        else
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.cat_act);
+        apply_mask(d, e_row + ou + col, cn, v);
+        tf_st_chunk(yrow, p.y_dtype, ou + col, cn, v);
+    }
 }
 
 /* K > 0: groups of at most 32 * 8 * K columns, held in registers (all of a group's loads issued before
@@ -181,9 +246,12 @@ __global__ void __launch_bounds__(kWarps * 32, fwd_min_blocks<K>()) hstu_output_
             }
 #pragma unroll
             for (int k = 0; k < K; ++k)
-                if (cn[k] > 0)
-                    fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, g, c0 + (lane + 32 * k) * TF_VEC, cn[k], mean,
-                                    rstd, a[k], u[k]);
+                if (cn[k] > 0) {
+                    const int64_t col = c0 + (lane + 32 * k) * TF_VEC;
+                    float w[TF_VEC], b[TF_VEC];
+                    load_params(p.w, p.b, p.w_dtype, p.group_weights, g, col, cn[k], w, b);
+                    fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, col, cn[k], mean, rstd, a[k], u[k], w, b);
+                }
         } else {
             float a[TF_VEC], u[TF_VEC];
             for (int64_t j = lane; j < nch; j += 32) {
@@ -208,7 +276,9 @@ __global__ void __launch_bounds__(kWarps * 32, fwd_min_blocks<K>()) hstu_output_
                 const int64_t col = c0 + j * TF_VEC;
                 tf_load_chunk(arow, p.attn_dtype, col, cn, a);
                 tf_load_chunk(urow, p.u_dtype, col, cn, u);
-                fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, g, col, cn, mean, rstd, a, u);
+                float w[TF_VEC], b[TF_VEC];
+                load_params(p.w, p.b, p.w_dtype, p.group_weights, g, col, cn, w, b);
+                fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, col, cn, mean, rstd, a, u, w, b);
             }
         }
     }
@@ -234,9 +304,8 @@ __device__ __forceinline__ void bwd_load(const tf_hstu_output_bwd_params &p, con
     }
 }
 
-/* K > 0: LayerNorm with at most K chunks per lane, weight-gradient sums in registers. K == 0: any. */
-template <int K>
-__global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_bwd_kernel(
+/* GroupNorm, and LayerNorm rows wider than the rows kernels take: any width, each chunk read twice. */
+__global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
     const tf_hstu_output_bwd_params p) {
     const int lane = threadIdx.x & 31;
     const int64_t slot = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -248,12 +317,6 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
     const float inv = 1.f / (float)gs;
     float *dwp = p.dw_part ? p.dw_part + slot * wcols : nullptr;
     float *dbp = p.db_part ? p.db_part + slot * wcols : nullptr;
-    constexpr int KR = K > 0 ? K : 1;
-    float acc_w[KR][TF_VEC], acc_b[KR][TF_VEC];
-#pragma unroll
-    for (int k = 0; k < KR; ++k)
-#pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.f;
 
     for (int64_t task = slot; task < p.rows * G; task += n_warps) {
         const int64_t r = task / G, g = task - r * G, c0 = g * gs;
@@ -264,51 +327,33 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
         const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
         float s1 = 0.f, s2 = 0.f, gw = 0.f, gb = 0.f;
         BwdChunk c;
-        if constexpr (K > 0) {
+        for (int64_t j = lane; j < nch; j += 32) {
+            const int cn = chunk_n(j, gs);
+            const int64_t col = c0 + j * TF_VEC;
+            bwd_load(p, d, arow, urow, dyrow, e_row, oy, g, col, cn, mean, rstd, c);
 #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const int64_t j = lane + 32 * k;
-                const int cn = chunk_n(j, gs);
-                if (cn == 0) continue;
-                bwd_load(p, d, arow, urow, dyrow, e_row, oy, g, c0 + j * TF_VEC, cn, mean, rstd, c);
+            for (int i = 0; i < TF_VEC; ++i) {
+                const float dx = __fmul_rn(c.dn[i], c.w[i]); /* rounded as in da below */
+                s1 += dx;
+                s2 += dx * c.xhat[i];
+                gw += c.dn[i] * c.xhat[i];
+                gb += c.dn[i];
+            }
+            if (!p.group_weights) { /* this lane's columns of the warp's own partial row */
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) {
-                    const float dx = __fmul_rn(c.dn[i], c.w[i]); /* rounded as in da below */
-                    s1 += dx;
-                    s2 += dx * c.xhat[i];
-                    acc_w[k][i] += c.dn[i] * c.xhat[i];
-                    acc_b[k][i] += c.dn[i];
+                    if (i >= cn) break;
+                    if (dwp) dwp[col + i] += c.dn[i] * c.xhat[i];
+                    if (dbp) dbp[col + i] += c.dn[i];
                 }
             }
-        } else {
-            for (int64_t j = lane; j < nch; j += 32) {
-                const int cn = chunk_n(j, gs);
-                const int64_t col = c0 + j * TF_VEC;
-                bwd_load(p, d, arow, urow, dyrow, e_row, oy, g, col, cn, mean, rstd, c);
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) {
-                    const float dx = __fmul_rn(c.dn[i], c.w[i]); /* rounded as in da below */
-                    s1 += dx;
-                    s2 += dx * c.xhat[i];
-                    gw += c.dn[i] * c.xhat[i];
-                    gb += c.dn[i];
-                }
-                if (!p.group_weights) { /* this lane's columns of the warp's own partial row */
-#pragma unroll
-                    for (int i = 0; i < TF_VEC; ++i) {
-                        if (i >= cn) break;
-                        if (dwp) dwp[col + i] += c.dn[i] * c.xhat[i];
-                        if (dbp) dbp[col + i] += c.dn[i];
-                    }
-                }
-            }
-            if (p.group_weights) {
-                gw = warp_sum(gw);
-                gb = warp_sum(gb);
-                if (lane == 0) {
-                    if (dwp) dwp[g] += gw;
-                    if (dbp) dbp[g] += gb;
-                }
+        }
+        if (p.group_weights) {
+            gw = warp_sum(gw);
+            gb = warp_sum(gb);
+            if (lane == 0) {
+                if (dwp) dwp[g] += gw;
+                if (dbp) dbp[g] += gb;
             }
         }
         const float m1 = warp_sum(s1) * inv, m2 = warp_sum(s2) * inv;
@@ -342,41 +387,369 @@ __global__ void __launch_bounds__(kWarps * 32, bwd_min_blocks<K>()) hstu_output_
             tf_store_chunk(durow, p.du_dtype, col, cn, du);
         }
     }
-    if constexpr (K > 0) {
+}
+
+/* ---- LayerNorm rows of up to kRowBlock * 8 * kRowMaxK columns: a group of tpr threads per row ----
+ *
+ * tpr (a power of two, 1 to kRowBlock) threads share a row, each holding K chunks per tensor in
+ * registers (chunk t + tpr * k is thread t's); a block of kRowBlock threads holds kRowBlock / tpr rows
+ * at a time, so narrow rows fill a block with many rows and a 1024-column bf16 row gets 128 threads of
+ * one chunk each. Few registers per thread leave room for many blocks per SM: the bytes in flight
+ * that a memory-bound kernel needs. The grid is persistent (sized by occupancy); the norm weight and
+ * bias chunks a thread needs are the same for every row and are read once. The backward keeps a row's
+ * attn, u and dY chunks in registers from the statistics to the write phase (no second read). Weight
+ * gradients: per-thread column sums in registers across the block's rows, combined over the block's
+ * row groups in a fixed order at the end into the block's own partial row: deterministic. */
+constexpr int kRowBlock = 128;
+constexpr int kRowMaxK = 2;
+/* Blocks per SM the register budgets are set for: the largest counts whose kernels compile unspilled
+ * (ptxas, sm_90a); the staged forward's prefetch keeps loads in flight with one block fewer. */
+template <int K, bool STAGED>
+constexpr int rows_fwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 6) : 4; }
+template <int K>
+constexpr int rows_bwd_min_blocks() { return K == 1 ? 4 : 2; }
+
+/* v summed over the tpr threads of each row group (a fixed order: the same result in every thread of
+ * the group, run to run). Every thread of the block calls it; above 32 threads per row it meets the
+ * others at __syncthreads and goes through red. */
+template <int NV>
+__device__ __forceinline__ void group_sum(float (&v)[NV], int tpr, float (*red)[NV]) {
+    const int width = tpr < 32 ? tpr : 32;
+    for (int off = width >> 1; off > 0; off >>= 1)
+#pragma unroll
+        for (int i = 0; i < NV; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+    if (tpr <= 32) return;
+    const int warp = threadIdx.x >> 5, nw = tpr >> 5, first = (threadIdx.x / tpr) * nw;
+    __syncthreads(); /* the previous call's reads of red are done */
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int i = 0; i < NV; ++i) red[warp][i] = v[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+        float t = 0.f;
+        for (int j = 0; j < nw; ++j) t += red[first + j][i];
+        v[i] = t;
+    }
+}
+
+/* STAGED (every chunk of attn and u whole and 16-byte aligned, the launch checks): each thread copies
+ * its chunks of the next row into shared memory with cp.async while it works on this row, so a row's
+ * loads are in flight during the previous row's reductions and writes, without registers to hold
+ * them (the fused add+LayerNorm measured register prefetch capped near 70% of copy by occupancy). A
+ * thread reads back only what it copied itself: no barrier guards the buffers. Layout: planes of 16
+ * bytes x kRowBlock threads, (stage, chunk, tensor, 16-byte piece), conflict-free for a warp. */
+constexpr int kStagePlanes = 4; /* per chunk and stage: attn, u, each one (16-bit) or two (fp32) pieces */
+
+template <int K>
+constexpr size_t rows_fwd_stage_bytes() { return (size_t)2 * K * kStagePlanes * kRowBlock * 16; }
+
+/* A chunk's raw pieces as floats: one 16-byte piece for 16-bit dtypes, two for fp32. */
+__device__ __forceinline__ void stage_to_float(const uint4 *pl0, const uint4 *pl1, int dt, float (&v)[TF_VEC]) {
+    if (dt == TF_F32) {
+        TfRaw<4> r;
+        r.q[0] = *pl0;
+        r.q[1] = *pl1;
+        tf_raw_to_float(r, dt, v);
+    } else {
+        TfRaw<2> r;
+        r.q[0] = *pl0;
+        tf_raw_to_float(r, dt, v);
+    }
+}
+
+template <int K, bool STAGED>
+__global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) hstu_output_fwd_rows(
+    const tf_hstu_output_fwd_params p, int tpr) {
+    __shared__ float red[kRowBlock / 32][1];
+    extern __shared__ uint4 stage_buf[];
+    const int t = threadIdx.x & (tpr - 1), rpb = kRowBlock / tpr;
+    const Dropout d = make_dropout(p.rng, p.dropout, p.p);
+    if (p.rng_out && blockIdx.x == 0 && threadIdx.x == 0) {
+        uint64_t s, o;
+        tf_philox_resolve(&p.rng, &s, &o);
+        p.rng_out[0] = (int64_t)s;
+        p.rng_out[1] = (int64_t)o;
+    }
+    const int64_t n = p.cols;
+    const int64_t ou = p.cat_u ? 0 : -1, ox = p.cat_x ? (p.cat_u ? n : 0) : -1, oy = (p.cat_u + p.cat_x) * n;
+    const float inv = 1.f / (float)n;
+    int cn[K];
+    float w[K][TF_VEC], b[K][TF_VEC];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        cn[k] = chunk_n(t + tpr * k, n);
+        load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
+    }
+    const int64_t step = (int64_t)gridDim.x * rpb;
+    const int apc = p.attn_dtype == TF_F32 ? 2 : 1, upc = p.u_dtype == TF_F32 ? 2 : 1; /* 16-byte pieces */
+    auto plane = [&](int stage, int k, int idx) -> uint4 * {
+        return stage_buf + (size_t)((stage * K + k) * kStagePlanes + idx) * kRowBlock + threadIdx.x;
+    };
+    auto issue = [&](int64_t row, int stage) {
+        if (row < p.rows) {
+            const char *ar = (const char *)tf_row(p.attn, p.attn_dtype, row, p.attn_stride);
+            const char *ur = (const char *)tf_row(p.u, p.u_dtype, row, p.u_stride);
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (cn[k] == 0) continue;
+                const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
+                for (int q = 0; q < apc; ++q) cp_async16(plane(stage, k, q), ar + col * 2 * apc + 16 * q);
+                for (int q = 0; q < upc; ++q) cp_async16(plane(stage, k, 2 + q), ur + col * 2 * upc + 16 * q);
+            }
+        }
+        cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
+    };
+    int stage = 0;
+    if constexpr (STAGED) issue((int64_t)blockIdx.x * rpb + threadIdx.x / tpr, 0);
+    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < p.rows; r0 += step, stage ^= 1) {
+        const int64_t r = r0 + threadIdx.x / tpr;
+        const bool live = r < p.rows; /* dead groups still meet the others in group_sum */
+        float a[K][TF_VEC], u[K][TF_VEC];
+        if constexpr (STAGED) {
+            issue(r + step, stage ^ 1);
+            cp_async_wait<1>(); /* this row's group has landed */
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                if (!live || cn[k] == 0) {
+#pragma unroll
+                    for (int i = 0; i < TF_VEC; ++i) a[k][i] = u[k][i] = 0.f;
+                    continue;
+                }
+                stage_to_float(plane(stage, k, 0), plane(stage, k, 1), p.attn_dtype, a[k]);
+                stage_to_float(plane(stage, k, 2), plane(stage, k, 3), p.u_dtype, u[k]);
+            }
+        } else {
+            const void *arow = tf_row(p.attn, p.attn_dtype, r, p.attn_stride);
+            const void *urow = tf_row(p.u, p.u_dtype, r, p.u_stride);
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int m = live ? cn[k] : 0;
+                tf_ld_chunk(arow, p.attn_dtype, (int64_t)(t + tpr * k) * TF_VEC, m, a[k]);
+                tf_ld_chunk(urow, p.u_dtype, (int64_t)(t + tpr * k) * TF_VEC, m, u[k]);
+            }
+        }
+        float s[1] = {0.f};
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) s[0] += a[k][i]; /* zero past cn */
+        group_sum(s, tpr, red);
+        const float mean = s[0] * inv;
+        float q[1] = {0.f};
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) if (i < cn[k]) q[0] += (a[k][i] - mean) * (a[k][i] - mean);
+        group_sum(q, tpr, red);
+        const float rstd = rsqrtf(q[0] * inv + p.eps);
+        if (!live) continue;
+        if (t == 0) {
+            p.mean[r] = mean;
+            p.rstd[r] = rstd;
+        }
+        void *yrow = tf_row(p.y, p.y_dtype, r, p.y_cols);
+        const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+            if (cn[k] > 0)
+                fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, (int64_t)(t + tpr * k) * TF_VEC, cn[k], mean, rstd,
+                                a[k], u[k], w[k], b[k]);
+    }
+    if constexpr (STAGED) asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
+}
+
+template <int K>
+__global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_output_bwd_rows(
+    const tf_hstu_output_bwd_params p, int tpr) {
+    __shared__ float red[kRowBlock / 32][2];
+    const int t = threadIdx.x & (tpr - 1), rpb = kRowBlock / tpr;
+    const Dropout d = make_dropout(p.rng, p.dropout, p.p);
+    const int64_t n = p.cols;
+    const int64_t ou = p.cat_u ? 0 : -1, ox = p.cat_x ? (p.cat_u ? n : 0) : -1, oy = (p.cat_u + p.cat_x) * n;
+    const float inv = 1.f / (float)n;
+    int cn[K];
+    float w[K][TF_VEC], b[K][TF_VEC], acc_w[K][TF_VEC], acc_b[K][TF_VEC];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        cn[k] = chunk_n(t + tpr * k, n);
+        load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.f;
+    }
+    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < p.rows; r0 += (int64_t)gridDim.x * rpb) {
+        const int64_t r = r0 + threadIdx.x / tpr;
+        const bool live = r < p.rows; /* dead groups still meet the others in group_sum */
+        const void *arow = tf_row(p.attn, p.attn_dtype, r, p.attn_stride);
+        const void *urow = tf_row(p.u, p.u_dtype, r, p.u_stride);
+        const void *dyrow = tf_row(p.dy, p.dy_dtype, r, p.dy_stride);
+        const float mean = live ? p.mean[r] : 0.f, rstd = live ? p.rstd[r] : 0.f;
+        const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
+        /* every load of the row issued before the first is used; then a -> xhat, gy -> its masked value */
+        float xh[K][TF_VEC], u[K][TF_VEC], gy[K][TF_VEC], tx[K][TF_VEC], tu[K][TF_VEC];
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            const int64_t j = lane + 32 * k;
-            const int cn = chunk_n(j, n);
+            const int m = live ? cn[k] : 0;
+            const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
+            tf_ld_chunk(arow, p.attn_dtype, col, m, xh[k]);
+            tf_ld_chunk(urow, p.u_dtype, col, m, u[k]);
+            tf_ld_chunk(dyrow, p.dy_dtype, oy + col, m, gy[k]);
+            if (K == 1 && ox >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ox + col, m, tx[k]);
+            if (K == 1 && ou >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ou + col, m, tu[k]);
+        }
+        float s[2] = {0.f, 0.f};
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int m = live ? cn[k] : 0;
+            apply_mask(d, e_row + oy + (t + tpr * k) * TF_VEC, m, gy[k]);
 #pragma unroll
             for (int i = 0; i < TF_VEC; ++i) {
-                if (i >= cn) break;
-                if (dwp) dwp[j * TF_VEC + i] = acc_w[k][i];
-                if (dbp) dbp[j * TF_VEC + i] = acc_b[k][i];
+                xh[k][i] = i < m ? (xh[k][i] - mean) * rstd : 0.f;
+                const float dn = i < m ? gy[k][i] * act_f(u[k][i], p.mul_act) : 0.f;
+                const float dx = __fmul_rn(dn, w[k][i]); /* rounded as in da below */
+                s[0] += dx;
+                s[1] += dx * xh[k][i];
+                acc_w[k][i] += dn * xh[k][i];
+                acc_b[k][i] += dn;
+            }
+        }
+        group_sum(s, tpr, red);
+        if (!live) continue;
+        const float m1 = s[0] * inv, m2 = s[1] * inv;
+        void *darow = tf_row(p.dattn, p.dattn_dtype, r, n);
+        void *durow = tf_row(p.du, p.du_dtype, r, n);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (cn[k] == 0) continue;
+            const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
+            float da[TF_VEC], du[TF_VEC], gm[TF_VEC];
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) {
+                float fm;
+                act_fg(u[k][i], p.mul_act, fm, gm[i]);
+                const float dn = i < cn[k] ? gy[k][i] * fm : 0.f;
+                /* the product rounded before the subtraction, as in m1's terms: an FMA here would leave
+                 * the product's rounding error, which rstd magnifies when the row is constant */
+                da[i] = rstd * (__fmul_rn(dn, w[k][i]) - m1 - xh[k][i] * m2);
+                du[i] = gy[k][i] * (xh[k][i] * w[k][i] + b[k][i]) * gm[i];
+            }
+            /* K > 1: the dY parts of u and attn read only now, which keeps the registers under the
+             * launch bound; they are read once either way */
+            if (K > 1 && ox >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ox + col, cn[k], tx[k]);
+            if (K > 1 && ou >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ou + col, cn[k], tu[k]);
+            if (ox >= 0) {
+                apply_mask(d, e_row + ox + col, cn[k], tx[k]);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) da[i] += tx[k][i];
+            }
+            if (ou >= 0) {
+                apply_mask(d, e_row + ou + col, cn[k], tu[k]);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i)
+                    du[i] += tu[k][i] * (p.cat_act == p.mul_act ? gm[i] : act_grad(u[k][i], p.cat_act));
+            }
+            tf_st_chunk(darow, p.dattn_dtype, col, cn[k], da);
+            tf_st_chunk(durow, p.du_dtype, col, cn[k], du);
+        }
+    }
+    if (!p.dw_part && !p.db_part) return;
+    float *dwp = p.dw_part ? p.dw_part + (int64_t)blockIdx.x * n : nullptr;
+    float *dbp = p.db_part ? p.db_part + (int64_t)blockIdx.x * n : nullptr;
+    if (rpb == 1) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int64_t c = (int64_t)(t + tpr * k) * TF_VEC;
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) {
+                if (i >= cn[k]) break;
+                if (dwp) dwp[c + i] = acc_w[k][i];
+                if (dbp) dbp[c + i] = acc_b[k][i];
+            }
+        }
+        return;
+    }
+    if constexpr (K == 1) { /* several row groups (tpr < kRowBlock): their sums added in group order */
+        __shared__ float part[kRowBlock * TF_VEC];
+        const int grp = threadIdx.x / tpr;
+        for (int which = 0; which < 2; ++which) {
+            float *dst = which == 0 ? dwp : dbp;
+            if (!dst) continue;
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) part[threadIdx.x * TF_VEC + i] = which == 0 ? acc_w[0][i] : acc_b[0][i];
+            __syncthreads();
+            if (grp == 0) {
+                for (int i = 0; i < cn[0]; ++i) {
+                    float v = 0.f;
+                    for (int g = 0; g < rpb; ++g) v += part[(g * tpr + t) * TF_VEC + i];
+                    dst[(int64_t)t * TF_VEC + i] = v;
+                }
             }
         }
     }
 }
 
-constexpr int kMaxK = 4;
+/* The rows kernels' threads per row and chunks per thread for these params, or K = 0 when they do not
+ * apply (GroupNorm, wider rows, no columns). */
+struct RowMap {
+    int tpr, k;
+};
 
-const void *fwd_fn(const tf_hstu_output_fwd_params *p) {
-    const int64_t nch = (p->cols / p->groups + TF_VEC - 1) / TF_VEC;
-    if (nch <= 32) return (const void *)hstu_output_fwd_kernel<1>;
-    if (nch <= 64) return (const void *)hstu_output_fwd_kernel<2>;
-    if (nch <= 32 * kMaxK) return (const void *)hstu_output_fwd_kernel<4>;
-    return (const void *)hstu_output_fwd_kernel<0>;
+RowMap row_map(int64_t cols, int64_t groups, int group_weights) {
+    if (group_weights || groups != 1 || cols <= 0) return {0, 0};
+    const int64_t nch = (cols + TF_VEC - 1) / TF_VEC;
+    if (nch > (int64_t)kRowBlock * kRowMaxK) return {0, 0};
+    const int k = nch <= kRowBlock ? 1 : 2;
+    const int64_t need = (nch + k - 1) / k;
+    int tpr = 1;
+    while (tpr < need) tpr <<= 1;
+    return {tpr, k};
 }
 
-const void *bwd_fn(const tf_hstu_output_bwd_params *p) {
-    const int64_t nch = (p->cols + TF_VEC - 1) / TF_VEC;
-    if (p->group_weights || p->groups != 1 || nch > 32 * kMaxK) return (const void *)hstu_output_bwd_kernel<0>;
-    if (nch <= 32) return (const void *)hstu_output_bwd_kernel<1>;
-    if (nch <= 64) return (const void *)hstu_output_bwd_kernel<2>;
-    return (const void *)hstu_output_bwd_kernel<4>;
+constexpr int kMaxK = 4;
+
+/* The kernel for these params, its block size and threads per row (0: the warp-per-task kernels). */
+struct Launch {
+    const void *fn;
+    int threads, tpr;
+    size_t smem; /* dynamic shared memory */
+};
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* Every chunk of attn and u whole and 16-byte aligned in every row: the staged forward applies. */
+bool fwd_stageable(const tf_hstu_output_fwd_params *p) {
+    const int64_t ab = p->attn_dtype == TF_F32 ? 4 : 2, ub = p->u_dtype == TF_F32 ? 4 : 2;
+    return p->cols % TF_VEC == 0 && aligned16(p->attn) && aligned16(p->u) && (p->attn_stride * ab) % 16 == 0 &&
+           (p->u_stride * ub) % 16 == 0;
+}
+
+Launch fwd_launch(const tf_hstu_output_fwd_params *p) {
+    const RowMap m = row_map(p->cols, p->groups, p->group_weights);
+    const bool st = m.k > 0 && fwd_stageable(p);
+    if (m.k == 1 && st)
+        return {(const void *)hstu_output_fwd_rows<1, true>, kRowBlock, m.tpr, rows_fwd_stage_bytes<1>()};
+    if (m.k == 2 && st)
+        return {(const void *)hstu_output_fwd_rows<2, true>, kRowBlock, m.tpr, rows_fwd_stage_bytes<2>()};
+    if (m.k == 1) return {(const void *)hstu_output_fwd_rows<1, false>, kRowBlock, m.tpr, 0};
+    if (m.k == 2) return {(const void *)hstu_output_fwd_rows<2, false>, kRowBlock, m.tpr, 0};
+    const int64_t nch = (p->cols / p->groups + TF_VEC - 1) / TF_VEC;
+    const int w = kWarps * 32;
+    if (nch <= 32) return {(const void *)hstu_output_fwd_kernel<1>, w, 0, 0};
+    if (nch <= 64) return {(const void *)hstu_output_fwd_kernel<2>, w, 0, 0};
+    if (nch <= 32 * kMaxK) return {(const void *)hstu_output_fwd_kernel<4>, w, 0, 0};
+    return {(const void *)hstu_output_fwd_kernel<0>, w, 0, 0};
+}
+
+Launch bwd_launch(const tf_hstu_output_bwd_params *p) {
+    const RowMap m = row_map(p->cols, p->groups, p->group_weights);
+    if (m.k == 1) return {(const void *)hstu_output_bwd_rows<1>, kRowBlock, m.tpr, 0};
+    if (m.k == 2) return {(const void *)hstu_output_bwd_rows<2>, kRowBlock, m.tpr, 0};
+    return {(const void *)hstu_output_bwd_kernel, kWarps * 32, 0, 0};
 }
 
 /* Blocks of `fn` resident on the current device at once (looked up once per device and kernel). */
-int64_t resident_blocks(const void *fn) {
+int64_t resident_blocks(const void *fn, int threads, size_t smem) {
     static std::mutex mu;
     static std::map<std::pair<int, const void *>, int64_t> cache;
     int dev = 0;
@@ -386,39 +759,59 @@ int64_t resident_blocks(const void *fn) {
     if (it != cache.end()) return it->second;
     int sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kWarps * 32, 0);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, smem);
     const int64_t n = (int64_t)sms * (per_sm < 1 ? 1 : per_sm);
     cache[{dev, fn}] = n;
     return n;
 }
 
-unsigned grid_for(const void *fn, int64_t tasks) {
-    const int64_t needed = (tasks + kWarps - 1) / kWarps, res = resident_blocks(fn);
-    return (unsigned)(needed < res ? needed : res);
+/* Persistent grid: as many blocks as fit at once, fewer when the rows run out. The backward's rows
+ * kernels own one weight-gradient partial row per block; each block there gets at least
+ * kRowsPerPartial rows, so the partials stay small next to the rows for narrow rows. */
+constexpr int64_t kRowsPerPartial = 16;
+
+unsigned grid_for(const Launch &l, int64_t tasks, bool partials) {
+    const int64_t per_block = l.tpr ? (int64_t)(l.threads / l.tpr) : kWarps;
+    int64_t needed = (tasks + per_block - 1) / per_block;
+    if (l.tpr && partials) {
+        const int64_t cap = (tasks + kRowsPerPartial - 1) / kRowsPerPartial;
+        if (needed > cap) needed = cap;
+    }
+    const int64_t res = resident_blocks(l.fn, l.threads, l.smem);
+    const int64_t g = needed < res ? needed : res;
+    return (unsigned)(g < 1 ? 1 : g);
 }
 
 } // namespace
 
 extern "C" int tf_hstu_output_fwd_cuda(const tf_hstu_output_fwd_params *p, void *stream) {
-    const void *fn = fwd_fn(p);
+    const Launch l = fwd_launch(p);
     /* with no rows one block still runs: it writes rng_out */
-    const unsigned grid = p->rows == 0 ? 1u : grid_for(fn, p->rows * p->groups);
+    const unsigned grid = p->rows == 0 ? 1u : grid_for(l, p->rows * p->groups, false);
     tf_hstu_output_fwd_params params = *p;
-    void *args[] = {&params};
-    return (int)cudaLaunchKernel(fn, dim3(grid), dim3(kWarps * 32), args, 0, (cudaStream_t)stream);
+    int tpr = l.tpr;
+    void *args_rows[] = {&params, &tpr};
+    void *args_warp[] = {&params};
+    return (int)cudaLaunchKernel(l.fn, dim3(grid), dim3(l.threads), l.tpr ? args_rows : args_warp, l.smem,
+                                 (cudaStream_t)stream);
 }
 
 extern "C" int64_t tf_hstu_output_bwd_cuda_partials(const tf_hstu_output_bwd_params *p) {
     if (p->rows == 0) return 1;
-    return (int64_t)grid_for(bwd_fn(p), p->rows * p->groups) * kWarps;
+    const Launch l = bwd_launch(p);
+    const int64_t grid = grid_for(l, p->rows * p->groups, true);
+    return l.tpr ? grid : grid * kWarps;
 }
 
 extern "C" int tf_hstu_output_bwd_cuda(const tf_hstu_output_bwd_params *p, void *stream) {
     if (p->rows == 0) return 0;
-    const void *fn = bwd_fn(p);
-    const unsigned grid = grid_for(fn, p->rows * p->groups);
-    if ((int64_t)grid * kWarps != p->n_partials) return (int)cudaErrorInvalidValue;
+    const Launch l = bwd_launch(p);
+    const unsigned grid = grid_for(l, p->rows * p->groups, true);
+    if ((l.tpr ? (int64_t)grid : (int64_t)grid * kWarps) != p->n_partials) return (int)cudaErrorInvalidValue;
     tf_hstu_output_bwd_params params = *p;
-    void *args[] = {&params};
-    return (int)cudaLaunchKernel(fn, dim3(grid), dim3(kWarps * 32), args, 0, (cudaStream_t)stream);
+    int tpr = l.tpr;
+    void *args_rows[] = {&params, &tpr};
+    void *args_warp[] = {&params};
+    return (int)cudaLaunchKernel(l.fn, dim3(grid), dim3(l.threads), l.tpr ? args_rows : args_warp, l.smem,
+                                 (cudaStream_t)stream);
 }
