@@ -49,10 +49,25 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, train: _data.Histories, catalog: torch.Tensor, cfg: TrainConfig,
                  loss_fn: Callable = _fused_loss, dense_optimizer: Optional[torch.optim.Optimizer] = None,
-                 sparse_optimizer: Optional[torch.optim.Optimizer] = None):
+                 sparse_optimizer: Optional[torch.optim.Optimizer] = None, process_group=None):
         self.model, self.train, self.cfg, self.loss_fn = model, train, cfg, loss_fn
         self.catalog = torch.unique(catalog)
         self.device = model.positions.weight.device
+        # process_group: data-parallel over its ranks (recsys.distributed); cfg.batch_size is the global batch
+        self.process_group = process_group
+        self.rank, self.world = 0, 1
+        self._forward = model.encode
+        if process_group is not None:
+            import torch.distributed as dist
+            from .distributed import distribute
+            if not isinstance(model, HSTURecommender):
+                raise TypeError("Trainer: process_group needs an HSTURecommender")
+            self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
+            if cfg.batch_size < self.world:
+                raise ValueError(f"Trainer: batch_size {cfg.batch_size} (the global batch) is smaller than the "
+                                 f"{self.world} ranks")
+            self.ddp = distribute(model, process_group)
+            self._forward = self.ddp
         self.opt = dense_optimizer or torch.optim.Adam(model.dense_parameters(), lr=cfg.lr,
                                                         weight_decay=cfg.weight_decay)
         self.sparse_opt = sparse_optimizer  # the plain-PyTorch model's tables; the dynamic tables step themselves
@@ -80,16 +95,25 @@ class Trainer:
     def step(self) -> float:
         cfg, m = self.cfg, self.model
         m.train()
-        b = self._batch_for(self.step_count).to(self.device)
+        b = self._batch_for(self.step_count)
+        self.last_tokens = b.items.numel()  # the global batch's
+        if self.world > 1:
+            from .distributed import split_batch
+            b = split_batch(b, self.rank, self.world)
+        b = b.to(self.device)
+        # the negatives are the same on every rank: each row's loss is then the single process's
         g = torch.Generator().manual_seed(cfg.seed * 7_919 + self.step_count)
         negs = self.catalog[torch.randint(0, self.catalog.numel(), (cfg.num_negatives,), generator=g)].to(self.device)
-        torch.manual_seed(cfg.seed * 104_729 + self.step_count)  # dropout
-        T = self.last_tokens = b.items.numel()
+        torch.manual_seed((cfg.seed * 104_729 + self.step_count) * self.world + self.rank)  # dropout, per rank
+        T = b.items.numel()
         ids = torch.cat([b.items, b.targets, negs])
         rows = m.items(ids) if isinstance(m, HSTURecommender) else m.item_rows(ids)
-        q = m.encode(b.items, b.offsets, b.max_len, user_ids=b.user_ids, item_rows=rows[:T])
+        q = self._forward(b.items, b.offsets, b.max_len, user_ids=b.user_ids, item_rows=rows[:T])
         loss = self.loss_fn(q, rows[T:2 * T], rows[2 * T:], cfg.temperature, positive_ids=b.targets,
                             negative_ids=negs)
+        if self.world > 1:
+            # this rank's share of the global mean: the ranks' gradients sum to the global batch's
+            loss = loss * (T / self.last_tokens)
         self.opt.zero_grad(set_to_none=True)
         if self.sparse_opt is not None:
             self.sparse_opt.zero_grad(set_to_none=True)
@@ -98,6 +122,10 @@ class Trainer:
         if self.sparse_opt is not None:
             self.sparse_opt.step()
         self.step_count += 1
+        if self.world > 1:
+            import torch.distributed as dist
+            loss = loss.detach()
+            dist.all_reduce(loss, group=self.process_group)
         return loss.item()
 
     @torch.no_grad()
