@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from torchfuse.recsys import HSTURecommender, HSTURecommenderConfig, leave_one_out, synthetic_histories
 from torchfuse.recsys.data import batches
-from torchfuse.recsys.distributed import split_batch
+from torchfuse.recsys.distributed import split_batch, user_bounds
 from torchfuse.recsys.train import TrainConfig, Trainer
 
 STEPS = 5
@@ -37,7 +37,7 @@ def _setup(seed, device, optimizer="adam", user_context=False):
 
 
 def _trainer(model, train, catalog, tcfg, optimizer, **kw):
-    dense = torch.optim.SGD(model.dense_parameters(), lr=0.5) if optimizer == "sgd" else None
+    dense = torch.optim.SGD(model.dense_parameters(), lr=0.2) if optimizer == "sgd" else None
     return Trainer(model, train, catalog, tcfg, dense_optimizer=dense, **kw)
 
 
@@ -96,7 +96,8 @@ def _run_ranks(world, backend, seed, **kw):
 
 def _compare(ref, got, rtol, atol):
     (l1, (d1, r1)), (l2, (d2, r2)) = ref, got
-    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=rtol, atol=0)
+    # the rounding differences feed into the later steps' parameters: a few 1e-5 of the loss by step 5
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=3 * rtol, atol=0)
     assert d1.keys() == d2.keys()
     for n in d1:
         torch.testing.assert_close(d2[n], d1[n], rtol=rtol, atol=atol, msg=lambda m: f"dense {n}: {m}")
@@ -106,17 +107,30 @@ def _compare(ref, got, rtol, atol):
 
 
 def test_split_batch_partitions_users():
-    h = synthetic_histories(37, 50, min_len=2, max_len=9, seed=3)
-    b = next(batches(h, 37, max_len=8, generator=torch.Generator().manual_seed(0)))
-    for world in (1, 2, 3, 5):
+    h = synthetic_histories(37, 50, min_len=2, max_len=30, seed=int(torch.randint(0, 1 << 20, ()).item()))
+    b = next(batches(h, 37, max_len=29, generator=torch.Generator().manual_seed(0)))
+    longest = b.max_len
+    for world in (1, 2, 3, 5, 37):
         parts = [split_batch(b, r, world) for r in range(world)]
-        assert [p.user_ids.numel() for p in parts] == [(r + 1) * 37 // world - r * 37 // world for r in range(world)]
+        assert all(p.user_ids.numel() >= 1 for p in parts)
         assert torch.equal(torch.cat([p.user_ids for p in parts]), b.user_ids)
         assert torch.equal(torch.cat([p.items for p in parts]), b.items)
         assert torch.equal(torch.cat([p.targets for p in parts]), b.targets)
         for p in parts:
             n = p.offsets[1:] - p.offsets[:-1]
             assert int(p.offsets[0]) == 0 and int(p.offsets[-1]) == p.items.numel() and p.max_len == int(n.max())
+            if world < 37:  # token-balanced: within a history of the even share
+                assert abs(p.items.numel() - b.items.numel() / world) <= longest
+    with pytest.raises(ValueError, match="users for"):
+        split_batch(b, 0, 38)
+
+
+def test_user_bounds_keep_every_rank_busy():
+    # one history holds most tokens: the cuts still leave every rank a user
+    offsets = torch.tensor([0, 1, 100, 101, 102, 103])
+    assert user_bounds(offsets, 4) == [0, 1, 2, 3, 5]
+    assert user_bounds(offsets, 5) == [0, 1, 2, 3, 4, 5]
+    assert user_bounds(torch.tensor([0, 10, 20, 30, 40]), 2) == [0, 2, 4]
 
 
 # adam (lr 1e-2) amplifies a gradient's rounding where the gradient is near zero (m / sqrt(v) of a
