@@ -27,16 +27,17 @@ STEPS = 5
 def _setup(seed, device, optimizer="adam", user_context=False):
     """optimizer: the tables' and the dense part's ("sgd" sees a gradient's scale, which adam does not)."""
     h = synthetic_histories(96, 300, min_len=4, max_len=25, id_stride=1_000_003, seed=seed)
-    train, _ = leave_one_out(h)
+    train, targets = leave_one_out(h)
     mcfg = HSTURecommenderConfig(embedding_dim=16, num_layers=2, num_heads=2, attention_dim=8, hidden_dim=8,
                                  max_seq_len=24, dropout=0.0, item_capacity=4096, item_initial_capacity=1024,
                                  user_capacity=1024, user_context=user_context, embedding_optimizer=optimizer,
                                  embedding_lr=1e-2, seed=seed)
     tcfg = TrainConfig(batch_size=24, max_len=24, num_negatives=32, lr=1e-2, seed=seed)
-    return HSTURecommender(mcfg, device=device), train, torch.unique(h.items), tcfg
+    return HSTURecommender(mcfg, device=device), (train, targets), torch.unique(h.items), tcfg
 
 
-def _trainer(model, train, catalog, tcfg, optimizer, **kw):
+def _trainer(model, data, catalog, tcfg, optimizer, **kw):
+    train = data[0]
     dense = torch.optim.SGD(model.dense_parameters(), lr=0.2) if optimizer == "sgd" else None
     return Trainer(model, train, catalog, tcfg, dense_optimizer=dense, **kw)
 
@@ -64,7 +65,7 @@ def _run_single(seed, device, **kw):
     model, train, catalog, tcfg = _setup(seed, device, **kw)
     tr = _trainer(model, train, catalog, tcfg, kw.get("optimizer", "adam"))
     losses = [tr.step() for _ in range(STEPS)]
-    return losses, _state(model, _tables(model))
+    return losses, _state(model, _tables(model)), tr.evaluate(*train)
 
 
 def _worker(rank, world, tmp, backend, seed, kw):
@@ -79,10 +80,11 @@ def _worker(rank, world, tmp, backend, seed, kw):
         model, train, catalog, tcfg = _setup(seed, dev, **kw)
         tr = _trainer(model, train, catalog, tcfg, kw.get("optimizer", "adam"), process_group=dist.group.WORLD)
         losses = [tr.step() for _ in range(STEPS)]
+        metrics = tr.evaluate(*train)  # collective: every rank scores every user against the sharded table
         tables = [None] * world
         dist.all_gather_object(tables, [(n, k.cpu(), v.cpu()) for n, k, v in _tables(model)])
         if rank == 0:
-            torch.save((losses, _state(model, [t for per in tables for t in per])), f"{tmp}/out.pt")
+            torch.save((losses, _state(model, [t for per in tables for t in per]), metrics), f"{tmp}/out.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -95,7 +97,7 @@ def _run_ranks(world, backend, seed, **kw):
 
 
 def _compare(ref, got, rtol, atol):
-    (l1, (d1, r1)), (l2, (d2, r2)) = ref, got
+    (l1, (d1, r1), m1), (l2, (d2, r2), m2) = ref, got
     # the rounding differences feed into the later steps' parameters: a few 1e-5 of the loss by step 5
     torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=3 * rtol, atol=0)
     assert d1.keys() == d2.keys()
@@ -104,6 +106,10 @@ def _compare(ref, got, rtol, atol):
     assert r1.keys() == r2.keys()  # the same keys inserted, each on exactly one rank
     k = sorted(r1)
     torch.testing.assert_close(torch.stack([r2[x] for x in k]), torch.stack([r1[x] for x in k]), rtol=rtol, atol=atol)
+    # HR / NDCG over 96 users: a near-tie in the top 10 may flip with the parameters' rounding
+    assert m1.keys() == m2.keys()
+    for name in m1:
+        assert abs(m1[name] - m2[name]) <= 2 / 96, (name, m1[name], m2[name])
 
 
 def test_split_batch_partitions_users():
