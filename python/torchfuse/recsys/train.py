@@ -2,6 +2,7 @@
 
     python -m torchfuse.recsys.train --data synthetic --steps 300 --quick
     python -m torchfuse.recsys.train --data movielens:/path/to/ml-1m --steps 5000 --plot curves.png
+    python -m torchfuse.recsys.train --quick --nproc 4 --batch-size 512   # 4 GPUs, 128 users each
 
 Each step: one lookup of the batch's items, targets and sampled negatives in the item table (one
 optimizer step of the table per backward), the STU stack over the jagged histories, the sampled-softmax
