@@ -4,7 +4,9 @@ Every rank builds the same single-device model (same config and seed) and passes
 group to ``Trainer(..., process_group=pg)``, which calls :func:`distribute`: the dynamic tables are
 sharded row-wise (``torchfuse.distributed.shard``) and the dense part (positions, STU stack) is
 wrapped in ``DistributedDataParallel``. Each step every rank draws the same global batch and takes
-its contiguous slice of users, about a world-th of the tokens (:func:`split_batch`); the negatives are the same on every rank.
+its contiguous slice of users, about a world-th of the tokens (:func:`split_batch`); the negatives
+are the same on every rank, and dropout masks are drawn per rank (so with dropout on, N ranks are
+one process's run in distribution, not bit for bit).
 
 Why N ranks equal one process on the global batch: the loss is a mean over the global batch's T
 rows, so rank r back-propagates its own rows' mean scaled by T_r / T; the sum over ranks of those
