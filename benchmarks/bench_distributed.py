@@ -3,6 +3,7 @@ over 1e9 keys, SGD and Adam) on 1 GPU and on N GPUs at the same per-GPU batch (w
 
     python benchmarks/bench_distributed.py                 # 1 and 2 GPUs
     python benchmarks/bench_distributed.py --cpu --quick   # gloo on CPU, tiny sizes (a smoke run)
+    python benchmarks/bench_distributed.py --recsys --worlds 1,2,4   # the HSTU recommender, data-parallel
 
 Reported per configuration: step time (wall, median of the timed steps; the step waits on the host
 for the exchanged counts anyway), ids/s per GPU and in all, the all-to-all time and bytes of a step
@@ -66,13 +67,29 @@ def _raw_a2a_seconds(log_sizes, world, dev, reps):
     return total
 
 
-def worker(rank, world, tmp, args, out_path):
+def _init(rank, world, tmp, args):
     dev = torch.device(f"cuda:{rank}") if not args.cpu else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group("gloo" if args.cpu else "nccl", init_method=f"file://{tmp}/pg", rank=rank,
                             world_size=world, timeout=timedelta(seconds=600),
                             **({} if args.cpu else {"device_id": dev}))
+    return dev
+
+
+def recsys_worker(rank, world, tmp, args, out_path, per_rank_batch, steps):
+    dev = _init(rank, world, tmp, args)
+    import _recsys_dist as R
+    out = R.worker(rank, world, dev, args, per_rank_batch, steps)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def worker(rank, world, tmp, args, out_path):
+    dev = _init(rank, world, tmp, args)
     from torchfuse import optim as tfo
     from torchfuse.distributed import ShardedDynamicEmbeddingBag
     n, dim, L = args.ids_per_rank, args.dim, 64
@@ -139,12 +156,38 @@ def worker(rank, world, tmp, args, out_path):
     dist.destroy_process_group()
 
 
-def run_world(world, args):
+def run_world(world, args, fn=worker, *extra):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(worker, args=(world, tmp, args, out), nprocs=world, join=True)
+        mp.spawn(fn, args=(world, tmp, args, out) + extra, nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
+
+
+def recsys(args, worlds):
+    """The recommender's step on each world size at one per-GPU batch, and each N-GPU curve against one
+    GPU on the N-GPU run's global batch."""
+    import _recsys_dist as R
+    c = R.config(args)
+    steps = max(c["warmup"] + c["timed"], c["curve"])
+    runs = {w: run_world(w, args, recsys_worker, c["batch"], steps) for w in worlds}
+    curves = {w: (runs[w][0][:c["curve"]], run_world(1, args, recsys_worker, c["batch"] * w, c["curve"])[0])
+              for w in worlds if w > 1}
+    rows, crows = R.summarize(c, runs, curves)
+    rep = C.Report("distributed_recsys", "HSTU recommender: training step on 1 and N GPUs (data-parallel)")
+    rep.notes.append(f"{c['layers']} STU layers, embedding {c['dim']}, {c['heads']} heads x {c['head_dim']}, "
+                     f"histories of {c['max_len'] // 8}..{c['max_len']} items, {c['batch']} users per GPU, "
+                     f"{'fp32 on CPU (gloo)' if args.cpu else 'bf16 STU stack, NCCL'}; item table sharded over the "
+                     "GPUs (Adam), dense part under DistributedDataParallel (summed gradients), dropout off; "
+                     f"step: wall time of Trainer.step (ends with the loss on the host), median of {c['timed']} "
+                     f"steps after {c['warmup']}; tokens/s: the timed steps' tokens over their time")
+    rep.table("Training step (per-GPU batch fixed)",
+              ["GPUs", "users per GPU", "global batch", "step ms", "tokens per GPU per step", "tokens/s per GPU",
+               "tokens/s", "per-GPU tokens/s vs 1 GPU"], rows)
+    rep.table("Loss curve: N GPUs against 1 GPU on the same global batch",
+              ["GPUs", "global batch", "steps", "1 GPU first loss", "1 GPU last loss", "N GPUs last loss",
+               "max relative difference"], crows)
+    return rep
 
 
 def main():
@@ -154,6 +197,8 @@ def main():
     ap.add_argument("--worlds", default="1,2", help="world sizes to run (default 1,2)")
     ap.add_argument("--ids-per-rank", type=int, default=None)
     ap.add_argument("--out", help="also write the markdown here")
+    ap.add_argument("--recsys", action="store_true",
+                    help="the HSTU recommender's data-parallel training step and loss curve instead")
     args = ap.parse_args()
     args.dim = 16 if args.quick else 128
     args.ids_per_rank = args.ids_per_rank or (64 * 64 if args.quick else 1 << 20)
@@ -166,6 +211,17 @@ def main():
             print(f"bench_distributed: needs {max(worlds)} CUDA GPUs (or --cpu)")
             return 1
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
+    if args.recsys:
+        if 1 not in worlds:
+            worlds = [1] + worlds
+        rep = recsys(args, worlds)
+        C.TIMER = "wall time of a training step, median of the timed steps"
+        text = rep.markdown(C.command_line())
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        return 0
     per = {w: run_world(w, args) for w in worlds}
     rep = C.Report("distributed", "Sharded dynamic embeddings: training step on 1 and N GPUs")
     rep.notes.append(f"{args.ids_per_rank} ids per rank in bags of 64, dim {args.dim}, Zipf(s={ZIPF_S}) ids over "

@@ -111,6 +111,11 @@ class HSTURecommender(torch.nn.Module):
         the items up together with others, so the table takes one optimizer step per backward)."""
         return self._encode(items, offsets, max_len, user_ids, item_rows)
 
+    def forward(self, items: Tensor, offsets: Tensor, max_len: int, user_ids: Optional[Tensor] = None,
+                item_rows: Optional[Tensor] = None) -> Tensor:
+        """:meth:`encode` (``DistributedDataParallel`` reaches the model through its forward)."""
+        return self._encode(items, offsets, max_len, user_ids, item_rows)
+
     def _encode(self, items, offsets, max_len, user_ids, item_rows, kv_caching_lengths=None):
         c = self.config
         if max_len > c.max_seq_len:

@@ -2,6 +2,7 @@
 
     python -m torchfuse.recsys.train --data synthetic --steps 300 --quick
     python -m torchfuse.recsys.train --data movielens:/path/to/ml-1m --steps 5000 --plot curves.png
+    python -m torchfuse.recsys.train --quick --nproc 4 --batch-size 512   # 4 GPUs, 128 users each
 
 Each step: one lookup of the batch's items, targets and sampled negatives in the item table (one
 optimizer step of the table per backward), the STU stack over the jagged histories, the sampled-softmax
@@ -49,10 +50,25 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, train: _data.Histories, catalog: torch.Tensor, cfg: TrainConfig,
                  loss_fn: Callable = _fused_loss, dense_optimizer: Optional[torch.optim.Optimizer] = None,
-                 sparse_optimizer: Optional[torch.optim.Optimizer] = None):
+                 sparse_optimizer: Optional[torch.optim.Optimizer] = None, process_group=None):
         self.model, self.train, self.cfg, self.loss_fn = model, train, cfg, loss_fn
         self.catalog = torch.unique(catalog)
         self.device = model.positions.weight.device
+        # process_group: data-parallel over its ranks (recsys.distributed); cfg.batch_size is the global batch
+        self.process_group = process_group
+        self.rank, self.world = 0, 1
+        self._forward = model.encode
+        if process_group is not None:
+            import torch.distributed as dist
+            from .distributed import distribute
+            if not isinstance(model, HSTURecommender):
+                raise TypeError("Trainer: process_group needs an HSTURecommender")
+            self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
+            if cfg.batch_size < self.world:
+                raise ValueError(f"Trainer: batch_size {cfg.batch_size} (the global batch) is smaller than the "
+                                 f"{self.world} ranks")
+            self.ddp = distribute(model, process_group)
+            self._forward = self.ddp
         self.opt = dense_optimizer or torch.optim.Adam(model.dense_parameters(), lr=cfg.lr,
                                                         weight_decay=cfg.weight_decay)
         self.sparse_opt = sparse_optimizer  # the plain-PyTorch model's tables; the dynamic tables step themselves
@@ -80,16 +96,25 @@ class Trainer:
     def step(self) -> float:
         cfg, m = self.cfg, self.model
         m.train()
-        b = self._batch_for(self.step_count).to(self.device)
+        b = self._batch_for(self.step_count)
+        self.last_tokens = b.items.numel()  # the global batch's
+        if self.world > 1:
+            from .distributed import split_batch
+            b = split_batch(b, self.rank, self.world)
+        b = b.to(self.device)
+        # the negatives are the same on every rank: each row's loss is then the single process's
         g = torch.Generator().manual_seed(cfg.seed * 7_919 + self.step_count)
         negs = self.catalog[torch.randint(0, self.catalog.numel(), (cfg.num_negatives,), generator=g)].to(self.device)
-        torch.manual_seed(cfg.seed * 104_729 + self.step_count)  # dropout
-        T = self.last_tokens = b.items.numel()
+        torch.manual_seed((cfg.seed * 104_729 + self.step_count) * self.world + self.rank)  # dropout, per rank
+        T = b.items.numel()
         ids = torch.cat([b.items, b.targets, negs])
         rows = m.items(ids) if isinstance(m, HSTURecommender) else m.item_rows(ids)
-        q = m.encode(b.items, b.offsets, b.max_len, user_ids=b.user_ids, item_rows=rows[:T])
+        q = self._forward(b.items, b.offsets, b.max_len, user_ids=b.user_ids, item_rows=rows[:T])
         loss = self.loss_fn(q, rows[T:2 * T], rows[2 * T:], cfg.temperature, positive_ids=b.targets,
                             negative_ids=negs)
+        if self.world > 1:
+            # this rank's share of the global mean: the ranks' gradients sum to the global batch's
+            loss = loss * (T / self.last_tokens)
         self.opt.zero_grad(set_to_none=True)
         if self.sparse_opt is not None:
             self.sparse_opt.zero_grad(set_to_none=True)
@@ -98,6 +123,10 @@ class Trainer:
         if self.sparse_opt is not None:
             self.sparse_opt.step()
         self.step_count += 1
+        if self.world > 1:
+            import torch.distributed as dist
+            loss = loss.detach()
+            dist.all_reduce(loss, group=self.process_group)
         return loss.item()
 
     @torch.no_grad()
@@ -163,6 +192,9 @@ def _parse(argv):
     p.add_argument("--save", metavar="PATH", help="write a checkpoint (model, dynamic tables, optimizer, step)")
     p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint written by --save")
     p.add_argument("--json", action="store_true", help="print the final table as JSON")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="data-parallel processes (one per GPU, NCCL; gloo on CPU): the tables sharded, the dense "
+                        "part under DistributedDataParallel, --batch-size the global batch split over them")
     return p.parse_args(argv)
 
 
@@ -176,6 +208,42 @@ def _progress(total: int):
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = _parse(argv)
+    if a.nproc < 1:
+        raise SystemExit(f"--nproc: expected >= 1, got {a.nproc}")
+    if a.nproc == 1:
+        return _run(a)
+    if a.save or a.resume:
+        raise SystemExit("--save and --resume are single-process (the sharded tables checkpoint per rank: "
+                         "torchfuse.distributed's state_dict)")
+    if a.device.startswith("cuda") and torch.cuda.device_count() < a.nproc:
+        raise SystemExit(f"--nproc {a.nproc}: only {torch.cuda.device_count()} CUDA devices")
+    import tempfile
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(a, tmp), nprocs=a.nproc, join=True)
+    return 0
+
+
+def _worker(rank: int, a, tmp: str) -> None:
+    import torch.distributed as dist
+    cuda = a.device.startswith("cuda")
+    if cuda:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(rank)
+        a.device = f"cuda:{rank}"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tmp}/pg", rank=rank,
+                            world_size=a.nproc, **({"device_id": torch.device(a.device)} if cuda else {}))
+    try:
+        _run(a, dist.group.WORLD)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(a, process_group=None) -> int:
+    world = a.nproc if process_group is not None else 1
+    lead = process_group is None or torch.distributed.get_rank(process_group) == 0
+    print_ = print if lead else (lambda *args, **kw: None)
     steps = a.steps if a.steps is not None else (300 if a.quick else 3000)
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -188,17 +256,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     model = HSTURecommender(mcfg, device=device)
     tcfg = TrainConfig(batch_size=a.batch_size, max_len=a.max_len, num_negatives=a.negatives,
                        temperature=a.temperature, lr=a.lr, seed=a.seed)
-    trainer = Trainer(model, train, catalog, tcfg)
+    trainer = Trainer(model, train, catalog, tcfg, process_group=process_group)
     if a.resume:
         trainer.load_state_dict(torch.load(a.resume, map_location=device, weights_only=False))
     eval_every = a.eval_every or max(1, steps // 5)
     popular, _ = _data.item_popularity(train)
     base = _metrics.most_popular_metrics(popular, targets, k=10)
-    print(f"torchfuse.recsys: {a.data}, {train.num_users} users, {catalog.numel()} items, {int(train.lengths.sum())} "
-          f"events; {mcfg.num_layers} STU layers, dim {dim}, {a.heads} heads, {dtype}, {device}")
-    print(f"most-popular baseline: HR@10 {base['hr@10']:.4f}  NDCG@10 {base['ndcg@10']:.4f}")
+    print_(f"torchfuse.recsys: {a.data}, {train.num_users} users, {catalog.numel()} items, {int(train.lengths.sum())} "
+           f"events; {mcfg.num_layers} STU layers, dim {dim}, {a.heads} heads, {dtype}, "
+           + (f"{world} processes ({device.type}, global batch {a.batch_size})" if world > 1 else f"{device}"))
+    print_(f"most-popular baseline: HR@10 {base['hr@10']:.4f}  NDCG@10 {base['ndcg@10']:.4f}")
     curve, evals = [], []
-    bar = _progress(steps - trainer.step_count)
+    bar = _progress(steps - trainer.step_count) if lead else None
     t0, tokens = time.perf_counter(), 0
     while trainer.step_count < steps:
         loss = trainer.step()
@@ -211,7 +280,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             m = trainer.evaluate(hist, targets)
             evals.append((trainer.step_count, m))
             msg = f"step {trainer.step_count}: loss {loss:.4f}  HR@10 {m['hr@10']:.4f}  NDCG@10 {m['ndcg@10']:.4f}"
-            (bar.write(msg) if bar is not None else print(msg))
+            (bar.write(msg) if bar is not None else print_(msg))
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
@@ -223,15 +292,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     n_steps = len(curve)
     table = {"steps": trainer.step_count, "step_ms": 1e3 * elapsed / max(n_steps, 1),
              "tokens_per_s": tokens / elapsed if elapsed > 0 else float("nan"),
+             "processes": world, "tokens_per_s_per_process": tokens / elapsed / world if elapsed > 0 else float("nan"),
              "loss": curve[-1][1] if curve else float("nan"), "hr@10": final["hr@10"], "ndcg@10": final["ndcg@10"],
              "popular_hr@10": base["hr@10"], "popular_ndcg@10": base["ndcg@10"]}
+    if not lead:
+        return 0
     if a.json:
         print(json.dumps(table))
-    else:
+    elif world == 1:
         print("| steps | step (ms) | tokens/s | loss | HR@10 | NDCG@10 | most-popular HR@10 |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         print(f"| {table['steps']} | {table['step_ms']:.1f} | {table['tokens_per_s']:.0f} | {table['loss']:.4f} | "
               f"{table['hr@10']:.4f} | {table['ndcg@10']:.4f} | {table['popular_hr@10']:.4f} |")
+    else:
+        print("| processes | steps | step (ms) | tokens/s | tokens/s per process | loss | HR@10 | NDCG@10 | "
+              "most-popular HR@10 |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(f"| {world} | {table['steps']} | {table['step_ms']:.1f} | {table['tokens_per_s']:.0f} | "
+              f"{table['tokens_per_s_per_process']:.0f} | {table['loss']:.4f} | {table['hr@10']:.4f} | "
+              f"{table['ndcg@10']:.4f} | {table['popular_hr@10']:.4f} |")
     if a.plot:
         _plot(a.plot, curve, evals, base)
     return 0

@@ -1,0 +1,84 @@
+"""Data-parallel training of the HSTU recommender over torch.distributed.
+
+Every rank builds the same single-device model (same config and seed) and passes it with a process
+group to ``Trainer(..., process_group=pg)``, which calls :func:`distribute`: the dynamic tables are
+sharded row-wise (``torchfuse.distributed.shard``) and the dense part (positions, STU stack) is
+wrapped in ``DistributedDataParallel``. Each step every rank draws the same global batch and takes
+its contiguous slice of users, about a world-th of the tokens (:func:`split_batch`); the negatives
+are the same on every rank, and dropout masks are drawn per rank (so with dropout on, N ranks are
+one process's run in distribution, not bit for bit).
+
+Why N ranks equal one process on the global batch: the loss is a mean over the global batch's T
+rows, so rank r back-propagates its own rows' mean scaled by T_r / T; the sum over ranks of those
+gradients is the single-process gradient. The sharded tables' backward already sums a key's
+gradients over ranks on its owner; DDP's default hook would average (divide by N), so the dense
+gradients are all-reduced with a plain sum instead (:func:`sum_hook`).
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .data import Batch
+
+__all__ = ["user_bounds", "split_batch", "distribute", "sum_hook"]
+
+
+def user_bounds(offsets: torch.Tensor, world: int) -> list:
+    """The ranks' user boundaries in a batch of jagged histories (host ``offsets``, B + 1 entries, B >=
+    world): contiguous slices of about T / world tokens each (a rank's step time follows its tokens, and
+    the slowest rank sets the step's), each holding at least one user."""
+    B = offsets.numel() - 1
+    T = int(offsets[-1])
+    target = torch.tensor([r * T / world for r in range(1, world)], dtype=torch.float64)
+    off = offsets.to(torch.float64)
+    hi = torch.searchsorted(off, target).clamp(max=B)
+    lo = (hi - 1).clamp(min=0)
+    # the user boundary nearest each rank's share
+    cuts = torch.where((target - off[lo]) <= (off[hi] - target), lo, hi).tolist()
+    bounds = [0]
+    for r, c in enumerate(cuts, start=1):
+        bounds.append(max(bounds[-1] + 1, min(int(c), B - (world - r))))
+    return bounds + [B]
+
+
+def split_batch(b: Batch, rank: int, world: int) -> Batch:
+    """Rank ``rank``'s contiguous slice of the users of ``b`` (host tensors), as :func:`user_bounds`
+    cuts it; ``max_len`` is the slice's own. Needs at least ``world`` users."""
+    B = b.offsets.numel() - 1
+    if B < world:
+        raise ValueError(f"split_batch: {B} users for {world} ranks")
+    bounds = user_bounds(b.offsets, world)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    a, e = int(b.offsets[lo]), int(b.offsets[hi])
+    offsets = b.offsets[lo:hi + 1] - a
+    lengths = offsets[1:] - offsets[:-1]
+    return Batch(b.items[a:e], b.targets[a:e] if b.targets.numel() else b.targets, offsets, b.user_ids[lo:hi],
+                 int(lengths.max()))
+
+
+def sum_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook that sums the ranks' gradients (DDP's default averages them)."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def distribute(model: torch.nn.Module, process_group, ddp_group: Optional[object] = None):
+    """Shard ``model``'s dynamic tables over ``process_group`` (in place: ``model.items`` and
+    ``model.users`` become ``ShardedDynamicEmbedding``s holding this rank's keys) and return the model
+    under ``DistributedDataParallel`` over ``ddp_group`` (default: a new group of the same ranks, so
+    that the gradients' all-reduces never interleave with the tables' all-to-alls on one communicator).
+    Collective: every rank of the group calls it with the same model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..distributed import shard
+    for name in ("items", "users"):
+        t = getattr(model, name, None)
+        if t is not None:
+            setattr(model, name, shard(t, process_group))
+    if ddp_group is None:
+        ddp_group = dist.new_group(ranks=dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    dev = model.positions.weight.device
+    ddp = DDP(model, process_group=ddp_group, device_ids=[dev] if dev.type == "cuda" else None)
+    ddp.register_comm_hook(ddp_group, sum_hook)
+    return ddp
