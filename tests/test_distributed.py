@@ -201,6 +201,12 @@ def _check_union_bags(rank, world, seed, dev, mode, exchange="rows", dtype=torch
             torch.testing.assert_close(out, ref_out[lo:lo + gw[rank].shape[0]], **tol)
             wlo = sum(i.numel() for i in ids[:rank])
             torch.testing.assert_close(w.grad, ref_w.grad[wlo:wlo + ids[rank].numel()].float(), **tol)
+        elif out.is_cuda and mode == "sum" and step > 0:
+            # On CUDA this module pools a bag's rows with torch.segment_reduce, whose sums run as a tree,
+            # and the single-device kernel sums them in id order: equal to rounding (on two H100s the
+            # third step's bags differed in the last bit). The rows' gradients are dyadic, so the
+            # tables are still compared bit for bit below.
+            torch.testing.assert_close(out, ref_out[lo:lo + gw[rank].shape[0]], rtol=1e-6, atol=1e-7)
         else:
             assert torch.equal(out, ref_out[lo:lo + gw[rank].shape[0]]), f"{mode} step {step}"
     # which exchange ran (the weights with gradients take the rows' exchange)
