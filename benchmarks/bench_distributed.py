@@ -216,12 +216,7 @@ def main():
             worlds = [1] + worlds
         rep = recsys(args, worlds)
         C.TIMER = "wall time of a training step, median of the timed steps"
-        text = rep.markdown(C.command_line())
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
-        return 0
+        return _emit(rep, args)
     per = {w: run_world(w, args) for w in worlds}
     rep = C.Report("distributed", "Sharded dynamic embeddings: training step on 1 and N GPUs")
     rep.notes.append(f"{args.ids_per_rank} ids per rank in bags of 64, dim {args.dim}, Zipf(s={ZIPF_S}) ids over "
@@ -258,6 +253,10 @@ def main():
                "a2a GB/s", "raw a2a GB/s", "a2a / raw", "distinct ids per rank", "partial-sum rows per rank"],
               rows)
     C.TIMER = "wall time per step with the device synchronized, median of the timed steps"
+    return _emit(rep, args)
+
+
+def _emit(rep, args):
     text = rep.markdown(C.command_line())
     print(text)
     if args.out:

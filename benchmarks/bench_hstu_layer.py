@@ -36,6 +36,7 @@ from torchfuse.reference import stu_layer_reference
 from torchfuse.stu import STULayer, STULayerConfig, STUStack
 
 import _common as C
+from bench_hstu import restrict_triton_configs
 
 # label, batch, max length, embedding, heads, head dim
 CONFIGS = {
@@ -98,13 +99,9 @@ def load_gr(path):
     if common is None or stu is None:
         return None
     common.set_use_runtime_max_seq_len(True)
-    for name in ("generative_recommenders.ops.triton.triton_hstu_attention",):
-        mod = C.import_peer(name, path)
-        if mod is not None:  # the large-tile configs only, as bench_hstu.py does (autotuning time)
-            fwd = [c for c in mod._hstu_attn_fwd.configs if c.kwargs.get("BLOCK_M", 0) >= 64 and c.num_warps >= 4]
-            bwd = [c for c in mod._hstu_attn_bwd.configs if c.kwargs.get("BLOCK_N", 0) >= 64 and c.num_warps >= 4]
-            mod._hstu_attn_fwd.configs = fwd or mod._hstu_attn_fwd.configs
-            mod._hstu_attn_bwd.configs = bwd or mod._hstu_attn_bwd.configs
+    mod = C.import_peer("generative_recommenders.ops.triton.triton_hstu_attention", path)
+    if mod is not None:  # the large-tile configs only, as bench_hstu.py does (autotuning time)
+        restrict_triton_configs(mod)
     return stu
 
 
