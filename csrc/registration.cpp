@@ -71,7 +71,8 @@ TORCH_LIBRARY(torchfuse, m) {
     // Dropout's Philox (seed, offset) for one hstu_fwd call and its backward: int64 (2,) on like's device.
     // seed=None draws from torch's default generator of that device (on CUDA the 4 offsets PyTorch's fused
     // dropout reserves, the values written on the device, so a captured CUDA graph draws anew each replay).
-    m.def("hstu_dropout_state(Tensor like, int? seed=None) -> Tensor");
+    // Seeded from the generator: tagged so that compilers neither merge nor reorder two calls.
+    m.def("hstu_dropout_state(Tensor like, int? seed=None) -> Tensor", {at::Tag::nondeterministic_seeded});
 
     // ---- dynamic embeddings (python/torchfuse/dynamic_embedding/) ----
     // Internal ops on a table's state (layout and semantics: kernels/dynemb_kernels.h). `table` is the
