@@ -5,7 +5,7 @@ Kinds of row (the helpers below build them):
   same       a result equal to plain PyTorch's on the same input (NaN/Inf compared with equal_nan)
   unchecked  metadata that only the device holds: on the CPU the op raises naming the argument; on
              CUDA it reads no offsets on the host (no sync, CUDA-graph safe, results unspecified), so
-             it only runs (the lead runs this half under compute-sanitizer memcheck: no out-of-bounds
+             it only runs (this half is meant to run under compute-sanitizer memcheck: no out-of-bounds
              access), and the check the docs point to (validate_jagged / validate=True) raises
   cross      a tensor on the CPU with the others on CUDA: an exception naming it (CUDA machines only)
 
