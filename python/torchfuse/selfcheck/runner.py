@@ -13,10 +13,10 @@ import torch
 
 import torchfuse
 
-from . import dynemb, hf, hstu, jagged, norm, recsys, torchrec
+from . import distributed, dynemb, hf, hstu, jagged, norm, recsys, torchrec
 from ._common import BenchRow, Check, Context
 
-FAMILIES = [norm, jagged, hstu, dynemb, hf, torchrec, recsys]
+FAMILIES = [norm, jagged, hstu, dynemb, hf, torchrec, recsys, distributed]
 TRAIN_SCRIPT = "torchfuse.recsys.train"
 
 
