@@ -73,6 +73,16 @@ tf_philox_args philox_from_state(const at::Tensor &s) {
 
 }  // namespace
 
+// The shape fields the forward's and the backward's kernel parameters share.
+template <typename Params>
+void set_shape(Params &p, const Shape &sh, int64_t groups) {
+    p.rows = sh.rows;
+    p.cols = sh.cols;
+    p.groups = std::max<int64_t>(groups, 1);
+    p.group_weights = groups > 0;
+    p.y_cols = sh.y_cols;
+}
+
 HstuOutputFwd prepare_hstu_output_fwd(const at::Tensor &attn, const at::Tensor &u, const at::Tensor &weight,
                                       const at::Tensor &bias, double eps, int64_t groups, int64_t mul_act,
                                       int64_t cat_act, bool concat_u, bool concat_x, double dropout_ratio,
@@ -82,11 +92,7 @@ HstuOutputFwd prepare_hstu_output_fwd(const at::Tensor &attn, const at::Tensor &
     TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0, kOp, ": eps must be a positive finite number, got ", eps);
     HstuOutputFwd f{};
     tf_hstu_output_fwd_params &p = f.p;
-    p.rows = sh.rows;
-    p.cols = sh.cols;
-    p.groups = std::max<int64_t>(groups, 1);
-    p.group_weights = groups > 0;
-    p.y_cols = sh.y_cols;
+    set_shape(p, sh, groups);
     f.attn = rows_view(attn, p.attn_stride);
     f.u = rows_view(u, p.u_stride);
     p.attn = f.attn.data_ptr();
@@ -132,11 +138,7 @@ HstuOutputBwd prepare_hstu_output_bwd(const at::Tensor &dy, const at::Tensor &at
                                   dropout_ratio);
     HstuOutputBwd g{};
     tf_hstu_output_bwd_params &p = g.p;
-    p.rows = sh.rows;
-    p.cols = sh.cols;
-    p.groups = std::max<int64_t>(groups, 1);
-    p.group_weights = groups > 0;
-    p.y_cols = sh.y_cols;
+    set_shape(p, sh, groups);
     check_same_device(dy, attn, kOp, "dy", "attn");
     TORCH_CHECK_VALUE(dy.dim() == 2 && dy.size(0) == sh.rows && dy.size(1) == sh.y_cols, kOp,
                       ": dy must be (", sh.rows, ", ", sh.y_cols, "), got ", dy.sizes());
