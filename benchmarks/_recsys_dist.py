@@ -7,23 +7,33 @@ import time
 import torch
 import torch.distributed as dist
 
+# name: (label, layers, embedding, heads, head dim, max history, users per GPU, shortest history as a
+# fraction of the longest, negatives, users in the data, loss curve run). (a) and (b) are
+# bench_recsys.py's configurations; "small" is a model whose step is short enough for the fixed
+# costs of data parallelism (the exchanges, the host's batch work) to show.
+CONFIGS = {
+    "small": ("small: 4 x 256, 4 x 64 heads, N 512", 4, 256, 4, 64, 512, 64, 0.125, 512, 16384, True),
+    "b": ("(b) GR ML-20M large: 16 x 256, 8 x 32 heads, N 200", 16, 256, 8, 32, 200, 128, 0.0, 128, 16384, False),
+    "a": ("(a) NVIDIA: 8 x 1024, 4 x 256 heads, N 4096", 8, 1024, 4, 256, 4096, 32, 0.5, 128, 2048, False),
+    "tiny": ("tiny (--quick)", 2, 32, 2, 16, 64, 8, 0.125, 64, 1024, True),
+}
 
-def config(args):
-    """Model, data and step counts of the run (quick: tiny sizes for a gloo smoke run)."""
-    if args.quick:
-        return dict(dim=32, layers=2, heads=2, head_dim=16, max_len=64, batch=8, users=1024, items=2000,
-                    warmup=2, timed=4, curve=6)
-    return dict(dim=256, layers=4, heads=4, head_dim=64, max_len=512, batch=64, users=16384, items=100_000,
-                warmup=5, timed=15, curve=20)
+
+def config(name, args):
+    """Model, data and step counts of one configuration."""
+    label, layers, dim, heads, head_dim, max_len, batch, lo, negs, users, curve = CONFIGS[name]
+    quick = name == "tiny"
+    return dict(name=name, label=label, dim=dim, layers=layers, heads=heads, head_dim=head_dim, max_len=max_len,
+                batch=batch, min_len=max(2, int(lo * (max_len + 1))), negatives=negs, users=users, items=100_000,
+                warmup=2 if quick else 5, timed=4 if quick else 15, curve=(6 if quick else 20) if curve else 0)
 
 
-def worker(rank, world, dev, args, per_rank_batch, steps):
+def worker(rank, world, dev, args, c, per_rank_batch, steps):
     """Run `steps` training steps at `per_rank_batch` users per rank (global batch x world); return
     (per-step global loss, per-step wall seconds, per-step global tokens) from this rank."""
     from torchfuse.recsys import HSTURecommender, HSTURecommenderConfig, leave_one_out, synthetic_histories
     from torchfuse.recsys.train import TrainConfig, Trainer
-    c = config(args)
-    h = synthetic_histories(c["users"], c["items"], min_len=c["max_len"] // 8, max_len=c["max_len"] + 1,
+    h = synthetic_histories(c["users"], c["items"], min_len=c["min_len"], max_len=c["max_len"] + 1,
                             id_stride=1_000_003, seed=0)
     train, _ = leave_one_out(h)
     catalog = torch.unique(h.items)
@@ -34,8 +44,8 @@ def worker(rank, world, dev, args, per_rank_batch, steps):
                                  dropout=0.0, item_capacity=1 << 18, item_initial_capacity=1 << 17,
                                  compute_dtype=torch.float32 if args.cpu else torch.bfloat16, seed=0)
     model = HSTURecommender(mcfg, device=dev)
-    tcfg = TrainConfig(batch_size=per_rank_batch * world, max_len=c["max_len"], num_negatives=512 if not args.quick
-                       else 64, lr=1e-3, seed=0)
+    tcfg = TrainConfig(batch_size=per_rank_batch * world, max_len=c["max_len"], num_negatives=c["negatives"],
+                       lr=1e-3, seed=0)
     tr = Trainer(model, train, catalog, tcfg, process_group=dist.group.WORLD if world > 1 else None)
     losses, secs, tokens = [], [], []
     for _ in range(steps):
@@ -57,12 +67,12 @@ def summarize(c, runs, curves):
         tps = sum(t_tok) / sum(t_secs)
         if w == 1:
             base = tps
-        rows.append([w, c["batch"], c["batch"] * w, f"{statistics.median(t_secs) * 1e3:.1f}",
+        rows.append([c["label"], w, c["batch"], c["batch"] * w, f"{statistics.median(t_secs) * 1e3:.1f}",
                      f"{sum(t_tok) / len(t_tok) / w:.0f}", f"{tps / w:.0f}", f"{tps:.0f}",
                      f"{tps / w / base:.0%}" if base else "-"])
     crows = []
     for w, (got, ref) in sorted(curves.items()):
         rel = [abs(a - b) / abs(b) for a, b in zip(got, ref)]
-        crows.append([w, c["batch"] * w, len(rel), f"{ref[0]:.4f}", f"{ref[-1]:.4f}", f"{got[-1]:.4f}",
+        crows.append([c["label"], w, c["batch"] * w, len(rel), f"{ref[0]:.4f}", f"{ref[-1]:.4f}", f"{got[-1]:.4f}",
                       f"{max(rel):.2e}"])
     return rows, crows

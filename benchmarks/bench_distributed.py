@@ -4,6 +4,7 @@ over 1e9 keys, SGD and Adam) on 1 GPU and on N GPUs at the same per-GPU batch (w
     python benchmarks/bench_distributed.py                 # 1 and 2 GPUs
     python benchmarks/bench_distributed.py --cpu --quick   # gloo on CPU, tiny sizes (a smoke run)
     python benchmarks/bench_distributed.py --recsys --worlds 1,2,4   # the HSTU recommender, data-parallel
+    python benchmarks/bench_distributed.py --recsys --configs b     # one model configuration
 
 Reported per configuration: step time (wall, median of the timed steps; the step waits on the host
 for the exchanged counts anyway), ids/s per GPU and in all, the all-to-all time and bytes of a step
@@ -49,7 +50,9 @@ def _sync(dev):
 
 def _raw_a2a_seconds(log_sizes, world, dev, reps):
     """NCCL's (gloo's) own all_to_all_single on float buffers with each logged exchange's split
-    sizes (in bytes), the median of reps per exchange, summed over the step's exchanges."""
+    sizes (in bytes, this rank's own part included, as in the exchange), timed as the exchange is (a
+    barrier, then the device synchronized around it), the median of reps per exchange, summed over
+    the step's exchanges."""
     total = 0.0
     for send_b, recv_b in log_sizes:
         src = torch.empty(sum(send_b) // 4, dtype=torch.float32, device=dev)
@@ -59,6 +62,7 @@ def _raw_a2a_seconds(log_sizes, world, dev, reps):
         for _ in range(reps):
             _sync(dev)
             dist.barrier()
+            _sync(dev)
             t0 = time.perf_counter()
             dist.all_to_all_single(dst, src, outs, ins)
             _sync(dev)
@@ -68,6 +72,8 @@ def _raw_a2a_seconds(log_sizes, world, dev, reps):
 
 
 def _init(rank, world, tmp, args):
+    from torchfuse.recsys.distributed import threads_per_process
+    threads_per_process(world)
     dev = torch.device(f"cuda:{rank}") if not args.cpu else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -77,10 +83,10 @@ def _init(rank, world, tmp, args):
     return dev
 
 
-def recsys_worker(rank, world, tmp, args, out_path, per_rank_batch, steps):
+def recsys_worker(rank, world, tmp, args, out_path, c, per_rank_batch, steps):
     dev = _init(rank, world, tmp, args)
     import _recsys_dist as R
-    out = R.worker(rank, world, dev, args, per_rank_batch, steps)
+    out = R.worker(rank, world, dev, args, c, per_rank_batch, steps)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -118,7 +124,7 @@ def worker(rank, world, tmp, args, out_path):
             times.append(time.perf_counter() - t0)
         # the exchange, step by step, with the device synchronized around every all-to-all
         a2a_s, a2a_bytes, logs = [], [], []
-        for i in range(3):
+        for i in range(5):
             emb.exchange_log = log = []
             step(i)
             emb.exchange_log = None
@@ -129,24 +135,15 @@ def worker(rank, world, tmp, args, out_path):
         partial_rows = B * (world - 1)  # bags' partial sums from the other owners, each way
         results.append({"opt": opt, "exchange": exchange, "step_s": statistics.median(times), "a2a_s": statistics.median(a2a_s),
                         "a2a_bytes": statistics.median(a2a_bytes), "uniq": uniq, "B": B, "n": B * L,
-                        "partial_rows": partial_rows, "log": [(e[0], e[1], e[2], e[3]) for e in logs[-1]]})
+                        "partial_rows": partial_rows, "log": logs[-1]})
         emb = batches = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    # plain all-to-alls of the same bytes: each rank's logged bytes of an exchange spread evenly over
-    # its peers (exact for 2 ranks)
-    logs_all = [None] * world
-    dist.all_gather_object(logs_all, [r["log"] for r in results])
-    for i, r in enumerate(results):
-        sizes = []
-        for j, (what, _, _, _) in enumerate(r["log"]):
-            if what == "counts":
-                continue
-            per = [logs_all[p][i][j][1] // max(world - 1, 1) // 4 * 4 for p in range(world)]
-            sizes.append(([0 if q == rank else per[rank] for q in range(world)],
-                          [0 if p == rank else per[p] for p in range(world)]))
+    # plain all-to-alls of every logged exchange's own split sizes (the counts' too)
+    for r in results:
+        sizes = [(e[4], e[5]) for e in r["log"]]
         r["raw_s"] = _raw_a2a_seconds(sizes, world, dev, 5) if world > 1 else 0.0
-        r["raw_bytes"] = sum(sum(s[0]) for s in sizes)
+        r["raw_bytes"] = sum(e[1] for e in r["log"])
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -165,27 +162,35 @@ def run_world(world, args, fn=worker, *extra):
 
 
 def recsys(args, worlds):
-    """The recommender's step on each world size at one per-GPU batch, and each N-GPU curve against one
-    GPU on the N-GPU run's global batch."""
+    """For each model configuration: the recommender's step on each world size at one per-GPU batch,
+    and (where the configuration runs one) each N-GPU loss curve against one GPU on the N-GPU run's
+    global batch."""
     import _recsys_dist as R
-    c = R.config(args)
-    steps = max(c["warmup"] + c["timed"], c["curve"])
-    runs = {w: run_world(w, args, recsys_worker, c["batch"], steps) for w in worlds}
-    curves = {w: (runs[w][0][:c["curve"]], run_world(1, args, recsys_worker, c["batch"] * w, c["curve"])[0])
-              for w in worlds if w > 1}
-    rows, crows = R.summarize(c, runs, curves)
+    rows, crows, notes = [], [], []
+    for name in (["tiny"] if args.quick else args.configs.split(",")):
+        c = R.config(name, args)
+        steps = max(c["warmup"] + c["timed"], c["curve"])
+        runs = {w: run_world(w, args, recsys_worker, c, c["batch"], steps) for w in worlds}
+        curves = {w: (runs[w][0][:c["curve"]], run_world(1, args, recsys_worker, c, c["batch"] * w, c["curve"])[0])
+                  for w in worlds if w > 1 and c["curve"]}
+        r, cr = R.summarize(c, runs, curves)
+        rows += r
+        crows += cr
+        notes.append(f"{c['label']}: histories of {c['min_len']}..{c['max_len']} items, {c['batch']} users per GPU, "
+                     f"{c['negatives']} negatives")
     rep = C.Report("distributed_recsys", "HSTU recommender: training step on 1 and N GPUs (data-parallel)")
-    rep.notes.append(f"{c['layers']} STU layers, embedding {c['dim']}, {c['heads']} heads x {c['head_dim']}, "
-                     f"histories of {c['max_len'] // 8}..{c['max_len']} items, {c['batch']} users per GPU, "
-                     f"{'fp32 on CPU (gloo)' if args.cpu else 'bf16 STU stack, NCCL'}; item table sharded over the "
-                     "GPUs (Adam), dense part under DistributedDataParallel (summed gradients), dropout off; "
-                     f"step: wall time of Trainer.step (ends with the loss on the host), median of {c['timed']} "
-                     f"steps after {c['warmup']}; tokens/s: the timed steps' tokens over their time")
+    rep.notes += notes
+    rep.notes.append(f"{'fp32 on CPU (gloo)' if args.cpu else 'bf16 STU stack, NCCL'}; item table sharded over the "
+                     "GPUs (Adam), dense part under DistributedDataParallel (summed gradients), dropout off; one "
+                     "process per GPU with its share of the host's cores as CPU threads; step: wall time of "
+                     "Trainer.step (ends with the loss on the host), median of the timed steps after 5 warm-up "
+                     "steps; tokens/s: the timed steps' tokens over their time; loss curves: the small "
+                     "configuration only (one GPU at N times the per-GPU batch)")
     rep.table("Training step (per-GPU batch fixed)",
-              ["GPUs", "users per GPU", "global batch", "step ms", "tokens per GPU per step", "tokens/s per GPU",
-               "tokens/s", "per-GPU tokens/s vs 1 GPU"], rows)
+              ["model", "GPUs", "users per GPU", "global batch", "step ms", "tokens per GPU per step",
+               "tokens/s per GPU", "tokens/s", "per-GPU tokens/s vs 1 GPU"], rows)
     rep.table("Loss curve: N GPUs against 1 GPU on the same global batch",
-              ["GPUs", "global batch", "steps", "1 GPU first loss", "1 GPU last loss", "N GPUs last loss",
+              ["model", "GPUs", "global batch", "steps", "1 GPU first loss", "1 GPU last loss", "N GPUs last loss",
                "max relative difference"], crows)
     return rep
 
@@ -199,6 +204,8 @@ def main():
     ap.add_argument("--out", help="also write the markdown here")
     ap.add_argument("--recsys", action="store_true",
                     help="the HSTU recommender's data-parallel training step and loss curve instead")
+    ap.add_argument("--configs", default="small,b,a",
+                    help="with --recsys: model configurations (small, b, a; default all three)")
     args = ap.parse_args()
     args.dim = 16 if args.quick else 128
     args.ids_per_rank = args.ids_per_rank or (64 * 64 if args.quick else 1 << 20)
@@ -222,10 +229,11 @@ def main():
     rep.notes.append(f"{args.ids_per_rank} ids per rank in bags of 64, dim {args.dim}, Zipf(s={ZIPF_S}) ids over "
                      f"1e9 keys, {args.capacity} slots per rank (LRU), fp32 rows, sum pooling; "
                      f"{'gloo on CPU' if args.cpu else 'NCCL'}; step: wall time, median of {args.steps} steps")
-    rep.notes.append("a2a: the step's all-to-alls (ids, rows, gradients) timed with the device synchronized "
-                     "around each, in separate steps; raw a2a: all_to_all_single on plain buffers of the same "
-                     "bytes in the same run; partial-sum rows: the partial bags a rank receives from the other "
-                     "owners with exchange='partial_sums'")
+    rep.notes.append("a2a: the step's all-to-alls (counts, ids, rows, gradients), each timed from a barrier "
+                     "with the device synchronized around it, in separate steps (median of 5); raw a2a: "
+                     "all_to_all_single on plain buffers of each exchange's own split sizes, timed the same way "
+                     "in the same run; a2a GB/s: bytes sent to other ranks over the time; partial-sum rows: the "
+                     "partial bags a rank receives from the other owners with exchange='partial_sums'")
     rows = []
     base = {}
     for w in worlds:

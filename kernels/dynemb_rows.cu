@@ -128,10 +128,10 @@ __device__ __forceinline__ void pool_one_f32x4(const tf_dynemb_pool_params &p, i
             const float wk = __shfl_sync(0xffffffffu, w, k);
             if (slot >= 0 && mine) {
                 const float4 v = reinterpret_cast<const float4 *>(tf_dynemb_row(&p.values, slot))[lane];
-                acc.x += wk * v.x;
-                acc.y += wk * v.y;
-                acc.z += wk * v.z;
-                acc.w += wk * v.w;
+                acc.x = __fadd_rn(acc.x, __fmul_rn(wk, v.x));  // rounded as the general loop rounds
+                acc.y = __fadd_rn(acc.y, __fmul_rn(wk, v.y));
+                acc.z = __fadd_rn(acc.z, __fmul_rn(wk, v.z));
+                acc.w = __fadd_rn(acc.w, __fmul_rn(wk, v.w));
             }
         }
     }
@@ -164,7 +164,8 @@ __device__ __forceinline__ void pool_one(const tf_dynemb_pool_params &p, int64_t
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
                 const int64_t j = c0 + lane + 32 * k;
-                if (j < p.dim) acc[k] += p.weights ? w * load_f32(row, p.dtype, j) : load_f32(row, p.dtype, j);
+                // a product then a sum, each rounded (never one FMA): the same bits on every path and the CPU
+                if (j < p.dim) acc[k] = __fadd_rn(acc[k], p.weights ? __fmul_rn(w, load_f32(row, p.dtype, j)) : load_f32(row, p.dtype, j));
             }
         }
 #pragma unroll

@@ -6,19 +6,25 @@
 namespace {
 
 /* The optimizer's step on one element of a row: returns the new weight; s1 / s2 are the element's
- * state (Adagrad: s1; Adam: s1, s2), updated. rw_mult: RowWiseAdagrad's step (rowwise_mult). */
+ * state (Adagrad: s1; Adam: s1, s2), updated. rw_mult: RowWiseAdagrad's step (rowwise_mult).
+ * Every operation is rounded explicitly (no fused multiply-add), as the CPU's C computes it: the
+ * compiler contracts a * b + c into one FMA or not depending on the code around it, and this step
+ * inlines into several kernels (update_kernel, the fused segment-sum updates), which must give a
+ * row the same bits for the same gradient. */
 __device__ __forceinline__ float opt_step(const tf_dynemb_update_params &p, int opt, float w, float g, float &s1,
                                           float &s2, float rw_mult) {
     switch (opt) {
-    case TF_OPT_SGD: return w - p.lr * g;
-    case TF_OPT_ADAGRAD: s1 = s1 + g * g; return w - p.lr * g / (sqrtf(s1) + p.eps);
-    case TF_OPT_ROWWISE_ADAGRAD: return w - rw_mult * g;
+    case TF_OPT_SGD: return __fsub_rn(w, __fmul_rn(p.lr, g));
+    case TF_OPT_ADAGRAD:
+        s1 = __fadd_rn(s1, __fmul_rn(g, g));
+        return __fsub_rn(w, __fdiv_rn(__fmul_rn(p.lr, g), __fadd_rn(__fsqrt_rn(s1), p.eps)));
+    case TF_OPT_ROWWISE_ADAGRAD: return __fsub_rn(w, __fmul_rn(rw_mult, g));
     default: {  // Adam, in torch.optim.SparseAdam's form
-        const float m = s1 + (g - s1) * (1.f - p.beta1);
-        const float v = s2 + (g * g - s2) * (1.f - p.beta2);
+        const float m = __fadd_rn(s1, __fmul_rn(__fsub_rn(g, s1), 1.f - p.beta1));
+        const float v = __fadd_rn(s2, __fmul_rn(__fsub_rn(__fmul_rn(g, g), s2), 1.f - p.beta2));
         s1 = m;
         s2 = v;
-        return w + -p.step_size * (m / (sqrtf(v) + p.eps));
+        return __fadd_rn(w, __fmul_rn(-p.step_size, __fdiv_rn(m, __fadd_rn(__fsqrt_rn(v), p.eps))));
     }
     }
 }
@@ -27,10 +33,10 @@ __device__ __forceinline__ float opt_step(const tf_dynemb_update_params &p, int 
  * row updates the row's one state float (the running mean square) and gives lr / (sqrt(m) + eps). */
 __device__ __forceinline__ float rowwise_mult(const tf_dynemb_update_params &p, float *st, float sq, int lane) {
     for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-    const float m = st[0] + sq / static_cast<float>(p.dim);
+    const float m = __fadd_rn(st[0], __fdiv_rn(sq, static_cast<float>(p.dim)));
     __syncwarp();
     if (lane == 0) st[0] = m;
-    return p.lr / (sqrtf(m) + p.eps);
+    return __fdiv_rn(p.lr, __fadd_rn(__fsqrt_rn(m), p.eps));
 }
 
 __device__ __forceinline__ void update_one(const tf_dynemb_update_params &p, int64_t i, int lane) {
@@ -45,7 +51,7 @@ __device__ __forceinline__ void update_one(const tf_dynemb_update_params &p, int
         float sq = 0.f;
         for (int64_t j = lane; j < dim; j += 32) {
             const float g = load_f32(p.grad, p.grad_dtype, g0 + j);
-            sq += g * g;
+            sq = __fadd_rn(sq, __fmul_rn(g, g));
         }
         rw_mult = rowwise_mult(p, st, sq, lane);
     }
@@ -183,7 +189,7 @@ __global__ void segsum_chunk_kernel(tf_dynemb_segsum_params p) {
                 if (q >= q1) break;
                 const float s = __shfl_sync(0xffffffffu, my_scale, (int)(q - q0));
 #pragma unroll
-                for (int j = 0; j < kSegCols; ++j) acc[j] += s * v[r][j];
+                for (int j = 0; j < kSegCols; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(s, v[r][j]));
                 if (q + 1 == u_end || q + 1 == q1) { /* the run of id u ends here */
                     float *dst;
                     if (u_begin >= q0 && u_end <= q1) dst = p.out + u * p.dim;
@@ -262,7 +268,7 @@ __device__ __forceinline__ void apply_cols(const tf_dynemb_update_params &u, int
         float sq = 0.f;
 #pragma unroll
         for (int k = 0; k < kSegCols; ++k)
-            if (lane + 32 * k < u.dim) sq += g[k] * g[k];
+            if (lane + 32 * k < u.dim) sq = __fadd_rn(sq, __fmul_rn(g[k], g[k]));
         rw_mult = rowwise_mult(u, st, sq, lane);
     }
     constexpr bool st1 = kOpt == TF_OPT_ADAGRAD || kOpt == TF_OPT_ADAM, st2 = kOpt == TF_OPT_ADAM;
@@ -340,7 +346,7 @@ __global__ void __launch_bounds__(128, kOpt == TF_OPT_SGD || kOpt == TF_OPT_ROWW
             if (q >= q1) break;
             const float sc = __shfl_sync(0xffffffffu, my_scale, (int)(q - q0));
 #pragma unroll
-            for (int j = 0; j < kSegCols; ++j) acc[j] += sc * v[rr][j];
+            for (int j = 0; j < kSegCols; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(sc, v[rr][j]));
             if (q + 1 == u_end || q + 1 == q1) { /* the run of id lo + r ends here */
                 if (u_begin >= q0 && u_end <= q1) {
                     const int b = r - r0;  // < 4: at most four runs end in four occurrences

@@ -150,10 +150,12 @@ def test_ranks_equal_one_process_gloo(world, kw, atol):
     _compare(ref, got, rtol=1e-4, atol=atol)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_ranks_equal_one_process_nccl():
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_equal_one_process_nccl(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     seed = int(torch.randint(0, 1 << 20, ()).item())
     ref = _run_single(seed, "cuda:0")
-    got = _run_ranks(2, "nccl", seed)
+    got = _run_ranks(world, "nccl", seed)
     _compare(ref, got, rtol=1e-3, atol=1e-3)

@@ -3,7 +3,8 @@ the backward pass the rows' gradients to the owners, whose tables apply their fu
 
 Every step is a fixed function of the ranks' batches: ids are sorted (torch.unique), grouped by
 owner with a stable sort, exchanged in rank order, and every gradient sum runs in a fixed order
-(torch.segment_reduce per id here, the owner's table sums the ranks' contributions in rank order),
+(dynemb_segment_sum per id here, in batch order; the owner's table sums the ranks' contributions in
+rank order), and bags are pooled by the single-device kernel (dynemb_pool: fp32 sums in id order),
 so the same inputs give the same results run to run on CPU and GPU.
 """
 import math
@@ -14,14 +15,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..dynamic_embedding._table import _ops
 from ._hash import owner_of
 
 
 def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group, log: Optional[list] = None,
                what: str = "") -> Tensor:
     """torch.distributed.all_to_all_single along dim 0 with uneven splits. log (a list): appends
-    (what, bytes sent to other ranks, bytes received from them, seconds), timed with a device
-    synchronization before and after (a measuring aid: it stalls the stream)."""
+    (what, bytes sent to other ranks, bytes received from them, seconds, bytes sent to each rank,
+    bytes received from each rank), timed from a barrier of the group and a device synchronization to
+    a device synchronization after: a measuring aid that stalls the stream and aligns the ranks, so
+    that the time is the exchange's own and not a wait for a slower rank's work before it."""
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     if log is None:
@@ -29,15 +33,19 @@ def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group, lo
         return out
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
+    dist.barrier(group=group)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
     t0 = time.perf_counter()
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
+    seconds = time.perf_counter() - t0
     rank = dist.get_rank(group)
     row = math.prod(x.shape[1:]) * x.element_size()
     sent = (sum(in_splits) - in_splits[rank]) * row
     recv = (sum(out_splits) - out_splits[rank]) * row
-    log.append((what, sent, recv, time.perf_counter() - t0))
+    log.append((what, sent, recv, seconds, [c * row for c in in_splits], [c * row for c in out_splits]))
     return out
 
 
@@ -56,16 +64,28 @@ class Plan:
         host = torch.cat([send_counts, recv_counts]).tolist()  # the exchange's one host sync
         self.send_splits, self.recv_splits = host[:world], host[world:]
         self.group, self.log, self.n = group, log, flat.numel()
-        self._perm = None
+        self._segments = None
 
-    def per_id_sum(self, grad: Tensor) -> Tensor:
-        """grad (n, dim) per id -> (n_unique, dim) per unique id, each id's occurrences summed in
-        batch order (deterministic: no atomics)."""
+    def segments(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """(perm, seg, pos): the batch's ids grouped by unique id, each group's occurrences in batch
+        order (perm), the groups' bounds (seg, n_unique + 1), and where each unique id's row sits in
+        send order (pos: send_ids[pos[u]] == uniq[u])."""
+        if self._segments is None:
+            perm = torch.argsort(self.inv, stable=True)
+            seg = torch.cat([self.counts.new_zeros(1), torch.cumsum(self.counts, 0)])
+            pos = torch.empty_like(self.order)
+            pos[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+            self._segments = (perm, seg, pos)
+        return self._segments
+
+    def per_id_sum(self, grad: Tensor, bag_of: Optional[Tensor] = None, scale: Optional[Tensor] = None) -> Tensor:
+        """Per unique id (uniq order), fp32: the sum of its occurrences' gradient rows in batch order,
+        as one device sums a key's (dynemb_segment_sum: deterministic, no atomics). grad holds a row
+        per id, or per bag with bag_of (each id's bag) and scale (each id's factor)."""
         if self.uniq.numel() == 0:
-            return grad.new_zeros((0, grad.shape[1]))
-        if self._perm is None:
-            self._perm = torch.argsort(self.inv, stable=True)
-        return torch.segment_reduce(grad[self._perm], "sum", lengths=self.counts, axis=0, unsafe=True)
+            return grad.new_zeros((0, grad.shape[1]), dtype=torch.float32)
+        perm, seg, _ = self.segments()
+        return _ops.dynemb_segment_sum(grad.contiguous(), perm, seg, bag_of, scale)
 
 
 class ShardedRows(torch.autograd.Function):
@@ -120,7 +140,39 @@ class PerId(torch.autograd.Function):
     def backward(ctx, grad):
         # summed in fp32 (as one device sums a key's occurrences), rounded once to the rows' dtype
         plan = ctx.plan
-        return plan.per_id_sum(grad.float().contiguous()).to(grad.dtype)[plan.order], None
+        return plan.per_id_sum(grad).to(grad.dtype)[plan.order], None
+
+
+class PooledBags(torch.autograd.Function):
+    """Bags pooled from the rows of their unique ids (grouped by owner) by the single-device table's
+    kernel (dynemb_pool: fp32 sums in id order, the mean's division, one rounding to the rows'
+    dtype), so a sharded bag equals one device's bit for bit. full: the bags' bounds (n_bags + 1);
+    bag_of / scale: each id's bag and factor (its weight, or 1/len for the mean), for the backward.
+    Backward: each unique id's gradient, its occurrences' bag gradients times their factors summed in
+    batch order (fp32), regrouped by owner; and the weights' gradient."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, plan: Plan, full, bag_of, scale, mean: bool):
+        _, _, pos = plan.segments()
+        host = rows.new_empty((0, rows.shape[1]))
+        w = weights.detach().float().contiguous() if weights is not None else None
+        ctx.plan, ctx.bag_of, ctx.scale = plan, bag_of, scale
+        ctx.save_for_backward(rows, weights)
+        return _ops.dynemb_pool(pos, full, w, rows.contiguous(), host, mean, plan.inv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan = ctx.plan
+        rows, weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        g_rows = g_w = None
+        if ctx.needs_input_grad[0]:
+            scale = ctx.scale.float().contiguous() if ctx.scale is not None else None
+            g_rows = plan.per_id_sum(grad, ctx.bag_of, scale).to(rows.dtype)[plan.order]
+        if ctx.needs_input_grad[1]:
+            _, _, pos = plan.segments()
+            g_w = (rows[pos[plan.inv]].float() * grad[ctx.bag_of].float()).sum(1).to(weights.dtype)
+        return g_rows, g_w, None, None, None, None, None
 
 
 class PartialPlan:

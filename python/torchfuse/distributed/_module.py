@@ -9,7 +9,8 @@ from torch import Tensor
 
 from ..dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag
 from ._checkpoint import ShardCheckpointMixin
-from ._exchange import PartialPlan, PartialSums, PerId, all_to_all, sharded_rows
+from ..dynamic_embedding._table import _ops
+from ._exchange import PartialPlan, PartialSums, PerId, PooledBags, all_to_all, sharded_rows
 
 
 class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
@@ -33,7 +34,8 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
     tensors, gloo CPU ones). ``process_group``: default the world group.
 
     ``exchange_log``: set to a list to record each all-to-all as (what, bytes sent to other ranks,
-    bytes received, seconds); timing synchronizes the device around each exchange.
+    bytes received, seconds, bytes sent to each rank, bytes received from each rank); timing aligns
+    the ranks (a barrier) and synchronizes the device around each exchange.
     """
 
     _local_cls = DynamicEmbedding
@@ -84,13 +86,15 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
         """What this rank's table evicted (see DynamicEmbedding.drain_evicted)."""
         return self.local.drain_evicted()
 
-    def _per_id_rows(self, ids) -> Tensor:
-        flat = self.local._check_keys(ids)
+    def _sharded_rows(self, flat: Tensor):
+        """(rows of the batch's unique ids grouped by owner, their Plan)."""
         need_grad = torch.is_grad_enabled() and self.local._trainable
         lookup = functools.partial(DynamicEmbedding.forward, self.local)  # per-id rows, bag tables too
-        rows, plan = sharded_rows(self.local, lookup, flat, self.rank, self.world_size, self.process_group,
-                                  need_grad, self.exchange_log)
-        return PerId.apply(rows, plan)
+        return sharded_rows(self.local, lookup, flat, self.rank, self.world_size, self.process_group,
+                            need_grad, self.exchange_log)
+
+    def _per_id_rows(self, ids) -> Tensor:
+        return PerId.apply(*self._sharded_rows(self.local._check_keys(ids)))
 
     def forward(self, ids: Tensor) -> Tensor:
         return self._per_id_rows(ids).reshape(*ids.shape, self.embedding_dim)
@@ -103,8 +107,8 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
     ``exchange``:
 
     - ``"rows"`` (default): the rows of the batch's distinct ids come back from their owners and the
-      bags are pooled on the rank that asked (fp32 sums in id order, as the single-device kernel
-      sums, so the outputs equal one device's bit for bit; gradients reach per_sample_weights too).
+      bags are pooled on the rank that asked by the single-device table's kernel (fp32 sums in id
+      order), so the outputs equal one device's bit for bit; gradients reach per_sample_weights too.
     - ``"partial_sums"``: every id goes to its owner with its bag's index, each owner pools its part
       of every bag, and the rank adds the owners' partial bags in rank order (then divides for
       "mean"). This moves world_size x bags rows each way instead of the distinct ids' rows: fewer
@@ -162,30 +166,26 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
             per_sample_weights = per_sample_weights.reshape(-1)
         if not offsets.numel() and (incl or n):
             raise ValueError(f"{name}: empty offsets with {n} ids")
-        offsets = offsets.to(torch.int64)
-        full = offsets if incl else torch.cat([offsets, offsets.new_full((1,), n)])
-        lengths = full[1:] - full[:-1]
+        mean = self._mode == "mean"
+        # the bags' bounds (n_bags + 1), each id's bag and mean scale, and the offsets' check flag
+        full, bag_of, scale, bad = _ops.dynemb_bag_layout(offsets.contiguous(), n, incl, mean, True)
         # a host read, so only for offsets the caller gave (fixed-size bags' are valid by construction)
-        if given and full.numel() and bool((full[0] != 0) | (lengths < 0).any() | (full[-1] != n)):
+        if given and bool(bad):
             raise ValueError(f"{name}: offsets must start at 0, be non-decreasing and end at most at "
                              f"len(ids) = {n}" + (" (exactly, with include_last_offset)" if incl else ""))
         if self.exchange == "partial_sums" and not (per_sample_weights is not None and per_sample_weights.requires_grad
                                                     and torch.is_grad_enabled()):
-            return self._partial_sums(flat, lengths, per_sample_weights)
-        rows = self._per_id_rows(flat).float()
+            return self._partial_sums(flat, full[1:] - full[:-1], bag_of, per_sample_weights)
+        rows, plan = self._sharded_rows(flat)
         if per_sample_weights is not None:
-            rows = rows * per_sample_weights.to(torch.float32).unsqueeze(1)
-        if n:
-            pooled = torch.segment_reduce(rows, "sum", lengths=lengths, axis=0, unsafe=True)
-        else:  # still tied to the rows, so that this rank's backward joins the others' exchange
-            pooled = rows.sum(0, keepdim=True).expand(lengths.numel(), self.embedding_dim).clone()
-        if self.mode == "mean":
-            pooled = pooled / lengths.clamp(min=1).to(torch.float32).unsqueeze(1)
-        return pooled.to(self.dtype)
+            scale = per_sample_weights.detach()
+        elif not mean:
+            scale = None
+        # still tied to the rows when this rank has no ids, so that its backward joins the exchange
+        return PooledBags.apply(rows, per_sample_weights, plan, full, bag_of, scale, mean)
 
-    def _partial_sums(self, flat: Tensor, lengths: Tensor, weights: Optional[Tensor]) -> Tensor:
+    def _partial_sums(self, flat: Tensor, lengths: Tensor, bag_of: Tensor, weights: Optional[Tensor]) -> Tensor:
         n_bags = lengths.numel()
-        bag_of = torch.repeat_interleave(torch.arange(n_bags, device=flat.device), lengths)
         w = weights.to(torch.float32).contiguous() if weights is not None else None
         plan = PartialPlan(flat, bag_of, w, n_bags, self.world_size, self.process_group, self.exchange_log)
         pool = functools.partial(DynamicEmbeddingBag.forward, self.local)

@@ -226,6 +226,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _worker(rank: int, a, tmp: str) -> None:
     import torch.distributed as dist
+
+    from .distributed import threads_per_process
+    threads_per_process(a.nproc)
     cuda = a.device.startswith("cuda")
     if cuda:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
