@@ -559,10 +559,19 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
     if constexpr (STAGED) asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
 }
 
-template <int K>
+/* The staged backward (K == 1, every chunk of attn, u and dY whole and 16-byte aligned): the next row's
+ * attn, u and dY chunks (y's part, and attn's and u's when concatenated) are copied into shared memory
+ * with cp.async while this row is worked on, as in the staged forward. Planes per stage: (tensor,
+ * 16-byte piece) for attn, u, dY[y], dY[attn], dY[u], two pieces each for fp32. */
+constexpr int kBwdStagePlanes = 10;
+constexpr size_t rows_bwd_stage_bytes() { return (size_t)2 * kBwdStagePlanes * kRowBlock * 16; }
+
+template <int K, bool STAGED>
 __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_output_bwd_rows(
     const tf_hstu_output_bwd_params p, int tpr) {
+    static_assert(!STAGED || K == 1, "the staged backward holds one chunk per thread");
     __shared__ float red[kRowBlock / 32][2];
+    extern __shared__ uint4 stage_buf[];
     const int t = threadIdx.x & (tpr - 1), rpb = kRowBlock / tpr;
     const Dropout d = make_dropout(p.rng, p.dropout, p.p);
     const int64_t n = p.cols;
@@ -577,25 +586,64 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
 #pragma unroll
         for (int i = 0; i < TF_VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.f;
     }
-    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < p.rows; r0 += (int64_t)gridDim.x * rpb) {
+    const int64_t step = (int64_t)gridDim.x * rpb;
+    const int apc = p.attn_dtype == TF_F32 ? 2 : 1, upc = p.u_dtype == TF_F32 ? 2 : 1,
+              dpc = p.dy_dtype == TF_F32 ? 2 : 1; /* 16-byte pieces per chunk */
+    auto plane = [&](int stage, int idx) -> uint4 * {
+        return stage_buf + (size_t)(stage * kBwdStagePlanes + idx) * kRowBlock + threadIdx.x;
+    };
+    auto issue = [&](int64_t row, int stage) {
+        if (row < p.rows && cn[0] > 0) {
+            const char *ar = (const char *)tf_row(p.attn, p.attn_dtype, row, p.attn_stride);
+            const char *ur = (const char *)tf_row(p.u, p.u_dtype, row, p.u_stride);
+            const char *dr = (const char *)tf_row(p.dy, p.dy_dtype, row, p.dy_stride);
+            const int64_t col = (int64_t)t * TF_VEC;
+            for (int q = 0; q < apc; ++q) cp_async16(plane(stage, q), ar + col * 2 * apc + 16 * q);
+            for (int q = 0; q < upc; ++q) cp_async16(plane(stage, 2 + q), ur + col * 2 * upc + 16 * q);
+            for (int q = 0; q < dpc; ++q) cp_async16(plane(stage, 4 + q), dr + (oy + col) * 2 * dpc + 16 * q);
+            if (ox >= 0)
+                for (int q = 0; q < dpc; ++q) cp_async16(plane(stage, 6 + q), dr + (ox + col) * 2 * dpc + 16 * q);
+            if (ou >= 0)
+                for (int q = 0; q < dpc; ++q) cp_async16(plane(stage, 8 + q), dr + (ou + col) * 2 * dpc + 16 * q);
+        }
+        cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
+    };
+    int stage = 0;
+    if constexpr (STAGED) issue((int64_t)blockIdx.x * rpb + threadIdx.x / tpr, 0);
+    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < p.rows; r0 += step, stage ^= 1) {
         const int64_t r = r0 + threadIdx.x / tpr;
         const bool live = r < p.rows; /* dead groups still meet the others in group_sum */
-        const void *arow = tf_row(p.attn, p.attn_dtype, r, p.attn_stride);
-        const void *urow = tf_row(p.u, p.u_dtype, r, p.u_stride);
         const void *dyrow = tf_row(p.dy, p.dy_dtype, r, p.dy_stride);
         const float mean = live ? p.mean[r] : 0.f, rstd = live ? p.rstd[r] : 0.f;
         const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
         /* every load of the row issued before the first is used; then a -> xhat, gy -> its masked value */
         float xh[K][TF_VEC], u[K][TF_VEC], gy[K][TF_VEC], tx[K][TF_VEC], tu[K][TF_VEC];
+        if constexpr (STAGED) {
+            issue(r + step, stage ^ 1);
+            cp_async_wait<1>(); /* this row's group has landed */
+            if (live && cn[0] > 0) {
+                stage_to_float(plane(stage, 0), plane(stage, 1), p.attn_dtype, xh[0]);
+                stage_to_float(plane(stage, 2), plane(stage, 3), p.u_dtype, u[0]);
+                stage_to_float(plane(stage, 4), plane(stage, 5), p.dy_dtype, gy[0]);
+                if (ox >= 0) stage_to_float(plane(stage, 6), plane(stage, 7), p.dy_dtype, tx[0]);
+                if (ou >= 0) stage_to_float(plane(stage, 8), plane(stage, 9), p.dy_dtype, tu[0]);
+            } else {
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int m = live ? cn[k] : 0;
-            const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
-            tf_ld_chunk(arow, p.attn_dtype, col, m, xh[k]);
-            tf_ld_chunk(urow, p.u_dtype, col, m, u[k]);
-            tf_ld_chunk(dyrow, p.dy_dtype, oy + col, m, gy[k]);
-            if (K == 1 && ox >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ox + col, m, tx[k]);
-            if (K == 1 && ou >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ou + col, m, tu[k]);
+                for (int i = 0; i < TF_VEC; ++i) xh[0][i] = u[0][i] = gy[0][i] = tx[0][i] = tu[0][i] = 0.f;
+            }
+        } else {
+            const void *arow = tf_row(p.attn, p.attn_dtype, r, p.attn_stride);
+            const void *urow = tf_row(p.u, p.u_dtype, r, p.u_stride);
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int m = live ? cn[k] : 0;
+                const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
+                tf_ld_chunk(arow, p.attn_dtype, col, m, xh[k]);
+                tf_ld_chunk(urow, p.u_dtype, col, m, u[k]);
+                tf_ld_chunk(dyrow, p.dy_dtype, oy + col, m, gy[k]);
+                if (K == 1 && ox >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ox + col, m, tx[k]);
+                if (K == 1 && ou >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ou + col, m, tu[k]);
+            }
         }
         float s[2] = {0.f, 0.f};
 #pragma unroll
@@ -652,6 +700,7 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
             tf_st_chunk(durow, p.du_dtype, col, cn[k], du);
         }
     }
+    if constexpr (STAGED) asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
     if (!p.dw_part && !p.db_part) return;
     float *dwp = p.dw_part ? p.dw_part + (int64_t)blockIdx.x * n : nullptr;
     float *dbp = p.db_part ? p.db_part + (int64_t)blockIdx.x * n : nullptr;
@@ -741,10 +790,20 @@ Launch fwd_launch(const tf_hstu_output_fwd_params *p) {
     return {(const void *)hstu_output_fwd_kernel<0>, w, 0, 0};
 }
 
+/* Every chunk of attn, u and dY (each of its parts) whole and 16-byte aligned: the staged backward applies. */
+bool bwd_stageable(const tf_hstu_output_bwd_params *p) {
+    auto bytes = [](int dt) -> int64_t { return dt == TF_F32 ? 4 : 2; };
+    return p->cols % TF_VEC == 0 && aligned16(p->attn) && aligned16(p->u) && aligned16(p->dy) &&
+           (p->attn_stride * bytes(p->attn_dtype)) % 16 == 0 && (p->u_stride * bytes(p->u_dtype)) % 16 == 0 &&
+           (p->dy_stride * bytes(p->dy_dtype)) % 16 == 0;
+}
+
 Launch bwd_launch(const tf_hstu_output_bwd_params *p) {
     const RowMap m = row_map(p->cols, p->groups, p->group_weights);
-    if (m.k == 1) return {(const void *)hstu_output_bwd_rows<1>, kRowBlock, m.tpr, 0};
-    if (m.k == 2) return {(const void *)hstu_output_bwd_rows<2>, kRowBlock, m.tpr, 0};
+    if (m.k == 1 && bwd_stageable(p))
+        return {(const void *)hstu_output_bwd_rows<1, true>, kRowBlock, m.tpr, rows_bwd_stage_bytes()};
+    if (m.k == 1) return {(const void *)hstu_output_bwd_rows<1, false>, kRowBlock, m.tpr, 0};
+    if (m.k == 2) return {(const void *)hstu_output_bwd_rows<2, false>, kRowBlock, m.tpr, 0};
     return {(const void *)hstu_output_bwd_kernel, kWarps * 32, 0, 0};
 }
 
