@@ -199,7 +199,11 @@ def measure(cfg, n_layers, variant_list, quick, count=False):
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as e:  # noqa: BLE001  (a peer that fails at a shape is reported, not fatal)
-                    errors.append(f"{label} at {cfg[0]}, {n_layers} layer(s): {type(e).__name__}: {e}")
+                    # one line: a triton CompilationError's message is a source excerpt, its cause the error
+                    first = (str(e).splitlines() or [""])[0]
+                    cause = e.__cause__
+                    why = f" ({type(cause).__name__}: {(str(cause).splitlines() or [''])[0]})" if cause else ""
+                    errors.append(f"{label} at {cfg[0]}, {n_layers} layer(s): {type(e).__name__}: {first}{why}")
                 finally:
                     if patched:
                         torchfuse.compat.gr.unpatch()
