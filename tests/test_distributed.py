@@ -293,12 +293,69 @@ def _check_bad_inputs(dev):
                                                                    per_sample_weights=torch.ones(6, device=dev))
     with pytest.raises(ValueError, match="exchange must be"):
         ShardedDynamicEmbeddingBag(4, 64, device=dev, exchange="bags")
+    with pytest.raises(ValueError, match="owner_rank must be"):
+        ShardedDynamicEmbeddingBag(4, 64, device=dev, owner_rank=1)
+    try:
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    except ImportError:
+        EmbeddingBagConfig = None
+    if EmbeddingBagConfig is not None:
+        from torchfuse.torchrec import DynamicEmbeddingBagCollection
+        ebc = DynamicEmbeddingBagCollection([EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=8,
+                                                                feature_names=["f0"])], device=dev, capacity=16)
+        with pytest.raises(ValueError, match="owner_rank names tables"):
+            shard(ebc, owner_rank={"nope": 0})
     with pytest.raises(ValueError, match="mode must be"):
         ShardedDynamicEmbeddingBag(4, 64, device=dev, mode="max")
     with pytest.raises(TypeError, match="module must be"):
         shard(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="shard header"):
         emb.load_resharded([dict(emb.state_dict(), shard={"world_size": 1, "rank": 0, "shard_hash": "other"})])
+
+
+def _check_table_wise(rank, world, seed, dev):
+    """owner_rank: the whole table on one rank, against one table fed the union of the batches, with
+    eviction (the owner's table is that table): outputs and every key's row, state and score bit for
+    bit; the other ranks' tables stay empty. Then a re-shard round trip to row-wise and back."""
+    g = torch.Generator().manual_seed(seed + 5)
+    pool = _pool(g, 300)
+    owner = world - 1
+    # 4 buckets of 16 for at most 24 distinct ids a step: no bucket fills with one batch's keys
+    cfg = dict(capacity=16, max_capacity=64, device=dev, optimizer=tfo.Adam(lr=0.05), seed=4, bucket_size=16,
+               eviction="lru", evicted_record_limit=0)
+    emb = ShardedDynamicEmbeddingBag(4, owner_rank=owner, **cfg)
+    ref = DynamicEmbeddingBag(4, **cfg)
+    assert "table-wise on rank" in repr(emb)
+    seen = set()
+    for step in range(16):
+        ids = [b[: b.numel() // 4 * 4].view(-1, 4) for b in _batches(g, pool, world, 8, step)]
+        seen.update(torch.cat(ids).reshape(-1).tolist())
+        gw = [_dyadic(g, i.shape[0], 4) for i in ids]
+        out = emb(ids[rank].to(dev))
+        (out * gw[rank].to(dev)).sum().backward()
+        ref_out = ref(torch.cat(ids).to(dev))
+        (ref_out * torch.cat(gw).to(dev)).sum().backward()
+        lo = sum(x.shape[0] for x in gw[:rank])
+        assert torch.equal(out, ref_out[lo:lo + gw[rank].shape[0]]), f"table-wise step {step}"
+    assert len(ref) < len(seen)  # it evicted
+    if rank == owner:
+        assert all(torch.equal(a, b) for a, b in zip(_by_key(emb.export()), _by_key(ref.export())))
+    else:
+        assert len(emb) == 0 and emb.local.capacity == 128
+    # table-wise -> row-wise -> table-wise on another rank: every key once, where the placement puts it
+    sds = [None] * world
+    dist.all_gather_object(sds, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in emb.state_dict().items()})
+    row = ShardedDynamicEmbeddingBag(4, **cfg)
+    row.load_resharded(sds)
+    _check_same_rows(row.local, [ref], rank, world, "table-wise to row-wise")
+    sds = [None] * world
+    dist.all_gather_object(sds, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in row.state_dict().items()})
+    back = ShardedDynamicEmbeddingBag(4, owner_rank=0, **cfg)
+    back.load_resharded(sds)
+    if rank == 0:
+        assert all(torch.equal(a, b) for a, b in zip(_by_key(back.export()), _by_key(ref.export())))
+    else:
+        assert len(back) == 0
 
 
 def _world_checks(rank, world, seed, backend):
@@ -315,6 +372,7 @@ def _world_checks(rank, world, seed, backend):
         _check_union_bags(rank, world, seed + 11, dev, "sum", "rows", torch.float16)
     _check_union_bags(rank, world, seed, dev, "mean", "partial_sums")
     _check_eviction(rank, world, seed, dev)
+    _check_table_wise(rank, world, seed, dev)
     _check_frozen_and_nograd(rank, world, seed, dev)
     # the same inputs give the same results run to run
     runs = []
@@ -445,8 +503,9 @@ def _kjt(keys, per_feature, cls):
     return cls(keys=keys, values=values, lengths=lengths)
 
 
-def _dmp_checks(rank, world, seed):
+def _dmp_checks(rank, world, seed, table_wise):
     from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.distributed.types import ShardingEnv
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -483,11 +542,23 @@ def _dmp_checks(rank, world, seed):
     model = Model()
     torch.manual_seed(0)
     ref = Model()
+    if table_wise:  # t1 asked table-wise through the planner's constraints
+        sharder = DynamicEmbeddingSharder(sharding_types=["row_wise", "table_wise"])
+        planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
+                                           constraints={"t0": ParameterConstraints(sharding_types=["row_wise"]),
+                                                        "t1": ParameterConstraints(sharding_types=["table_wise"])})
+        plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    else:
+        sharder, plan = DynamicEmbeddingSharder(), None
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=torch.device("cpu"), sharders=[DynamicEmbeddingSharder()])
+                                   device=torch.device("cpu"), sharders=[sharder], plan=plan)
     sharded = [m for m in dmp.modules() if isinstance(m, ShardedDynamicEmbeddingCollection)]
     assert len(sharded) == 1
-    assert {ps.sharding_type for ps in dmp.plan.get_plan_for_module("ebc").values()} == {"row_wise"}
+    planned = dmp.plan.get_plan_for_module("ebc")
+    assert planned["t0"].sharding_type == "row_wise"
+    assert planned["t1"].sharding_type == ("table_wise" if table_wise else "row_wise")
+    t1_owner = planned["t1"].ranks[0] if table_wise else None
+    assert sharded[0]._inner.tables["t1"].owner_rank == t1_owner
     # an EmbeddingCollection's dynamic form, through its own sharder
     torch.manual_seed(0)
     ec_model = ECModel()
@@ -535,13 +606,19 @@ def _dmp_checks(rank, world, seed):
         dense_w[0].grad = None
         ref.dense.weight.grad = None
         for name in ("t0", "t1"):
-            local = sharded[0]._inner.tables[name].local
-            mine = _by_key(local.export())
-            k, v = mine[0], mine[1]
-            assert (owner_of(k, world) == rank).all()
-            rv, found = ref.ebc.tables[name].find(k)
-            assert found.all()
-            torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-7)
+            table = sharded[0]._inner.tables[name]
+            mine = _by_key(table.local.export())
+            if mine is None:  # table-wise, on another rank
+                assert table.owner_rank not in (None, rank)
+                k = torch.empty(0, dtype=torch.int64)
+            else:
+                k, v = mine[0], mine[1]
+                assert (table.owner(k) == rank).all()
+                if name == "t1" and table_wise:  # the whole table here
+                    assert torch.equal(k, _by_key(ref.ebc.tables[name].export())[0])
+                rv, found = ref.ebc.tables[name].find(k)
+                assert found.all()
+                torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-7)
             n = torch.tensor([k.numel()])
             dist.all_reduce(n)
             assert int(n) == len(ref.ebc.tables[name])
@@ -549,10 +626,12 @@ def _dmp_checks(rank, world, seed):
         _check_same_rows(ec_local._inner.tables["t2"].local, [ec_ref.ec.tables["t2"]], rank, world, "EC")
 
 
-def test_dmp_sharder_matches_unsharded(fresh_seed):
-    """DistributedModelParallel with DynamicEmbeddingSharder (planned row-wise by TorchRec's planner)
-    on a small model against the unsharded model fed both ranks' samples: the same outputs, dense
-    gradients (DDP's mean times the world size) and table rows, to fp32 rounding (the dense layer's
-    gradients make the sums' order matter)."""
+@pytest.mark.parametrize("table_wise", [False, True], ids=["row_wise", "t1_table_wise"])
+def test_dmp_sharder_matches_unsharded(fresh_seed, table_wise):
+    """DistributedModelParallel with DynamicEmbeddingSharder (planned by TorchRec's planner: row-wise,
+    or one table asked table-wise through its ParameterConstraints) on a small model against the
+    unsharded model fed both ranks' samples: the same outputs, dense gradients (DDP's mean times the
+    world size) and table rows, to fp32 rounding (the dense layer's gradients make the sums' order
+    matter)."""
     pytest.importorskip("torchrec")
-    _spawn(_dmp_checks, 2, fresh_seed)
+    _spawn(_dmp_checks, 2, fresh_seed, table_wise)

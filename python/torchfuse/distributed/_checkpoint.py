@@ -5,7 +5,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ._hash import SHARD_HASH, owner_of
+from ._hash import SHARD_HASH
 
 _STATE = ("keys", "values", "optimizer_state", "scores")
 
@@ -14,7 +14,10 @@ class ShardCheckpointMixin:
     """state_dict / load_state_dict (same world size, same rank) and load_resharded (any world size)."""
 
     def _header(self) -> dict:
-        return {"world_size": self.world_size, "rank": self.rank, "shard_hash": SHARD_HASH}
+        h = {"world_size": self.world_size, "rank": self.rank, "shard_hash": SHARD_HASH}
+        if self.owner_rank is not None:  # table-wise
+            h["owner_rank"] = self.owner_rank
+        return h
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -37,8 +40,9 @@ class ShardCheckpointMixin:
         state_dict of a sharded module (each rank of this group passes them all, e.g. read from the
         per-rank files), or one single-device DynamicEmbedding's state_dict. This rank keeps the keys
         it owns at this world size, with their rows, optimizer state and scores. Each shard's
-        checksum and configuration are checked first (nothing changes if one fails); this rank's
-        table is sized for its keys (its capacity at least the checkpoint's, doubled while its keys
+        checksum and configuration are checked first (nothing changes if one fails); any placement
+        loads into any other (row-wise or table-wise: the keys go where this module places them); this
+        rank's table is sized for its keys (its capacity at least the checkpoint's, doubled while its keys
         would pass max_load_factor). Not collective."""
         name = f"torchfuse.distributed.{type(self).__name__}"
         parts, cfgs, seen, world = [], [], set(), None
@@ -60,7 +64,7 @@ class ShardCheckpointMixin:
                 raise ValueError(f"{name}: the state_dict of rank {r} lacks {lp}keys/values/optimizer_state/scores/config")
             cfg, _, tensors = self.local._checked_checkpoint(sd, lp)
             keys = tensors[0]
-            mine = owner_of(keys, self.world_size) == self.rank
+            mine = self.owner(keys) == self.rank
             parts.append(tuple(t[mine] for t in tensors))
             cfgs.append(cfg)
         if world is None or len(seen) != world:
@@ -72,12 +76,13 @@ class ShardCheckpointMixin:
         cfg.pop("checksum", None)
         cfg["clock"] = max(c["clock"] for c in cfgs)
         cfg["step"] = max(c["step"] for c in cfgs)
-        cap = max(max(c["capacity"] for c in cfgs), self.local.capacity)
+        elsewhere = self.owner_rank is not None and self.owner_rank != self.rank  # table-wise: holds no key
+        cap = self.local.capacity if elsewhere else max(max(c["capacity"] for c in cfgs), self.local.capacity)
         while n > cfg["max_load_factor"] * cap:
             cap *= 2
         for _ in range(8):  # a bucket may still overflow where the keys cluster: double and retry
             cfg["capacity"] = cap
-            cfg["max_capacity"] = max(max(c["max_capacity"] for c in cfgs), cap)
+            cfg["max_capacity"] = cap if elsewhere else max(max(c["max_capacity"] for c in cfgs), cap)
             sd = dict(zip(("local." + k for k in _STATE), tensors))
             sd["local.config"] = dict(cfg)
             sd["shard"] = self._header()

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..dynamic_embedding._table import _ops
-from ._hash import owner_of
 
 
 def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group, log: Optional[list] = None,
@@ -54,9 +53,9 @@ class Plan:
     unique ids grouped by owner (send_ids = uniq[order]) and the split sizes both ways. Building one
     exchanges the counts (one all-to-all and one host read of both split lists)."""
 
-    def __init__(self, flat: Tensor, rank: int, world: int, group, log=None):
+    def __init__(self, flat: Tensor, owner_fn, world: int, group, log=None):
         self.uniq, self.inv, self.counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
-        owner = owner_of(self.uniq, world)
+        owner = owner_fn(self.uniq)
         self.order = torch.argsort(owner, stable=True)
         self.send_ids = self.uniq[self.order]
         send_counts = torch.bincount(owner, minlength=world)
@@ -112,10 +111,11 @@ class ShardedRows(torch.autograd.Function):
         return None, None, None
 
 
-def sharded_rows(local, local_lookup, flat: Tensor, rank: int, world: int, group, need_grad: bool,
+def sharded_rows(local, local_lookup, flat: Tensor, owner_fn, world: int, group, need_grad: bool,
                  log=None) -> Tuple[Tensor, Plan]:
-    """(rows of plan.send_ids, plan): the exchange of one batch. need_grad: build the backward."""
-    plan = Plan(flat, rank, world, group, log)
+    """(rows of plan.send_ids, plan): the exchange of one batch; owner_fn(keys) gives each key's
+    rank. need_grad: build the backward."""
+    plan = Plan(flat, owner_fn, world, group, log)
     if need_grad:
         anchor = torch.empty(0, device=flat.device, requires_grad=True)
         rows = ShardedRows.apply(anchor, local_lookup, plan)
@@ -180,9 +180,9 @@ class PartialPlan:
     bag's index (and weight), grouped by owner with a stable sort, so each owner receives each
     source's ids in bag order. The counts' exchange also carries each rank's number of bags."""
 
-    def __init__(self, flat: Tensor, bag_of: Tensor, weights: Optional[Tensor], n_bags: int, world: int, group,
-                 log=None):
-        owner = owner_of(flat, world)
+    def __init__(self, flat: Tensor, bag_of: Tensor, weights: Optional[Tensor], n_bags: int, owner_fn, world: int,
+                 group, log=None):
+        owner = owner_fn(flat)
         order = torch.argsort(owner, stable=True)
         if n_bags >= 2**31:
             raise ValueError(f"torchfuse.distributed: {n_bags} bags in one batch; the exchange sends bag indices as int32")

@@ -11,6 +11,7 @@ from ..dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag
 from ._checkpoint import ShardCheckpointMixin
 from ..dynamic_embedding._table import _ops
 from ._exchange import PartialPlan, PartialSums, PerId, PooledBags, all_to_all, sharded_rows
+from ._hash import owner_of
 
 
 class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
@@ -31,7 +32,10 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
 
     Args: as :class:`torchfuse.DynamicEmbedding`, per rank: ``capacity``, ``max_capacity`` and
     ``hbm_budget_bytes`` size each rank's table. ``device`` is this rank's device (NCCL needs CUDA
-    tensors, gloo CPU ones). ``process_group``: default the world group.
+    tensors, gloo CPU ones). ``process_group``: default the world group. ``owner_rank``: None
+    (default) shards row-wise by the shard hash; a rank places the whole table there (TorchRec's
+    table-wise sharding: the other ranks' tables stay empty, of 128 slots, and their ids are
+    exchanged with that rank as in the row-wise case).
 
     ``exchange_log``: set to a list to record each all-to-all as (what, bytes sent to other ranks,
     bytes received, seconds, bytes sent to each rank, bytes received from each rank); timing aligns
@@ -40,16 +44,31 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
 
     _local_cls = DynamicEmbedding
 
-    def __init__(self, embedding_dim: int, capacity: int, *, process_group=None, **options):
+    def __init__(self, embedding_dim: int, capacity: int, *, process_group=None, owner_rank: Optional[int] = None,
+                 **options):
         super().__init__()
+        name = f"torchfuse.distributed.{type(self).__name__}"
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"torchfuse.distributed.{type(self).__name__}: torch.distributed is not initialized "
+            raise RuntimeError(f"{name}: torch.distributed is not initialized "
                                "(call torch.distributed.init_process_group first)")
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        if owner_rank is not None and not (isinstance(owner_rank, int) and 0 <= owner_rank < self.world_size):
+            raise ValueError(f"{name}: owner_rank must be None (row-wise) or a rank in [0, {self.world_size}), "
+                             f"got {owner_rank!r}")
+        self.owner_rank = owner_rank
+        if owner_rank is not None and owner_rank != self.rank:  # table-wise, elsewhere: holds no key
+            capacity = 128  # one bucket of the largest size, so any bucket_size divides it
+            options = dict(options, max_capacity=capacity)
         self.local = self._local_cls(embedding_dim, capacity, **options)
         self.exchange_log: Optional[list] = None
+
+    def owner(self, keys: Tensor) -> Tensor:
+        """The rank (int64) that owns each key: the shard hash's (``owner_of``), or ``owner_rank``."""
+        if self.owner_rank is None:
+            return owner_of(keys, self.world_size)
+        return torch.full_like(keys, self.owner_rank, dtype=torch.int64)
 
     # the local table's configuration, read through
     embedding_dim = property(lambda self: self.local.embedding_dim)
@@ -72,7 +91,8 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
         return len(self.local)
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, world_size={self.world_size}"
+        where = "row-wise" if self.owner_rank is None else f"table-wise on rank {self.owner_rank}"
+        return f"rank={self.rank}, world_size={self.world_size}, {where}"
 
     def requires_grad_(self, requires_grad: bool = True):
         self.local.requires_grad_(requires_grad)
@@ -90,7 +110,7 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
         """(rows of the batch's unique ids grouped by owner, their Plan)."""
         need_grad = torch.is_grad_enabled() and self.local._trainable
         lookup = functools.partial(DynamicEmbedding.forward, self.local)  # per-id rows, bag tables too
-        return sharded_rows(self.local, lookup, flat, self.rank, self.world_size, self.process_group,
+        return sharded_rows(self.local, lookup, flat, self.owner, self.world_size, self.process_group,
                             need_grad, self.exchange_log)
 
     def _per_id_rows(self, ids) -> Tensor:
@@ -120,14 +140,14 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
     _local_cls = DynamicEmbeddingBag
 
     def __init__(self, embedding_dim: int, capacity: int, *, mode: str = "sum", include_last_offset: bool = False,
-                 process_group=None, exchange: str = "rows", **options):
+                 process_group=None, owner_rank: Optional[int] = None, exchange: str = "rows", **options):
         if exchange not in ("rows", "partial_sums"):
             raise ValueError(f"torchfuse.distributed.{type(self).__name__}: exchange must be 'rows' or 'partial_sums', "
                              f"got {exchange!r}")
         if mode not in ("sum", "mean"):
             raise ValueError(f"torchfuse.distributed.{type(self).__name__}: mode must be 'sum' or 'mean', got {mode!r}")
         # the owners' partial bags are sums; the mean divides their total
-        super().__init__(embedding_dim, capacity, process_group=process_group,
+        super().__init__(embedding_dim, capacity, process_group=process_group, owner_rank=owner_rank,
                          mode="sum" if exchange == "partial_sums" else mode, include_last_offset=False, **options)
         self.exchange = exchange
         self._mode = mode
@@ -187,7 +207,8 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
     def _partial_sums(self, flat: Tensor, lengths: Tensor, bag_of: Tensor, weights: Optional[Tensor]) -> Tensor:
         n_bags = lengths.numel()
         w = weights.to(torch.float32).contiguous() if weights is not None else None
-        plan = PartialPlan(flat, bag_of, w, n_bags, self.world_size, self.process_group, self.exchange_log)
+        plan = PartialPlan(flat, bag_of, w, n_bags, self.owner, self.world_size, self.process_group,
+                           self.exchange_log)
         pool = functools.partial(DynamicEmbeddingBag.forward, self.local)
         if torch.is_grad_enabled() and self.local._trainable:
             anchor = torch.empty(0, device=flat.device, requires_grad=True)

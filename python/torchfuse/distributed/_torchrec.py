@@ -1,7 +1,7 @@
 """TorchRec's sharding API for the dynamic-embedding collections: a ModuleSharder, so that
 DistributedModelParallel places them through TorchRec's planner, and the sharded module it returns.
 Imported only when torchfuse.torchrec.DynamicEmbeddingSharder is first used (it needs torchrec)."""
-from typing import Dict, List, Optional, Type
+from typing import Dict, List, Optional, Sequence, Type
 
 import torch
 from torch import nn
@@ -15,22 +15,28 @@ from ._shard import shard
 
 
 class ShardedDynamicEmbeddingCollection(ShardedModule):
-    """A DynamicEmbedding(Bag)Collection sharded row-wise by key hash over the sharding environment's
-    process group (``torchfuse.distributed.shard`` of the collection). The KJT stays data-parallel
-    through input_dist: each table's exchange sends the distinct ids of the rank's batch to their
-    owners (all_to_all_single, grouped by ``owner_of``) inside compute, and its rows come back there,
-    so output_dist has nothing left to move."""
+    """A DynamicEmbedding(Bag)Collection sharded over the sharding environment's process group
+    (``torchfuse.distributed.shard`` of the collection) as the plan places each table: row-wise by
+    key hash over all ranks, or table-wise on one rank. The KJT stays data-parallel through
+    input_dist: each table's exchange sends the distinct ids of the rank's batch to their owners
+    (all_to_all_single, grouped by owner) inside compute, and its rows come back there, so
+    output_dist has nothing left to move."""
 
     def __init__(self, module, plan, env: ShardingEnv, device: Optional[torch.device] = None):
         super().__init__()
         pg = env.process_group
         world = env.world_size
+        table_wise = {}
         for name, ps in plan.items():
-            if ps.sharding_type != ShardingType.ROW_WISE.value or sorted(ps.ranks or []) != list(range(world)):
+            ranks = sorted(ps.ranks or [])
+            if ps.sharding_type == ShardingType.TABLE_WISE.value and len(ranks) == 1:
+                table_wise[name] = ranks[0]
+            elif ps.sharding_type != ShardingType.ROW_WISE.value or ranks != list(range(world)):
                 raise ValueError(f"torchfuse.torchrec.DynamicEmbeddingSharder: table {name!r} was planned as "
-                                 f"{ps.sharding_type} on ranks {ps.ranks}; only row-wise over all ranks is supported")
+                                 f"{ps.sharding_type} on ranks {ps.ranks}; row-wise over all ranks and table-wise "
+                                 "on one rank are supported")
         self._unsharded_type = type(module)
-        self._inner = shard(module, pg)
+        self._inner = shard(module, pg, table_wise)
 
     @property
     def unsharded_module_type(self):
@@ -57,16 +63,26 @@ class DynamicEmbeddingSharder(ModuleSharder[nn.Module]):
                                                           DynamicEmbeddingSharder(DynamicEmbeddingCollection)])
 
     The planner sees one parameter per table, (its capacity, embedding_dim) on the meta device, and
-    is offered row-wise sharding with the fused kernel; the sharded module keys rows by the shard
-    hash (``torchfuse.distributed.owner_of``), not by TorchRec's row ranges. Each rank's table keeps
-    the collection's per-table capacity."""
+    is offered ``sharding_types`` (default row-wise only; add ``"table_wise"`` to let the planner, or
+    a ``ParameterConstraints`` of a table, place a table whole on one rank) with the fused kernel.
+    Row-wise, the sharded module
+    keys rows by the shard hash (``torchfuse.distributed.owner_of``), not by TorchRec's row ranges,
+    and each rank's table keeps the collection's per-table capacity; table-wise, the planned rank
+    holds the whole table."""
 
-    def __init__(self, module_type: Type[nn.Module] = DynamicEmbeddingBagCollection, qcomm_codecs_registry=None):
+    def __init__(self, module_type: Type[nn.Module] = DynamicEmbeddingBagCollection, qcomm_codecs_registry=None,
+                 sharding_types: Sequence[str] = (ShardingType.ROW_WISE.value,)):
         super().__init__(qcomm_codecs_registry)
+        name = "torchfuse.torchrec.DynamicEmbeddingSharder"
         if module_type not in (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection):
-            raise TypeError("torchfuse.torchrec.DynamicEmbeddingSharder: module_type must be DynamicEmbeddingBagCollection "
+            raise TypeError(f"{name}: module_type must be DynamicEmbeddingBagCollection "
                             f"or DynamicEmbeddingCollection, got {module_type!r}")
+        supported = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
+        types = [getattr(t, "value", t) for t in sharding_types]
+        if not types or any(t not in supported for t in types):
+            raise ValueError(f"{name}: sharding_types must be a non-empty selection of {supported}, got {sharding_types!r}")
         self._module_type = module_type
+        self._sharding_types = types
 
     @property
     def module_type(self) -> Type[nn.Module]:
@@ -77,7 +93,7 @@ class DynamicEmbeddingSharder(ModuleSharder[nn.Module]):
                 for name, t in module.tables.items()}
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [ShardingType.ROW_WISE.value]
+        return list(self._sharding_types)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return [EmbeddingComputeKernel.FUSED.value]
