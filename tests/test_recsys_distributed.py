@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from torchfuse.recsys import HSTURecommender, HSTURecommenderConfig, leave_one_out, synthetic_histories
-from torchfuse.recsys.data import batches
-from torchfuse.recsys.distributed import split_batch, user_bounds
+from torchfuse.recsys.data import batch_users, batches, window_batch
+from torchfuse.recsys.distributed import rank_users, split_batch, user_bounds
 from torchfuse.recsys.train import TrainConfig, Trainer
 
 STEPS = 5
@@ -129,6 +129,25 @@ def test_split_batch_partitions_users():
                 assert abs(p.items.numel() - b.items.numel() / world) <= longest
     with pytest.raises(ValueError, match="users for"):
         split_batch(b, 0, 38)
+
+
+def test_rank_users_gather_what_split_batch_cuts():
+    """A rank's users found from the lengths alone (what Trainer gathers) build exactly split_batch's
+    part of the global batch, with the global batch's token count."""
+    h = synthetic_histories(61, 80, min_len=1, max_len=40, seed=int(torch.randint(0, 1 << 20, ()).item()))
+    g = torch.Generator().manual_seed(1)
+    for users in batch_users(h, 23, generator=g):
+        b = window_batch(h, users, max_len=17)
+        for world in range(1, users.numel() + 1, 3):
+            for r in range(world):
+                mine, total = rank_users(h, users, r, world, max_len=17)
+                got, want = window_batch(h, mine, max_len=17), split_batch(b, r, world)
+                assert total == b.items.numel()
+                for f in ("items", "targets", "offsets", "user_ids"):
+                    assert torch.equal(getattr(got, f), getattr(want, f)), f
+                assert got.max_len == want.max_len
+    with pytest.raises(ValueError, match="users for"):
+        rank_users(h, users[:2], 0, 3, max_len=17)
 
 
 def test_user_bounds_keep_every_rank_busy():

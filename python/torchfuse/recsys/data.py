@@ -12,8 +12,8 @@ from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["Histories", "Batch", "synthetic_histories", "load_movielens", "leave_one_out", "batches", "windows",
-           "item_popularity"]
+__all__ = ["Histories", "Batch", "synthetic_histories", "load_movielens", "leave_one_out", "batches", "batch_users",
+           "window_batch", "windows", "item_popularity"]
 
 
 @dataclasses.dataclass
@@ -180,30 +180,45 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return starts[seg] + torch.arange(total) - first[seg]
 
 
-def batches(h: Histories, batch_size: int, *, max_len: int, shuffle: bool = True,
-            generator: Optional[torch.Generator] = None, drop_last: bool = False) -> Iterator[Batch]:
-    """Autoregressive training batches: each user's most recent ``max_len + 1`` items give the inputs
-    (all but the last) and the targets (all but the first). Users with fewer than 2 items are skipped."""
-    if batch_size < 1 or max_len < 1:
+def batch_users(h: Histories, batch_size: int, *, shuffle: bool = True, generator: Optional[torch.Generator] = None,
+                drop_last: bool = False) -> Iterator[torch.Tensor]:
+    """The users (indices into ``h``) of each batch :func:`batches` yields, in the same order: users
+    with at least 2 items, shuffled by ``generator`` when ``shuffle``."""
+    if batch_size < 1:
         raise ValueError("batches: batch_size and max_len must be >= 1")
-    lengths = h.lengths
-    users = (lengths >= 2).nonzero().flatten()
+    users = (h.lengths >= 2).nonzero().flatten()
     if shuffle:
         users = users[torch.randperm(users.numel(), generator=generator)]
     n_batches = users.numel() // batch_size if drop_last else math.ceil(users.numel() / batch_size)
     for b in range(n_batches):
-        sel = users[b * batch_size:(b + 1) * batch_size]
-        take = torch.clamp(lengths[sel], max=max_len + 1)
-        starts = h.offsets[sel + 1] - take
-        window = h.items[_ranges(starts, take)]
-        n = take - 1
-        offsets = torch.zeros(sel.numel() + 1, dtype=torch.long)
-        offsets[1:] = torch.cumsum(n, 0)
-        wo = torch.zeros_like(offsets)
-        wo[1:] = torch.cumsum(take, 0)
-        inputs = window[_ranges(wo[:-1], n)]
-        targets = window[_ranges(wo[:-1] + 1, n)]
-        yield Batch(inputs, targets, offsets, h.user_ids[sel], int(n.max()) if n.numel() else 0)
+        yield users[b * batch_size:(b + 1) * batch_size]
+
+
+def window_batch(h: Histories, users: torch.Tensor, *, max_len: int) -> Batch:
+    """The training batch of ``users`` (indices into ``h``, each with at least 2 items): each user's most
+    recent ``max_len + 1`` items give the inputs (all but the last) and the targets (all but the first)."""
+    take = torch.clamp(h.lengths[users], max=max_len + 1)
+    starts = h.offsets[users + 1] - take
+    window = h.items[_ranges(starts, take)]
+    n = take - 1
+    offsets = torch.zeros(users.numel() + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(n, 0)
+    wo = torch.zeros_like(offsets)
+    wo[1:] = torch.cumsum(take, 0)
+    inputs = window[_ranges(wo[:-1], n)]
+    targets = window[_ranges(wo[:-1] + 1, n)]
+    return Batch(inputs, targets, offsets, h.user_ids[users], int(n.max()) if n.numel() else 0)
+
+
+def batches(h: Histories, batch_size: int, *, max_len: int, shuffle: bool = True,
+            generator: Optional[torch.Generator] = None, drop_last: bool = False) -> Iterator[Batch]:
+    """Autoregressive training batches: each user's most recent ``max_len + 1`` items give the inputs
+    (all but the last) and the targets (all but the first). Users with fewer than 2 items are skipped.
+    (:func:`batch_users` then :func:`window_batch`.)"""
+    if batch_size < 1 or max_len < 1:
+        raise ValueError("batches: batch_size and max_len must be >= 1")
+    for users in batch_users(h, batch_size, shuffle=shuffle, generator=generator, drop_last=drop_last):
+        yield window_batch(h, users, max_len=max_len)
 
 
 def windows(h: Histories, batch_size: int, *, max_len: int) -> Iterator[Batch]:

@@ -3,8 +3,10 @@
 Every rank builds the same single-device model (same config and seed) and passes it with a process
 group to ``Trainer(..., process_group=pg)``, which calls :func:`distribute`: the dynamic tables are
 sharded row-wise (``torchfuse.distributed.shard``) and the dense part (positions, STU stack) is
-wrapped in ``DistributedDataParallel``. Each step every rank draws the same global batch and takes
-its contiguous slice of users, about a world-th of the tokens (:func:`split_batch`); the negatives
+wrapped in ``DistributedDataParallel``. Each step every rank draws the same global batch's users and
+takes its contiguous slice of them, about a world-th of the tokens (:func:`rank_users`, from the
+users' lengths: a rank gathers only its own users' items; :func:`split_batch` cuts a built batch
+the same way); the negatives
 are the same on every rank, and dropout masks are drawn per rank (so with dropout on, N ranks are
 one process's run in distribution, not bit for bit).
 
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from .data import Batch
 
-__all__ = ["user_bounds", "split_batch", "distribute", "sum_hook", "threads_per_process"]
+__all__ = ["user_bounds", "split_batch", "rank_users", "distribute", "sum_hook", "threads_per_process"]
 
 
 def threads_per_process(nproc: int) -> int:
@@ -71,6 +73,20 @@ def split_batch(b: Batch, rank: int, world: int) -> Batch:
     lengths = offsets[1:] - offsets[:-1]
     return Batch(b.items[a:e], b.targets[a:e] if b.targets.numel() else b.targets, offsets, b.user_ids[lo:hi],
                  int(lengths.max()))
+
+
+def rank_users(h, users: torch.Tensor, rank: int, world: int, *, max_len: int):
+    """(this rank's users, the global batch's tokens): the slice of the global batch's ``users`` that
+    :func:`split_batch` gives rank ``rank`` of the batch ``data.window_batch(h, users)``, found from the
+    users' lengths alone, so that a rank gathers only its own users' windows."""
+    B = users.numel()
+    if B < world:
+        raise ValueError(f"rank_users: {B} users for {world} ranks")
+    n = torch.clamp(h.lengths[users], max=max_len + 1) - 1
+    offsets = torch.zeros(B + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(n, 0)
+    bounds = user_bounds(offsets, world)
+    return users[bounds[rank]:bounds[rank + 1]], int(offsets[-1])
 
 
 def sum_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -80,11 +80,12 @@ class Trainer:
         self._batches_per_epoch = math.ceil(n_users / cfg.batch_size)
         self._cursor, self._iter = None, None
 
-    def _epoch_iter(self, epoch: int) -> Iterator[_data.Batch]:
+    def _epoch_iter(self, epoch: int) -> Iterator[torch.Tensor]:
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
-        return _data.batches(self.train, self.cfg.batch_size, max_len=self.cfg.max_len, generator=g)
+        return _data.batch_users(self.train, self.cfg.batch_size, generator=g)
 
-    def _batch_for(self, step: int) -> _data.Batch:
+    def _users_for(self, step: int) -> torch.Tensor:
+        """The users of step ``step``'s global batch (data.batches' order)."""
         epoch, k = divmod(step, self._batches_per_epoch)
         if self._cursor != (epoch, k):  # a new epoch, or a resumed run: replay the epoch's order up to k
             self._iter = self._epoch_iter(epoch)
@@ -96,11 +97,14 @@ class Trainer:
     def step(self) -> float:
         cfg, m = self.cfg, self.model
         m.train()
-        b = self._batch_for(self.step_count)
-        self.last_tokens = b.items.numel()  # the global batch's
-        if self.world > 1:
-            from .distributed import split_batch
-            b = split_batch(b, self.rank, self.world)
+        users = self._users_for(self.step_count)
+        if self.world > 1:  # this rank's slice of the users, found before any item is gathered
+            from .distributed import rank_users
+            users, self.last_tokens = rank_users(self.train, users, self.rank, self.world, max_len=cfg.max_len)
+            b = _data.window_batch(self.train, users, max_len=cfg.max_len)
+        else:
+            b = _data.window_batch(self.train, users, max_len=cfg.max_len)
+            self.last_tokens = b.items.numel()  # the global batch's
         b = b.to(self.device)
         # the negatives are the same on every rank: each row's loss is then the single process's
         g = torch.Generator().manual_seed(cfg.seed * 7_919 + self.step_count)
