@@ -73,14 +73,36 @@ tf_philox_args philox_from_state(const at::Tensor &s) {
 
 }  // namespace
 
-// The shape fields the forward's and the backward's kernel parameters share.
-template <typename Params>
-void set_shape(Params &p, const Shape &sh, int64_t groups) {
+// What the forward's and the backward's kernel parameters share (h: HstuOutputFwd or HstuOutputBwd,
+// which hold the tensors the kernel reads): the shape, attn and u as row views, the norm's weight and
+// bias, the activations, the concatenation and the dropout rate. The inputs passed check_common.
+template <typename Held>
+void set_common(Held &h, const Shape &sh, const at::Tensor &attn, const at::Tensor &u, const at::Tensor &weight,
+                const at::Tensor &bias, int64_t groups, int64_t mul_act, int64_t cat_act, bool concat_u,
+                bool concat_x, double dropout_ratio) {
+    auto &p = h.p;
     p.rows = sh.rows;
     p.cols = sh.cols;
     p.groups = std::max<int64_t>(groups, 1);
     p.group_weights = groups > 0;
     p.y_cols = sh.y_cols;
+    h.attn = rows_view(attn, p.attn_stride);
+    h.u = rows_view(u, p.u_stride);
+    p.attn = h.attn.data_ptr();
+    p.u = h.u.data_ptr();
+    p.attn_dtype = kernel_dtype(attn.scalar_type(), kOp, "attn");
+    p.u_dtype = kernel_dtype(u.scalar_type(), kOp, "u");
+    h.w = weight.contiguous();
+    h.b = bias.contiguous();
+    p.w = h.w.data_ptr();
+    p.b = h.b.data_ptr();
+    p.w_dtype = kernel_dtype(weight.scalar_type(), kOp, "norm_weight");
+    p.mul_act = (int)mul_act;
+    p.cat_act = (int)cat_act;
+    p.cat_u = concat_u;
+    p.cat_x = concat_x;
+    p.dropout = dropout_ratio > 0;
+    p.p = (float)dropout_ratio;
 }
 
 HstuOutputFwd prepare_hstu_output_fwd(const at::Tensor &attn, const at::Tensor &u, const at::Tensor &weight,
@@ -92,25 +114,8 @@ HstuOutputFwd prepare_hstu_output_fwd(const at::Tensor &attn, const at::Tensor &
     TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0, kOp, ": eps must be a positive finite number, got ", eps);
     HstuOutputFwd f{};
     tf_hstu_output_fwd_params &p = f.p;
-    set_shape(p, sh, groups);
-    f.attn = rows_view(attn, p.attn_stride);
-    f.u = rows_view(u, p.u_stride);
-    p.attn = f.attn.data_ptr();
-    p.u = f.u.data_ptr();
-    p.attn_dtype = kernel_dtype(attn.scalar_type(), kOp, "attn");
-    p.u_dtype = kernel_dtype(u.scalar_type(), kOp, "u");
-    f.w = weight.contiguous();
-    f.b = bias.contiguous();
-    p.w = f.w.data_ptr();
-    p.b = f.b.data_ptr();
-    p.w_dtype = kernel_dtype(weight.scalar_type(), kOp, "norm_weight");
-    p.mul_act = (int)mul_act;
-    p.cat_act = (int)cat_act;
-    p.cat_u = concat_u;
-    p.cat_x = concat_x;
+    set_common(f, sh, attn, u, weight, bias, groups, mul_act, cat_act, concat_u, concat_x, dropout_ratio);
     p.eps = (float)eps;
-    p.dropout = dropout_ratio > 0;
-    p.p = (float)dropout_ratio;
     if (rng_state.has_value()) {
         check_rng_state(*rng_state, attn);
         f.rng_state = rng_state->clone();  // an output must not alias an input
@@ -138,7 +143,7 @@ HstuOutputBwd prepare_hstu_output_bwd(const at::Tensor &dy, const at::Tensor &at
                                   dropout_ratio);
     HstuOutputBwd g{};
     tf_hstu_output_bwd_params &p = g.p;
-    set_shape(p, sh, groups);
+    set_common(g, sh, attn, u, weight, bias, groups, mul_act, cat_act, concat_u, concat_x, dropout_ratio);
     check_same_device(dy, attn, kOp, "dy", "attn");
     TORCH_CHECK_VALUE(dy.dim() == 2 && dy.size(0) == sh.rows && dy.size(1) == sh.y_cols, kOp,
                       ": dy must be (", sh.rows, ", ", sh.y_cols, "), got ", dy.sizes());
@@ -149,28 +154,11 @@ HstuOutputBwd prepare_hstu_output_bwd(const at::Tensor &dy, const at::Tensor &at
     }
     check_rng_state(rng_state, attn);
     g.dy = rows_view(dy, p.dy_stride);
-    g.attn = rows_view(attn, p.attn_stride);
-    g.u = rows_view(u, p.u_stride);
-    g.w = weight.contiguous();
-    g.b = bias.contiguous();
     g.mean = mean;
     g.rstd = rstd;
     g.rng_state = rng_state;
     p.dy = g.dy.data_ptr();
     p.dy_dtype = kernel_dtype(dy.scalar_type(), kOp, "dy");
-    p.attn = g.attn.data_ptr();
-    p.attn_dtype = kernel_dtype(attn.scalar_type(), kOp, "attn");
-    p.u = g.u.data_ptr();
-    p.u_dtype = kernel_dtype(u.scalar_type(), kOp, "u");
-    p.w = g.w.data_ptr();
-    p.b = g.b.data_ptr();
-    p.w_dtype = kernel_dtype(weight.scalar_type(), kOp, "norm_weight");
-    p.mul_act = (int)mul_act;
-    p.cat_act = (int)cat_act;
-    p.cat_u = concat_u;
-    p.cat_x = concat_x;
-    p.dropout = dropout_ratio > 0;
-    p.p = (float)dropout_ratio;
     p.rng = philox_from_state(g.rng_state);
     p.mean = g.mean.data_ptr<float>();
     p.rstd = g.rstd.data_ptr<float>();

@@ -157,7 +157,9 @@ class PooledBags(torch.autograd.Function):
         host = rows.new_empty((0, rows.shape[1]))
         w = weights.detach().float().contiguous() if weights is not None else None
         ctx.plan, ctx.bag_of, ctx.scale = plan, bag_of, scale
-        ctx.save_for_backward(rows, weights)
+        ctx.rows_dtype = rows.dtype
+        # the rows are kept only for the weights' gradient (they are the batch's distinct rows)
+        ctx.save_for_backward(rows if weights is not None and weights.requires_grad else None, weights)
         return _ops.dynemb_pool(pos, full, w, rows.contiguous(), host, mean, plan.inv)
 
     @staticmethod
@@ -168,7 +170,7 @@ class PooledBags(torch.autograd.Function):
         g_rows = g_w = None
         if ctx.needs_input_grad[0]:
             scale = ctx.scale.float().contiguous() if ctx.scale is not None else None
-            g_rows = plan.per_id_sum(grad, ctx.bag_of, scale).to(rows.dtype)[plan.order]
+            g_rows = plan.per_id_sum(grad, ctx.bag_of, scale).to(ctx.rows_dtype)[plan.order]
         if ctx.needs_input_grad[1]:
             _, _, pos = plan.segments()
             g_w = (rows[pos[plan.inv]].float() * grad[ctx.bag_of].float()).sum(1).to(weights.dtype)

@@ -187,8 +187,10 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
         if not offsets.numel() and (incl or n):
             raise ValueError(f"{name}: empty offsets with {n} ids")
         mean = self._mode == "mean"
-        # the bags' bounds (n_bags + 1), each id's bag and mean scale, and the offsets' check flag
-        full, bag_of, scale, bad = _ops.dynemb_bag_layout(offsets.contiguous(), n, incl, mean, True)
+        # the bags' bounds (n_bags + 1), the offsets' check flag and, where the partial sums or a
+        # backward (the table's or the weights') may use them, each id's bag and mean scale
+        with_bags = self.exchange == "partial_sums" or torch.is_grad_enabled()
+        full, bag_of, scale, bad = _ops.dynemb_bag_layout(offsets.contiguous(), n, incl, mean, with_bags)
         # a host read, so only for offsets the caller gave (fixed-size bags' are valid by construction)
         if given and bool(bad):
             raise ValueError(f"{name}: offsets must start at 0, be non-decreasing and end at most at "

@@ -185,7 +185,7 @@ def batch_users(h: Histories, batch_size: int, *, shuffle: bool = True, generato
     """The users (indices into ``h``) of each batch :func:`batches` yields, in the same order: users
     with at least 2 items, shuffled by ``generator`` when ``shuffle``."""
     if batch_size < 1:
-        raise ValueError("batches: batch_size and max_len must be >= 1")
+        raise ValueError(f"batch_users: batch_size must be >= 1, got {batch_size}")
     users = (h.lengths >= 2).nonzero().flatten()
     if shuffle:
         users = users[torch.randperm(users.numel(), generator=generator)]

@@ -101,9 +101,8 @@ class Trainer:
         if self.world > 1:  # this rank's slice of the users, found before any item is gathered
             from .distributed import rank_users
             users, self.last_tokens = rank_users(self.train, users, self.rank, self.world, max_len=cfg.max_len)
-            b = _data.window_batch(self.train, users, max_len=cfg.max_len)
-        else:
-            b = _data.window_batch(self.train, users, max_len=cfg.max_len)
+        b = _data.window_batch(self.train, users, max_len=cfg.max_len)
+        if self.world == 1:
             self.last_tokens = b.items.numel()  # the global batch's
         b = b.to(self.device)
         # the negatives are the same on every rank: each row's loss is then the single process's
