@@ -63,19 +63,23 @@ class Plan:
         host = torch.cat([send_counts, recv_counts]).tolist()  # the exchange's one host sync
         self.send_splits, self.recv_splits = host[:world], host[world:]
         self.group, self.log, self.n = group, log, flat.numel()
-        self._segments = None
+        self._segments = self._pos = None
 
-    def segments(self) -> Tuple[Tensor, Tensor, Tensor]:
-        """(perm, seg, pos): the batch's ids grouped by unique id, each group's occurrences in batch
-        order (perm), the groups' bounds (seg, n_unique + 1), and where each unique id's row sits in
-        send order (pos: send_ids[pos[u]] == uniq[u])."""
+    def segments(self) -> Tuple[Tensor, Tensor]:
+        """(perm, seg), for the backward: the batch's ids grouped by unique id, each group's
+        occurrences in batch order (perm), and the groups' bounds (seg, n_unique + 1)."""
         if self._segments is None:
             perm = torch.argsort(self.inv, stable=True)
             seg = torch.cat([self.counts.new_zeros(1), torch.cumsum(self.counts, 0)])
-            pos = torch.empty_like(self.order)
-            pos[self.order] = torch.arange(self.order.numel(), device=self.order.device)
-            self._segments = (perm, seg, pos)
+            self._segments = (perm, seg)
         return self._segments
+
+    def positions(self) -> Tensor:
+        """Where each unique id's row sits in send order: send_ids[pos[u]] == uniq[u]."""
+        if self._pos is None:
+            self._pos = torch.empty_like(self.order)
+            self._pos[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        return self._pos
 
     def per_id_sum(self, grad: Tensor, bag_of: Optional[Tensor] = None, scale: Optional[Tensor] = None) -> Tensor:
         """Per unique id (uniq order), fp32: the sum of its occurrences' gradient rows in batch order,
@@ -83,7 +87,7 @@ class Plan:
         per id, or per bag with bag_of (each id's bag) and scale (each id's factor)."""
         if self.uniq.numel() == 0:
             return grad.new_zeros((0, grad.shape[1]), dtype=torch.float32)
-        perm, seg, _ = self.segments()
+        perm, seg = self.segments()
         return _ops.dynemb_segment_sum(grad.contiguous(), perm, seg, bag_of, scale)
 
 
@@ -153,7 +157,7 @@ class PooledBags(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weights, plan: Plan, full, bag_of, scale, mean: bool):
-        _, _, pos = plan.segments()
+        pos = plan.positions()
         host = rows.new_empty((0, rows.shape[1]))
         w = weights.detach().float().contiguous() if weights is not None else None
         ctx.plan, ctx.bag_of, ctx.scale = plan, bag_of, scale
@@ -172,7 +176,7 @@ class PooledBags(torch.autograd.Function):
             scale = ctx.scale.float().contiguous() if ctx.scale is not None else None
             g_rows = plan.per_id_sum(grad, ctx.bag_of, scale).to(ctx.rows_dtype)[plan.order]
         if ctx.needs_input_grad[1]:
-            _, _, pos = plan.segments()
+            pos = plan.positions()
             g_w = (rows[pos[plan.inv]].float() * grad[ctx.bag_of].float()).sum(1).to(weights.dtype)
         return g_rows, g_w, None, None, None, None, None
 
