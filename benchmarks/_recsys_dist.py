@@ -7,14 +7,16 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench_recsys import CONFIGS as _RECSYS  # (a) and (b): the single-GPU benchmark's configurations
+
 # name: (label, layers, embedding, heads, head dim, max history, users per GPU, shortest history as a
-# fraction of the longest, negatives, users in the data, loss curve run). (a) and (b) are
-# bench_recsys.py's configurations; "small" is a model whose step is short enough for the fixed
-# costs of data parallelism (the exchanges, the host's batch work) to show.
+# fraction of the longest, negatives) as in bench_recsys.py, then the users in the data and whether a
+# loss curve runs. "small" is a model whose step is short enough for the fixed costs of data
+# parallelism (the exchanges, the host's batch work) to show.
 CONFIGS = {
     "small": ("small: 4 x 256, 4 x 64 heads, N 512", 4, 256, 4, 64, 512, 64, 0.125, 512, 16384, True),
-    "b": ("(b) GR ML-20M large: 16 x 256, 8 x 32 heads, N 200", 16, 256, 8, 32, 200, 128, 0.0, 128, 16384, False),
-    "a": ("(a) NVIDIA: 8 x 1024, 4 x 256 heads, N 4096", 8, 1024, 4, 256, 4096, 32, 0.5, 128, 2048, False),
+    "b": _RECSYS["b"] + (16384, False),
+    "a": _RECSYS["a"] + (2048, False),
     "tiny": ("tiny (--quick)", 2, 32, 2, 16, 64, 8, 0.125, 64, 1024, True),
 }
 
