@@ -136,6 +136,16 @@ Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, cons
         g.targets = t.contiguous();
         p.num_targets = g.targets.data_ptr();
     }
+    if (o.kv_lengths) {
+        const at::Tensor &kl = *o.kv_lengths;
+        check_same_device(kl, q, op, "kv_lengths", "q");
+        TORCH_CHECK(o.delta > 0, op, ": kv_lengths is for cached inference (delta > 0)");
+        TORCH_CHECK(kl.dim() == 1 && kl.size(0) == p.B, op, ": kv_lengths must be 1-D with B = ", p.B,
+                    " entries, got shape ", kl.sizes());
+        p.kv_lengths_i64 = (int)lens_ok_index_dtype(kl, op, "kv_lengths");
+        g.kv_lengths = kl.contiguous();
+        p.kv_lengths = g.kv_lengths.data_ptr();
+    }
     if (attn_bias.has_value()) {
         const at::Tensor &b = *attn_bias;
         check_same_device(b, q, op, "attn_bias", "q");
@@ -156,17 +166,28 @@ Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, cons
     if (!o.validate) {
     } else if (p.B > 0) {
         const at::Tensor off = g.offsets.to(at::kLong);
-        const at::Tensor lens = off.slice(0, 1) - off.slice(0, 0, p.B);
-        std::vector<at::Tensor> parts = {lens.min().view(1), lens.max().view(1), off.slice(0, 0, 1),
+        const at::Tensor spans = off.slice(0, 1) - off.slice(0, 0, p.B);
+        // with kv_lengths a sequence is the first kv_lengths[b] rows of its span
+        const at::Tensor lens = p.kv_lengths ? g.kv_lengths.to(at::kLong) : spans;
+        std::vector<at::Tensor> parts = {spans.min().view(1), lens.max().view(1), off.slice(0, 0, 1),
                                          off.slice(0, p.B, p.B + 1)};
         if (p.num_targets) {
             const at::Tensor t = g.targets.to(at::kLong);
             parts.push_back(t.min().view(1));
             parts.push_back((lens - t).min().view(1));
         }
+        if (p.kv_lengths) {
+            parts.push_back(lens.min().view(1));
+            parts.push_back((spans - lens).min().view(1));
+        }
         const at::Tensor st = at::cat(parts).cpu();
         const int64_t *s = st.data_ptr<int64_t>();
         TORCH_CHECK(s[0] >= 0, op, ": seq_offsets must be non-decreasing");
+        if (p.kv_lengths) {
+            const int64_t *kl = s + (p.num_targets ? 6 : 4);
+            TORCH_CHECK(kl[0] >= 0 && kl[1] >= 0, op, ": kv_lengths must lie in [0, seq_offsets[b + 1] - "
+                        "seq_offsets[b]]");
+        }
         TORCH_CHECK(s[2] >= 0 && s[3] <= p.L, op, ": seq_offsets must lie in [0, ", p.L, "] (the rows of k), got ",
                     s[2], " .. ", s[3]);
         TORCH_CHECK(s[1] <= o.max_seq_len, op, ": max_seq_len (", o.max_seq_len,
@@ -253,12 +274,12 @@ at::Tensor hstu_fwd_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tens
                         int64_t contextual_seq_len, int64_t max_attn_len, int64_t min_full_attn_seq_len,
                         int64_t target_group_size, int64_t delta, bool validate,
                         std::optional<c10::string_view> backend, double dropout_p,
-                        const std::optional<at::Tensor> &rng_state) {
+                        const std::optional<at::Tensor> &rng_state, const std::optional<at::Tensor> &kv_lengths) {
     hstu_backend(backend, "torchfuse.hstu_attention");  // checked; the CPU has one path
-    Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias,
-                          opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
-                               min_full_attn_seq_len, target_group_size, delta, /*validate=*/true),
-                          false);  // on the CPU checking costs nothing: always
+    HstuOpts o = opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len, min_full_attn_seq_len,
+                      target_group_size, delta, /*validate=*/true);  // on the CPU checking costs nothing: always
+    o.kv_lengths = kv_lengths.has_value() ? &*kv_lengths : nullptr;
+    Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias, o, false);
     prepare_hstu_dropout(g, "torchfuse.hstu_attention", dropout_p, rng_state, false);
     const tf_hstu_params p = g.p;
     at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) { tf_hstu_fwd_cpu(&p, b0, b1); });

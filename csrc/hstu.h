@@ -18,7 +18,7 @@ using HstuBwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 // Checked inputs (kept alive while the kernels read them), outputs and kernel params.
 struct Hstu {
     tf_hstu_params p;
-    at::Tensor q, k, v, offsets, targets, bias, dout, rng;  // possibly contiguous copies
+    at::Tensor q, k, v, offsets, targets, bias, dout, rng, kv_lengths;  // possibly contiguous copies
     at::Tensor o, dq, dk, dv, dbias;                   // outputs (dbias: the accumulation buffer)
     bool covered;  // the sequences cover every row of k / v (else outputs start zeroed)
 };
@@ -30,6 +30,7 @@ struct HstuOpts {
     std::optional<int64_t> scaling_seqlen;
     int64_t contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, delta;
     bool validate;  // check offsets, lengths and targets on the host (a sync on a GPU)
+    const at::Tensor *kv_lengths = nullptr;  // cached inference: keys per sequence (hstu_kernels.h)
 };
 
 Hstu prepare_hstu(const char *op, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,

@@ -77,21 +77,32 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
                          int64_t contextual_seq_len, int64_t max_attn_len, int64_t min_full_attn_seq_len,
                          int64_t target_group_size, int64_t delta, bool validate,
                          std::optional<c10::string_view> backend, double dropout_p,
-                         const std::optional<at::Tensor> &rng_state) {
-    if (const HeadPad hp = head_pad(q, k, v); hp.on)
+                         const std::optional<at::Tensor> &rng_state, const std::optional<at::Tensor> &kv_lengths) {
+    const int kernels = hstu_backend(backend, "torchfuse.hstu_attention");
+    // the decode kernels read any head dim as it is: no padded copy of a whole K/V cache per call
+    const bool decode = tf_hstu_decode_applies(delta, attn_bias.has_value(), dropout_p, kernels);
+    if (const HeadPad hp = head_pad(q, k, v); hp.on && !decode)
         return cut_dim(hstu_fwd_cuda(pad_dim(q, hp.pqk), pad_dim(k, hp.pqk), pad_dim(v, hp.pv), seq_offsets,
                                      num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen, contextual_seq_len,
                                      max_attn_len, min_full_attn_seq_len, target_group_size, delta, validate, backend,
-                                     dropout_p, rng_state),
+                                     dropout_p, rng_state, kv_lengths),
                        hp.dv);
     const c10::cuda::CUDAGuard guard(q.device());
-    const int kernels = hstu_backend(backend, "torchfuse.hstu_attention");
     Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias,
                           HstuOpts{max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
-                                   min_full_attn_seq_len, target_group_size, delta, validate},
+                                   min_full_attn_seq_len, target_group_size, delta, validate,
+                                   kv_lengths.has_value() ? &*kv_lengths : nullptr},
                           true);
     prepare_hstu_dropout(g, "torchfuse.hstu_attention", dropout_p, rng_state, true);
     g.p.backend = kernels;
+    if (decode) {
+        const int64_t ws_floats = tf_hstu_decode_ws_floats(&g.p);
+        if (ws_floats == 0) return g.o.zero_();  // no sequence, head or position: every row is zero
+        const at::Tensor ws = at::empty({ws_floats}, q.options().dtype(at::kFloat));
+        g.p.decode_ws = ws.data_ptr<float>();
+        check_launch(tf_hstu_fwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU decode kernels");
+        return g.o;
+    }
     check_kernel_dims(g.p);
     // the sm_90a kernel's work counter (it zeroes it on the stream before its launch)
     const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));

@@ -59,7 +59,8 @@ TORCH_LIBRARY(torchfuse, m) {
         "hstu_fwd(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, Tensor? num_targets, Tensor? attn_bias, "
         "int max_seq_len, float alpha, int? scaling_seqlen, int contextual_seq_len, int max_attn_len, "
         "int min_full_attn_seq_len, int target_group_size, int delta, bool validate=True, str? backend=None, "
-        "float dropout_p=0.0, Tensor? rng_state=None) -> Tensor");
+        "float dropout_p=0.0, Tensor? rng_state=None, Tensor? kv_lengths=None) -> Tensor");
+    // kv_lengths (delta > 0 only): sequence b's keys are the first kv_lengths[b] rows of its seq_offsets span.
     // dropout_p > 0 (delta = 0 only): dropout on the attention weights, its mask from rng_state
     // (hstu_dropout_state), the same in hstu_bwd.
     // Gradients of hstu_fwd (delta = 0): (dq, dk, dv, dattn_bias); dattn_bias empty unless bias_grad.

@@ -47,6 +47,10 @@ static seq_info seq_of(const tf_hstu_params *p, int64_t b) {
     seq_info s;
     s.start = ld_index(p->offsets, p->offsets_i64, b);
     s.n = ld_index(p->offsets, p->offsets_i64, b + 1) - s.start;
+    if (p->kv_lengths) { /* validated: 0 <= kv_lengths[b] <= n */
+        const int64_t kl = ld_index(p->kv_lengths, p->kv_lengths_i64, b);
+        s.n = kl < 0 ? 0 : (kl < s.n ? kl : s.n);
+    }
     s.q_start = p->delta > 0 ? b * p->delta : s.start;
     s.nq = p->delta > 0 ? p->delta : s.n;
     const int t = p->num_targets ? (int)ld_index(p->num_targets, p->targets_i64, b) : 0;

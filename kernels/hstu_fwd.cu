@@ -267,6 +267,7 @@ __global__ void hstu_zero_outside(ZeroOutside z, int64_t L, const void *offsets,
 
 extern "C" int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
+    if (p->decode_ws) return tf_hstu_decode_cuda(p, stream_);
     const int sm90 = p->dropout_p > 0 && p->delta == 0 ? -1 : tf_hstu_fwd_sm90(p, stream_);
     if (sm90 >= 0) return sm90;
     if (p->dtype == TF_BF16) return (int)dispatch_fwd<__nv_bfloat16>(*p, stream);

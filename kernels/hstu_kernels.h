@@ -17,7 +17,8 @@
  * backward regenerates it.
  *
  * Cached inference (delta > 0): q holds `delta` query rows per sequence (row b*delta + i is the query
- * at position n - delta + i; rows at negative positions give zeros); k, v are the full sequences.
+ * at position n - delta + i; rows at negative positions give zeros); k, v are the full sequences, or
+ * with kv_lengths the first kv_lengths[b] rows of each offsets[b] .. offsets[b+1] span.
  *
  * Tensors are (rows, heads, dim) with a row stride and a head stride in elements and unit dim stride.
  * Dtypes: TF_F32 / TF_F16 / TF_BF16 on every path, TF_HSTU_F64 on the CPU path; all arithmetic on the
@@ -52,6 +53,9 @@ typedef struct {
     void *o;                       /* contiguous (rows, H, dv) */
     const void *offsets; int offsets_i64;       /* B + 1 entries */
     const void *num_targets; int targets_i64;   /* NULL: none */
+    /* cached inference (delta > 0) only, NULL: none. Sequence b's keys are then the first kv_lengths[b] rows
+     * from offsets[b] (clamped to [0, offsets[b+1] - offsets[b]]): a cache with room to grow in place */
+    const void *kv_lengths; int kv_lengths_i64;
     const void *bias; int bias_dtype;            /* NULL: none; (B, Hb, N, N), last dim unit stride */
     int64_t bias_sb, bias_sh, bias_sr;           /* bias_sh = 0 when Hb == 1 */
     int64_t max_seq_len, delta;                  /* delta > 0: cached inference */
@@ -67,6 +71,9 @@ typedef struct {
     /* dropout on P (delta == 0 only): off when dropout_p is 0 */
     double dropout_p;  /* the keep test compares against (float)dropout_p on every path */
     tf_philox_args philox;
+    /* CUDA, cached inference with few query rows: fp32 scratch of tf_hstu_decode_ws_floats() floats (no
+     * zeroing needed); set, tf_hstu_fwd_cuda runs the split-key decode kernels (hstu_decode.cu) */
+    float *decode_ws;
 } tf_hstu_params;
 
 /* ---- the mask, shared by every path ---- */
@@ -224,6 +231,12 @@ TF_HSTU_HD void tf_hstu_drop_pair(uint64_t seed, uint64_t offset, uint64_t e, fl
     *f1 = tf_philox_uniform(w[i + 1]) >= p ? scale : 0.f;
 }
 
+/* Cached inference the split-key decode kernels take (kernels/hstu_decode.cu): at most 8 query rows per
+ * sequence, no attn_bias, no dropout, the automatic kernel choice. Any head dims up to 256, unpadded. */
+TF_HSTU_HD int tf_hstu_decode_applies(int64_t delta, int has_bias, double dropout_p, int backend) {
+    return delta >= 1 && delta <= 8 && !has_bias && dropout_p <= 0 && backend == TF_HSTU_AUTO;
+}
+
 /* ---- CPU (kernels/hstu_cpu.c) ---- */
 /* Forward of sequences [b0, b1), all heads. */
 void tf_hstu_fwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1);
@@ -237,6 +250,10 @@ int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream);
  * TF_HSTU_MMA, or under TF_HSTU_AUTO cached inference at head dims up to 128, measured slower there);
  * tf_hstu_fwd_cuda tries it first. */
 int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream);
+/* The decode kernels' scratch in floats, 0 when they do not apply (tf_hstu_decode_applies, or nothing to
+ * compute); tf_hstu_fwd_cuda runs them when p->decode_ws is set. */
+int64_t tf_hstu_decode_ws_floats(const tf_hstu_params *p);
+int tf_hstu_decode_cuda(const tf_hstu_params *p, void *stream);
 /* Zeroes rows [0, offsets[0]) and [offsets[B], L) (read on the device, clamped to [0, L]) of n
  * contiguous (L, ...) tensors of row_bytes[i] bytes a row (a multiple of 4): the rows no sequence
  * covers, which the kernels never write. Lets unvalidated calls allocate outputs without zeroing them

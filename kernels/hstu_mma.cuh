@@ -172,7 +172,11 @@ __device__ __forceinline__ HstuSeq hstu_seq(const tf_hstu_params &p, int64_t b) 
      * [0, n], so that no access leaves a tensor. Validated metadata is unchanged by it. */
     const int64_t a = tf_idx_load(p.offsets, p.offsets_i64, b), e = tf_idx_load(p.offsets, p.offsets_i64, b + 1);
     s.start = a < 0 ? 0 : (a > p.L ? p.L : a);
-    const int64_t n = (e < s.start ? s.start : (e > p.L ? p.L : e)) - s.start;
+    int64_t n = (e < s.start ? s.start : (e > p.L ? p.L : e)) - s.start;
+    if (p.kv_lengths) {  // a cache with room past each sequence: its first kv_lengths[b] rows
+        const int64_t kl = tf_idx_load(p.kv_lengths, p.kv_lengths_i64, b);
+        n = kl < 0 ? 0 : (kl < n ? kl : n);
+    }
     s.n = (int)(n < p.max_seq_len ? n : p.max_seq_len);
     s.q_start = p.delta > 0 ? b * p.delta : s.start;
     s.nq = p.delta > 0 ? (int)p.delta : s.n;

@@ -234,13 +234,14 @@ def test_any_head_dim_cached_and_compat(device, dtype, dqk, dv):
     ("auto", 128, 2048, False, "hstu_fwd_ws"), ("auto", 256, 90, False, "hstu_fwd_ws"),
     ("auto", 128, 1000, False, "hstu_fwd_ws"), ("auto", 64, 2048, False, "hstu_fwd_ws"),
     ("auto", 32, 90, False, "hstu_fwd_ws"),
-    # cached inference: mma.sync up to head dim 128 unless forced, the Hopper kernel above
-    ("auto", 128, 300, True, "hstu_fwd_mma"), ("sm90", 128, 300, True, "hstu_fwd_ws"),
-    ("auto", 256, 300, True, "hstu_fwd_ws")])
+    # cached inference at up to 8 query rows per sequence: the split-key decode kernels unless a backend
+    # is forced (then mma.sync or the Hopper kernel as asked)
+    ("auto", 128, 300, True, "hstu_decode_partial"), ("auto", 256, 300, True, "hstu_decode_partial"),
+    ("sm90", 128, 300, True, "hstu_fwd_ws"), ("mma", 256, 300, True, "hstu_fwd_mma")])
 def test_forward_kernel_choice(backend, d, n, cached, want):
     """On a Hopper GPU the forward really runs the kernel the dispatch rule names (the warp-specialized
-    wgmma one, but for cached inference at head dims up to 128) and torchfuse.backends.hstu really
-    forces one or the other."""
+    wgmma one; the decode kernels for cached inference of 4 rows per sequence) and torchfuse.backends.hstu
+    really forces one or the other."""
     q, k, v, offsets, msl, _, _ = make_inputs("cuda", torch.bfloat16, 2, 1, d, d, n)
     with torchfuse.backends.use(hstu=backend), \
             torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -386,6 +387,44 @@ def test_cached_equals_full_rows(device, dtype, D):
     got = torchfuse.hstu_attention_cached(dq, k, v, offsets, msl, 0.2, **kw)
     tol = torch.finfo(dtype).eps * max(1.0, want.abs().max().item())
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dqk, dv", [(256, 256), (25, 40), (8, 130), (200, 1)], ids=lambda d: str(d))
+@pytest.mark.parametrize("D", [1, 2, 5, 8, 9])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_cached_few_rows_long_histories(device, dtype, D, dqk, dv):
+    """Cached inference of a few newest rows over histories long enough to span many key chunks (on
+    CUDA, up to 8 rows per sequence run the split-key decode kernels, 9 the tiled ones), with empty,
+    one-row and shorter-than-D sequences, a window, context rows and int64 offsets, against the fp64
+    reference of the full forward's rows; and the same rows from q as a strided view."""
+    g = torch.Generator().manual_seed(torch.seed() % (1 << 31))
+    lens = [0, 1, 3, 1500, 700 + int(torch.randint(0, 300, (), generator=g)), 64, 65]
+    H, msl, alpha = 2, 1600, 0.4
+    offsets = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device=device)
+    L = int(offsets[-1])
+    q = torch.randn(L, H, dqk, generator=g).to(device, dtype)
+    k = torch.randn(L, H, dqk, generator=g).to(device, dtype)
+    v = torch.randn(L, H, dv, generator=g).to(device, dtype)
+    kw = dict(contextual_seq_len=1, max_attn_len=900)
+    ref = reference(q.double(), k.double(), v.double(), offsets, msl, alpha, **kw)
+    lp = reference(q, k, v, offsets, msl, alpha, **kw)
+    B = len(lens)
+    rows, picks = [], []
+    for b, n in enumerate(lens):
+        for i in range(D):
+            pos = n - D + i
+            rows.append(int(offsets[b]) + max(pos, 0))
+            picks.append(pos >= 0)
+    rows = torch.tensor(rows, device=device)
+    keep = torch.tensor(picks, device=device).view(-1, 1, 1)
+    dq = q[rows] * keep
+    want, want_lp = ref[rows] * keep, lp[rows] * keep
+    got = torchfuse.hstu_attention_cached(dq, k, v, offsets, msl, alpha, **kw)
+    check("cached", got, want, want_lp, 2.0, dtype)
+    wide = torch.zeros(B * D, H, dqk + 8, device=device, dtype=dtype)
+    wide[..., 3:3 + dqk] = dq
+    strided = torchfuse.hstu_attention_cached(wide[..., 3:3 + dqk], k, v, offsets, msl, alpha, **kw)
+    assert torch.equal(strided, got)
 
 
 def test_sequences_are_isolated_from_nonfinite_neighbours(target):

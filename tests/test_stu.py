@@ -188,3 +188,69 @@ def test_cached_forward_appending_to_the_cache_matches_full_forward(device):
             stack.cached_forward(x[rows(1, 0)], None, kv_caching_lengths=lengths, append_to_cache=True)
     torch.testing.assert_close(got[0], full[rows(d1 + d2, d2)], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[1], full[rows(d2, 0)], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_serving_weight_casts_follow_parameter_updates(device, dtype):
+    """Without autograd a layer reuses its fp32 parameters' casts to the compute dtype: the output must
+    still follow an optimizer's in-place update, a load_state_dict and a move of the parameters, and
+    equal the output computed with autograd on (which casts afresh)."""
+    cfg = STULayerConfig(embedding_dim=32, num_heads=2, hidden_dim=16, attention_dim=16, output_dropout_ratio=0.0)
+    layer = STULayer(cfg).to(device).eval()
+    _randomize(layer)
+    x, lengths, offsets, _ = _batch(3, 9, 32, device, dtype, False)
+
+    def both():
+        with torch.no_grad():
+            served = layer(x, lengths, offsets, 9, None)
+        fresh = layer(x, lengths, offsets, 9, None).detach()
+        assert torch.equal(served, fresh)
+        return served
+
+    first = both()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer(x, lengths, offsets, 9, None).float().mean().backward()
+    opt.step()
+    assert not torch.equal(both(), first)  # the step reached the served output
+    state = {k: v * 0.75 for k, v in layer.state_dict().items()}
+    layer.load_state_dict(state)
+    second = both()
+    layer._uvqk_weight = torch.nn.Parameter(layer._uvqk_weight.detach() * 0.5)  # new storage, version 0
+    assert not torch.equal(both(), second)
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_reserved_cache_matches_the_jagged_cache(device, idx_dtype):
+    """A cache moved into fixed slots (reserve_kv_cache) gives cached_forward the same rows as the jagged
+    cache it came from, call after call (append_to_cache), and keeps them as kv_caching_lengths says;
+    overflowing a slot is refused."""
+    cfg = STULayerConfig(embedding_dim=32, num_heads=2, hidden_dim=16, attention_dim=24, output_dropout_ratio=0.0,
+                         contextual_seq_len=1, max_attn_len=6)
+    jagged = STUStack([STULayer(cfg), STULayer(cfg)]).to(device).eval()
+    for layer in jagged._stu_layers:
+        _randomize(layer)
+    slotted = STUStack([STULayer(cfg), STULayer(cfg)]).to(device).eval()
+    slotted.load_state_dict(jagged.state_dict())
+    lengths = torch.tensor([5, 0, 1, 9], device=device)
+    offsets = torch.zeros(5, dtype=idx_dtype, device=device)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    x = torch.randn(int(offsets[-1]), 32, device=device)
+    cap = 16
+    with torch.no_grad():
+        for s in (jagged, slotted):
+            s(x, lengths, offsets, cap, None, kv_caching_lengths=lengths)
+        slotted.reserve_kv_cache(cap)
+        for delta in (1, 3, 2):
+            dx = torch.randn(4 * delta, 32, device=device)
+            pinned = cap - delta  # the same attention scale for both, as the recommender pins it
+            for s in (jagged, slotted):
+                for layer in s._stu_layers:
+                    layer.max_kv_caching_len = pinned
+            want = jagged.cached_forward(dx, None, append_to_cache=True)
+            got = slotted.cached_forward(dx, None, append_to_cache=True)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for layer in slotted._stu_layers:
+            assert layer._kv_slots[1].tolist() == (lengths + 6).tolist()
+            layer.max_kv_caching_len = cap - 1
+        with pytest.raises(ValueError, match="overflow"):
+            slotted.cached_forward(torch.randn(8, 32, device=device), None, append_to_cache=True)

@@ -111,6 +111,7 @@ def hstu_attention_cached(
     scaling_seqlen: Optional[int] = None,
     attn_bias: Optional[Tensor] = None,
     validate: bool = True,
+    kv_lengths: Optional[Tensor] = None,
 ) -> Tensor:
     """Cached inference: the rows of :func:`hstu_attention` for the last D tokens of every sequence.
 
@@ -118,6 +119,10 @@ def hstu_attention_cached(
     sequence b; k and v are the full jagged tensors. Returns (B * D, H, Dv), equal to those rows of the
     full computation (same mask rows, same S); rows at negative positions (n_b < D) are zero.
     Inference only (no backward).
+
+    ``kv_lengths`` (B,) int32/int64, optional: sequence b is then the first ``kv_lengths[b]`` rows of its
+    ``seq_offsets`` span (n_b = kv_lengths[b]), so a cache can keep room after each sequence and grow in
+    place (``STULayer.reserve_kv_cache``).
     """
     count("hstu_fwd")
     if not isinstance(seq_offsets, Tensor) or seq_offsets.dim() != 1 or seq_offsets.shape[0] < 1:
@@ -133,7 +138,7 @@ def hstu_attention_cached(
         return delta_q.new_empty((0, k.shape[1], v.shape[2]))
     return _fwd(delta_q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
                 contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, D, validate,
-                backends.hstu)
+                backends.hstu, kv_lengths=kv_lengths)
 
 
 # ---- fake (meta) kernels: shapes and dtypes only, for torch.compile and meta tensors ----
@@ -142,7 +147,7 @@ def hstu_attention_cached(
 @torch.library.register_fake("torchfuse::hstu_fwd")
 def _hstu_fwd_fake(q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
                    contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, delta, validate=True,
-                   backend=None, dropout_p=0.0, rng_state=None):
+                   backend=None, dropout_p=0.0, rng_state=None, kv_lengths=None):
     torch._check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
                  lambda: "torchfuse.hstu_attention: q, k, v must be 3-D")
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))

@@ -45,12 +45,13 @@ class STULayerConfig:
 
 
 def _attention(q, k, v, offsets, max_seq_len, alpha, num_targets, contextual_seq_len, max_attn_len,
-               delta: int = 0) -> Tensor:
+               delta: int = 0, kv_lengths: Optional[Tensor] = None) -> Tensor:
     """hstu_attention (delta = 0) or its cached rows (delta > 0); offsets were checked by the caller's
     forward, so the kernels skip re-validating them."""
-    fn = hstu_attention_cached if delta else hstu_attention
-    return fn(q, k, v, offsets, max_seq_len, alpha, num_targets=num_targets, contextual_seq_len=contextual_seq_len,
-              max_attn_len=max_attn_len, validate=False)
+    kw = dict(num_targets=num_targets, contextual_seq_len=contextual_seq_len, max_attn_len=max_attn_len, validate=False)
+    if delta:
+        return hstu_attention_cached(q, k, v, offsets, max_seq_len, alpha, kv_lengths=kv_lengths, **kw)
+    return hstu_attention(q, k, v, offsets, max_seq_len, alpha, **kw)
 
 
 class STULayer(torch.nn.Module):
@@ -102,6 +103,37 @@ class STULayer(torch.nn.Module):
         self.v_cache = None
         self.kv_caching_offsets = None
         self.max_kv_caching_len = 0
+        self._kv_slots = None  # (capacity, lengths) once reserve_kv_cache has run
+
+    def reserve_kv_cache(self, capacity: int) -> None:
+        """Move the cache into a slot of ``capacity`` rows per sequence (a torchfuse extension for serving).
+        ``cached_forward`` then writes each call's new rows into the slots in place and attends over the
+        first ``length`` rows of each (``hstu_attention_cached(kv_lengths=)``), instead of copying the whole
+        cache into a new jagged tensor every call; the memory stays fixed at B x capacity rows. Afterwards
+        ``k_cache`` / ``v_cache`` are the slot buffers (B * capacity, H * D) and ``kv_caching_offsets`` the
+        slots' starts; a full ``forward`` with ``kv_caching_lengths`` or ``reset_kv_cache`` makes the cache
+        jagged again."""
+        if self.k_cache is None or self.kv_caching_offsets is None:
+            raise RuntimeError("torchfuse.nn.STULayer.reserve_kv_cache: the K/V cache is empty; run forward(..., "
+                               "kv_caching_lengths=...) first")
+        if self._kv_slots is not None:
+            raise RuntimeError("torchfuse.nn.STULayer.reserve_kv_cache: the cache already has slots")
+        if capacity < self.max_kv_caching_len:
+            raise ValueError(f"torchfuse.nn.STULayer.reserve_kv_cache: capacity {capacity} is below the longest "
+                             f"cached sequence ({self.max_kv_caching_len})")
+        offsets = self.kv_caching_offsets.long()
+        B, rows = offsets.numel() - 1, self.k_cache.shape[0]
+        lengths = offsets[1:] - offsets[:-1]
+        starts = torch.arange(B, device=offsets.device) * capacity
+        dest = torch.arange(rows, device=offsets.device) + torch.repeat_interleave(starts - offsets[:-1], lengths,
+                                                                                   output_size=rows)
+        k = self.k_cache.new_zeros((B * capacity, self.k_cache.shape[1]))
+        v = self.v_cache.new_zeros((B * capacity, self.v_cache.shape[1]))
+        k.index_copy_(0, dest, self.k_cache)
+        v.index_copy_(0, dest, self.v_cache)
+        self.k_cache, self.v_cache = k, v
+        self.kv_caching_offsets = torch.arange(B + 1, device=offsets.device) * capacity
+        self._kv_slots = (capacity, lengths)
 
     def update_kv_cache(self, max_seq_len: int, seq_offsets: Tensor, k: Optional[Tensor], v: Optional[Tensor],
                         max_kv_caching_len: int, kv_caching_lengths: Optional[Tensor]) -> None:
@@ -109,6 +141,7 @@ class STULayer(torch.nn.Module):
         the cache stays as it is."""
         if kv_caching_lengths is None:
             return
+        self._kv_slots = None
         kv_offsets = complete_cumsum(kv_caching_lengths).to(seq_offsets.dtype)
         delta_offsets = seq_offsets - kv_offsets
         # k, v: (L, H, D) from forward, or (L, H * D) from cached_forward's full K/V
@@ -138,16 +171,35 @@ class STULayer(torch.nn.Module):
 
     # ---- the layer ----
 
+    def _param(self, name: str, dtype: torch.dtype) -> Tensor:
+        """Parameter ``name`` in ``dtype``. Without autograd (serving) the cast is kept and reused until the
+        parameter changes (its version counter, or its storage), so a cached forward does not convert
+        every weight of every layer on every call: 56 conversions per call of an 8-layer model."""
+        p = getattr(self, name)
+        if p.dtype == dtype:
+            return p
+        if (torch.is_grad_enabled() and p.requires_grad) or torch.compiler.is_compiling():
+            return p.to(dtype)
+        casts = self.__dict__.setdefault("_serving_casts", {})
+        hit = casts.get((name, dtype))
+        if hit is not None and hit[0] == p._version and hit[1] == p.data_ptr():
+            return hit[2]
+        t = p.detach().to(dtype)
+        casts[(name, dtype)] = (p._version, p.data_ptr(), t)
+        return t
+
     def _uvqk(self, x: Tensor):
-        return hstu_preprocess(x, self._input_norm_weight.to(x.dtype), self._input_norm_bias.to(x.dtype), 1e-6,
-                               self._uvqk_weight.to(x.dtype), self._uvqk_beta.to(x.dtype), self._num_heads,
+        w = self._param
+        return hstu_preprocess(x, w("_input_norm_weight", x.dtype), w("_input_norm_bias", x.dtype), 1e-6,
+                               w("_uvqk_weight", x.dtype), w("_uvqk_beta", x.dtype), self._num_heads,
                                self._attention_dim, self._hidden_dim, recompute_normed_x=self._recompute_normed_x,
                                recompute_uvqk=self._recompute_uvqk, silu_u=False)
 
     def _output(self, attn: Tensor, u: Tensor, x: Tensor) -> Tensor:
         # u arrives before its SiLU: the output op applies it as it reads u (one pass less over u)
-        return hstu_compute_output(attn, u, x, self._output_norm_weight.to(x.dtype), self._output_norm_bias.to(x.dtype),
-                                   1e-6, self._output_weight.to(x.dtype), num_heads=self._num_heads,
+        w = self._param
+        return hstu_compute_output(attn, u, x, w("_output_norm_weight", x.dtype), w("_output_norm_bias", x.dtype),
+                                   1e-6, w("_output_weight", x.dtype), num_heads=self._num_heads,
                                    linear_dim=self._hidden_dim, dropout_ratio=self._output_dropout_ratio,
                                    training=self.training, concat_u=True, concat_x=True, mul_u_activation_type="silu",
                                    group_norm=self._use_group_norm, silu_u=True,
@@ -176,6 +228,8 @@ class STULayer(torch.nn.Module):
             raise ValueError("torchfuse.nn.STULayer.cached_forward: pass kv_caching_lengths or "
                              "append_to_cache=True, not both")
         u, q, k, v = self._uvqk(delta_x)
+        if self._kv_slots is not None:
+            return self._slotted_forward(delta_x, u, q, k, v, num_targets, kv_caching_lengths, append_to_cache)
         full_k, full_v, max_seq_len, offsets = self.construct_full_kv(k.flatten(1, 2), v.flatten(1, 2))
         if append_to_cache:
             self.k_cache, self.v_cache, self.kv_caching_offsets = full_k, full_v, offsets
@@ -186,6 +240,36 @@ class STULayer(torch.nn.Module):
         attn = _attention(q, full_k.view(-1, H, self._attention_dim), full_v.view(-1, H, self._hidden_dim), offsets,
                           max_seq_len, self._attn_alpha, num_targets if self._target_aware else None,
                           self._contextual_seq_len, self._max_attn_len, delta=1)
+        return self._output(attn.reshape(-1, self._hidden_dim * H), u, delta_x)
+
+    def _slotted_forward(self, delta_x, u, q, k, v, num_targets, kv_caching_lengths, append_to_cache):
+        """cached_forward on a reserved cache: the new rows go into each slot after its cached rows."""
+        capacity, lengths = self._kv_slots
+        B = lengths.numel()
+        if B == 0 or delta_x.shape[0] % B:
+            raise ValueError(f"torchfuse.nn.STULayer.cached_forward: delta_x must have B * delta rows (B = {B}), "
+                             f"got {delta_x.shape[0]}")
+        delta = delta_x.shape[0] // B
+        max_seq_len = self.max_kv_caching_len + delta  # a bound kept on the host: no sync for the check
+        if max_seq_len > capacity:
+            raise ValueError(f"torchfuse.nn.STULayer.cached_forward: {delta} new rows overflow the reserved "
+                             f"capacity {capacity} (cached up to {self.max_kv_caching_len})")
+        dest = (self.kv_caching_offsets[:-1] + lengths).unsqueeze(1) + torch.arange(delta, device=lengths.device)
+        dest = dest.reshape(-1)
+        self.k_cache.index_copy_(0, dest, k.flatten(1, 2))
+        self.v_cache.index_copy_(0, dest, v.flatten(1, 2))
+        full = lengths + delta
+        H = self._num_heads
+        attn = _attention(q, self.k_cache.view(-1, H, self._attention_dim), self.v_cache.view(-1, H, self._hidden_dim),
+                          self.kv_caching_offsets, max_seq_len, self._attn_alpha,
+                          num_targets if self._target_aware else None, self._contextual_seq_len, self._max_attn_len,
+                          delta=1, kv_lengths=full)
+        if append_to_cache:
+            lengths.copy_(full)  # in place: a captured CUDA graph replays it
+            self.max_kv_caching_len = max_seq_len
+        elif kv_caching_lengths is not None:  # keep the first kv_caching_lengths[b] rows of each sequence
+            lengths.copy_(torch.minimum(kv_caching_lengths.to(lengths.dtype), full))
+            self.max_kv_caching_len = max_seq_len
         return self._output(attn.reshape(-1, self._hidden_dim * H), u, delta_x)
 
 
@@ -215,3 +299,8 @@ class STUStack(torch.nn.Module):
     def reset_kv_cache(self) -> None:
         for layer in self._stu_layers:
             layer.reset_kv_cache()
+
+    def reserve_kv_cache(self, capacity: int) -> None:
+        """Every layer's :meth:`STULayer.reserve_kv_cache`."""
+        for layer in self._stu_layers:
+            layer.reserve_kv_cache(capacity)

@@ -157,6 +157,8 @@ class HSTURecommender(torch.nn.Module):
         lengths = offsets[1:] - offsets[:-1]
         n_ctx = self.config.num_contextual
         y = self._encode(items, offsets, max_len, user_ids, None, kv_caching_lengths=lengths + n_ctx)
+        # a slot of max_seq_len rows per user: extend then appends in place, never copying the cache
+        self.stack.reserve_kv_cache(self.config.max_seq_len + n_ctx)
         self._cached_lengths = lengths.clone()
         self._cached_max = int(lengths.max()) if lengths.numel() else 0  # kept on the host: extend needs no sync
         return y[offsets[1:] - 1]
