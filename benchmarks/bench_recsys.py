@@ -143,8 +143,11 @@ def run(args):
         torch.cuda.empty_cache()
     rep.table("Training step (bf16 STU stack, fp32 tables; SGD on the tables, Adam on the dense part)",
               ["config", "model", "batch", "tokens", "step ms", "tokens/s", "MFU %", "torchfuse speed-up"], rows)
-    rep.table("Serving: d new events per user, history 4096, config (a)'s layer shape",
-              ["users", "d", "cached ms", "full recompute ms", "speed-up"], serving_rows(args))
+    rep.table("Serving: d new events per user, histories of 4096 - 3d to 4096 - d cached, config (a)'s "
+              "layer shape; cached: HSTURecommender.extend, eager and as a CUDA graph (cuda_graph=True); "
+              "full recompute: encode of the whole 4096-event histories",
+              ["users", "d", "cached ms", "cached, CUDA graph ms", "full recompute ms", "speed-up",
+               "speed-up, CUDA graph"], serving_rows(args))
     return rep
 
 
@@ -158,30 +161,40 @@ def serving_rows(args):
     rows = []
     for users in ([1, 64] if args.quick else [1, 64, 256]):
         for d in (1, 8, 64):
-            hist = N - d
+            hist = N - 4 * d  # then 4 extends of d events: the first warms up (or records the graph), 3 timed
             items = torch.randint(1, 1 << 40, (users * N,), device="cuda")
             offsets = torch.arange(users + 1, device="cuda") * N
             hist_idx = (torch.arange(users, device="cuda").unsqueeze(1) * N + torch.arange(hist, device="cuda")).reshape(-1)
-            new_idx = (torch.arange(users, device="cuda").unsqueeze(1) * N + hist + torch.arange(d, device="cuda")).reshape(-1)
             hist_offsets = torch.arange(users + 1, device="cuda") * hist
+
+            def new_events(i):
+                start = hist + i * d
+                return items[(torch.arange(users, device="cuda").unsqueeze(1) * N + start
+                              + torch.arange(d, device="cuda")).reshape(-1)]
+
             try:
-                times = []
-                for _ in range(4):  # each extend grows the cache: a fresh prefill (untimed) before each
+                cached = {}
+                for graph in (False, True):
                     model.prefill(items[hist_idx], hist_offsets, hist)
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    model.extend(items[new_idx])
-                    torch.cuda.synchronize()
-                    times.append((time.perf_counter() - t0) * 1e3)
-                cached_ms = sorted(times[1:])[1]  # the median of the warm calls
+                    times = []
+                    for i in range(4):
+                        new = new_events(i)
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        model.extend(new, cuda_graph=graph)
+                        torch.cuda.synchronize()
+                        times.append((time.perf_counter() - t0) * 1e3)
+                    cached[graph] = sorted(times[1:])[1]  # the median of the 3 warm calls
                 with torch.no_grad():
                     full_ms = C.bench_us(lambda: model.encode(items, offsets, N), quick=True) / 1e3
-                rows.append([users, d, C.fmt(cached_ms, 2), C.fmt(full_ms, 2), C.ratio(full_ms, cached_ms)])
+                rows.append([users, d, C.fmt(cached[False], 2), C.fmt(cached[True], 2), C.fmt(full_ms, 2),
+                             C.ratio(full_ms, cached[False]), C.ratio(full_ms, cached[True])])
             except torch.OutOfMemoryError:
-                rows.append([users, d, "out of memory", "-", "-"])
+                rows.append([users, d, "out of memory", "-", "-", "-", "-"])
             finally:
                 model.stack.reset_kv_cache()
                 model._cached_lengths = None
+                model.__dict__.pop("_stack_graphs", None)
                 torch.cuda.empty_cache()
     return rows
 

@@ -427,6 +427,35 @@ def test_cached_few_rows_long_histories(device, dtype, D, dqk, dv):
     assert torch.equal(strided, got)
 
 
+@pytest.mark.parametrize("D", [1, 4, 12])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_cached_kv_lengths_reads_slots(device, dtype, D):
+    """kv_lengths: the same rows as the jagged cache when each sequence sits at the start of a larger slot
+    whose tail holds garbage (nan); lengths past a slot are refused, naming kv_lengths."""
+    lens, slack = [7, 0, 300, 1], [3, 5, 40, 0]
+    H, dqk, dv, msl = 2, 32, 40, 400
+    offsets = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
+    L = int(offsets[-1])
+    k = torch.randn(L, H, dqk, device=device, dtype=dtype)
+    v = torch.randn(L, H, dv, device=device, dtype=dtype)
+    dq = torch.randn(len(lens) * D, H, dqk, device=device, dtype=dtype)
+    want = torchfuse.hstu_attention_cached(dq, k, v, offsets, msl, 0.3, contextual_seq_len=1)
+    spans = [n + e for n, e in zip(lens, slack)]
+    starts = torch.tensor([0] + torch.tensor(spans).cumsum(0).tolist(), device=device)
+    ks = torch.full((int(starts[-1]), H, dqk), float("nan"), device=device, dtype=dtype)
+    vs = torch.full((int(starts[-1]), H, dv), float("nan"), device=device, dtype=dtype)
+    for b, n in enumerate(lens):
+        ks[int(starts[b]):int(starts[b]) + n] = k[int(offsets[b]):int(offsets[b + 1])]
+        vs[int(starts[b]):int(starts[b]) + n] = v[int(offsets[b]):int(offsets[b + 1])]
+    for idx in (torch.int32, torch.int64):
+        kl = torch.tensor(lens, device=device, dtype=idx)
+        got = torchfuse.hstu_attention_cached(dq, ks, vs, starts, msl, 0.3, contextual_seq_len=1, kv_lengths=kl)
+        assert torch.equal(got, want)
+    bad = torch.tensor([7, 6, 300, 1], device=device)  # 6 > the second slot's 5 rows
+    with pytest.raises((RuntimeError, ValueError), match="kv_lengths"):
+        torchfuse.hstu_attention_cached(dq, ks, vs, starts, msl, 0.3, kv_lengths=bad)
+
+
 def test_sequences_are_isolated_from_nonfinite_neighbours(target):
     """inf / nan in one sequence's rows must not reach another sequence's output (a kernel that reads
     whole tiles past a sequence's end multiplies those rows by P = 0, and 0 x inf is nan)."""

@@ -130,3 +130,34 @@ def test_train_script_quick(tmp_path, capsys):
                       "--layers", "1", "--batch-size", "8", "--max-len", "8", "--negatives", "8", "--json",
                       "--resume", str(tmp_path / "c.pt")])
     assert rc == 0 and '"steps": 6' in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_extend_cuda_graph_equals_eager():
+    """extend(cuda_graph=True) gives what the eager extend gives, call after call (the first records, the
+    rest replay and advance the cache), and follows a parameter update and a new prefill."""
+    h, train, _, cfg = _setup("cuda", False, seed=random.randint(0, 1000))
+    eager = HSTURecommender(cfg, device="cuda")
+    Trainer(eager, train, torch.unique(h.items), TrainConfig(batch_size=16, max_len=12, num_negatives=16)).step()
+    graphed = HSTURecommender(cfg, device="cuda")
+    graphed.load_state_dict(eager.state_dict())  # the item table's rows too
+    eager.eval(), graphed.eval()
+    B, d = 3, 2
+    hist = h.items[:B * 4].cuda()
+    offsets = torch.arange(B + 1, device="cuda") * 4
+    with torch.no_grad():
+        for m in (eager, graphed):
+            m.prefill(hist, offsets, 4)
+        for step in range(3):
+            new = h.items[torch.randint(0, h.items.numel(), (B * d,))].cuda()
+            want = eager.extend(new)
+            got = graphed.extend(new, cuda_graph=True)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # cuBLAS may pick another algorithm
+        for m in (eager, graphed):
+            m.stack._stu_layers[0]._output_weight.mul_(0.5)
+        new = h.items[:B * d].cuda()
+        torch.testing.assert_close(graphed.extend(new, cuda_graph=True), eager.extend(new), rtol=1e-5, atol=1e-6)
+        for m in (eager, graphed):
+            m.prefill(hist, offsets, 4)
+        for _ in range(2):
+            torch.testing.assert_close(graphed.extend(new, cuda_graph=True), eager.extend(new), rtol=1e-5, atol=1e-6)

@@ -159,15 +159,21 @@ class HSTURecommender(torch.nn.Module):
         y = self._encode(items, offsets, max_len, user_ids, None, kv_caching_lengths=lengths + n_ctx)
         # a slot of max_seq_len rows per user: extend then appends in place, never copying the cache
         self.stack.reserve_kv_cache(self.config.max_seq_len + n_ctx)
+        if getattr(self, "_stack_graphs", None) is not None:
+            self._stack_graphs.clear()  # recorded against the previous cache
         self._cached_lengths = lengths.clone()
         self._cached_max = int(lengths.max()) if lengths.numel() else 0  # kept on the host: extend needs no sync
         return y[offsets[1:] - 1]
 
     @torch.no_grad()
-    def extend(self, new_items: Tensor, user_ids: Optional[Tensor] = None) -> Tensor:
+    def extend(self, new_items: Tensor, user_ids: Optional[Tensor] = None, *, cuda_graph: bool = False) -> Tensor:
         """Score d new events per cached user: ``new_items`` (B * d,), row ``b * d + i`` the i-th new
         event of user b. Returns their user vectors (B * d, E), equal to :meth:`encode` over the
-        extended histories at those positions, at O(d x history) cost; the cache grows by d."""
+        extended histories at those positions, at O(d x history) cost; the cache grows by d.
+
+        ``cuda_graph=True`` (CUDA): the STU stack runs as a CUDA graph, recorded on the first call of
+        each shape (that call runs eagerly) and replayed after; the same results, without the host's
+        per-op cost that dominates small requests (``recsys/_stack_graphs.py``)."""
         if getattr(self, "_cached_lengths", None) is None:
             raise RuntimeError("HSTURecommender.extend: no cached histories; call prefill first")
         c = self.config
@@ -187,7 +193,21 @@ class HSTURecommender(torch.nn.Module):
         # cached_forward scales by (cached max length + d): pin that to the configured N, as encode does; the
         # same value passed on spares each layer's cache update a device sync for the new maximum
         pinned = c.max_seq_len + c.num_contextual - d
-        for layer in self.stack._stu_layers:
-            layer.max_kv_caching_len = pinned
-        y = self.stack.cached_forward(x.to(c.compute_dtype), None, append_to_cache=True).float()
-        return F.normalize(y, dim=-1, eps=1e-6)
+
+        def forward(inp: Tensor) -> Tensor:
+            for layer in self.stack._stu_layers:
+                layer.max_kv_caching_len = pinned
+            y = self.stack.cached_forward(inp, None, append_to_cache=True).float()
+            return F.normalize(y, dim=-1, eps=1e-6)
+
+        x = x.to(c.compute_dtype)
+        if not cuda_graph:
+            return forward(x)
+        if not x.is_cuda:
+            raise ValueError("HSTURecommender.extend: cuda_graph=True needs the model on a CUDA device")
+        if any(layer._kv_slots is None for layer in self.stack._stu_layers):
+            raise RuntimeError("HSTURecommender.extend: cuda_graph=True needs the slotted cache that prefill "
+                               "reserves (STUStack.reserve_kv_cache)")
+        from ._stack_graphs import StackGraphs
+        graphs = self.__dict__.setdefault("_stack_graphs", StackGraphs())
+        return graphs.run(self.stack, x, forward)
