@@ -122,8 +122,11 @@ __global__ void __launch_bounds__(kDecodeThreads) hstu_decode_partial(const tf_h
 #pragma unroll
         for (int e = 0; e < SLICE; ++e) acc[i][e] = 0.f;
 
+    // The trip count is the warp's, not the group's: every lane must reach the group reductions' shuffles
+    // (a group past the chunk's end takes part with weight 0).
     const int stride = kDecodeWarps * groups;  // keys per round of every group of the block
-    for (int base = k0 + warp * groups + grp; base < k1; base += U * stride) {
+    for (int wbase = k0 + warp * groups; wbase < k1; wbase += U * stride) {
+        const int base = wbase + grp;
         uint4 kr[U][NV], vr[U][NV];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
