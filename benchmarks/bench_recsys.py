@@ -106,7 +106,7 @@ def run(args):
         results = {}
         model = HSTURecommender(mcfg, device="cuda")
         ours = Trainer(model, train, catalog, tcfg)
-        b0 = ours._batch_for(0)
+        b0 = data.window_batch(train, ours._users_for(0), max_len=N)  # the first step's batch
         lengths = b0.offsets[1:] - b0.offsets[:-1]
         flops = model_flops(cfg, lengths, negs)
         tokens = int(lengths.sum())

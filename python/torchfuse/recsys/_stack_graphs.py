@@ -24,7 +24,6 @@ def _token(stack) -> Tuple:
 class StackGraphs:
     def __init__(self):
         self._graphs: Dict[Tuple, Tuple] = {}
-        self._pool = None
 
     def clear(self) -> None:
         self._graphs.clear()
@@ -48,10 +47,9 @@ class StackGraphs:
             y = forward(x)  # this call's result; also every kernel's first launch before the recording
         torch.cuda.current_stream(x.device).wait_stream(side)
         static_x = x.clone()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        # each graph its own memory pool: a shared pool's handle dies with the last graph using it
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):  # records only: the cache does not advance here
+        with torch.cuda.graph(graph):  # records only: the cache does not advance here
             static_y = forward(static_x)
         self._graphs[key] = (_token(stack), graph, static_x, static_y)
         return y
