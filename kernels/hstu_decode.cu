@@ -1,5 +1,5 @@
-/* HSTU attention, cached inference with few query rows per sequence (1 <= delta <= 8): the serving
- * case of scoring a user's newest events against a long cached history.
+/* HSTU attention, cached inference of one query row per sequence (tf_hstu_decode_applies; the kernels
+ * take up to 8 rows): the serving case of scoring a user's newest event against a long cached history.
  *
  * The tiled kernels give each (sequence, head) one block for all of its keys, so one user's request
  * ran on H blocks of a 132-SM GPU, each streaming the whole history (4 blocks x 4096 keys of 256 dims:

@@ -234,19 +234,19 @@ def test_any_head_dim_cached_and_compat(device, dtype, dqk, dv):
     ("auto", 128, 2048, False, "hstu_fwd_ws"), ("auto", 256, 90, False, "hstu_fwd_ws"),
     ("auto", 128, 1000, False, "hstu_fwd_ws"), ("auto", 64, 2048, False, "hstu_fwd_ws"),
     ("auto", 32, 90, False, "hstu_fwd_ws"),
-    # cached inference at up to 8 query rows per sequence: the split-key decode kernels unless a backend
-    # is forced (then mma.sync or the Hopper kernel as asked)
+    # cached inference of one query row per sequence: the split-key decode kernels unless a backend is
+    # forced (then mma.sync or the Hopper kernel as asked)
     ("auto", 128, 300, True, "hstu_decode_partial"), ("auto", 256, 300, True, "hstu_decode_partial"),
     ("sm90", 128, 300, True, "hstu_fwd_ws"), ("mma", 256, 300, True, "hstu_fwd_mma")])
 def test_forward_kernel_choice(backend, d, n, cached, want):
     """On a Hopper GPU the forward really runs the kernel the dispatch rule names (the warp-specialized
-    wgmma one; the decode kernels for cached inference of 4 rows per sequence) and torchfuse.backends.hstu
+    wgmma one; the decode kernels for cached inference of one row per sequence) and torchfuse.backends.hstu
     really forces one or the other."""
     q, k, v, offsets, msl, _, _ = make_inputs("cuda", torch.bfloat16, 2, 1, d, d, n)
     with torchfuse.backends.use(hstu=backend), \
             torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         if cached:
-            torchfuse.hstu_attention_cached(q[:2 * 4], k, v, offsets, msl, 0.2)
+            torchfuse.hstu_attention_cached(q[:2], k, v, offsets, msl, 0.2)
         else:
             torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2)
         torch.cuda.synchronize()
@@ -394,7 +394,7 @@ def test_cached_equals_full_rows(device, dtype, D):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_cached_few_rows_long_histories(device, dtype, D, dqk, dv):
     """Cached inference of a few newest rows over histories long enough to span many key chunks (on
-    CUDA, up to 8 rows per sequence run the split-key decode kernels, 9 the tiled ones), with empty,
+    CUDA, one row per sequence runs the split-key decode kernels, more the tiled ones), with empty,
     one-row and shorter-than-D sequences, a window, context rows and int64 offsets, against the fp64
     reference of the full forward's rows; and the same rows from q as a strided view."""
     g = torch.Generator().manual_seed(torch.seed() % (1 << 31))
