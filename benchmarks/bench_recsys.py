@@ -168,42 +168,41 @@ def serving_rows(args, cases=None):
     if cases is None:
         cases = [(u, d) for u in ([1, 64] if args.quick else [1, 64, 256]) for d in (1, 8, 64)]
     for users, d in cases:
-        if True:
-            hist = N - 4 * d  # then 4 extends of d events: the first warms up (or records the graph), 3 timed
-            items = torch.randint(1, 1 << 40, (users * N,), device="cuda")
-            offsets = torch.arange(users + 1, device="cuda") * N
-            hist_idx = (torch.arange(users, device="cuda").unsqueeze(1) * N + torch.arange(hist, device="cuda")).reshape(-1)
-            hist_offsets = torch.arange(users + 1, device="cuda") * hist
+        hist = N - 4 * d  # then 4 extends of d events: the first warms up (or records the graph), 3 timed
+        items = torch.randint(1, 1 << 40, (users * N,), device="cuda")
+        offsets = torch.arange(users + 1, device="cuda") * N
+        hist_idx = (torch.arange(users, device="cuda").unsqueeze(1) * N + torch.arange(hist, device="cuda")).reshape(-1)
+        hist_offsets = torch.arange(users + 1, device="cuda") * hist
 
-            def new_events(i):
-                start = hist + i * d
-                return items[(torch.arange(users, device="cuda").unsqueeze(1) * N + start
-                              + torch.arange(d, device="cuda")).reshape(-1)]
+        def new_events(i):
+            start = hist + i * d
+            return items[(torch.arange(users, device="cuda").unsqueeze(1) * N + start
+                          + torch.arange(d, device="cuda")).reshape(-1)]
 
-            try:
-                cached = {}
-                for graph in (False, True):
-                    model.prefill(items[hist_idx], hist_offsets, hist)
-                    times = []
-                    for i in range(4):
-                        new = new_events(i)
-                        torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        model.extend(new, cuda_graph=graph)
-                        torch.cuda.synchronize()
-                        times.append((time.perf_counter() - t0) * 1e3)
-                    cached[graph] = sorted(times[1:])[1]  # the median of the 3 warm calls
-                with torch.no_grad():
-                    full_ms = C.bench_us(lambda: model.encode(items, offsets, N), quick=True) / 1e3
-                rows.append([users, d, C.fmt(cached[False], 2), C.fmt(cached[True], 2), C.fmt(full_ms, 2),
-                             C.ratio(full_ms, cached[False]), C.ratio(full_ms, cached[True])])
-            except torch.OutOfMemoryError:
-                rows.append([users, d, "out of memory", "-", "-", "-", "-"])
-            finally:
-                model.stack.reset_kv_cache()
-                model._cached_lengths = None
-                model.__dict__.pop("_stack_graphs", None)
-                torch.cuda.empty_cache()
+        try:
+            cached = {}
+            for graph in (False, True):
+                model.prefill(items[hist_idx], hist_offsets, hist)
+                times = []
+                for i in range(4):
+                    new = new_events(i)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model.extend(new, cuda_graph=graph)
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                cached[graph] = sorted(times[1:])[1]  # the median of the 3 warm calls
+            with torch.no_grad():
+                full_ms = C.bench_us(lambda: model.encode(items, offsets, N), quick=True) / 1e3
+            rows.append([users, d, C.fmt(cached[False], 2), C.fmt(cached[True], 2), C.fmt(full_ms, 2),
+                         C.ratio(full_ms, cached[False]), C.ratio(full_ms, cached[True])])
+        except torch.OutOfMemoryError:
+            rows.append([users, d, "out of memory", "-", "-", "-", "-"])
+        finally:
+            model.stack.reset_kv_cache()
+            model._cached_lengths = None
+            model.__dict__.pop("_stack_graphs", None)
+            torch.cuda.empty_cache()
     return rows
 
 

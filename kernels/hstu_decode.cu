@@ -1,5 +1,5 @@
-/* HSTU attention, cached inference of one query row per sequence (tf_hstu_decode_applies; the kernels
- * take up to 8 rows): the serving case of scoring a user's newest event against a long cached history.
+/* HSTU attention, cached inference of one query row per sequence (tf_hstu_decode_applies): the serving
+ * case of scoring a user's newest event against a long cached history.
  *
  * The tiled kernels give each (sequence, head) one block for all of its keys, so one user's request
  * ran on H blocks of a 132-SM GPU, each streaming the whole history (4 blocks x 4096 keys of 256 dims:
@@ -69,8 +69,8 @@ __device__ __forceinline__ void slice_to_f(const uint4 &raw, float (&out)[16 / s
     for (int e = 0; e < VEC; ++e) out[e] = to_f<T>(tmp[e]);
 }
 
-/* R: query rows per sequence the registers hold (delta <= R); NV: 16-byte slices per lane (head dims up
- * to 32 x VEC x NV); U: keys a group has in flight. */
+/* R: query rows per sequence the registers hold (delta <= R; launched with R = 1, see launch_rows); NV:
+ * 16-byte slices per lane (head dims up to 32 x VEC x NV); U: keys a group has in flight. */
 template <typename T, int R, int NV>
 __global__ void __launch_bounds__(kDecodeThreads) hstu_decode_partial(const tf_hstu_params p, int chunk,
                                                                      int64_t chunks, int G, float *ws) {
@@ -240,12 +240,8 @@ template <typename T, int NV>
 cudaError_t launch_rows(const tf_hstu_params &p, int chunk, int64_t chunks, int G, cudaStream_t st) {
     const int64_t blocks = p.B * p.H * chunks;
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    const unsigned grid = (unsigned)blocks;
-    if (p.delta <= 1) hstu_decode_partial<T, 1, NV><<<grid, kDecodeThreads, 0, st>>>(p, chunk, chunks, G, p.decode_ws);
-    else if (p.delta <= 2) hstu_decode_partial<T, 2, NV><<<grid, kDecodeThreads, 0, st>>>(p, chunk, chunks, G, p.decode_ws);
-    else if (p.delta <= 4) hstu_decode_partial<T, 4, NV><<<grid, kDecodeThreads, 0, st>>>(p, chunk, chunks, G, p.decode_ws);
-    else hstu_decode_partial<T, 8, NV>  // delta <= 8: tf_hstu_decode_applies
-        <<<grid, kDecodeThreads, 0, st>>>(p, chunk, chunks, G, p.decode_ws);
+    // one query row per sequence (tf_hstu_decode_applies): R = 2, 4, 8 measured slower than the tiled kernels
+    hstu_decode_partial<T, 1, NV><<<(unsigned)blocks, kDecodeThreads, 0, st>>>(p, chunk, chunks, G, p.decode_ws);
     return cudaGetLastError();
 }
 
@@ -273,8 +269,8 @@ cudaError_t launch_decode(const tf_hstu_params &p, cudaStream_t st) {
 extern "C" int64_t tf_hstu_decode_ws_floats(const tf_hstu_params *p) {
     if (!tf_hstu_decode_applies(p->delta, p->bias != nullptr, p->dropout_p, p->backend)) return 0;
     if (p->dqk > 256 || p->dv > 256 || p->B == 0 || p->H == 0 || p->max_seq_len < 1) return 0;
-    if (p->dtype == TF_F32 && decode_nv(*p) > 2) return 0;
-    const int64_t chunks = (p->max_seq_len + decode_chunk(*p) - 1) / decode_chunk(*p);
+    const int chunk = decode_chunk(*p);
+    const int64_t chunks = (p->max_seq_len + chunk - 1) / chunk;
     return chunks * p->B * p->delta * p->H * p->dv;
 }
 

@@ -232,7 +232,7 @@ TF_HSTU_HD void tf_hstu_drop_pair(uint64_t seed, uint64_t offset, uint64_t e, fl
 }
 
 /* Cached inference the split-key decode kernels take (kernels/hstu_decode.cu): one query row per sequence
- * (the kernels hold up to 8, but at 8 rows they measured 4.4x slower than the tiled kernels on an H100),
+ * (their form for 8 rows measured 4.4x slower than the tiled kernels on an H100),
  * no attn_bias, no dropout, the automatic kernel choice. Any head dims up to 256, unpadded. */
 TF_HSTU_HD int tf_hstu_decode_applies(int64_t delta, int has_bias, double dropout_p, int backend) {
     return delta == 1 && !has_bias && dropout_p <= 0 && backend == TF_HSTU_AUTO;

@@ -229,24 +229,26 @@ def test_any_head_dim_cached_and_compat(device, dtype, dqk, dv):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the wgmma forward runs on compute capability 9.0 only")
-@pytest.mark.parametrize("backend, d, n, cached, want", [
-    ("sm90", 64, 90, False, "hstu_fwd_ws"), ("mma", 256, 90, False, "hstu_fwd_mma"),  # forced, both ways
-    ("auto", 128, 2048, False, "hstu_fwd_ws"), ("auto", 256, 90, False, "hstu_fwd_ws"),
-    ("auto", 128, 1000, False, "hstu_fwd_ws"), ("auto", 64, 2048, False, "hstu_fwd_ws"),
-    ("auto", 32, 90, False, "hstu_fwd_ws"),
-    # cached inference of one query row per sequence: the split-key decode kernels unless a backend is
-    # forced (then mma.sync or the Hopper kernel as asked)
-    ("auto", 128, 300, True, "hstu_decode_partial"), ("auto", 256, 300, True, "hstu_decode_partial"),
-    ("sm90", 128, 300, True, "hstu_fwd_ws"), ("mma", 256, 300, True, "hstu_fwd_mma")])
-def test_forward_kernel_choice(backend, d, n, cached, want):
+@pytest.mark.parametrize("backend, d, n, rows, want", [
+    ("sm90", 64, 90, 0, "hstu_fwd_ws"), ("mma", 256, 90, 0, "hstu_fwd_mma"),  # forced, both ways
+    ("auto", 128, 2048, 0, "hstu_fwd_ws"), ("auto", 256, 90, 0, "hstu_fwd_ws"),
+    ("auto", 128, 1000, 0, "hstu_fwd_ws"), ("auto", 64, 2048, 0, "hstu_fwd_ws"),
+    ("auto", 32, 90, 0, "hstu_fwd_ws"),
+    # cached inference (rows: query rows per sequence): one row runs the split-key decode kernels unless a
+    # backend is forced (then mma.sync or the Hopper kernel as asked); more rows mma.sync up to head dim 128,
+    # the Hopper kernel above
+    ("auto", 128, 300, 1, "hstu_decode_partial"), ("auto", 256, 300, 1, "hstu_decode_partial"),
+    ("sm90", 128, 300, 1, "hstu_fwd_ws"), ("mma", 256, 300, 1, "hstu_fwd_mma"),
+    ("auto", 128, 300, 4, "hstu_fwd_mma"), ("auto", 256, 300, 4, "hstu_fwd_ws")])
+def test_forward_kernel_choice(backend, d, n, rows, want):
     """On a Hopper GPU the forward really runs the kernel the dispatch rule names (the warp-specialized
     wgmma one; the decode kernels for cached inference of one row per sequence) and torchfuse.backends.hstu
     really forces one or the other."""
     q, k, v, offsets, msl, _, _ = make_inputs("cuda", torch.bfloat16, 2, 1, d, d, n)
     with torchfuse.backends.use(hstu=backend), \
             torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        if cached:
-            torchfuse.hstu_attention_cached(q[:2], k, v, offsets, msl, 0.2)
+        if rows:
+            torchfuse.hstu_attention_cached(q[:2 * rows], k, v, offsets, msl, 0.2)
         else:
             torchfuse.hstu_attention(q, k, v, offsets, msl, 0.2)
         torch.cuda.synchronize()

@@ -127,6 +127,7 @@ class STULayer(torch.nn.Module):
         starts = torch.arange(B, device=offsets.device) * capacity
         dest = torch.arange(rows, device=offsets.device) + torch.repeat_interleave(starts - offsets[:-1], lengths,
                                                                                    output_size=rows)
+        # zeroed, not empty: a slot's unused rows then hold finite values for kernels that load whole tiles
         k = self.k_cache.new_zeros((B * capacity, self.k_cache.shape[1]))
         v = self.v_cache.new_zeros((B * capacity, self.v_cache.shape[1]))
         k.index_copy_(0, dest, self.k_cache)
