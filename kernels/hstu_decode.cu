@@ -13,8 +13,11 @@
  *     shuffles), P = SiLU(alpha s) x inv_scale x mask, rounded to the input dtype as the tiled kernels
  *     round P before their P V product, then acc += P v. The groups' and warps' sums go through
  *     shared memory to one fp32 partial row per query row, written to ws[chunk].
- *   hstu_decode_reduce: out = the sum of a row's chunks in chunk order (deterministic), in the
- *     output dtype; zeros for rows at negative positions and empty sequences.
+ *   hstu_decode_reduce: out = the sum of a row's chunks, in the output dtype; zeros for rows at
+ *     negative positions and empty sequences. A block covers 32 consecutive outputs with 8 teams of
+ *     32 threads: team t sums chunks t, t + 8, ..., then the teams' sums add in team order: a fixed
+ *     order (deterministic), and 8 independent load chains instead of one per output, whose L2
+ *     latency a long history's many chunks would otherwise pay one after another.
  *
  * Only chunks below ceil(n / chunk) are written and read, so the workspace needs no zeroing. */
 #include <cuda_bf16.h>
@@ -192,21 +195,38 @@ __global__ void __launch_bounds__(kDecodeThreads) hstu_decode_partial(const tf_h
     }
 }
 
+constexpr int kReduceTeams = 8;
+
 template <typename T>
-__global__ void hstu_decode_reduce(const tf_hstu_params p, int chunk, const float *ws) {
+__global__ void __launch_bounds__(32 * kReduceTeams) hstu_decode_reduce(const tf_hstu_params p, int chunk,
+                                                                        const float *ws) {
+    __shared__ float part[kReduceTeams][32];
     const int64_t q_rows = p.B * p.delta, total = q_rows * p.H * p.dv;
+    const int lane = threadIdx.x % 32, team = threadIdx.x / 32;
     T *out = (T *)p.o;
-    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-         idx += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t row = idx / (p.H * p.dv);
-        const HstuSeq s = hstu_seq(p, row / p.delta);
-        const int pos = s.n - (int)p.delta + (int)(row % p.delta);
+    for (int64_t base = (int64_t)blockIdx.x * 32; base < total; base += (int64_t)gridDim.x * 32) {
+        const int64_t idx = base + lane;
         float sum = 0.f;
-        if (pos >= 0) {
-            const int nc = (s.n + chunk - 1) / chunk;
-            for (int c = 0; c < nc; ++c) sum += ws[c * total + idx];
+        int pos = -1;
+        if (idx < total) {
+            const int64_t row = idx / (p.H * p.dv);
+            const HstuSeq s = hstu_seq(p, row / p.delta);
+            pos = s.n - (int)p.delta + (int)(row % p.delta);
+            if (pos >= 0) {
+                const int nc = (s.n + chunk - 1) / chunk;
+#pragma unroll 4
+                for (int c = team; c < nc; c += kReduceTeams) sum += ws[c * total + idx];
+            }
         }
-        out[idx] = from_f<T>(sum);
+        part[team][lane] = sum;
+        __syncthreads();
+        if (team == 0 && idx < total) {
+            float t = 0.f;
+#pragma unroll
+            for (int i = 0; i < kReduceTeams; ++i) t += part[i][lane];
+            out[idx] = from_f<T>(pos >= 0 ? t : 0.f);
+        }
+        __syncthreads();
     }
 }
 
@@ -219,11 +239,11 @@ int device_sms() {
     return sms[dev] > 0 ? sms[dev] : 132;
 }
 
-/* Keys per block: the largest power of two from 64 up that still gives every SM four blocks (at most
- * the longest sequence, rounded up); 64 when even that does not. */
+/* Keys per block: the largest power of two from 32 up that still gives every SM four blocks (at most
+ * the longest sequence, rounded up); 32 when even that does not. */
 int decode_chunk(const tf_hstu_params &p) {
     const int64_t want = 4 * (int64_t)device_sms(), pairs = p.B * p.H;
-    int chunk = 64;
+    int chunk = 32;
     while (chunk < p.max_seq_len && pairs * ((p.max_seq_len + 2 * chunk - 1) / (2 * chunk)) >= want) chunk *= 2;
     return chunk;
 }
@@ -258,9 +278,9 @@ cudaError_t launch_decode(const tf_hstu_params &p, cudaStream_t st) {
     else err = nv == 1 ? launch_rows<T, 1>(p, chunk, chunks, G, st) : launch_rows<T, 2>(p, chunk, chunks, G, st);
     if (err != cudaSuccess) return err;
     const int64_t total = p.B * p.delta * p.H * p.dv;
-    const int64_t want = (total + 255) / 256;
-    const unsigned grid = (unsigned)(want < 8 * (int64_t)device_sms() ? want : 8 * (int64_t)device_sms());
-    hstu_decode_reduce<T><<<grid, 256, 0, st>>>(p, chunk, p.decode_ws);
+    const int64_t want = (total + 31) / 32;
+    const unsigned grid = (unsigned)(want < 16 * (int64_t)device_sms() ? want : 16 * (int64_t)device_sms());
+    hstu_decode_reduce<T><<<grid, 32 * kReduceTeams, 0, st>>>(p, chunk, p.decode_ws);
     return cudaGetLastError();
 }
 

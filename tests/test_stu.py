@@ -251,6 +251,22 @@ def test_reserved_cache_matches_the_jagged_cache(device, idx_dtype):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for layer in slotted._stu_layers:
             assert layer._kv_slots[1].tolist() == (lengths + 6).tolist()
+        # keep the first `keep` rows of each sequence's K/V with one new row, then append to what is kept
+        keep = torch.tensor([4, 0, 8, 10], device=device)
+        for delta, kw in ((1, dict(kv_caching_lengths=keep)), (2, dict(append_to_cache=True))):
+            dx = torch.randn(4 * delta, 32, device=device)
+            for s in (jagged, slotted):
+                for layer in s._stu_layers:
+                    layer.max_kv_caching_len = cap - delta
+            want = jagged.cached_forward(dx, None, **kw)
+            got = slotted.cached_forward(dx, None, **kw)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for layer in slotted._stu_layers:
+            assert layer._kv_slots[1].tolist() == (keep + 2).tolist()
+        # the stack's layers share its slots: one layer alone would advance them for all
+        with pytest.raises(RuntimeError, match="STUStack.cached_forward"):
+            slotted._stu_layers[0].cached_forward(torch.randn(4, 32, device=device), None, append_to_cache=True)
+        for layer in slotted._stu_layers:
             layer.max_kv_caching_len = cap - 1
         with pytest.raises(ValueError, match="overflow"):
             slotted.cached_forward(torch.randn(8, 32, device=device), None, append_to_cache=True)

@@ -104,6 +104,7 @@ class STULayer(torch.nn.Module):
         self.kv_caching_offsets = None
         self.max_kv_caching_len = 0
         self._kv_slots = None  # (capacity, lengths) once reserve_kv_cache has run
+        self._kv_slots_shared = False  # the lengths are the stack's, shared by its layers
 
     def reserve_kv_cache(self, capacity: int) -> None:
         """Move the cache into a slot of ``capacity`` rows per sequence (a torchfuse extension for serving).
@@ -143,6 +144,7 @@ class STULayer(torch.nn.Module):
         if kv_caching_lengths is None:
             return
         self._kv_slots = None
+        self._kv_slots_shared = False
         kv_offsets = complete_cumsum(kv_caching_lengths).to(seq_offsets.dtype)
         delta_offsets = seq_offsets - kv_offsets
         # k, v: (L, H, D) from forward, or (L, H * D) from cached_forward's full K/V
@@ -218,7 +220,8 @@ class STULayer(torch.nn.Module):
         return self._output(attn, u, x)
 
     def cached_forward(self, delta_x: Tensor, num_targets: Optional[Tensor], max_kv_caching_len: int = 0,
-                       kv_caching_lengths: Optional[Tensor] = None, append_to_cache: bool = False) -> Tensor:
+                       kv_caching_lengths: Optional[Tensor] = None, append_to_cache: bool = False,
+                       _slot_step: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
         """The last ``delta`` positions of every cached sequence: delta_x (B * delta, E), row
         ``b * delta + i`` the i-th new event of sequence b. Equal to those rows of ``forward`` over the
         whole histories. Costs O(delta x history) per sequence instead of O(history^2).
@@ -230,7 +233,8 @@ class STULayer(torch.nn.Module):
                              "append_to_cache=True, not both")
         u, q, k, v = self._uvqk(delta_x)
         if self._kv_slots is not None:
-            return self._slotted_forward(delta_x, u, q, k, v, num_targets, kv_caching_lengths, append_to_cache)
+            return self._slotted_forward(delta_x, u, q, k, v, num_targets, kv_caching_lengths, append_to_cache,
+                                         _slot_step)
         full_k, full_v, max_seq_len, offsets = self.construct_full_kv(k.flatten(1, 2), v.flatten(1, 2))
         if append_to_cache:
             self.k_cache, self.v_cache, self.kv_caching_offsets = full_k, full_v, offsets
@@ -243,34 +247,56 @@ class STULayer(torch.nn.Module):
                           self._contextual_seq_len, self._max_attn_len, delta=1)
         return self._output(attn.reshape(-1, self._hidden_dim * H), u, delta_x)
 
-    def _slotted_forward(self, delta_x, u, q, k, v, num_targets, kv_caching_lengths, append_to_cache):
-        """cached_forward on a reserved cache: the new rows go into each slot after its cached rows."""
+    def _slot_delta(self, delta_x: Tensor) -> int:
+        """New rows per sequence of a cached_forward on the reserved cache, checked against the slots."""
         capacity, lengths = self._kv_slots
         B = lengths.numel()
         if B == 0 or delta_x.shape[0] % B:
             raise ValueError(f"torchfuse.nn.STULayer.cached_forward: delta_x must have B * delta rows (B = {B}), "
                              f"got {delta_x.shape[0]}")
         delta = delta_x.shape[0] // B
-        max_seq_len = self.max_kv_caching_len + delta  # a bound kept on the host: no sync for the check
-        if max_seq_len > capacity:
+        if self.max_kv_caching_len + delta > capacity:  # a bound kept on the host: no sync for the check
             raise ValueError(f"torchfuse.nn.STULayer.cached_forward: {delta} new rows overflow the reserved "
                              f"capacity {capacity} (cached up to {self.max_kv_caching_len})")
+        return delta
+
+    def _slot_step(self, delta: int) -> Tuple[Tensor, Tensor]:
+        """(dest, full): the cache rows that a call's new K/V go to (each slot's next ``delta`` rows)
+        and the slot lengths with them."""
+        _, lengths = self._kv_slots
         dest = (self.kv_caching_offsets[:-1] + lengths).unsqueeze(1) + torch.arange(delta, device=lengths.device)
-        dest = dest.reshape(-1)
+        return dest.reshape(-1), lengths + delta
+
+    @staticmethod
+    def _advance_slots(lengths: Tensor, full: Tensor, kv_caching_lengths: Optional[Tensor],
+                       append_to_cache: bool) -> None:
+        if append_to_cache:
+            lengths.copy_(full)  # in place: a captured CUDA graph replays it
+        elif kv_caching_lengths is not None:  # keep the first kv_caching_lengths[b] rows of each sequence
+            lengths.copy_(torch.minimum(kv_caching_lengths.to(lengths.dtype), full))
+
+    def _slotted_forward(self, delta_x, u, q, k, v, num_targets, kv_caching_lengths, append_to_cache, slot_step=None):
+        """cached_forward on a reserved cache: the new rows go into each slot after its cached rows.
+        ``slot_step``: (dest, full) from the stack, which computes them once for all its layers and
+        advances the lengths they share after the last layer."""
+        if slot_step is None and self._kv_slots_shared:
+            raise RuntimeError("torchfuse.nn.STULayer.cached_forward: this layer's cache slots were reserved by "
+                               "its STUStack (STUStack.reserve_kv_cache) and advance with it: call "
+                               "STUStack.cached_forward")
+        delta = self._slot_delta(delta_x)
+        dest, full = slot_step if slot_step is not None else self._slot_step(delta)
         self.k_cache.index_copy_(0, dest, k.flatten(1, 2))
         self.v_cache.index_copy_(0, dest, v.flatten(1, 2))
-        full = lengths + delta
+        max_seq_len = self.max_kv_caching_len + delta
         H = self._num_heads
         attn = _attention(q, self.k_cache.view(-1, H, self._attention_dim), self.v_cache.view(-1, H, self._hidden_dim),
                           self.kv_caching_offsets, max_seq_len, self._attn_alpha,
                           num_targets if self._target_aware else None, self._contextual_seq_len, self._max_attn_len,
                           delta=1, kv_lengths=full)
-        if append_to_cache:
-            lengths.copy_(full)  # in place: a captured CUDA graph replays it
+        if append_to_cache or kv_caching_lengths is not None:
             self.max_kv_caching_len = max_seq_len
-        elif kv_caching_lengths is not None:  # keep the first kv_caching_lengths[b] rows of each sequence
-            lengths.copy_(torch.minimum(kv_caching_lengths.to(lengths.dtype), full))
-            self.max_kv_caching_len = max_seq_len
+            if slot_step is None:
+                self._advance_slots(self._kv_slots[1], full, kv_caching_lengths, append_to_cache)
         return self._output(attn.reshape(-1, self._hidden_dim * H), u, delta_x)
 
 
@@ -291,10 +317,22 @@ class STUStack(torch.nn.Module):
 
     def cached_forward(self, delta_x: Tensor, num_targets: Optional[Tensor], max_kv_caching_len: int = 0,
                        kv_caching_lengths: Optional[Tensor] = None, append_to_cache: bool = False) -> Tensor:
-        for layer in self._stu_layers:
+        if append_to_cache and kv_caching_lengths is not None:
+            raise ValueError("torchfuse.nn.STUStack.cached_forward: pass kv_caching_lengths or "
+                             "append_to_cache=True, not both")
+        layers = list(self._stu_layers)
+        step = None
+        if layers and layers[0]._kv_slots_shared:
+            # slots reserved by the stack: the rows the new K/V go to and the lengths after them are the
+            # same for every layer, computed once here, and the shared lengths advance once at the end
+            step = layers[0]._slot_step(layers[0]._slot_delta(delta_x))
+        for layer in layers:
             delta_x = layer.cached_forward(delta_x=delta_x, num_targets=num_targets,
                                            max_kv_caching_len=max_kv_caching_len,
-                                           kv_caching_lengths=kv_caching_lengths, append_to_cache=append_to_cache)
+                                           kv_caching_lengths=kv_caching_lengths, append_to_cache=append_to_cache,
+                                           _slot_step=step)
+        if step is not None:
+            STULayer._advance_slots(layers[0]._kv_slots[1], step[1], kv_caching_lengths, append_to_cache)
         return delta_x
 
     def reset_kv_cache(self) -> None:
@@ -302,6 +340,20 @@ class STUStack(torch.nn.Module):
             layer.reset_kv_cache()
 
     def reserve_kv_cache(self, capacity: int) -> None:
-        """Every layer's :meth:`STULayer.reserve_kv_cache`."""
-        for layer in self._stu_layers:
+        """Every layer's :meth:`STULayer.reserve_kv_cache`. The layers' slot lengths are then one tensor
+        that :meth:`cached_forward` advances once per call (the layers of a stack cache the same
+        sequences), so a call's index work is not repeated per layer; a layer's own ``cached_forward``
+        then refuses to run alone on these slots."""
+        layers = list(self._stu_layers)
+        for layer in layers:
             layer.reserve_kv_cache(capacity)
+        if not layers:
+            return
+        first = layers[0]
+        same = all(torch.equal(layer._kv_slots[1], first._kv_slots[1])
+                   and torch.equal(layer.kv_caching_offsets, first.kv_caching_offsets)
+                   and layer.max_kv_caching_len == first.max_kv_caching_len for layer in layers)
+        if same:  # one sync, at reserve time
+            for layer in layers:
+                layer._kv_slots = (capacity, first._kv_slots[1])
+                layer._kv_slots_shared = True

@@ -153,14 +153,16 @@ class HSTURecommender(torch.nn.Module):
     @torch.no_grad()
     def prefill(self, items: Tensor, offsets: Tensor, max_len: int, user_ids: Optional[Tensor] = None) -> Tensor:
         """Encode whole histories once and keep every layer's K/V for :meth:`extend`. Returns the last
-        position's user vector of each history (B, E). Every history needs at least one item."""
+        position's user vector of each history (B, E). Every history needs at least one item. A cache
+        from an earlier prefill is dropped first, so two caches never share the memory."""
+        self.stack.reset_kv_cache()
+        self._cached_lengths = None
+        self.__dict__.pop("_extend_graphs", None)  # recorded against the previous cache
         lengths = offsets[1:] - offsets[:-1]
         n_ctx = self.config.num_contextual
         y = self._encode(items, offsets, max_len, user_ids, None, kv_caching_lengths=lengths + n_ctx)
         # a slot of max_seq_len rows per user: extend then appends in place, never copying the cache
         self.stack.reserve_kv_cache(self.config.max_seq_len + n_ctx)
-        if getattr(self, "_stack_graphs", None) is not None:
-            self._stack_graphs.clear()  # recorded against the previous cache
         self._cached_lengths = lengths.clone()
         self._cached_max = int(lengths.max()) if lengths.numel() else 0  # kept on the host: extend needs no sync
         return y[offsets[1:] - 1]
@@ -171,9 +173,11 @@ class HSTURecommender(torch.nn.Module):
         event of user b. Returns their user vectors (B * d, E), equal to :meth:`encode` over the
         extended histories at those positions, at O(d x history) cost; the cache grows by d.
 
-        ``cuda_graph=True`` (CUDA): the STU stack runs as a CUDA graph, recorded on the first call of
-        each shape (that call runs eagerly) and replayed after; the same results, without the host's
-        per-op cost that dominates small requests (``recsys/_stack_graphs.py``)."""
+        ``cuda_graph=True`` (CUDA): the call runs as a CUDA graph, recorded on the first call of each
+        shape (that call runs eagerly) and replayed after; the same results, without the host's per-op
+        cost that dominates small requests (``recsys/_serving_graphs.py``). In eval mode the graph holds
+        the whole call, the item lookup included; in training mode the lookup (which inserts) runs
+        before it."""
         if getattr(self, "_cached_lengths", None) is None:
             raise RuntimeError("HSTURecommender.extend: no cached histories; call prefill first")
         c = self.config
@@ -184,30 +188,48 @@ class HSTURecommender(torch.nn.Module):
         d = new_items.numel() // B
         if self._cached_max + d > c.max_seq_len:
             raise ValueError(f"HSTURecommender.extend: histories would exceed max_seq_len {c.max_seq_len}")
-        x = self.items(new_items) * math.sqrt(c.embedding_dim)
-        pos = (self._cached_lengths.unsqueeze(1) + c.num_contextual
-               + torch.arange(d, device=new_items.device)).reshape(-1)
-        x = x + self.positions(pos)
-        self._cached_lengths = self._cached_lengths + d
         self._cached_max += d
-        # cached_forward scales by (cached max length + d): pin that to the configured N, as encode does; the
-        # same value passed on spares each layer's cache update a device sync for the new maximum
-        pinned = c.max_seq_len + c.num_contextual - d
-
-        def forward(inp: Tensor) -> Tensor:
-            for layer in self.stack._stu_layers:
-                layer.max_kv_caching_len = pinned
-            y = self.stack.cached_forward(inp, None, append_to_cache=True).float()
-            return F.normalize(y, dim=-1, eps=1e-6)
-
-        x = x.to(c.compute_dtype)
+        lookup_in_graph = cuda_graph and not self.items.training
+        if not lookup_in_graph:
+            new_items = self.items(new_items)  # the rows, looked up (inserted in training mode) eagerly
         if not cuda_graph:
-            return forward(x)
-        if not x.is_cuda:
+            return self._extend_step(new_items, d)
+        if not new_items.is_cuda:
             raise ValueError("HSTURecommender.extend: cuda_graph=True needs the model on a CUDA device")
         if any(layer._kv_slots is None for layer in self.stack._stu_layers):
             raise RuntimeError("HSTURecommender.extend: cuda_graph=True needs the slotted cache that prefill "
                                "reserves (STUStack.reserve_kv_cache)")
-        from ._stack_graphs import StackGraphs
-        graphs = self.__dict__.setdefault("_stack_graphs", StackGraphs())
-        return graphs.run(self.stack, x, forward)
+        from ._serving_graphs import ServingGraphs
+        graphs = self.__dict__.setdefault("_extend_graphs", ServingGraphs())
+        return graphs.run(self._graph_token(lookup_in_graph), new_items, lambda inp: self._extend_step(inp, d))
+
+    def _extend_step(self, new: Tensor, d: int) -> Tensor:
+        """extend's device work for ``new``: item ids (B * d,), or their rows (B * d, E) already looked
+        up. It reads and writes only buffers that stay in place (the slotted cache, the lengths), so a
+        CUDA graph can replay it."""
+        c = self.config
+        x = (self.items(new) if new.dim() == 1 else new) * math.sqrt(c.embedding_dim)
+        pos = (self._cached_lengths.unsqueeze(1) + c.num_contextual
+               + torch.arange(d, device=x.device)).reshape(-1)
+        x = x + self.positions(pos)
+        self._cached_lengths.add_(d)
+        # cached_forward scales by (cached max length + d): pin that to the configured N, as encode does; the
+        # same value passed on spares each layer's cache update a device sync for the new maximum
+        pinned = c.max_seq_len + c.num_contextual - d
+        for layer in self.stack._stu_layers:
+            layer.max_kv_caching_len = pinned
+        y = self.stack.cached_forward(x.to(c.compute_dtype), None, append_to_cache=True).float()
+        return F.normalize(y, dim=-1, eps=1e-6)
+
+    def _graph_token(self, lookup_in_graph: bool) -> tuple:
+        """What a recorded extend graph depends on beyond its input: every parameter's storage and
+        version (the layers keep reduced-precision copies of them while they are unchanged), the cache
+        buffers and, with the lookup inside, the item table's storage."""
+        token = [lookup_in_graph, self._cached_lengths.data_ptr()]
+        for p in self.parameters():
+            token += (p.data_ptr(), p._version)
+        for layer in self.stack._stu_layers:
+            token += (layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
+        if lookup_in_graph:
+            token += [t.data_ptr() for t in self.items._tensors]
+        return tuple(token)
