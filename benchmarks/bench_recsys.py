@@ -12,7 +12,8 @@ MFU = model FLOPs per step / step time / the dense bf16 tensor peak (989 TFLOP/s
 every GEMM 2MNK (backward 2x forward); causal attention 2 * 2 * H * (Dqk + Dv) / 2 * sum(len^2) forward,
 2.5x that backward; the loss's similarities 2 * T * (R + 1) * E forward, 2x backward.
 
-    python benchmarks/bench_recsys.py [--quick] [--configs a,b] [--peers DIR] [--out results.md]
+    python benchmarks/bench_recsys.py [--quick] [--configs a,b] [--parts train,serve] [--peers DIR]
+                                      [--out results.md]
 
 --peers: a folder holding generative_recommenders/ (fetched code, never committed): the same model with
 its STU stack replaced by GR's STUStack on GR's Triton kernels (same weights; bf16 parameters, as GR
@@ -82,77 +83,118 @@ def step_time_ms(trainer, steps):
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def train_results(cfg, batch, args, rep, variants):
+    """Step times (ms, None where out of memory) of ``variants`` at ``batch``, and the step's (tokens,
+    model FLOPs)."""
+    title, layers, E, H, Dh, N, _, _, negs = cfg
+    h = histories(cfg, users=batch * 4)
+    train, _ = data.leave_one_out(h)
+    mcfg = HSTURecommenderConfig(embedding_dim=E, num_layers=layers, num_heads=H, attention_dim=Dh, hidden_dim=Dh,
+                                 max_seq_len=N, dropout=0.0, item_capacity=1 << 20, embedding_optimizer="sgd",
+                                 embedding_lr=0.01, compute_dtype=torch.bfloat16)
+    tcfg = TrainConfig(batch_size=batch, max_len=N, num_negatives=negs, lr=1e-4)
+    catalog = torch.unique(h.items)
+    steps = 3 if args.quick else 10
+    results = {}
+    model = HSTURecommender(mcfg, device="cuda")
+    ours = Trainer(model, train, catalog, tcfg)
+    b0 = data.window_batch(train, ours._users_for(0), max_len=N)  # the first step's batch
+    lengths = b0.offsets[1:] - b0.offsets[:-1]
+    flops = model_flops(cfg, lengths, negs)
+    tokens = int(lengths.sum())
+
+    def measure(label, make):
+        trainer = None
+        try:
+            trainer = make()
+            results[label] = step_time_ms(trainer, steps)
+        except torch.OutOfMemoryError:
+            results[label] = None
+            rep.notes.append(f"{title}: {label} does not fit in memory at batch {batch}")
+        finally:
+            trainer = None
+            torch.cuda.empty_cache()
+
+    def plain(compiled):
+        twin = ReferenceRecommender(model, catalog.cuda()).cuda().to(torch.bfloat16)
+        if compiled:  # one compile with dynamic shapes, the parameters its inputs: shared by every layer
+            fn = torch.compile(reference.stu_layer_reference, dynamic=True)
+            for layer in twin.layers:
+                layer.layer_fn = fn
+        return Trainer(twin, train, catalog, tcfg, loss_fn=reference.sampled_softmax_loss,
+                       sparse_optimizer=torch.optim.SGD(twin.sparse_parameters(), lr=0.01))
+
+    def gr():
+        stack = gr_stack(args.peers, model, cfg)
+        if stack is None:
+            raise RuntimeError("generative-recommenders does not import")
+        peer = HSTURecommender(mcfg, device="cuda")
+        peer.stack = stack
+        return Trainer(peer, train, catalog, tcfg)
+
+    makers = {"eager": lambda: plain(False), "torch.compile": lambda: plain(True), "GR Triton": gr}
+    if "torchfuse" in variants:
+        results["torchfuse"] = step_time_ms(ours, steps)
+    for label in variants:
+        if label != "torchfuse":
+            measure(label, makers[label])
+    gr_ms, eager_ms = results.get("GR Triton"), results.get("eager")
+    if gr_ms and eager_ms and gr_ms > 10 * eager_ms:  # not a step time: Triton autotunes each batch's shapes
+        rep.notes.append(f"{title}: GR's Triton STU stack took {gr_ms:.0f} ms per step, every step far from its "
+                         "steady state (its Triton autotuning re-runs for each batch's shapes); left out")
+        results["GR Triton"] = None
+    model = ours = None
+    torch.cuda.empty_cache()
+    return results, tokens, flops
+
+
 def run(args):
     rep = C.Report("recsys", "HSTU recommender: training step and cached serving")
     peak = C.tensor_peak_tflops()
     rep.roofline = f"dense bf16 tensor peak {peak} TFLOP/s (MFU column)" if peak else "-"
-    rep.peers = ["plain PyTorch (eager)"] + (["GR Triton STU stack"] if args.peers else [])
-    # torch.compile of the plain model's encoder recompiles for every batch's shapes (tens of seconds a
-    # step), so it is not a baseline yet; it needs compiling per layer with dynamic shapes
-    rep.notes.append("torch.compile of the plain-PyTorch model: not measured (it recompiles for every batch)")
+    variants = ["torchfuse", "eager", "torch.compile"] + (["GR Triton"] if args.peers else [])
+    rep.peers = ["plain PyTorch (eager)", "torch.compile of the plain model's STU layers (dynamic shapes; one "
+                 "compile shared by the layers; lookups, positions and loss eager)"] + \
+        (["GR Triton STU stack"] if args.peers else [])
+    rep.notes.append("timing here: training, wall time per step, the mean of 10 after 2 warm-up steps; serving, wall "
+                     "time of one extend, the median of 9 after a first call that warms up (or records the CUDA "
+                     "graph); full recompute, the timer above over encode")
     rows = []
+    parts = (getattr(args, "parts", None) or "train,serve").split(",")
     names = args.configs.split(",") if getattr(args, "configs", None) else (["b"] if args.quick else ["b", "a"])
+    names = names if "train" in parts else []
     for name in names:
         cfg = CONFIGS[name]
-        title, layers, E, H, Dh, N, batch, _, negs = cfg
-        h = histories(cfg, users=batch * 4)
-        train, _ = data.leave_one_out(h)
-        mcfg = HSTURecommenderConfig(embedding_dim=E, num_layers=layers, num_heads=H, attention_dim=Dh, hidden_dim=Dh,
-                                     max_seq_len=N, dropout=0.0, item_capacity=1 << 20, embedding_optimizer="sgd",
-                                     embedding_lr=0.01, compute_dtype=torch.bfloat16)
-        tcfg = TrainConfig(batch_size=batch, max_len=N, num_negatives=negs, lr=1e-4)
-        catalog = torch.unique(h.items)
-        steps = 3 if args.quick else 10
-        results = {}
-        model = HSTURecommender(mcfg, device="cuda")
-        ours = Trainer(model, train, catalog, tcfg)
-        b0 = data.window_batch(train, ours._users_for(0), max_len=N)  # the first step's batch
-        lengths = b0.offsets[1:] - b0.offsets[:-1]
-        flops = model_flops(cfg, lengths, negs)
-        tokens = int(lengths.sum())
-        results["torchfuse"] = step_time_ms(ours, steps)
-        stack = gr_stack(args.peers, model, cfg)
-        if stack is not None:
-            try:
-                peer = HSTURecommender(mcfg, device="cuda")
-                peer.stack = stack
-                results["GR Triton"] = step_time_ms(Trainer(peer, train, catalog, tcfg), steps)
-            except torch.OutOfMemoryError:
-                results["GR Triton"] = None
-                rep.notes.append(f"{title}: the GR Triton stack does not fit in memory at batch {batch}")
-            finally:
-                peer = stack = None
-                torch.cuda.empty_cache()
-        try:
-            twin = ReferenceRecommender(model, catalog.cuda()).cuda().to(torch.bfloat16)
-            t = Trainer(twin, train, catalog, tcfg, loss_fn=reference.sampled_softmax_loss,
-                        sparse_optimizer=torch.optim.SGD(twin.sparse_parameters(), lr=0.01))
-            results["eager"] = step_time_ms(t, steps)
-        except torch.OutOfMemoryError:
-            results["eager"] = None
-            rep.notes.append(f"{title}: eager does not fit in memory at batch {batch}")
-        finally:
-            twin = t = None
-            torch.cuda.empty_cache()
-        gr_ms, eager_ms = results.get("GR Triton"), results.get("eager")
-        if gr_ms and eager_ms and gr_ms > 10 * eager_ms:  # not a step time: Triton autotunes each batch's shapes
-            rep.notes.append(f"{title}: GR's Triton STU stack took {gr_ms:.0f} ms per step, every step far from its "
-                             "steady state (its Triton autotuning re-runs for each batch's shapes); left out")
-            results["GR Triton"] = None
-        for label in results:
-            ms = results[label]
-            mfu = None if ms is None or not peak else flops / (ms * 1e-3) / (peak * 1e12) * 100
-            rows.append([title, label, batch, tokens, C.fmt(ms, 2), C.fmt(None if ms is None else tokens / ms * 1e3, 0),
-                         C.fmt(mfu, 1), C.ratio(results[label], results["torchfuse"]) if label != "torchfuse" else "1.00x"])
-        model = ours = None
-        torch.cuda.empty_cache()
-    rep.table("Training step (bf16 STU stack, fp32 tables; SGD on the tables, Adam on the dense part)",
-              ["config", "model", "batch", "tokens", "step ms", "tokens/s", "MFU %", "torchfuse speed-up"], rows)
-    rep.table("Serving: d new events per user, histories of 4096 - 3d to 4096 - d cached, config (a)'s "
-              "layer shape; cached: HSTURecommender.extend, eager and as a CUDA graph (cuda_graph=True); "
-              "full recompute: encode of the whole 4096-event histories",
-              ["users", "d", "cached ms", "cached, CUDA graph ms", "full recompute ms", "speed-up",
-               "speed-up, CUDA graph"], serving_rows(args))
+        title, batch = cfg[0], cfg[6]
+        runs = [(batch, train_results(cfg, batch, args, rep, variants))]
+        if runs[0][1][0].get("eager") is None:
+            # the padded eager attention keeps B x H x N x N scores per layer: every variant again at the largest
+            # batch (halving) at which eager fits
+            b = batch // 2
+            while b >= 1:
+                eager = train_results(cfg, b, args, rep, ["eager"])[0]["eager"]
+                if eager is not None:
+                    results, tokens, flops = train_results(cfg, b, args, rep, [v for v in variants if v != "eager"])
+                    results["eager"] = eager
+                    runs.append((b, ({v: results[v] for v in variants}, tokens, flops)))
+                    break
+                b //= 2
+        for b, (results, tokens, flops) in runs:
+            for label in results:
+                ms = results[label]
+                mfu = None if ms is None or not peak else flops / (ms * 1e-3) / (peak * 1e12) * 100
+                rows.append([title, label, b, tokens, C.fmt(ms, 2), C.fmt(None if ms is None else tokens / ms * 1e3, 0),
+                             C.fmt(mfu, 1),
+                             C.ratio(results[label], results["torchfuse"]) if label != "torchfuse" else "1.00x"])
+    if rows:
+        rep.table("Training step (bf16 STU stack, fp32 tables; SGD on the tables, Adam on the dense part)",
+                  ["config", "model", "batch", "tokens", "step ms", "tokens/s", "MFU %", "torchfuse speed-up"], rows)
+    if "serve" in parts:
+        rep.table("Serving: d new events per user, histories of 4096 - 9d to 4096 - d events cached, config (a)'s "
+                  "layer shape; cached: HSTURecommender.extend, eager and as a CUDA graph (cuda_graph=True); "
+                  "full recompute: encode of the whole 4096-event histories",
+                  ["users", "d", "cached ms", "cached, CUDA graph ms", "full recompute ms", "speed-up",
+                   "speed-up, CUDA graph"], serving_rows(args))
     return rep
 
 
@@ -168,7 +210,7 @@ def serving_rows(args, cases=None):
     if cases is None:
         cases = [(u, d) for u in ([1, 64] if args.quick else [1, 64, 256]) for d in (1, 8, 64)]
     for users, d in cases:
-        hist = N - 4 * d  # then 4 extends of d events: the first warms up (or records the graph), 3 timed
+        hist = N - 10 * d  # then 10 extends of d events: the first warms up (or records the graph), 9 timed
         items = torch.randint(1, 1 << 40, (users * N,), device="cuda")
         offsets = torch.arange(users + 1, device="cuda") * N
         hist_idx = (torch.arange(users, device="cuda").unsqueeze(1) * N + torch.arange(hist, device="cuda")).reshape(-1)
@@ -184,14 +226,14 @@ def serving_rows(args, cases=None):
             for graph in (False, True):
                 model.prefill(items[hist_idx], hist_offsets, hist)
                 times = []
-                for i in range(4):
+                for i in range(10):
                     new = new_events(i)
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     model.extend(new, cuda_graph=graph)
                     torch.cuda.synchronize()
                     times.append((time.perf_counter() - t0) * 1e3)
-                cached[graph] = sorted(times[1:])[1]  # the median of the 3 warm calls
+                cached[graph] = sorted(times[1:])[4]  # the median of the 9 warm calls
             with torch.no_grad():
                 full_ms = C.bench_us(lambda: model.encode(items, offsets, N), quick=True) / 1e3
             rows.append([users, d, C.fmt(cached[False], 2), C.fmt(cached[True], 2), C.fmt(full_ms, 2),
@@ -201,11 +243,16 @@ def serving_rows(args, cases=None):
         finally:
             model.stack.reset_kv_cache()
             model._cached_lengths = None
-            model.__dict__.pop("_stack_graphs", None)
+            model.__dict__.pop("_extend_graphs", None)
             torch.cuda.empty_cache()
     return rows
 
 
+def _add_args(ap):
+    ap.add_argument("--configs", help="training configurations: a comma-separated subset of a,b")
+    ap.add_argument("--parts", help="a comma-separated subset of train,serve (default both)")
+
+
 if __name__ == "__main__":
     sys.exit(C.standalone("recsys", run, doc=__doc__,
-                          add_args=lambda ap: ap.add_argument("--configs", help="comma-separated subset of a,b")))
+                          add_args=_add_args))

@@ -17,8 +17,8 @@ __all__ = ["ReferenceRecommender"]
 
 
 class _Layer(torch.nn.Module):
-    """An STU layer's parameters under GR's names; forward is ``stu_layer_reference``, or what
-    ``ReferenceRecommender.compile_layers`` replaced it with."""
+    """An STU layer's parameters under GR's names; forward is ``layer_fn``, ``stu_layer_reference``
+    unless replaced (the benchmark puts a ``torch.compile`` of it there)."""
 
     def __init__(self, cfg: STULayerConfig, like: torch.nn.Module):
         super().__init__()
@@ -57,15 +57,6 @@ class ReferenceRecommender(torch.nn.Module):
         cfg = STULayerConfig(embedding_dim=c.embedding_dim, num_heads=c.num_heads, hidden_dim=c.hidden_dim,
                              attention_dim=c.attention_dim, output_dropout_ratio=c.dropout, target_aware=False)
         self.layers = torch.nn.ModuleList(_Layer(cfg, m) for m in model.stack._stu_layers)
-
-    def compile_layers(self, **compile_kwargs) -> "ReferenceRecommender":
-        """Run every STU layer through one ``torch.compile`` of ``stu_layer_reference`` (parameters as
-        its inputs, so the layers share the compiled code). With ``dynamic=True`` a batch of other
-        lengths reuses it; the per-sequence index work around the layers stays eager."""
-        fn = torch.compile(stu_layer_reference, **compile_kwargs)
-        for layer in self.layers:
-            layer.layer_fn = fn
-        return self
 
     def sparse_parameters(self):
         return [self.item_table.weight] + ([self.user_table.weight] if self.config.user_context else [])
