@@ -5,7 +5,7 @@
  * thread j % blockDim.x. Groups of at most 32 threads pack blockDim.y rows into a 128-thread block
  * and reduce with warp shuffles; larger groups are a whole block and reduce through shared memory.
  *
- * Three tiers of kernels, chosen per call by fwd_launch / bwd_launch:
+ * Four tiers of kernels, chosen per call by fwd_launch / bwd_launch:
  *  - generic (norm_fwd_kernel, norm_bwd_kernel): any dtype combination and any row length. K > 0
  *    chunks per thread in registers, or K == 0 for long rows: several passes over the row, the later
  *    ones re-reading it from L2.
@@ -15,6 +15,9 @@
  *  - staged forward (norm_fwd_staged_kernel): as fast, but rows whose chunks are all whole and
  *    aligned are prefetched into shared memory with cp.async, so the bytes in flight are not bounded
  *    by registers (85-88% of copy bandwidth against 70% for the fast kernel on an H100).
+ *  - typed forward (norm_fwd_typed.cuh): the staged kernel's scheme with every dtype a template
+ *    parameter, for x, residual and s of one 16-bit dtype; weights in registers across a block's
+ *    rows, one group reduction and one barrier per row.
  * The backward's weight gradients are summed per row slot into fp32 partial rows, then reduced by
  * column_sum_kernel in a fixed order: deterministic, no atomics.
  */
