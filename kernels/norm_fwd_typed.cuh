@@ -35,10 +35,12 @@ namespace tf_norm_typed {
 
 constexpr int kThreads = 512;
 
-/* cp.async of 16 bytes to a shared-space address */
+/* cp.async of 16 bytes to a shared-space address, and the wait for all but the newest group. The
+ * memory clobbers keep the compiler from moving shared-memory reads across either. */
 __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-} /* largest group; __launch_bounds__(512, 2) caps registers at 64 */
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_but_newest() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); } /* largest group; __launch_bounds__(512, 2) caps registers at 64 */
 
 template <typename T>
 struct Pack;
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 2) norm_fwd_typed_kernel(const tf_no
         if constexpr (LN)
             c = RES ? Pack<T>::round(Pack<T>::to_f(cx_next) + Pack<T>::to_f(cr_next)) : Pack<T>::to_f(cx_next);
         issue(row + n_slots, stage ^ 1);
-        cp_async_wait<1>(); /* this row's group has landed */
+        cp_async_wait_but_newest(); /* this row's group has landed */
 
         float v[K][TF_VEC], sum = 0.f, sumsq = 0.f;
 #pragma unroll
