@@ -5,7 +5,7 @@
  * thread j % blockDim.x. Groups of at most 32 threads pack blockDim.y rows into a 128-thread block
  * and reduce with warp shuffles; larger groups are a whole block and reduce through shared memory.
  *
- * Three tiers of kernels, chosen per call by fwd_launch / bwd_launch:
+ * Four tiers of kernels, chosen per call by fwd_launch / bwd_launch:
  *  - generic (norm_fwd_kernel, norm_bwd_kernel): any dtype combination and any row length. K > 0
  *    chunks per thread in registers, or K == 0 for long rows: several passes over the row, the later
  *    ones re-reading it from L2.
@@ -15,6 +15,9 @@
  *  - staged forward (norm_fwd_staged_kernel): as fast, but rows whose chunks are all whole and
  *    aligned are prefetched into shared memory with cp.async, so the bytes in flight are not bounded
  *    by registers (85-88% of copy bandwidth against 70% for the fast kernel on an H100).
+ *  - typed forward (norm_fwd_typed.cuh): the staged kernel's scheme with every dtype a template
+ *    parameter, for x, residual and s of one 16-bit dtype; weights in registers across a block's
+ *    rows, one group reduction and one barrier per row.
  * The backward's weight gradients are summed per row slot into fp32 partial rows, then reduced by
  * column_sum_kernel in a fixed order: deterministic, no atomics.
  */
@@ -25,6 +28,7 @@
 #include <set>
 #include <tuple>
 
+#include "norm_fwd_typed.cuh"
 #include "norm_kernels.h"
 #include "tf_cp_async.cuh"
 #include "tf_vec.cuh"
@@ -788,6 +792,31 @@ bool aligned_rows(const void *base, int64_t stride, int dt) {
     return ((uintptr_t)base & 15u) == 0 && (stride * elem_size(dt)) % 16 == 0;
 }
 
+template <typename T, int K, bool RES>
+const void *fwd_typed_nt(int nt) {
+    using tf_norm_typed::norm_fwd_typed_kernel;
+    if (nt == TF_LAYER_NORM) return (const void *)norm_fwd_typed_kernel<T, K, RES, TF_LAYER_NORM>;
+    if (nt == TF_RMS_NORM_LLAMA) return (const void *)norm_fwd_typed_kernel<T, K, RES, TF_RMS_NORM_LLAMA>;
+    return (const void *)norm_fwd_typed_kernel<T, K, RES, TF_RMS_NORM_GEMMA>;
+}
+
+template <typename T>
+const void *fwd_typed_k(int k, bool res, int nt) {
+    if (k == 1) return res ? fwd_typed_nt<T, 1, true>(nt) : fwd_typed_nt<T, 1, false>(nt);
+    return res ? fwd_typed_nt<T, 2, true>(nt) : fwd_typed_nt<T, 2, false>(nt);
+}
+
+/* The compile-time-dtype kernel (norm_fwd_typed.cuh) where it applies: x, residual, s (and so y) of
+ * one 16-bit dtype, no second residual or norm. The llama cast's product is then rounded to that
+ * dtype or not at all (mul_dtype is s's dtype or fp32), which the store's rounding covers. */
+const void *fwd_typed(const tf_norm_fwd_params *p, int k) {
+    const int dt = p->x_dtype;
+    if (dt == TF_F32 || p->res2 || p->y2 || p->s_dtype != dt || (p->res && p->res_dtype != dt)) return nullptr;
+    if (p->norm_type == TF_RMS_NORM_LLAMA && p->mul_dtype != dt && p->mul_dtype != TF_F32) return nullptr;
+    const bool res = p->res != nullptr;
+    return dt == TF_BF16 ? fwd_typed_k<__nv_bfloat16>(k, res, p->norm_type) : fwd_typed_k<__half>(k, res, p->norm_type);
+}
+
 Launch fwd_launch(const tf_norm_fwd_params *p) {
     Launch l = shape(p->cols, kMaxFastK, kMaxThreads);
     const int rb = p->res ? elem_size(p->res_dtype) : 0;
@@ -798,7 +827,9 @@ Launch fwd_launch(const tf_norm_fwd_params *p) {
                             (!p->res || aligned_rows(p->res, p->res_stride, p->res_dtype));
         /* residual2 is staged too where all three inputs are 16-bit and its rows aligned */
         const int r2b = p->res2 && xb == 2 && rb == 2 && aligned_rows(p->res2, p->res2_stride, p->res2_dtype) ? 2 : 0;
-        if (staged) {
+        if (staged && (l.fn = fwd_typed(p, l.k)) != nullptr) {
+            l.smem = (size_t)2 * l.k * (p->res ? 2 : 1) * l.block.x * l.block.y * 16;
+        } else if (staged) {
             l.fn = l.k == 1 ? fwd_staged<1>(xb, rb, r2b) : fwd_staged<2>(xb, rb, r2b);
             l.smem = (size_t)2 * l.k * (xb / 2 + rb / 2 + r2b / 2) * l.block.x * l.block.y * 16;
         } else {

@@ -74,14 +74,14 @@ def make(shape, dtype, device, requires_grad=False, scale=1.0):
 
 
 def run_case(kind, device, dtype, rows, hidden, *, res_dtype="same", residual2=False, residual_dtype=None,
-             two=False, with_bias=True, offset=0.0, grad=True, eps=1e-5):
+             two=False, with_bias=True, offset=0.0, grad=True, eps=1e-5, weight_dtype=None):
     """Forward (and backward) of one configuration against both references."""
     has_res = res_dtype is not None
     rdt = dtype if res_dtype == "same" else res_dtype
     x = make((rows, hidden), dtype, device, grad)
     res = make((rows, hidden), rdt, device, grad, scale=2.0) if has_res else None
     res2 = make((rows, hidden), rdt, device, grad) if residual2 else None
-    wdt = torch.float32 if dtype == torch.float32 else dtype
+    wdt = weight_dtype or (torch.float32 if dtype == torch.float32 else dtype)
     w = make((hidden,), wdt, device, grad, scale=0.5)
     b = make((hidden,), wdt, device, grad, scale=0.5) if kind == "layer" and with_bias else None
     w2 = make((hidden,), wdt, device, grad, scale=0.5) if two else None
@@ -164,6 +164,45 @@ def test_zero_and_one_row(device, kind, rows):
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_residual(device, kind):
     run_case(kind, device, torch.bfloat16, 33, 300, res_dtype=None)
+
+
+ALIGNED_ROWS = [(64, 300), (256, 129), (1024, 2051), (2560, 33), (8192, 17)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("hidden,rows", ALIGNED_ROWS, ids=[f"n{h}" for h, _ in ALIGNED_ROWS])
+def test_aligned_16bit_rows(device, kind, dtype, residual, hidden, rows):
+    # 16-bit rows of a multiple of 8 elements, one dtype throughout: CUDA's compile-time-dtype
+    # forward, at group sizes below, at and above a warp and with more rows than resident blocks
+    run_case(kind, device, dtype, rows, hidden, res_dtype="same" if residual else None,
+             offset=1.0 if kind == "gemma" else 0.0, grad=hidden <= 1024)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_fp32_weights_of_16bit_rows(device, kind, residual):
+    # fp32 parameters with bf16 activations (the llama cast's product is then not rounded to bf16)
+    run_case(kind, device, torch.bfloat16, 65, 1024, res_dtype="same" if residual else None,
+             weight_dtype=torch.float32, offset=1.0 if kind == "gemma" else 0.0)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("hidden", [1000, 4096])
+def test_layer_norm_mean_far_from_zero(device, residual, hidden):
+    # |mean| / std ~ 1000: variance taken as E[s^2] - mean^2 about zero would lose nearly every digit
+    # in fp32; the statistics must stay within the usual tolerance
+    rows = 37
+    x = (torch.randn(rows, hidden, device=device) * 2 + 1000).half()
+    r = (torch.randn(rows, hidden, device=device) * 2).half() if residual else None
+    w = make((hidden,), torch.float16, device, scale=0.5)
+    b = make((hidden,), torch.float16, device, scale=0.5)
+    out = torchfuse.layer_norm(x, w, b, 1e-5, residual=r)
+    y = out[0] if residual else out
+    s = x + r if residual else x
+    check_close("y", y, norm_f64("layer", s.double(), w, b, 1e-5), norm_lowp("layer", s, w, b, 1e-5, x.dtype),
+                torch.float16)
 
 
 @pytest.mark.parametrize("kind", KINDS)
