@@ -458,6 +458,18 @@ __device__ __forceinline__ void stage_to_float(const uint4 *pl0, const uint4 *pl
     }
 }
 
+/* cp.async of chunk `col` of attn's and u's row `row` (one 16-byte piece each, two for fp32) into the
+ * planes at pa and pu, a piece per plane (planes are kRowBlock vectors apart): the staged forward and
+ * backward load these two tensors alike. */
+template <class P>
+__device__ __forceinline__ void issue_attn_u(const P &p, int64_t row, int64_t col, uint4 *pa, uint4 *pu) {
+    const int apc = p.attn_dtype == TF_F32 ? 2 : 1, upc = p.u_dtype == TF_F32 ? 2 : 1;
+    const char *ar = (const char *)tf_row(p.attn, p.attn_dtype, row, p.attn_stride);
+    const char *ur = (const char *)tf_row(p.u, p.u_dtype, row, p.u_stride);
+    for (int q = 0; q < apc; ++q) cp_async16(pa + q * kRowBlock, ar + col * 2 * apc + 16 * q);
+    for (int q = 0; q < upc; ++q) cp_async16(pu + q * kRowBlock, ur + col * 2 * upc + 16 * q);
+}
+
 template <int K, bool STAGED>
 __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) hstu_output_fwd_rows(
     const tf_hstu_output_fwd_params p, int tpr) {
@@ -482,21 +494,15 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
         load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
     }
     const int64_t step = (int64_t)gridDim.x * rpb;
-    const int apc = p.attn_dtype == TF_F32 ? 2 : 1, upc = p.u_dtype == TF_F32 ? 2 : 1; /* 16-byte pieces */
     auto plane = [&](int stage, int k, int idx) -> uint4 * {
         return stage_buf + (size_t)((stage * K + k) * kStagePlanes + idx) * kRowBlock + threadIdx.x;
     };
     auto issue = [&](int64_t row, int stage) {
         if (row < p.rows) {
-            const char *ar = (const char *)tf_row(p.attn, p.attn_dtype, row, p.attn_stride);
-            const char *ur = (const char *)tf_row(p.u, p.u_dtype, row, p.u_stride);
 #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                if (cn[k] == 0) continue;
-                const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
-                for (int q = 0; q < apc; ++q) cp_async16(plane(stage, k, q), ar + col * 2 * apc + 16 * q);
-                for (int q = 0; q < upc; ++q) cp_async16(plane(stage, k, 2 + q), ur + col * 2 * upc + 16 * q);
-            }
+            for (int k = 0; k < K; ++k)
+                if (cn[k] > 0)
+                    issue_attn_u(p, row, (int64_t)(t + tpr * k) * TF_VEC, plane(stage, k, 0), plane(stage, k, 2));
         }
         cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
     };
@@ -587,19 +593,15 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
         for (int i = 0; i < TF_VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.f;
     }
     const int64_t step = (int64_t)gridDim.x * rpb;
-    const int apc = p.attn_dtype == TF_F32 ? 2 : 1, upc = p.u_dtype == TF_F32 ? 2 : 1,
-              dpc = p.dy_dtype == TF_F32 ? 2 : 1; /* 16-byte pieces per chunk */
+    const int dpc = p.dy_dtype == TF_F32 ? 2 : 1; /* 16-byte pieces per chunk of dY */
     auto plane = [&](int stage, int idx) -> uint4 * {
         return stage_buf + (size_t)(stage * kBwdStagePlanes + idx) * kRowBlock + threadIdx.x;
     };
     auto issue = [&](int64_t row, int stage) {
         if (row < p.rows && cn[0] > 0) {
-            const char *ar = (const char *)tf_row(p.attn, p.attn_dtype, row, p.attn_stride);
-            const char *ur = (const char *)tf_row(p.u, p.u_dtype, row, p.u_stride);
             const char *dr = (const char *)tf_row(p.dy, p.dy_dtype, row, p.dy_stride);
             const int64_t col = (int64_t)t * TF_VEC;
-            for (int q = 0; q < apc; ++q) cp_async16(plane(stage, q), ar + col * 2 * apc + 16 * q);
-            for (int q = 0; q < upc; ++q) cp_async16(plane(stage, 2 + q), ur + col * 2 * upc + 16 * q);
+            issue_attn_u(p, row, col, plane(stage, 0), plane(stage, 2));
             for (int q = 0; q < dpc; ++q) cp_async16(plane(stage, 4 + q), dr + (oy + col) * 2 * dpc + 16 * q);
             if (ox >= 0)
                 for (int q = 0; q < dpc; ++q) cp_async16(plane(stage, 6 + q), dr + (ox + col) * 2 * dpc + 16 * q);
