@@ -9,8 +9,9 @@
  * columns in registers (wider ones are read three times: mean, variance about it, the write pass; the
  * re-reads come from L1/L2); their backward reads a group twice.
  *
- * Dropout: a chunk's 8 elements of the concatenated output span two or three Philox blocks of 4
- * consecutive elements; each block is drawn once per chunk and its 4 words used for 4 elements.
+ * Dropout: a chunk's 8 elements of the concatenated output span one Philox block of 8 consecutive
+ * elements (16 bits each, tf_philox_keep16) where the chunk starts at a multiple of 8 in the output,
+ * two otherwise; each block is drawn once per chunk.
  *
  * Warp backward's weight gradients: each warp adds into its own partial row as it goes (LayerNorm: a
  * lane's columns; GroupNorm: a warp sum per task), so the order of additions is fixed: deterministic. */
@@ -106,25 +107,28 @@ __device__ __forceinline__ void tf_st_chunk(void *row, int dt, int64_t col, int 
 
 struct Dropout {
     uint64_t seed, offset;
-    float p, scale;
+    uint32_t threshold; /* tf_philox_threshold16(p) */
+    float scale;
     bool on;
 };
 
-/* v[i] *= keep(e0 + i) / (1 - p) for i < n <= 8. The chunk's elements span at most three Philox blocks:
- * each is drawn once, its four words turned into keep bits at once (bit 4 * block + word, shifted by the
- * chunk's phase afterwards), so only four words and a bit mask are live at a time. */
+/* v[i] *= keep(e0 + i) / (1 - p) for i < n <= 8. The chunk's elements span at most two Philox blocks of
+ * 8: each is drawn once, its eight halves turned into keep bits at once (bit 8 * block + element, shifted
+ * by the chunk's phase afterwards), so only four words and a bit mask are live at a time. */
 __device__ __forceinline__ void apply_mask(const Dropout &d, uint64_t e0, int n, float (&v)[TF_VEC]) {
     if (!d.on || n <= 0) return;
-    const uint64_t b0 = e0 >> 2;
-    const unsigned ph = (unsigned)(e0 & 3), end = ph + (unsigned)n;
+    const uint64_t b0 = e0 >> 3;
+    const unsigned ph = (unsigned)(e0 & 7), end = ph + (unsigned)n;
     uint32_t bits = 0u;
 #pragma unroll
-    for (int j = 0; j < 3; ++j) {
-        if (4u * j >= end) break;
+    for (int j = 0; j < 2; ++j) {
+        if (8u * j >= end) break;
         uint32_t w[4];
         tf_philox4x32_10(d.seed, d.offset, b0 + j, w);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) bits |= (tf_philox_uniform(w[q]) >= d.p ? 1u : 0u) << (4 * j + q);
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) bits |= (uint32_t)tf_philox_keep16(w[q], h, d.threshold) << (8 * j + 2 * q + h);
     }
     bits >>= ph;
 #pragma unroll
@@ -157,7 +161,7 @@ __device__ __forceinline__ int chunk_n(int64_t j, int64_t gs) {
 __device__ __forceinline__ Dropout make_dropout(const tf_philox_args &rng, int on, float p) {
     Dropout d{};
     d.on = on != 0;
-    d.p = p;
+    d.threshold = tf_philox_threshold16(p);
     d.scale = on ? 1.f / (1.f - p) : 1.f;
     if (on) tf_philox_resolve(&rng, &d.seed, &d.offset);
     return d;
