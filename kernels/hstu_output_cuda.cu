@@ -627,15 +627,15 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
         if constexpr (STAGED) {
             issue(r + step, stage ^ 1);
             cp_async_wait<1>(); /* this row's group has landed */
+            /* dY's u and attn parts are read from the stage where they are used (the stage holds this
+             * row until the next iteration's issue): fewer registers live across the reduction */
             if (live && cn[0] > 0) {
                 stage_to_float(plane(stage, 0), plane(stage, 1), p.attn_dtype, xh[0]);
                 stage_to_float(plane(stage, 2), plane(stage, 3), p.u_dtype, u[0]);
                 stage_to_float(plane(stage, 4), plane(stage, 5), p.dy_dtype, gy[0]);
-                if (ox >= 0) stage_to_float(plane(stage, 6), plane(stage, 7), p.dy_dtype, tx[0]);
-                if (ou >= 0) stage_to_float(plane(stage, 8), plane(stage, 9), p.dy_dtype, tu[0]);
             } else {
 #pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) xh[0][i] = u[0][i] = gy[0][i] = tx[0][i] = tu[0][i] = 0.f;
+                for (int i = 0; i < TF_VEC; ++i) xh[0][i] = u[0][i] = gy[0][i] = 0.f;
             }
         } else {
             const void *arow = tf_row(p.attn, p.attn_dtype, r, p.attn_stride);
@@ -652,58 +652,69 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
             }
         }
         float s[2] = {0.f, 0.f};
+        float dx[K][TF_VEC]; /* dn * w, rounded as in da below */
+        void *durow = tf_row(p.du, p.du_dtype, r, n);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int m = live ? cn[k] : 0;
-            apply_mask(d, e_row + oy + (t + tpr * k) * TF_VEC, m, gy[k]);
+            const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
+            apply_mask(d, e_row + oy + col, m, gy[k]);
+            float du[TF_VEC], gm[TF_VEC];
 #pragma unroll
             for (int i = 0; i < TF_VEC; ++i) {
+                float fm;
+                act_fg(u[k][i], p.mul_act, fm, gm[i]); /* the one exponential of this element */
                 xh[k][i] = i < m ? (xh[k][i] - mean) * rstd : 0.f;
-                const float dn = i < m ? gy[k][i] * act_f(u[k][i], p.mul_act) : 0.f;
-                const float dx = __fmul_rn(dn, w[k][i]); /* rounded as in da below */
-                s[0] += dx;
-                s[1] += dx * xh[k][i];
+                const float dn = i < m ? gy[k][i] * fm : 0.f;
+                dx[k][i] = __fmul_rn(dn, w[k][i]);
+                s[0] += dx[k][i];
+                s[1] += dx[k][i] * xh[k][i];
                 acc_w[k][i] += dn * xh[k][i];
                 acc_b[k][i] += dn;
+                du[i] = gy[k][i] * (xh[k][i] * w[k][i] + b[k][i]) * gm[i];
             }
+            /* d u needs no row statistic: written before the row's reduction, so that only xhat, dn * w
+             * and dY's attn part stay live across it */
+            if (m == 0) continue;
+            if (ou >= 0) {
+                if (K > 1) tf_ld_chunk(dyrow, p.dy_dtype, ou + col, m, tu[k]); /* read only now: registers */
+                if constexpr (STAGED) stage_to_float(plane(stage, 8), plane(stage, 9), p.dy_dtype, tu[k]);
+                apply_mask(d, e_row + ou + col, m, tu[k]);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i)
+                    du[i] += tu[k][i] * (p.cat_act == p.mul_act ? gm[i] : act_grad(u[k][i], p.cat_act));
+            }
+            tf_st_chunk(durow, p.du_dtype, col, m, du);
         }
         group_sum(s, tpr, red);
         if (!live) continue;
         const float m1 = s[0] * inv, m2 = s[1] * inv;
         void *darow = tf_row(p.dattn, p.dattn_dtype, r, n);
-        void *durow = tf_row(p.du, p.du_dtype, r, n);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             if (cn[k] == 0) continue;
             const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
-            float da[TF_VEC], du[TF_VEC], gm[TF_VEC];
+            if constexpr (STAGED) { /* xhat again from the stage, bit for bit, instead of held across */
+                float a[TF_VEC];
+                stage_to_float(plane(stage, 0), plane(stage, 1), p.attn_dtype, a);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) xh[k][i] = (a[i] - mean) * rstd;
+            }
+            float da[TF_VEC];
 #pragma unroll
             for (int i = 0; i < TF_VEC; ++i) {
-                float fm;
-                act_fg(u[k][i], p.mul_act, fm, gm[i]);
-                const float dn = i < cn[k] ? gy[k][i] * fm : 0.f;
                 /* the product rounded before the subtraction, as in m1's terms: an FMA here would leave
                  * the product's rounding error, which rstd magnifies when the row is constant */
-                da[i] = rstd * (__fmul_rn(dn, w[k][i]) - m1 - xh[k][i] * m2);
-                du[i] = gy[k][i] * (xh[k][i] * w[k][i] + b[k][i]) * gm[i];
+                da[i] = rstd * (dx[k][i] - m1 - xh[k][i] * m2);
             }
-            /* K > 1: the dY parts of u and attn read only now, which keeps the registers under the
-             * launch bound; they are read once either way */
-            if (K > 1 && ox >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ox + col, cn[k], tx[k]);
-            if (K > 1 && ou >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ou + col, cn[k], tu[k]);
             if (ox >= 0) {
+                if (K > 1) tf_ld_chunk(dyrow, p.dy_dtype, ox + col, cn[k], tx[k]); /* read only now: registers */
+                if constexpr (STAGED) stage_to_float(plane(stage, 6), plane(stage, 7), p.dy_dtype, tx[k]);
                 apply_mask(d, e_row + ox + col, cn[k], tx[k]);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) da[i] += tx[k][i];
             }
-            if (ou >= 0) {
-                apply_mask(d, e_row + ou + col, cn[k], tu[k]);
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i)
-                    du[i] += tu[k][i] * (p.cat_act == p.mul_act ? gm[i] : act_grad(u[k][i], p.cat_act));
-            }
             tf_st_chunk(darow, p.dattn_dtype, col, cn[k], da);
-            tf_st_chunk(durow, p.du_dtype, col, cn[k], du);
         }
     }
     if constexpr (STAGED) asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
