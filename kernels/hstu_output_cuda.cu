@@ -128,7 +128,8 @@ __device__ __forceinline__ void apply_mask(const Dropout &d, uint64_t e0, int n,
 #pragma unroll
         for (int q = 0; q < 4; ++q)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) bits |= (uint32_t)tf_philox_keep16(w[q], h, d.threshold) << (8 * j + 2 * q + h);
+            for (int h = 0; h < 2; ++h)
+                bits |= (uint32_t)tf_philox_keep16(w[q], h, d.threshold) << (8 * j + 2 * q + h);
     }
     bits >>= ph;
 #pragma unroll
@@ -407,11 +408,13 @@ __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
 constexpr int kRowBlock = 128;
 constexpr int kRowMaxK = 2;
 /* Blocks per SM the register budgets are set for: the largest counts whose kernels compile unspilled
- * (ptxas, sm_90a); the staged forward's prefetch keeps loads in flight with one block fewer. */
+ * (ptxas, sm_90a); the staged forward's prefetch keeps loads in flight with one block fewer. The staged
+ * backward keeps little in registers across rows (norm parameters read per row, dn * w parked in the
+ * stage): 5 blocks, their 40 KB stages 200 KB of shared memory. */
 template <int K, bool STAGED>
 constexpr int rows_fwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 6) : 4; }
-template <int K>
-constexpr int rows_bwd_min_blocks() { return K == 1 ? 4 : 2; }
+template <int K, bool STAGED>
+constexpr int rows_bwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 4) : 2; }
 
 /* v summed over the tpr threads of each row group (a fixed order: the same result in every thread of
  * the group, run to run). Every thread of the block calls it; above 32 threads per row it meets the
@@ -586,7 +589,7 @@ constexpr int kBwdStagePlanes = 10;
 constexpr size_t rows_bwd_stage_bytes() { return (size_t)2 * kBwdStagePlanes * kRowBlock * 16; }
 
 template <int K, bool STAGED>
-__global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_output_bwd_rows(
+__global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED>()) hstu_output_bwd_rows(
     const tf_hstu_output_bwd_params p, int tpr) {
     static_assert(!STAGED || K == 1, "the staged backward holds one chunk per thread");
     __shared__ float red[kRowBlock / 32][2];
@@ -601,7 +604,8 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         cn[k] = chunk_n(t + tpr * k, n);
-        load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
+        if constexpr (!STAGED) /* staged: read per row instead (L1 hits), not held across rows */
+            load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
 #pragma unroll
         for (int i = 0; i < TF_VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.f;
     }
@@ -668,6 +672,8 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
             const int m = live ? cn[k] : 0;
             const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
             apply_mask(d, e_row + oy + col, m, gy[k]);
+            if constexpr (STAGED) /* after the mask's draws: not live across them */
+                load_params(p.w, p.b, p.w_dtype, 0, 0, col, cn[k], w[k], b[k]);
             float du[TF_VEC], gm[TF_VEC];
 #pragma unroll
             for (int i = 0; i < TF_VEC; ++i) {
@@ -682,8 +688,12 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
                 acc_b[k][i] += dn;
                 du[i] = gy[k][i] * (xh[k][i] * w[k][i] + b[k][i]) * gm[i];
             }
+            if constexpr (STAGED) { /* dn * w waits in dY[y]'s planes (read above) for the second phase */
+                *reinterpret_cast<float4 *>(plane(stage, 4)) = make_float4(dx[k][0], dx[k][1], dx[k][2], dx[k][3]);
+                *reinterpret_cast<float4 *>(plane(stage, 5)) = make_float4(dx[k][4], dx[k][5], dx[k][6], dx[k][7]);
+            }
             /* d u needs no row statistic: written before the row's reduction, so that only xhat, dn * w
-             * and dY's attn part stay live across it */
+             * and dY's attn part stay live across it (staged: nothing of the row) */
             if (m == 0) continue;
             if (ou >= 0) {
                 if (K > 1) tf_ld_chunk(dyrow, p.dy_dtype, ou + col, m, tu[k]); /* read only now: registers */
@@ -703,11 +713,15 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
         for (int k = 0; k < K; ++k) {
             if (cn[k] == 0) continue;
             const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
-            if constexpr (STAGED) { /* xhat again from the stage, bit for bit, instead of held across */
+            if constexpr (STAGED) { /* xhat again from the stage, bit for bit, and dn * w back */
                 float a[TF_VEC];
                 stage_to_float(plane(stage, 0), plane(stage, 1), p.attn_dtype, a);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) xh[k][i] = (a[i] - mean) * rstd;
+                const float4 d0 = *reinterpret_cast<const float4 *>(plane(stage, 4));
+                const float4 d1 = *reinterpret_cast<const float4 *>(plane(stage, 5));
+                dx[k][0] = d0.x; dx[k][1] = d0.y; dx[k][2] = d0.z; dx[k][3] = d0.w;
+                dx[k][4] = d1.x; dx[k][5] = d1.y; dx[k][6] = d1.z; dx[k][7] = d1.w;
             }
             float da[TF_VEC];
 #pragma unroll
