@@ -152,11 +152,11 @@ def test_few_rows(device, L, group_norm):
 
 
 # More rows than an H100's resident blocks hold at once, so every block of the persistent grids takes
-# several rows (the staged forward's prefetch of a block's next row included): 256 columns (staged) and
-# 125 (direct loads).
-@pytest.mark.parametrize("H,D", [(4, 64), (5, 25)], ids=["256", "125"])
-def test_many_rows(device, H, D):
-    run_case(device, torch.bfloat16, 20000, H, D, 32, group_norm=False, concat="uxy", act="none", silu_u=False,
+# several rows (the staged kernels' rings of prefetched rows wrapping around included): 256 and 1024
+# columns (staged; 1024: one row per block at a time) and 125 (direct loads).
+@pytest.mark.parametrize("L,H,D", [(20000, 4, 64), (6000, 4, 256), (20000, 5, 25)], ids=["256", "1024", "125"])
+def test_many_rows(device, L, H, D):
+    run_case(device, torch.bfloat16, L, H, D, 32, group_norm=False, concat="uxy", act="none", silu_u=False,
              p=0.1, recompute=False)
 
 
