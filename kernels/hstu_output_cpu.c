@@ -18,26 +18,27 @@ static inline float act_grad(float x, int act) {
     return act == TF_ACT_SILU ? s * (1.f + x * (1.f - s)) : s * (1.f - s);
 }
 
-/* Keep decisions walked in element order: one Philox block per 4 elements. */
+/* Keep decisions walked in element order: one Philox block per 8 elements (tf_philox_keep16). */
 typedef struct {
     uint64_t seed, offset, block;
     uint32_t w[4];
     int have;
-    float p, scale;
+    uint32_t threshold;
+    float scale;
 } mask_walk;
 
 static inline float mask_factor(mask_walk *m, uint64_t e) {
-    if (!m->have || (e >> 2) != m->block) {
-        m->block = e >> 2;
+    if (!m->have || (e >> 3) != m->block) {
+        m->block = e >> 3;
         tf_philox4x32_10(m->seed, m->offset, m->block, m->w);
         m->have = 1;
     }
-    return tf_philox_uniform(m->w[e & 3]) >= m->p ? m->scale : 0.f;
+    return tf_philox_keep16(m->w[(e >> 1) & 3], (int)(e & 1), m->threshold) ? m->scale : 0.f;
 }
 
 static void mask_init(mask_walk *m, const tf_philox_args *rng, int dropout, float p) {
     m->have = 0;
-    m->p = p;
+    m->threshold = tf_philox_threshold16(p);
     m->scale = dropout ? 1.f / (1.f - p) : 1.f;
     m->seed = m->offset = 0;
     if (dropout) tf_philox_resolve(rng, &m->seed, &m->offset);

@@ -9,8 +9,9 @@
  * columns in registers (wider ones are read three times: mean, variance about it, the write pass; the
  * re-reads come from L1/L2); their backward reads a group twice.
  *
- * Dropout: a chunk's 8 elements of the concatenated output span two or three Philox blocks of 4
- * consecutive elements; each block is drawn once per chunk and its 4 words used for 4 elements.
+ * Dropout: a chunk's 8 elements of the concatenated output span one Philox block of 8 consecutive
+ * elements (16 bits each, tf_philox_keep16) where the chunk starts at a multiple of 8 in the output,
+ * two otherwise; each block is drawn once per chunk.
  *
  * Warp backward's weight gradients: each warp adds into its own partial row as it goes (LayerNorm: a
  * lane's columns; GroupNorm: a warp sum per task), so the order of additions is fixed: deterministic. */
@@ -106,25 +107,29 @@ __device__ __forceinline__ void tf_st_chunk(void *row, int dt, int64_t col, int 
 
 struct Dropout {
     uint64_t seed, offset;
-    float p, scale;
+    uint32_t threshold; /* tf_philox_threshold16(p) */
+    float scale;
     bool on;
 };
 
-/* v[i] *= keep(e0 + i) / (1 - p) for i < n <= 8. The chunk's elements span at most three Philox blocks:
- * each is drawn once, its four words turned into keep bits at once (bit 4 * block + word, shifted by the
- * chunk's phase afterwards), so only four words and a bit mask are live at a time. */
+/* v[i] *= keep(e0 + i) / (1 - p) for i < n <= 8. The chunk's elements span at most two Philox blocks of
+ * 8: each is drawn once, its eight halves turned into keep bits at once (bit 8 * block + element, shifted
+ * by the chunk's phase afterwards), so only four words and a bit mask are live at a time. */
 __device__ __forceinline__ void apply_mask(const Dropout &d, uint64_t e0, int n, float (&v)[TF_VEC]) {
     if (!d.on || n <= 0) return;
-    const uint64_t b0 = e0 >> 2;
-    const unsigned ph = (unsigned)(e0 & 3), end = ph + (unsigned)n;
+    const uint64_t b0 = e0 >> 3;
+    const unsigned ph = (unsigned)(e0 & 7), end = ph + (unsigned)n;
     uint32_t bits = 0u;
 #pragma unroll
-    for (int j = 0; j < 3; ++j) {
-        if (4u * j >= end) break;
+    for (int j = 0; j < 2; ++j) {
+        if (8u * j >= end) break;
         uint32_t w[4];
         tf_philox4x32_10(d.seed, d.offset, b0 + j, w);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) bits |= (tf_philox_uniform(w[q]) >= d.p ? 1u : 0u) << (4 * j + q);
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                bits |= (uint32_t)tf_philox_keep16(w[q], h, d.threshold) << (8 * j + 2 * q + h);
     }
     bits >>= ph;
 #pragma unroll
@@ -157,7 +162,7 @@ __device__ __forceinline__ int chunk_n(int64_t j, int64_t gs) {
 __device__ __forceinline__ Dropout make_dropout(const tf_philox_args &rng, int on, float p) {
     Dropout d{};
     d.on = on != 0;
-    d.p = p;
+    d.threshold = tf_philox_threshold16(p);
     d.scale = on ? 1.f / (1.f - p) : 1.f;
     if (on) tf_philox_resolve(&rng, &d.seed, &d.offset);
     return d;
@@ -403,11 +408,14 @@ __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
 constexpr int kRowBlock = 128;
 constexpr int kRowMaxK = 2;
 /* Blocks per SM the register budgets are set for: the largest counts whose kernels compile unspilled
- * (ptxas, sm_90a); the staged forward's prefetch keeps loads in flight with one block fewer. */
+ * (ptxas, sm_90a). The staged kernels hold little in registers across rows and across a row's
+ * reductions (norm parameters read per row, u and the backward's later operands read from the stage
+ * where used, its dn * w parked there): the one-chunk forward fits 6 blocks (24 KB of stages each),
+ * the backward 5 (40 KB each). */
 template <int K, bool STAGED>
-constexpr int rows_fwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 6) : 4; }
-template <int K>
-constexpr int rows_bwd_min_blocks() { return K == 1 ? 4 : 2; }
+constexpr int rows_fwd_min_blocks() { return K == 1 ? 6 : 4; }
+template <int K, bool STAGED>
+constexpr int rows_bwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 4) : 2; }
 
 /* v summed over the tpr threads of each row group (a fixed order: the same result in every thread of
  * the group, run to run). Every thread of the block calls it; above 32 threads per row it meets the
@@ -441,8 +449,13 @@ __device__ __forceinline__ void group_sum(float (&v)[NV], int tpr, float (*red)[
  * bytes x kRowBlock threads, (stage, chunk, tensor, 16-byte piece), conflict-free for a warp. */
 constexpr int kStagePlanes = 4; /* per chunk and stage: attn, u, each one (16-bit) or two (fp32) pieces */
 
+/* Rows in the stage ring: the row worked on and the next one or two in flight. One chunk per thread
+ * moves few bytes per row, so its loads are issued two rows ahead; two chunks stay at one row ahead
+ * (24 KB of shared memory per block at 16 bits). */
 template <int K>
-constexpr size_t rows_fwd_stage_bytes() { return (size_t)2 * K * kStagePlanes * kRowBlock * 16; }
+constexpr int rows_fwd_stages() { return K == 1 ? 3 : 2; }
+template <int K>
+constexpr size_t rows_fwd_stage_bytes() { return (size_t)rows_fwd_stages<K>() * K * kStagePlanes * kRowBlock * 16; }
 
 /* A chunk's raw pieces as floats: one 16-byte piece for 16-bit dtypes, two for fp32. */
 __device__ __forceinline__ void stage_to_float(const uint4 *pl0, const uint4 *pl1, int dt, float (&v)[TF_VEC]) {
@@ -456,6 +469,18 @@ __device__ __forceinline__ void stage_to_float(const uint4 *pl0, const uint4 *pl
         r.q[0] = *pl0;
         tf_raw_to_float(r, dt, v);
     }
+}
+
+/* cp.async of chunk `col` of attn's and u's row `row` (one 16-byte piece each, two for fp32) into the
+ * planes at pa and pu, a piece per plane (planes are kRowBlock vectors apart): the staged forward and
+ * backward load these two tensors alike. */
+template <class P>
+__device__ __forceinline__ void issue_attn_u(const P &p, int64_t row, int64_t col, uint4 *pa, uint4 *pu) {
+    const int apc = p.attn_dtype == TF_F32 ? 2 : 1, upc = p.u_dtype == TF_F32 ? 2 : 1;
+    const char *ar = (const char *)tf_row(p.attn, p.attn_dtype, row, p.attn_stride);
+    const char *ur = (const char *)tf_row(p.u, p.u_dtype, row, p.u_stride);
+    for (int q = 0; q < apc; ++q) cp_async16(pa + q * kRowBlock, ar + col * 2 * apc + 16 * q);
+    for (int q = 0; q < upc; ++q) cp_async16(pu + q * kRowBlock, ur + col * 2 * upc + 16 * q);
 }
 
 template <int K, bool STAGED>
@@ -479,45 +504,43 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         cn[k] = chunk_n(t + tpr * k, n);
-        load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
+        if constexpr (!STAGED) /* staged: read per row instead (L1 hits), not held across rows */
+            load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
     }
     const int64_t step = (int64_t)gridDim.x * rpb;
-    const int apc = p.attn_dtype == TF_F32 ? 2 : 1, upc = p.u_dtype == TF_F32 ? 2 : 1; /* 16-byte pieces */
     auto plane = [&](int stage, int k, int idx) -> uint4 * {
         return stage_buf + (size_t)((stage * K + k) * kStagePlanes + idx) * kRowBlock + threadIdx.x;
     };
     auto issue = [&](int64_t row, int stage) {
         if (row < p.rows) {
-            const char *ar = (const char *)tf_row(p.attn, p.attn_dtype, row, p.attn_stride);
-            const char *ur = (const char *)tf_row(p.u, p.u_dtype, row, p.u_stride);
 #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                if (cn[k] == 0) continue;
-                const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
-                for (int q = 0; q < apc; ++q) cp_async16(plane(stage, k, q), ar + col * 2 * apc + 16 * q);
-                for (int q = 0; q < upc; ++q) cp_async16(plane(stage, k, 2 + q), ur + col * 2 * upc + 16 * q);
-            }
+            for (int k = 0; k < K; ++k)
+                if (cn[k] > 0)
+                    issue_attn_u(p, row, (int64_t)(t + tpr * k) * TF_VEC, plane(stage, k, 0), plane(stage, k, 2));
         }
         cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
     };
+    constexpr int S = rows_fwd_stages<K>();
     int stage = 0;
-    if constexpr (STAGED) issue((int64_t)blockIdx.x * rpb + threadIdx.x / tpr, 0);
-    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < p.rows; r0 += step, stage ^= 1) {
+    if constexpr (STAGED)
+#pragma unroll
+        for (int j = 0; j < S - 1; ++j) issue((int64_t)blockIdx.x * rpb + threadIdx.x / tpr + j * step, j);
+    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < p.rows; r0 += step, stage = stage + 1 == S ? 0 : stage + 1) {
         const int64_t r = r0 + threadIdx.x / tpr;
         const bool live = r < p.rows; /* dead groups still meet the others in group_sum */
         float a[K][TF_VEC], u[K][TF_VEC];
         if constexpr (STAGED) {
-            issue(r + step, stage ^ 1);
-            cp_async_wait<1>(); /* this row's group has landed */
+            /* into the stage the previous row used (this thread's own copies, read by it alone) */
+            issue(r + (S - 1) * step, stage == 0 ? S - 1 : stage - 1);
+            cp_async_wait<S - 1>(); /* this row's group has landed; u is read in the write phase */
 #pragma unroll
             for (int k = 0; k < K; ++k) {
                 if (!live || cn[k] == 0) {
 #pragma unroll
-                    for (int i = 0; i < TF_VEC; ++i) a[k][i] = u[k][i] = 0.f;
+                    for (int i = 0; i < TF_VEC; ++i) a[k][i] = 0.f;
                     continue;
                 }
                 stage_to_float(plane(stage, k, 0), plane(stage, k, 1), p.attn_dtype, a[k]);
-                stage_to_float(plane(stage, k, 2), plane(stage, k, 3), p.u_dtype, u[k]);
             }
         } else {
             const void *arow = tf_row(p.attn, p.attn_dtype, r, p.attn_stride);
@@ -552,9 +575,14 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
         const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
 #pragma unroll
         for (int k = 0; k < K; ++k)
-            if (cn[k] > 0)
-                fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, (int64_t)(t + tpr * k) * TF_VEC, cn[k], mean, rstd,
-                                a[k], u[k], w[k], b[k]);
+            if (cn[k] > 0) {
+                const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
+                if constexpr (STAGED) {
+                    stage_to_float(plane(stage, k, 2), plane(stage, k, 3), p.u_dtype, u[k]);
+                    load_params(p.w, p.b, p.w_dtype, 0, 0, col, cn[k], w[k], b[k]);
+                }
+                fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, col, cn[k], mean, rstd, a[k], u[k], w[k], b[k]);
+            }
     }
     if constexpr (STAGED) asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
 }
@@ -567,7 +595,7 @@ constexpr int kBwdStagePlanes = 10;
 constexpr size_t rows_bwd_stage_bytes() { return (size_t)2 * kBwdStagePlanes * kRowBlock * 16; }
 
 template <int K, bool STAGED>
-__global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_output_bwd_rows(
+__global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED>()) hstu_output_bwd_rows(
     const tf_hstu_output_bwd_params p, int tpr) {
     static_assert(!STAGED || K == 1, "the staged backward holds one chunk per thread");
     __shared__ float red[kRowBlock / 32][2];
@@ -582,24 +610,21 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         cn[k] = chunk_n(t + tpr * k, n);
-        load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
+        if constexpr (!STAGED) /* staged: read per row instead (L1 hits), not held across rows */
+            load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
 #pragma unroll
         for (int i = 0; i < TF_VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.f;
     }
     const int64_t step = (int64_t)gridDim.x * rpb;
-    const int apc = p.attn_dtype == TF_F32 ? 2 : 1, upc = p.u_dtype == TF_F32 ? 2 : 1,
-              dpc = p.dy_dtype == TF_F32 ? 2 : 1; /* 16-byte pieces per chunk */
+    const int dpc = p.dy_dtype == TF_F32 ? 2 : 1; /* 16-byte pieces per chunk of dY */
     auto plane = [&](int stage, int idx) -> uint4 * {
         return stage_buf + (size_t)(stage * kBwdStagePlanes + idx) * kRowBlock + threadIdx.x;
     };
     auto issue = [&](int64_t row, int stage) {
         if (row < p.rows && cn[0] > 0) {
-            const char *ar = (const char *)tf_row(p.attn, p.attn_dtype, row, p.attn_stride);
-            const char *ur = (const char *)tf_row(p.u, p.u_dtype, row, p.u_stride);
             const char *dr = (const char *)tf_row(p.dy, p.dy_dtype, row, p.dy_stride);
             const int64_t col = (int64_t)t * TF_VEC;
-            for (int q = 0; q < apc; ++q) cp_async16(plane(stage, q), ar + col * 2 * apc + 16 * q);
-            for (int q = 0; q < upc; ++q) cp_async16(plane(stage, 2 + q), ur + col * 2 * upc + 16 * q);
+            issue_attn_u(p, row, col, plane(stage, 0), plane(stage, 2));
             for (int q = 0; q < dpc; ++q) cp_async16(plane(stage, 4 + q), dr + (oy + col) * 2 * dpc + 16 * q);
             if (ox >= 0)
                 for (int q = 0; q < dpc; ++q) cp_async16(plane(stage, 6 + q), dr + (ox + col) * 2 * dpc + 16 * q);
@@ -621,15 +646,15 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
         if constexpr (STAGED) {
             issue(r + step, stage ^ 1);
             cp_async_wait<1>(); /* this row's group has landed */
+            /* dY's u and attn parts are read from the stage where they are used (the stage holds this
+             * row until the next iteration's issue): fewer registers live across the reduction */
             if (live && cn[0] > 0) {
                 stage_to_float(plane(stage, 0), plane(stage, 1), p.attn_dtype, xh[0]);
                 stage_to_float(plane(stage, 2), plane(stage, 3), p.u_dtype, u[0]);
                 stage_to_float(plane(stage, 4), plane(stage, 5), p.dy_dtype, gy[0]);
-                if (ox >= 0) stage_to_float(plane(stage, 6), plane(stage, 7), p.dy_dtype, tx[0]);
-                if (ou >= 0) stage_to_float(plane(stage, 8), plane(stage, 9), p.dy_dtype, tu[0]);
             } else {
 #pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) xh[0][i] = u[0][i] = gy[0][i] = tx[0][i] = tu[0][i] = 0.f;
+                for (int i = 0; i < TF_VEC; ++i) xh[0][i] = u[0][i] = gy[0][i] = 0.f;
             }
         } else {
             const void *arow = tf_row(p.attn, p.attn_dtype, r, p.attn_stride);
@@ -646,58 +671,79 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K>()) hstu_outp
             }
         }
         float s[2] = {0.f, 0.f};
+        float dx[K][TF_VEC]; /* dn * w, rounded as in da below */
+        void *durow = tf_row(p.du, p.du_dtype, r, n);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int m = live ? cn[k] : 0;
-            apply_mask(d, e_row + oy + (t + tpr * k) * TF_VEC, m, gy[k]);
+            const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
+            apply_mask(d, e_row + oy + col, m, gy[k]);
+            if constexpr (STAGED) /* after the mask's draws: not live across them */
+                load_params(p.w, p.b, p.w_dtype, 0, 0, col, cn[k], w[k], b[k]);
+            float du[TF_VEC], gm[TF_VEC];
 #pragma unroll
             for (int i = 0; i < TF_VEC; ++i) {
+                float fm;
+                act_fg(u[k][i], p.mul_act, fm, gm[i]); /* the one exponential of this element */
                 xh[k][i] = i < m ? (xh[k][i] - mean) * rstd : 0.f;
-                const float dn = i < m ? gy[k][i] * act_f(u[k][i], p.mul_act) : 0.f;
-                const float dx = __fmul_rn(dn, w[k][i]); /* rounded as in da below */
-                s[0] += dx;
-                s[1] += dx * xh[k][i];
+                const float dn = i < m ? gy[k][i] * fm : 0.f;
+                dx[k][i] = __fmul_rn(dn, w[k][i]);
+                s[0] += dx[k][i];
+                s[1] += dx[k][i] * xh[k][i];
                 acc_w[k][i] += dn * xh[k][i];
                 acc_b[k][i] += dn;
+                du[i] = gy[k][i] * (xh[k][i] * w[k][i] + b[k][i]) * gm[i];
             }
+            if constexpr (STAGED) { /* dn * w waits in dY[y]'s planes (read above) for the second phase */
+                *reinterpret_cast<float4 *>(plane(stage, 4)) = make_float4(dx[k][0], dx[k][1], dx[k][2], dx[k][3]);
+                *reinterpret_cast<float4 *>(plane(stage, 5)) = make_float4(dx[k][4], dx[k][5], dx[k][6], dx[k][7]);
+            }
+            /* d u needs no row statistic: written before the row's reduction, so that only xhat, dn * w
+             * and dY's attn part stay live across it (staged: nothing of the row) */
+            if (m == 0) continue;
+            if (ou >= 0) {
+                if (K > 1) tf_ld_chunk(dyrow, p.dy_dtype, ou + col, m, tu[k]); /* read only now: registers */
+                if constexpr (STAGED) stage_to_float(plane(stage, 8), plane(stage, 9), p.dy_dtype, tu[k]);
+                apply_mask(d, e_row + ou + col, m, tu[k]);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i)
+                    du[i] += tu[k][i] * (p.cat_act == p.mul_act ? gm[i] : act_grad(u[k][i], p.cat_act));
+            }
+            tf_st_chunk(durow, p.du_dtype, col, m, du);
         }
         group_sum(s, tpr, red);
         if (!live) continue;
         const float m1 = s[0] * inv, m2 = s[1] * inv;
         void *darow = tf_row(p.dattn, p.dattn_dtype, r, n);
-        void *durow = tf_row(p.du, p.du_dtype, r, n);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             if (cn[k] == 0) continue;
             const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
-            float da[TF_VEC], du[TF_VEC], gm[TF_VEC];
+            if constexpr (STAGED) { /* xhat again from the stage, bit for bit, and dn * w back */
+                float a[TF_VEC];
+                stage_to_float(plane(stage, 0), plane(stage, 1), p.attn_dtype, a);
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) xh[k][i] = (a[i] - mean) * rstd;
+                const float4 d0 = *reinterpret_cast<const float4 *>(plane(stage, 4));
+                const float4 d1 = *reinterpret_cast<const float4 *>(plane(stage, 5));
+                dx[k][0] = d0.x; dx[k][1] = d0.y; dx[k][2] = d0.z; dx[k][3] = d0.w;
+                dx[k][4] = d1.x; dx[k][5] = d1.y; dx[k][6] = d1.z; dx[k][7] = d1.w;
+            }
+            float da[TF_VEC];
 #pragma unroll
             for (int i = 0; i < TF_VEC; ++i) {
-                float fm;
-                act_fg(u[k][i], p.mul_act, fm, gm[i]);
-                const float dn = i < cn[k] ? gy[k][i] * fm : 0.f;
                 /* the product rounded before the subtraction, as in m1's terms: an FMA here would leave
                  * the product's rounding error, which rstd magnifies when the row is constant */
-                da[i] = rstd * (__fmul_rn(dn, w[k][i]) - m1 - xh[k][i] * m2);
-                du[i] = gy[k][i] * (xh[k][i] * w[k][i] + b[k][i]) * gm[i];
+                da[i] = rstd * (dx[k][i] - m1 - xh[k][i] * m2);
             }
-            /* K > 1: the dY parts of u and attn read only now, which keeps the registers under the
-             * launch bound; they are read once either way */
-            if (K > 1 && ox >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ox + col, cn[k], tx[k]);
-            if (K > 1 && ou >= 0) tf_ld_chunk(dyrow, p.dy_dtype, ou + col, cn[k], tu[k]);
             if (ox >= 0) {
+                if (K > 1) tf_ld_chunk(dyrow, p.dy_dtype, ox + col, cn[k], tx[k]); /* read only now: registers */
+                if constexpr (STAGED) stage_to_float(plane(stage, 6), plane(stage, 7), p.dy_dtype, tx[k]);
                 apply_mask(d, e_row + ox + col, cn[k], tx[k]);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) da[i] += tx[k][i];
             }
-            if (ou >= 0) {
-                apply_mask(d, e_row + ou + col, cn[k], tu[k]);
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i)
-                    du[i] += tu[k][i] * (p.cat_act == p.mul_act ? gm[i] : act_grad(u[k][i], p.cat_act));
-            }
             tf_st_chunk(darow, p.dattn_dtype, col, cn[k], da);
-            tf_st_chunk(durow, p.du_dtype, col, cn[k], du);
         }
     }
     if constexpr (STAGED) asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */

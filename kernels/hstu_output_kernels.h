@@ -9,8 +9,9 @@
  * and the output row of y_cols elements is the concatenation of, in this order,
  *   act(u, cat_act)   when cat_u,   attn   when cat_x,   y   always,
  * each element e = r * y_cols + col multiplied by keep(e) / (1 - p) when dropout is on, keep(e) being
- * tf_philox_keep(seed, offset, e, p) (kernels/tf_philox.h), then rounded to y_dtype. The mask is a pure
- * function of (seed, offset, e): the backward regenerates it, and CPU and CUDA draw the same one.
+ * tf_philox_keep16 of e's 16 bits of Philox block e / 8 (kernels/tf_philox.h), then rounded to y_dtype.
+ * The mask is a pure function of (seed, offset, e): the backward regenerates it, and CPU and CUDA draw
+ * the same one.
  *
  * Backward: from dY (the gradient of that concatenated output) to d attn, d u and the weight/bias
  * gradients, which are summed in fp32 into `partials` (n_partials rows of wcols = group_weights ?

@@ -13,6 +13,7 @@
 #ifndef TF_PHILOX_H
 #define TF_PHILOX_H
 
+#include <math.h>
 #include <stdint.h>
 
 #ifdef __CUDACC__
@@ -77,6 +78,17 @@ TF_PHILOX_HD int tf_philox_keep(uint64_t seed, uint64_t offset, uint64_t e, floa
     uint32_t w[4];
     tf_philox4x32_10(seed, offset, e >> 2, w);
     return tf_philox_uniform(w[e & 3]) >= p;
+}
+
+/* Keep decisions from 16 bits each, eight per Philox block (half the blocks, so half the generator's
+ * arithmetic, of tf_philox_keep's 24-bit uniforms; for masks over whole tensors in memory-bound
+ * kernels): element e uses half (e & 1) (0: the low half) of word ((e >> 1) & 3) of block e >> 3 and is kept
+ * when that half is >= tf_philox_threshold16(p) = ceil(p * 65536): with probability 1 - p, p rounded up
+ * to a multiple of 2^-16. */
+TF_PHILOX_HD uint32_t tf_philox_threshold16(float p) { return (uint32_t)ceilf(p * 65536.0f); }
+
+TF_PHILOX_HD int tf_philox_keep16(uint32_t word, int half, uint32_t threshold) {
+    return ((half ? word >> 16 : word & 0xFFFFu) >= threshold);
 }
 
 #ifdef __cplusplus

@@ -10,12 +10,14 @@ import importlib.util
 import itertools
 import os
 
+import numpy as np
 import pytest
 import torch
 
 import torchfuse
 from torchfuse import reference
 from torchfuse.hstu_output import _dropout_mask
+from test_hstu_dropout import philox4x32_10
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CONCATS = {"y": (False, False), "uy": (True, False), "xy": (False, True), "uxy": (True, True)}
@@ -150,11 +152,11 @@ def test_few_rows(device, L, group_norm):
 
 
 # More rows than an H100's resident blocks hold at once, so every block of the persistent grids takes
-# several rows (the staged forward's prefetch of a block's next row included): 256 columns (staged) and
-# 125 (direct loads).
-@pytest.mark.parametrize("H,D", [(4, 64), (5, 25)], ids=["256", "125"])
-def test_many_rows(device, H, D):
-    run_case(device, torch.bfloat16, 20000, H, D, 32, group_norm=False, concat="uxy", act="none", silu_u=False,
+# several rows (the staged kernels' rings of prefetched rows wrapping around included): 256 and 1024
+# columns (staged; 1024: one row per block at a time) and 125 (direct loads).
+@pytest.mark.parametrize("L,H,D", [(20000, 4, 64), (6000, 4, 256), (20000, 5, 25)], ids=["256", "1024", "125"])
+def test_many_rows(device, L, H, D):
+    run_case(device, torch.bfloat16, L, H, D, 32, group_norm=False, concat="uxy", act="none", silu_u=False,
              p=0.1, recompute=False)
 
 
@@ -201,6 +203,20 @@ def test_keep_rate_and_scale(device):
                                             torch.zeros(n, device=device), torch.ones(n, device=device), 1e-5, 0, 0,
                                             0, True, True, p, 99, None)[0]
     assert torch.equal(y[mask], torch.full_like(y[mask], 1 / (1 - p)))
+
+
+def test_mask_against_philox_oracle(device):
+    """Element e = row * (parts * n) + col is kept when its 16 bits (half e % 2 of word e / 2 % 4 of Philox
+    block e / 8, the NumPy oracle of test_hstu_dropout) are >= ceil(p * 65536); widths that are not a
+    multiple of 8 put chunks across two blocks."""
+    for L, n, parts, p, seed in [(9, 24, 3, 0.3, 4242), (5, 21, 2, 0.1, 2**62 + 3), (3, 1000, 3, 0.5, 0)]:
+        got = _dropout_mask(L, n, parts, p, seed=seed, device=device).cpu()
+        e = np.arange(L * parts * n, dtype=np.uint64)
+        words = np.stack(philox4x32_10(seed, 0, e >> np.uint64(3)), 0)
+        w = np.take_along_axis(words, ((e >> np.uint64(1)) & np.uint64(3)).astype(np.int64)[None], 0)[0]
+        half = (w >> (np.uint64(16) * (e & np.uint64(1)))) & np.uint64(0xFFFF)
+        want = half >= np.uint64(np.ceil(np.float32(p) * np.float32(65536)))
+        assert torch.equal(got.reshape(-1), torch.from_numpy(want)), (L, n, parts, p, seed)
 
 
 def test_determinism_per_seed(device):
