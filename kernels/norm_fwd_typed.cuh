@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, 2) norm_fwd_typed_kernel(const tf_no
     const uint32_t mine_s = (uint32_t)__cvta_generic_to_shared(mine);
 
     /* the shift's inputs for LayerNorm, loaded with the row's staging, a row ahead of use */
-    T cx_next = T(0.f), cr_next = T(0.f);
+    T cx_next{}, cr_next{};
     auto issue = [&](int64_t row, int stage) {
         if (row < rows) {
             const T *xrow = x + row * p.x_stride;
