@@ -408,12 +408,11 @@ __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
 constexpr int kRowBlock = 128;
 constexpr int kRowMaxK = 2;
 /* Blocks per SM the register budgets are set for: the largest counts whose kernels compile unspilled
- * (ptxas, sm_90a). The staged kernels hold little in registers across rows and across a row's
- * reductions (norm parameters read per row, u and the backward's later operands read from the stage
- * where used, its dn * w parked there): the one-chunk forward fits 6 blocks (24 KB of stages each),
- * the backward 5 (40 KB each). */
+ * (ptxas, sm_90a); the staged forward's prefetch keeps loads in flight with one block fewer. The staged
+ * backward keeps little in registers across rows (norm parameters read per row, dn * w parked in the
+ * stage): 5 blocks, their 40 KB stages 200 KB of shared memory. */
 template <int K, bool STAGED>
-constexpr int rows_fwd_min_blocks() { return K == 1 ? 6 : 4; }
+constexpr int rows_fwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 6) : 4; }
 template <int K, bool STAGED>
 constexpr int rows_bwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 4) : 2; }
 
@@ -504,8 +503,7 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         cn[k] = chunk_n(t + tpr * k, n);
-        if constexpr (!STAGED) /* staged: read per row instead (L1 hits), not held across rows */
-            load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
+        load_params(p.w, p.b, p.w_dtype, 0, 0, (int64_t)(t + tpr * k) * TF_VEC, cn[k], w[k], b[k]);
     }
     const int64_t step = (int64_t)gridDim.x * rpb;
     auto plane = [&](int stage, int k, int idx) -> uint4 * {
@@ -532,15 +530,16 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
         if constexpr (STAGED) {
             /* into the stage the previous row used (this thread's own copies, read by it alone) */
             issue(r + (S - 1) * step, stage == 0 ? S - 1 : stage - 1);
-            cp_async_wait<S - 1>(); /* this row's group has landed; u is read in the write phase */
+            cp_async_wait<S - 1>(); /* this row's group has landed */
 #pragma unroll
             for (int k = 0; k < K; ++k) {
                 if (!live || cn[k] == 0) {
 #pragma unroll
-                    for (int i = 0; i < TF_VEC; ++i) a[k][i] = 0.f;
+                    for (int i = 0; i < TF_VEC; ++i) a[k][i] = u[k][i] = 0.f;
                     continue;
                 }
                 stage_to_float(plane(stage, k, 0), plane(stage, k, 1), p.attn_dtype, a[k]);
+                stage_to_float(plane(stage, k, 2), plane(stage, k, 3), p.u_dtype, u[k]);
             }
         } else {
             const void *arow = tf_row(p.attn, p.attn_dtype, r, p.attn_stride);
@@ -575,14 +574,9 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
         const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
 #pragma unroll
         for (int k = 0; k < K; ++k)
-            if (cn[k] > 0) {
-                const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
-                if constexpr (STAGED) {
-                    stage_to_float(plane(stage, k, 2), plane(stage, k, 3), p.u_dtype, u[k]);
-                    load_params(p.w, p.b, p.w_dtype, 0, 0, col, cn[k], w[k], b[k]);
-                }
-                fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, col, cn[k], mean, rstd, a[k], u[k], w[k], b[k]);
-            }
+            if (cn[k] > 0)
+                fwd_write_chunk(p, d, yrow, e_row, ou, ox, oy, (int64_t)(t + tpr * k) * TF_VEC, cn[k], mean, rstd,
+                                a[k], u[k], w[k], b[k]);
     }
     if constexpr (STAGED) asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
 }
