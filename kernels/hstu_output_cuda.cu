@@ -448,13 +448,8 @@ __device__ __forceinline__ void group_sum(float (&v)[NV], int tpr, float (*red)[
  * bytes x kRowBlock threads, (stage, chunk, tensor, 16-byte piece), conflict-free for a warp. */
 constexpr int kStagePlanes = 4; /* per chunk and stage: attn, u, each one (16-bit) or two (fp32) pieces */
 
-/* Rows in the stage ring: the row worked on and the next one or two in flight. One chunk per thread
- * moves few bytes per row, so its loads are issued two rows ahead; two chunks stay at one row ahead
- * (24 KB of shared memory per block at 16 bits). */
 template <int K>
-constexpr int rows_fwd_stages() { return K == 1 ? 3 : 2; }
-template <int K>
-constexpr size_t rows_fwd_stage_bytes() { return (size_t)rows_fwd_stages<K>() * K * kStagePlanes * kRowBlock * 16; }
+constexpr size_t rows_fwd_stage_bytes() { return (size_t)2 * K * kStagePlanes * kRowBlock * 16; }
 
 /* A chunk's raw pieces as floats: one 16-byte piece for 16-bit dtypes, two for fp32. */
 __device__ __forceinline__ void stage_to_float(const uint4 *pl0, const uint4 *pl1, int dt, float (&v)[TF_VEC]) {
@@ -518,19 +513,15 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
         }
         cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
     };
-    constexpr int S = rows_fwd_stages<K>();
     int stage = 0;
-    if constexpr (STAGED)
-#pragma unroll
-        for (int j = 0; j < S - 1; ++j) issue((int64_t)blockIdx.x * rpb + threadIdx.x / tpr + j * step, j);
-    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < p.rows; r0 += step, stage = stage + 1 == S ? 0 : stage + 1) {
+    if constexpr (STAGED) issue((int64_t)blockIdx.x * rpb + threadIdx.x / tpr, 0);
+    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < p.rows; r0 += step, stage ^= 1) {
         const int64_t r = r0 + threadIdx.x / tpr;
         const bool live = r < p.rows; /* dead groups still meet the others in group_sum */
         float a[K][TF_VEC], u[K][TF_VEC];
         if constexpr (STAGED) {
-            /* into the stage the previous row used (this thread's own copies, read by it alone) */
-            issue(r + (S - 1) * step, stage == 0 ? S - 1 : stage - 1);
-            cp_async_wait<S - 1>(); /* this row's group has landed */
+            issue(r + step, stage ^ 1);
+            cp_async_wait<1>(); /* this row's group has landed */
 #pragma unroll
             for (int k = 0; k < K; ++k) {
                 if (!live || cn[k] == 0) {
