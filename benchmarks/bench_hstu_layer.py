@@ -200,10 +200,10 @@ def measure(cfg, n_layers, variant_list, quick, count=False):
                     raise
                 except Exception as e:  # noqa: BLE001  (a peer that fails at a shape is reported, not fatal)
                     # one line: a triton CompilationError's message is a source excerpt, its cause the error
-                    first = (str(e).splitlines() or [""])[0]
+                    msg = (str(e).splitlines() or [""])[0]
                     cause = e.__cause__
                     why = f" ({type(cause).__name__}: {(str(cause).splitlines() or [''])[0]})" if cause else ""
-                    errors.append(f"{label} at {cfg[0]}, {n_layers} layer(s): {type(e).__name__}: {first}{why}")
+                    errors.append(f"{label} at {cfg[0]}, {n_layers} layer(s): {type(e).__name__}: {msg}{why}")
                 finally:
                     if patched:
                         torchfuse.compat.gr.unpatch()
