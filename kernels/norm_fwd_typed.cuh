@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "norm_kernels.h"
 #include "tf_cp_async.cuh"
 #include "tf_vec.cuh"
@@ -42,37 +44,36 @@ __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src) {
 }
 __device__ __forceinline__ void cp_async_wait_but_newest() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); } /* largest group; __launch_bounds__(512, 2) caps registers at 64 */
 
+/* 16-bit T <-> fp32, two at a time from a 32-bit word (bf16 widens by a shift). */
 template <typename T>
-struct Pack;
-template <>
-struct Pack<__nv_bfloat16> {
+struct Pack {
+    static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+    using T2 = std::conditional_t<kBf16, __nv_bfloat162, __half2>;
     static __device__ __forceinline__ float2 to_f2(uint32_t w) {
-        return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+        if constexpr (kBf16) {
+            return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+        } else {
+            __half2 h;
+            memcpy(&h, &w, 4);
+            return __half22float2(h);
+        }
     }
     static __device__ __forceinline__ uint32_t from_f2(float a, float b) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        T2 h;
+        if constexpr (kBf16) h = __floats2bfloat162_rn(a, b);
+        else h = __floats2half2_rn(a, b);
         uint32_t w;
         memcpy(&w, &h, 4);
         return w;
     }
-    static __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-    static __device__ __forceinline__ float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-};
-template <>
-struct Pack<__half> {
-    static __device__ __forceinline__ float2 to_f2(uint32_t w) {
-        __half2 h;
-        memcpy(&h, &w, 4);
-        return __half22float2(h);
+    static __device__ __forceinline__ float to_f(T v) {
+        if constexpr (kBf16) return __bfloat162float(v);
+        else return __half2float(v);
     }
-    static __device__ __forceinline__ uint32_t from_f2(float a, float b) {
-        const __half2 h = __floats2half2_rn(a, b);
-        uint32_t w;
-        memcpy(&w, &h, 4);
-        return w;
+    static __device__ __forceinline__ float round(float v) {
+        if constexpr (kBf16) return __bfloat162float(__float2bfloat16_rn(v));
+        else return __half2float(__float2half_rn(v));
     }
-    static __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-    static __device__ __forceinline__ float round(float v) { return __half2float(__float2half_rn(v)); }
 };
 
 template <typename T>
