@@ -93,7 +93,8 @@ def test_cached_serving_equals_full_forward(device, user_context):
     with torch.no_grad():
         full = model.encode(items.to(dev), offsets.to(dev), int(full_len.max()), user_ids=users.to(dev))
         last = model.prefill(items[hist].to(dev), hist_offsets.to(dev), int(lengths.max()), user_ids=users.to(dev))
-        got = model.extend(items[new].to(dev), user_ids=users.to(dev))
+        new_ids = items[new].view(B, d) if user_context else items[new]  # (B, d) reads as B * d, row b * d + i
+        got = model.extend(new_ids.to(dev), user_ids=users.to(dev))
     torch.testing.assert_close(last, full[(hist_offsets[1:] - 1 + torch.arange(B) * d).to(dev)], rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(got, full[new.to(dev)], rtol=2e-5, atol=2e-5)
 

@@ -189,11 +189,12 @@ class HSTURecommender(torch.nn.Module):
         if self._cached_max + d > c.max_seq_len:
             raise ValueError(f"HSTURecommender.extend: histories would exceed max_seq_len {c.max_seq_len}")
         self._cached_max += d
+        new_items = new_items.reshape(-1)
         lookup_in_graph = cuda_graph and not self.items.training
         if not lookup_in_graph:
             new_items = self.items(new_items)  # the rows, looked up (inserted in training mode) eagerly
         if not cuda_graph:
-            return self._extend_step(new_items, d)
+            return self._extend_step(new_items, d, looked_up=True)
         if not new_items.is_cuda:
             raise ValueError("HSTURecommender.extend: cuda_graph=True needs the model on a CUDA device")
         if any(layer._kv_slots is None for layer in self.stack._stu_layers):
@@ -201,14 +202,15 @@ class HSTURecommender(torch.nn.Module):
                                "reserves (STUStack.reserve_kv_cache)")
         from ._serving_graphs import ServingGraphs
         graphs = self.__dict__.setdefault("_extend_graphs", ServingGraphs())
-        return graphs.run(self._graph_token(lookup_in_graph), new_items, lambda inp: self._extend_step(inp, d))
+        return graphs.run(self._graph_token(lookup_in_graph), new_items,
+                          lambda inp: self._extend_step(inp, d, looked_up=not lookup_in_graph))
 
-    def _extend_step(self, new: Tensor, d: int) -> Tensor:
-        """extend's device work for ``new``: item ids (B * d,), or their rows (B * d, E) already looked
-        up. It reads and writes only buffers that stay in place (the slotted cache, the lengths), so a
-        CUDA graph can replay it."""
+    def _extend_step(self, new: Tensor, d: int, looked_up: bool) -> Tensor:
+        """extend's device work for ``new``: item ids (B * d,), or their rows (B * d, E) when
+        ``looked_up``. It reads and writes only buffers that stay in place (the slotted cache, the
+        lengths), so a CUDA graph can replay it."""
         c = self.config
-        x = (self.items(new) if new.dim() == 1 else new) * math.sqrt(c.embedding_dim)
+        x = (new if looked_up else self.items(new)) * math.sqrt(c.embedding_dim)
         pos = (self._cached_lengths.unsqueeze(1) + c.num_contextual
                + torch.arange(d, device=x.device)).reshape(-1)
         x = x + self.positions(pos)
