@@ -35,14 +35,14 @@
 
 namespace tf_norm_typed {
 
-constexpr int kThreads = 512;
+constexpr int kThreads = 512; /* the largest block; __launch_bounds__(kThreads, 2) caps registers at 64 */
 
 /* cp.async of 16 bytes to a shared-space address, and the wait for all but the newest group. The
  * memory clobbers keep the compiler from moving shared-memory reads across either. */
 __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_async_wait_but_newest() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); } /* largest group; __launch_bounds__(512, 2) caps registers at 64 */
+__device__ __forceinline__ void cp_async_wait_but_newest() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 /* 16-bit T <-> fp32, two at a time from a 32-bit word (bf16 widens by a shift). */
 template <typename T>
