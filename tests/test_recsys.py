@@ -133,6 +133,27 @@ def test_train_script_quick(tmp_path, capsys):
     assert rc == 0 and '"steps": 6' in capsys.readouterr().out
 
 
+def test_serving_graph_token_follows_what_the_graph_reads():
+    """extend(cuda_graph=True) replays a recording only while its token is unchanged: the token must
+    change when a parameter is updated in place or replaced, and when the lookup moves in or out of
+    the graph (a new prefill drops every recording itself)."""
+    h, train, _, cfg = _setup("cpu", False, seed=random.randint(0, 1000))
+    model = HSTURecommender(cfg, device="cpu").eval()
+    hist = h.items[:12]
+    offsets = torch.arange(4) * 4
+    with torch.no_grad():
+        model.prefill(hist, offsets, 4)
+    base = model._graph_token(True)
+    assert model._graph_token(True) == base and model._graph_token(False) != base
+    layer = model.stack._stu_layers[-1]
+    with torch.no_grad():
+        layer._output_weight.mul_(0.5)
+    bumped = model._graph_token(True)
+    assert bumped != base
+    layer._uvqk_beta = torch.nn.Parameter(layer._uvqk_beta.detach().clone())
+    assert model._graph_token(True) != bumped
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 def test_extend_cuda_graph_equals_eager():
     """extend(cuda_graph=True) gives what the eager extend gives, call after call (the first records, the

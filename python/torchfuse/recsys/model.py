@@ -228,8 +228,10 @@ class HSTURecommender(torch.nn.Module):
         version (the layers keep reduced-precision copies of them while they are unchanged), the cache
         buffers and, with the lookup inside, the item table's storage."""
         token = [lookup_in_graph, self._cached_lengths.data_ptr()]
-        for p in self.parameters():
-            token += (p.data_ptr(), p._version)
+        for mod in self.modules():  # each module's own parameters: about a third of parameters()'s host time
+            for p in mod._parameters.values():
+                if p is not None:
+                    token += (p.data_ptr(), p._version)
         for layer in self.stack._stu_layers:
             token += (layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
         if lookup_in_graph:
