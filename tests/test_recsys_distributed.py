@@ -7,6 +7,7 @@ gradient is the ranks' per-id sums added on its owner in rank order instead of o
 order; the global loss is the sum of the ranks' scaled means. Negatives and data are identical and
 dropout is off, so nothing else differs.
 """
+import gc
 import os
 import tempfile
 from datetime import timedelta
@@ -85,6 +86,8 @@ def _worker(rank, world, tmp, backend, seed, kw):
         dist.all_gather_object(tables, [(n, k.cpu(), v.cpu()) for n, k, v in _tables(model)])
         if rank == 0:
             torch.save((losses, _state(model, [t for per in tables for t in per]), metrics), f"{tmp}/out.pt")
+        tr = model = None
+        gc.collect()  # DDP and the sharded tables go while the process group lives (see test_distributed._entry)
         dist.barrier()
     finally:
         dist.destroy_process_group()
