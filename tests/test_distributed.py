@@ -51,7 +51,7 @@ def _entry(rank, world, tmp, backend, fn, args):
         fn(rank, world, *args)
         # the checks' modules sit in reference cycles (TorchRec's DMP, DDP's reducer): freed by the collector
         # only at exit, after the process group is gone, they aborted the process now and then ("terminate
-        # called without an active exception", about 1 run in 7 of the DMP test); freed here, never
+        # called without an active exception", about 1 run in 5 of the DMP test); freed here, never
         gc.collect()
         dist.barrier()
     finally:
