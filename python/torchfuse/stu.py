@@ -322,7 +322,7 @@ class STUStack(torch.nn.Module):
                              "append_to_cache=True, not both")
         layers = list(self._stu_layers)
         step = None
-        if layers and layers[0]._kv_slots_shared:
+        if layers and getattr(layers[0], "_kv_slots_shared", False):  # layers of other kinds have no slots
             # slots reserved by the stack: the rows the new K/V go to and the lengths after them are the
             # same for every layer, computed once here, and the shared lengths advance once at the end
             step = layers[0]._slot_step(layers[0]._slot_delta(delta_x))
