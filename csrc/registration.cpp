@@ -210,4 +210,10 @@ TORCH_LIBRARY(torchfuse, m) {
         "hstu_output_bwd(Tensor dy, Tensor attn, Tensor u, Tensor weight, Tensor bias, Tensor mean, Tensor rstd, "
         "Tensor rng_state, int groups, int mul_act, int cat_act, bool concat_u, bool concat_x, float dropout_ratio, "
         "bool weight_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+
+    // ---- skinny linear (python/torchfuse/skinny_linear.py; semantics: kernels/skinny_linear_kernels.h) ----
+    // [LayerNorm(a) with norm_weight, norm_bias, eps] @ weight + bias + residual for a of at most 8 rows.
+    m.def(
+        "skinny_linear(Tensor a, Tensor weight, Tensor? bias=None, Tensor? residual=None, Tensor? norm_weight=None, "
+        "Tensor? norm_bias=None, float eps=1e-5) -> Tensor");
 }

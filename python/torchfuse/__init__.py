@@ -65,5 +65,6 @@ __all__ += ["sampled_softmax_loss"]
 
 # ---- the HSTU layer's input section ----
 from .hstu_preprocess import hstu_preprocess  # noqa: E402
+from .skinny_linear import skinny_linear  # noqa: E402
 
-__all__ += ["hstu_preprocess"]
+__all__ += ["hstu_preprocess", "skinny_linear"]

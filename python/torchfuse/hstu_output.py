@@ -3,7 +3,8 @@ autograd.
 
 The norm, the multiply by u, the concatenation and the dropout are ``torch.ops.torchfuse.hstu_output_fwd``
 / ``hstu_output_bwd`` (csrc/hstu_output*.cpp, kernels/hstu_output_*): one memory-bound pass each way.
-The output projection is a GEMM and goes to cuBLAS / ATen (``torch.addmm``).
+The output projection is a GEMM and goes to cuBLAS / ATen (``torch.addmm``), or, for the few rows of a
+serving step without autograd, to ``skinny_linear`` (the GEMM and the residual in one kernel).
 """
 from typing import Optional
 
@@ -12,9 +13,11 @@ from torch import Tensor
 
 from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
 from ._stats import count
+from .skinny_linear import applies as skinny_applies
 
 _fwd = torch.ops.torchfuse.hstu_output_fwd.default
 _bwd = torch.ops.torchfuse.hstu_output_bwd.default
+_skinny = torch.ops.torchfuse.skinny_linear.default
 
 _ACTS = {"none": 0, "silu": 1, "sigmoid": 2}
 _OP = "torchfuse.hstu_compute_output"
@@ -74,6 +77,9 @@ def hstu_compute_output(
     if torch.is_grad_enabled() and any(t.requires_grad for t in (attn, u, x, norm_weight, norm_bias, output_weight)):
         return _HstuComputeOutput.apply(*args)
     y = _fwd(attn, u, norm_weight, norm_bias, eps, groups, mul_act, cat_act, cu, cx, p, seed, None)[0]
+    if skinny_applies(y):  # a serving step's few rows: the GEMM and the residual in one kernel
+        count("skinny_linear")
+        return _skinny(y, output_weight.to(x.dtype), None, x)
     return torch.addmm(x, y, output_weight.to(x.dtype))
 
 

@@ -11,10 +11,12 @@ from torch import Tensor
 from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
 from ._stats import count
 from .norm import LAYER_NORM
+from .skinny_linear import applies as skinny_applies
 
 _norm_fwd = torch.ops.torchfuse.norm_fwd.default
 _norm_infer = torch.ops.torchfuse.add_norm.default
 _norm_bwd = torch.ops.torchfuse.norm_bwd.default
+_skinny = torch.ops.torchfuse.skinny_linear.default
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -72,6 +74,10 @@ def hstu_preprocess(
             int(hidden_dim), bool(recompute_normed_x), bool(recompute_uvqk), bool(silu_u))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, norm_bias, uvqk_weight, uvqk_bias)):
         return _HSTUPreprocess.apply(*args)
+    if skinny_applies(x):  # a serving step's few rows: norm, GEMM and bias in one kernel
+        count("skinny_linear")
+        uvqk = _skinny(x, uvqk_weight, uvqk_bias, None, norm_weight, norm_bias, float(eps))
+        return _split(uvqk, num_heads, attn_dim, hidden_dim, silu=bool(silu_u))
     normed, _ = _norm_infer(x, None, norm_weight, norm_bias, float(eps), LAYER_NORM, 0.0)
     return _split(torch.addmm(uvqk_bias, normed, uvqk_weight), num_heads, attn_dim, hidden_dim, silu=bool(silu_u))
 

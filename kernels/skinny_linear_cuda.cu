@@ -1,0 +1,339 @@
+/* Skinny linear (semantics: skinny_linear_kernels.h): out = [LayerNorm(a)] @ w + bias + residual for
+ * M <= 8 rows, bound by reading w once.
+ *
+ *   skinny_linear_kernel: a block of 256 threads owns TILE = 8 x VEC columns of w (16 bytes a thread, a
+ *     128-byte line of a bf16 row per 8 threads) and one K-range: 32 row groups of 8 threads, row group g
+ *     reading w's rows k_lo + g, k_lo + g + 32, ... in batches of U 16-byte loads, the next batch in
+ *     flight while the current one is multiplied. a's rows (normalized first with the norm) sit in
+ *     shared memory as fp32; every thread accumulates MR rows x VEC columns. The 4 row groups of a warp
+ *     add by shuffles, the 8 warps through shared memory in a fixed order.
+ *   Where the column tiles alone would leave SMs idle (a 1024-wide output is 16 tiles), the K range is
+ *     split over a cluster of S blocks (Hopper thread-block clusters) that add their partial rows
+ *     through distributed shared memory, in rank order, with no workspace and no second kernel; each
+ *     rank writes an interleaved share of the tile's outputs. Before sm_90, S = 1.
+ *   The norm's statistics need whole rows: every block stages a's M whole rows (kilobytes) and takes
+ *   their mean and variance (two passes over shared memory), one warp a row. */
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "skinny_linear_kernels.h"
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kColThreads = 8;                    // threads across a tile's columns
+constexpr int kRowGroups = kThreads / kColThreads;  // 32
+constexpr int kMaxSplits = 8;                     // the portable cluster size
+constexpr size_t kMaxSmem = 96 * 1024;
+
+template <typename T>
+__device__ __forceinline__ float to_f(T v) {
+    if constexpr (std::is_same_v<T, float>) return v;
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
+    else return __half2float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v) {
+    if constexpr (std::is_same_v<T, float>) return v;
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
+    else return __float2half_rn(v);
+}
+
+template <typename T>
+__device__ __forceinline__ float rounded(float v) { return to_f<T>(from_f<T>(v)); }
+
+template <typename T, int U>
+__device__ __forceinline__ void load_batch(uint4 (&w)[U], const T *col_ptr, int64_t w_stride, int k, int k_hi) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int kk = k + u * kRowGroups;
+        w[u] = kk < k_hi ? __ldg((const uint4 *)(col_ptr + (int64_t)kk * w_stride)) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+/* smem: a_s [MR][span] | red [kWarps][MR][TILE] | part [MR][TILE] | (NORM) nw_s, nb_s [span] (fp32) */
+template <typename T, int MR, bool NORM, int U>
+__global__ void __launch_bounds__(kThreads) skinny_linear_kernel(const tf_skinny_linear_params p, int splits,
+                                                                 int k_per_split) {
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int TILE = kColThreads * VEC;
+    constexpr int OUTS = (MR * TILE + kThreads - 1) / kThreads;  // epilogue outputs a thread may own
+    constexpr int STEP = U * kRowGroups;                         // w rows a batch covers
+    extern __shared__ float smem[];
+    const int K = (int)p.K, M = (int)p.M;
+    const int rank = (int)(blockIdx.x % (unsigned)splits);
+    const int64_t col0 = (int64_t)(blockIdx.x / (unsigned)splits) * TILE;
+    const int k_lo = rank * k_per_split, k_hi = min(K, k_lo + k_per_split);
+    const int s_lo = NORM ? 0 : k_lo, span = NORM ? K : k_per_split;
+    float *a_s = smem, *red = a_s + MR * span, *part = red + kWarps * MR * TILE, *nw_s = part + MR * TILE;
+    float *nb_s = nw_s + span;
+    const int tid = threadIdx.x, cgi = tid % kColThreads, rg = tid / kColThreads;
+    const int warp = tid / 32, lane = tid % 32;
+    const int64_t col = col0 + cgi * VEC;
+    const bool col_ok = col < p.N;
+    const T *wcol = (const T *)p.w + (col_ok ? col : 0);
+    const int k_first = col_ok ? k_lo + rg : k_hi;
+
+    // Everything the block reads is independent of everything else it reads, so all of it is put in
+    // flight first: two batches of w (the next ones are loaded as these are consumed), a's rows and the
+    // norm's parameters (into shared memory), and the bias and residual of the outputs this thread writes.
+    uint4 b0[U], b1[U];
+    load_batch<T, U>(b0, wcol, p.w_stride, k_first, k_hi);
+    load_batch<T, U>(b1, wcol, p.w_stride, k_first + STEP, k_hi);
+    float extra[OUTS];
+#pragma unroll
+    for (int j = 0; j < OUTS; ++j) {
+        const int i = tid + rank * kThreads + j * kThreads * splits, m = i / TILE;
+        const int64_t c = col0 + i % TILE;
+        float e = 0.f;
+        if (i < MR * TILE && m < M && c < p.N) {
+            if (p.bias) e += to_f<T>(((const T *)p.bias)[c]);
+            if (p.res) e += to_f<T>(((const T *)p.res)[(int64_t)m * p.res_stride + c]);
+        }
+        extra[j] = e;
+    }
+    const T *a = (const T *)p.a;
+    for (int i = tid; i < MR * span; i += kThreads) {
+        const int m = i / span, k = s_lo + i % span;
+        a_s[i] = m < M && k < K ? to_f<T>(a[(int64_t)m * p.a_stride + k]) : 0.f;
+    }
+    if constexpr (NORM) {
+        const T *nw = (const T *)p.norm_w, *nb = (const T *)p.norm_b;
+        for (int k = tid; k < K; k += kThreads) {
+            nw_s[k] = to_f<T>(nw[k]);
+            nb_s[k] = nb ? to_f<T>(nb[k]) : 0.f;
+        }
+    }
+    __syncthreads();
+    if constexpr (NORM) {
+        __shared__ float stats[MR][2];
+        if (warp < MR) {  // warp m: row m's mean, then its variance about the mean
+            float s = 0.f;
+#pragma unroll 8
+            for (int k = lane; k < K; k += 32) s += a_s[warp * span + k];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            const float mean = s / (float)K;
+            float v = 0.f;
+#pragma unroll 8
+            for (int k = lane; k < K; k += 32) {
+                const float d = a_s[warp * span + k] - mean;
+                v += d * d;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) {
+                stats[warp][0] = mean;
+                stats[warp][1] = rsqrtf(v / (float)K + p.eps);
+            }
+        }
+        __syncthreads();
+        // only this block's K range is multiplied: normalize (and round, as the norm op's output is) that
+        const int len = k_hi - k_lo;
+        for (int i = tid; i < MR * len; i += kThreads) {
+            const int m = i / len, k = k_lo + i % len;
+            if (m < M) a_s[m * span + k] = rounded<T>((a_s[m * span + k] - stats[m][0]) * stats[m][1] * nw_s[k] + nb_s[k]);
+        }
+        __syncthreads();
+    }
+
+    float acc[MR][VEC];
+#pragma unroll
+    for (int m = 0; m < MR; ++m)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[m][j] = 0.f;
+    auto consume = [&](const uint4(&w)[U], int k) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kk = k + u * kRowGroups;
+            if (kk >= k_hi) break;
+            T wv[VEC];
+            memcpy(wv, &w[u], 16);
+            float wf[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) wf[j] = to_f<T>(wv[j]);
+#pragma unroll
+            for (int m = 0; m < MR; ++m) {
+                const float av = a_s[m * span + kk - s_lo];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) acc[m][j] = fmaf(av, wf[j], acc[m][j]);
+            }
+        }
+    };
+    for (int k = k_first; k < k_hi; k += 2 * STEP) {  // batch b0 at k, b1 at k + STEP; each reloaded 2 STEPs on
+        consume(b0, k);
+        load_batch<T, U>(b0, wcol, p.w_stride, k + 2 * STEP, k_hi);
+        consume(b1, k + STEP);
+        load_batch<T, U>(b1, wcol, p.w_stride, k + 3 * STEP, k_hi);
+    }
+
+    // the warp's 4 row groups (lanes l, l ^ 8, l ^ 16, l ^ 24), then the 8 warps in order
+#pragma unroll
+    for (int m = 0; m < MR; ++m)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            acc[m][j] += __shfl_xor_sync(0xffffffffu, acc[m][j], 8);
+            acc[m][j] += __shfl_xor_sync(0xffffffffu, acc[m][j], 16);
+        }
+    if (lane < kColThreads) {
+#pragma unroll
+        for (int m = 0; m < MR; ++m)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) red[(warp * MR + m) * TILE + lane * VEC + j] = acc[m][j];
+    }
+    __syncthreads();
+    for (int i = tid; i < MR * TILE; i += kThreads) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) s += red[w * MR * TILE + i];
+        part[i] = s;
+    }
+
+    // the cluster's ranks in order (each rank its share of the outputs), then bias and residual
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cg::cluster_group cluster = cg::this_cluster();
+    if (splits > 1) cluster.sync();
+    else __syncthreads();
+#else
+    __syncthreads();
+#endif
+#pragma unroll
+    for (int j = 0; j < OUTS; ++j) {
+        const int i = tid + rank * kThreads + j * kThreads * splits, m = i / TILE;
+        const int64_t c = col0 + i % TILE;
+        if (i >= MR * TILE || m >= M || c >= p.N) continue;
+        float s = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        for (int r = 0; r < splits; ++r) s += splits > 1 ? cluster.map_shared_rank(part, r)[i] : part[i];
+#else
+        s = part[i];
+#endif
+        ((T *)p.out)[(int64_t)m * p.out_stride + c] = from_f<T>(s + extra[j]);
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (splits > 1) cluster.sync();  // a block's part stays until every rank has read it
+#endif
+}
+
+int rows_tier(int64_t M) { return M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : 8; }
+
+struct Plan {
+    int splits, k_per_split;
+    size_t smem;
+};
+
+struct DeviceInfo {
+    int sms, major, smem_optin;
+};
+
+DeviceInfo device_info() {
+    static DeviceInfo cached[64];
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 0 || dev >= 64) dev = 0;
+    if (cached[dev].sms == 0) {
+        DeviceInfo d{0, 0, 0};
+        cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
+        cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev);
+        cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (d.sms <= 0) d.sms = 1;
+        cached[dev] = d;
+    }
+    return cached[dev];
+}
+
+/* Splits of K: doubled while the blocks still fit the SMs once and each keeps >= 64 of w's rows. */
+Plan plan(const tf_skinny_linear_params *p) {
+    const int vec = 16 / tf_dtype_size(p->dtype), tile = kColThreads * vec, mr = rows_tier(p->M);
+    const int64_t tiles = (p->N + tile - 1) / tile;
+    const DeviceInfo d = device_info();
+    int s = 1;
+#if defined(TF_BUILT_SM90A)
+    if (d.major >= 9)
+        while (s < kMaxSplits && tiles * s * 2 <= d.sms && p->K / (s * 2) >= 64) s *= 2;
+#endif
+    Plan pl;
+    pl.splits = s;
+    pl.k_per_split = (int)((p->K + s - 1) / s);
+    const int64_t span = p->norm_w ? p->K : pl.k_per_split;
+    pl.smem = sizeof(float) * ((size_t)mr * span + (size_t)kWarps * mr * tile + (size_t)mr * tile +
+                               (p->norm_w ? 2 * (size_t)span : 0));
+    return pl;
+}
+
+template <typename T, int MR, bool NORM>
+cudaError_t launch(const tf_skinny_linear_params &p, const Plan &pl, cudaStream_t st) {
+    constexpr int U = MR <= 2 ? 8 : 4;
+    const void *fn = (const void *)skinny_linear_kernel<T, MR, NORM, U>;
+    static bool opted[64] = {false};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev >= 0 && dev < 64 && !opted[dev]) {  // once per device: the most this kernel ever asks for
+        const int most = device_info().smem_optin - 1024 < (int)kMaxSmem ? device_info().smem_optin - 1024 : (int)kMaxSmem;
+        const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+        if (e != cudaSuccess) return e;
+        opted[dev] = true;
+    }
+    const int vec = 16 / (int)sizeof(T);
+    const int64_t tiles = (p.N + kColThreads * vec - 1) / (kColThreads * vec);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(tiles * pl.splits));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = pl.smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    if (pl.splits > 1) {
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = (unsigned)pl.splits;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+    }
+    return cudaLaunchKernelEx(&cfg, skinny_linear_kernel<T, MR, NORM, U>, p, pl.splits, pl.k_per_split);
+}
+
+template <typename T, bool NORM>
+cudaError_t launch_rows(const tf_skinny_linear_params &p, const Plan &pl, cudaStream_t st) {
+    switch (rows_tier(p.M)) {
+    case 1: return launch<T, 1, NORM>(p, pl, st);
+    case 2: return launch<T, 2, NORM>(p, pl, st);
+    case 4: return launch<T, 4, NORM>(p, pl, st);
+    default: return launch<T, 8, NORM>(p, pl, st);
+    }
+}
+
+template <typename T>
+cudaError_t launch_typed(const tf_skinny_linear_params &p, const Plan &pl, cudaStream_t st) {
+    return p.norm_w ? launch_rows<T, true>(p, pl, st) : launch_rows<T, false>(p, pl, st);
+}
+
+}  // namespace
+
+extern "C" int tf_skinny_linear_cuda_applies(const tf_skinny_linear_params *p) {
+    const int es = tf_dtype_size(p->dtype), vec = 16 / es;
+    if (p->M < 1 || p->M > TF_SKINNY_MAX_ROWS || p->K < 1 || p->N < 1 || p->K > (1 << 24)) return 0;
+    // whole 16-byte slices of w's rows: N and the row stride multiples of VEC, w 16-byte aligned
+    if (p->N % vec || p->w_stride % vec || ((uintptr_t)p->w & 15)) return 0;
+    if ((p->N + kColThreads * vec - 1) / (kColThreads * vec) * kMaxSplits > 0x7fffffff) return 0;
+    const size_t smem = plan(p).smem, optin = (size_t)device_info().smem_optin;
+    return smem <= kMaxSmem && smem + 1024 <= optin;  // + the static stats
+}
+
+extern "C" int tf_skinny_linear_cuda(const tf_skinny_linear_params *p, void *stream) {
+    if (!tf_skinny_linear_cuda_applies(p)) return (int)cudaErrorInvalidValue;
+    const Plan pl = plan(p);
+    const cudaStream_t st = (cudaStream_t)stream;
+    if (p->dtype == TF_BF16) return (int)launch_typed<__nv_bfloat16>(*p, pl, st);
+    if (p->dtype == TF_F16) return (int)launch_typed<__half>(*p, pl, st);
+    return (int)launch_typed<float>(*p, pl, st);
+}
