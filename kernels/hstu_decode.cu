@@ -104,10 +104,12 @@ __device__ __forceinline__ int red_idx(int dim) { return dim + (dim >> 5) * 4; }
 /* R: query rows per sequence the registers hold (delta <= R; launched with R = 1, see launch_rows); NV:
  * 16-byte slices per lane (head dims up to 32 x VEC x NV); GF: G when known at compile time (16, 32: the
  * shuffle reductions unrolled, the lane split by shifts), else 0 and G = g. Grid: x the chunk, y +
- * gridDim.y z the (sequence, head) pair, so that no 64-bit division runs and B x H may pass 65535. */
+ * gridDim.y z the (sequence, head) pair, so that no 64-bit division runs and B x H may pass 65535.
+ * qk_vec / v_vec: q and k / v rows are whole aligned 16-byte slices (decode_vec). */
 template <typename T, int R, int NV, int GF>
 __global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const tf_hstu_params p, int chunk, int g,
-                                                                        float *ws) {
+                                                                        float alpha, float inv_scale, bool qk_vec,
+                                                                        bool v_vec, float *ws) {
     const int G = GF ? GF : g;
     constexpr int VEC = 16 / sizeof(T);
     constexpr int U = NV == 1 ? 5 : 3;  // register slots of K and V slices: warp steps loaded ahead
@@ -122,9 +124,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const t
     const int delta = (int)p.delta;
     const int dqk = (int)p.dqk, dv = (int)p.dv;
     const T *qb = (const T *)p.q, *kb = (const T *)p.k, *vb = (const T *)p.v;
-    const bool qk_vec = p.dqk % VEC == 0 && p.q_sr % VEC == 0 && p.q_sh % VEC == 0 && p.k_sr % VEC == 0 &&
-                        p.k_sh % VEC == 0 && ((uintptr_t)qb & 15) == 0 && ((uintptr_t)kb & 15) == 0;
-    const bool v_vec = p.dv % VEC == 0 && p.v_sr % VEC == 0 && p.v_sh % VEC == 0 && ((uintptr_t)vb & 15) == 0;
 
     // The query rows (b delta + i, present for every i < delta) load before the offsets: their addresses
     // need no sequence. A row at a negative position gets weight 0 below whatever it holds.
@@ -142,7 +141,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const t
     if (k0l >= s.n) return;  // past the sequence: the reducer reads no partial of this chunk
     const int k0 = (int)k0l;
     const int k1 = s.n - k0 > chunk ? k0 + chunk : s.n;
-    const float alpha = (float)p.alpha, inv_scale = (float)p.inv_scale;
 
     // whether this chunk needs the mask per key
     float q[R][SLICE];
@@ -340,6 +338,15 @@ int decode_nv(const tf_hstu_params &p) {
     return d <= 16 * per16 ? 1 : 2;
 }
 
+/* Whether q and k (qk), else v, rows split into whole aligned 16-byte slices of `vec` elements: decided
+ * once here instead of per block, and the kernel's loop is then built for one kind of load. */
+bool decode_vec(const tf_hstu_params &p, int vec, bool qk) {
+    if (qk)
+        return p.dqk % vec == 0 && p.q_sr % vec == 0 && p.q_sh % vec == 0 && p.k_sr % vec == 0 &&
+               p.k_sh % vec == 0 && ((uintptr_t)p.q & 15) == 0 && ((uintptr_t)p.k & 15) == 0;
+    return p.dv % vec == 0 && p.v_sr % vec == 0 && p.v_sh % vec == 0 && ((uintptr_t)p.v & 15) == 0;
+}
+
 template <typename T, int NV, int GF>
 cudaError_t launch_rows(const tf_hstu_params &p, int chunk, int64_t chunks, int G, cudaStream_t st) {
     const int64_t pairs = p.B * p.H;
@@ -349,7 +356,10 @@ cudaError_t launch_rows(const tf_hstu_params &p, int chunk, int64_t chunks, int 
     if (gz > 65535) return cudaErrorInvalidConfiguration;
     const dim3 grid((unsigned)chunks, (unsigned)gy, (unsigned)gz);
     // one query row per sequence (tf_hstu_decode_applies): R = 2, 4, 8 measured slower than the tiled kernels
-    hstu_decode_partial<T, 1, NV, GF><<<grid, kDecodeThreads, 0, st>>>(p, chunk, G, p.decode_ws);
+    const int vec = 16 / (int)sizeof(T);
+    hstu_decode_partial<T, 1, NV, GF><<<grid, kDecodeThreads, 0, st>>>(
+        p, chunk, G, (float)p.alpha, (float)p.inv_scale, decode_vec(p, vec, true), decode_vec(p, vec, false),
+        p.decode_ws);
     return cudaGetLastError();
 }
 
