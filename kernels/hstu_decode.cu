@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const t
 
     const int stride = kDecodeWarps * groups;  // keys per step of every group of the block
     // This lane's slices of the next key it loads (kp, vp), stepping by stride rows; keys from k1 on are
-    // not loaded (zeros, weight 0). VK: whole aligned 16-byte slices (qk_vec and v_vec), one predicated
+    // not loaded (zeros, weight 0). vk: whole aligned 16-byte slices (qk_vec and v_vec), one predicated
     // load each; else element loads up to the row's end.
     int next = k0 + warp * groups + grp;
     const int col = gl * VEC, jstep = G * VEC;  // slice j's first element: col + j jstep
