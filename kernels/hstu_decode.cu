@@ -7,11 +7,14 @@
  * per (sequence, head, chunk), and since HSTU's attention has no softmax (no running maximum, no
  * normaliser) the chunks' partial outputs simply add:
  *
- *   hstu_decode_partial: block = 4 warps; a warp's lanes form groups of G lanes (G a power of two,
- *     G x VEC x NV >= the head dims), one key per group, each lane holding NV 16-byte slices of the
- *     key's and value's row. Per key: the R query rows' dot products (reduced over the group by
- *     shuffles), P = SiLU(alpha s) x inv_scale x mask, rounded to the input dtype as the tiled kernels
- *     round P before their P V product, then acc += P v. The groups' and warps' sums go through
+ *   hstu_decode_partial: block = 4 warps, grid x = the chunk, y and z = the (sequence, head) pair; a
+ *     warp's lanes form groups of G lanes (G a power of two, G x VEC x NV >= the head dims), one key per
+ *     group and warp step, each lane holding NV 16-byte slices of the key's and value's row (NV = 2
+ *     past 16 slices a row: two or more keys a warp step, so the shuffle reduction, SiLU and mask of a
+ *     key are shared by fewer lanes). Per key: the R query rows' dot products (reduced over the group
+ *     by shuffles), P = SiLU(alpha s) x inv_scale x mask, rounded to the input dtype as the tiled
+ *     kernels round P before their P V product, then acc += P v. The next steps' K and V slices load
+ *     into a ring of registers while a step's keys are used. The groups' and warps' sums go through
  *     shared memory to one fp32 partial row per query row, written to ws[chunk].
  *   hstu_decode_reduce: out = the sum of a row's chunks, in the output dtype; zeros for rows at
  *     negative positions and empty sequences. A block covers 32 consecutive outputs with 8 teams of
@@ -63,42 +66,83 @@ __device__ __forceinline__ uint4 load_slice(const T *row, int c, int d, bool vec
     return raw;
 }
 
+/* VEC elements from ptr, the first `left` of them (zeros after; none when left <= 0). */
+template <typename T>
+__device__ __forceinline__ uint4 load_part(const T *ptr, int left) {
+    constexpr int VEC = 16 / sizeof(T);
+    T tmp[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) tmp[e] = e < left ? ptr[e] : from_f<T>(0.f);
+    uint4 raw;
+    memcpy(&raw, tmp, sizeof(raw));
+    return raw;
+}
+
 template <typename T>
 __device__ __forceinline__ void slice_to_f(const uint4 &raw, float (&out)[16 / sizeof(T)]) {
     constexpr int VEC = 16 / sizeof(T);
-    T tmp[VEC];
-    memcpy(tmp, &raw, sizeof(raw));
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // exact: a bf16 is a float's high half
+        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) out[e] = to_f<T>(tmp[e]);
+        for (int e = 0; e < 4; ++e) {
+            out[2 * e] = __uint_as_float(w[e] << 16);
+            out[2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
+        }
+    } else {
+        T tmp[VEC];
+        memcpy(tmp, &raw, sizeof(raw));
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) out[e] = to_f<T>(tmp[e]);
+    }
 }
 
+/* The red buffer's index of a partial row's element: 4 floats of padding every 32, so that the 16-byte
+ * stores of lanes 8 floats apart (a 16-bit dtype's slice) fall in different banks (unpadded, 8 lanes
+ * wrote one bank), and a warp reading 32 consecutive dims still reads 32 banks. */
+__device__ __forceinline__ int red_idx(int dim) { return dim + (dim >> 5) * 4; }
+
 /* R: query rows per sequence the registers hold (delta <= R; launched with R = 1, see launch_rows); NV:
- * 16-byte slices per lane (head dims up to 32 x VEC x NV); U: keys a group has in flight. */
-template <typename T, int R, int NV>
-__global__ void __launch_bounds__(kDecodeThreads) hstu_decode_partial(const tf_hstu_params p, int chunk,
-                                                                     int64_t chunks, int G, float *ws) {
+ * 16-byte slices per lane (head dims up to 32 x VEC x NV); GF: G when known at compile time (16, 32: the
+ * shuffle reductions unrolled, the lane split by shifts), else 0 and G = g. Grid: x the chunk, y +
+ * gridDim.y z the (sequence, head) pair, so that no 64-bit division runs and B x H may pass 65535.
+ * qk_vec / v_vec: q and k / v rows are whole aligned 16-byte slices (decode_vec). */
+template <typename T, int R, int NV, int GF>
+__global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const tf_hstu_params p, int chunk, int g,
+                                                                        float alpha, float inv_scale, bool qk_vec,
+                                                                        bool v_vec, float *ws) {
+    const int G = GF ? GF : g;
     constexpr int VEC = 16 / sizeof(T);
-    constexpr int U = NV == 1 ? 4 : 2;
+    constexpr int U = NV == 1 ? 5 : 3;  // register slots of K and V slices: warp steps loaded ahead
     constexpr int SLICE = NV * VEC;  // a lane's elements of a row
-    __shared__ float red[kDecodeWarps][R][32 * SLICE];
-    const int64_t c = blockIdx.x % chunks, bh = blockIdx.x / chunks;
-    const int64_t b = bh / p.H;
-    const int h = (int)(bh % p.H);
-    const HstuSeq s = hstu_seq(p, b);
-    const int k0 = (int)c * chunk;
-    if (k0 >= s.n) return;  // past the sequence: the reducer reads no partial of this chunk
-    const int k1 = k0 + chunk < s.n ? k0 + chunk : s.n;
-    const int delta = (int)p.delta;
+    constexpr int RED = 32 * SLICE + 32 * SLICE / 8;  // red_idx(32 x SLICE) rounded up
+    __shared__ __align__(16) float red[kDecodeWarps][R][RED];
+    const unsigned bh = blockIdx.y + gridDim.y * blockIdx.z, H = (unsigned)p.H;
+    if (bh >= (unsigned)p.B * H) return;  // the grid's last z plane
+    const unsigned b = bh / H, h = bh - b * H;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int grp = lane / G, gl = lane % G, groups = 32 / G;
-    const int64_t q_rows = p.B * p.delta;
+    const int delta = (int)p.delta;
+    const int dqk = (int)p.dqk, dv = (int)p.dv;
     const T *qb = (const T *)p.q, *kb = (const T *)p.k, *vb = (const T *)p.v;
-    const bool qk_vec = p.dqk % VEC == 0 && p.q_sr % VEC == 0 && p.q_sh % VEC == 0 && p.k_sr % VEC == 0 &&
-                        p.k_sh % VEC == 0 && ((uintptr_t)qb & 15) == 0 && ((uintptr_t)kb & 15) == 0;
-    const bool v_vec = p.dv % VEC == 0 && p.v_sr % VEC == 0 && p.v_sh % VEC == 0 && ((uintptr_t)vb & 15) == 0;
-    const float alpha = (float)p.alpha, inv_scale = (float)p.inv_scale;
 
-    // the query rows (positions n - delta + i) in registers; whether this chunk needs the mask per key
+    // The query rows (b delta + i, present for every i < delta) load before the offsets: their addresses
+    // need no sequence. A row at a negative position gets weight 0 below whatever it holds.
+    uint4 qraw[R][NV];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        const T *qrow = qb + ((int64_t)b * delta + i) * p.q_sr + (int64_t)h * p.q_sh;
+#pragma unroll
+        for (int j = 0; j < NV; ++j)
+            qraw[i][j] = i < delta ? load_slice<T>(qrow, (gl + G * j) * VEC, dqk, qk_vec) : make_uint4(0, 0, 0, 0);
+    }
+
+    const HstuSeq s = hstu_seq(p, b);
+    const int64_t k0l = (int64_t)blockIdx.x * chunk;
+    if (k0l >= s.n) return;  // past the sequence: the reducer reads no partial of this chunk
+    const int k0 = (int)k0l;
+    const int k1 = s.n - k0 > chunk ? k0 + chunk : s.n;
+
+    // whether this chunk needs the mask per key
     float q[R][SLICE];
     int pos[R];
     bool full[R];
@@ -106,13 +150,10 @@ __global__ void __launch_bounds__(kDecodeThreads) hstu_decode_partial(const tf_h
     for (int i = 0; i < R; ++i) {
         pos[i] = i < delta ? s.n - delta + i : -1;
         full[i] = pos[i] >= 0 && tf_hstu_tile_full(&s.mask, pos[i], pos[i] + 1, k0, k1);
-        const T *qrow = qb + (s.q_start + i) * p.q_sr + (int64_t)h * p.q_sh;
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             float f[VEC];
-            const uint4 raw = pos[i] >= 0 ? load_slice<T>(qrow, (gl + G * j) * VEC, (int)p.dqk, qk_vec)
-                                          : make_uint4(0, 0, 0, 0);
-            slice_to_f<T>(raw, f);
+            slice_to_f<T>(qraw[i][j], f);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) q[i][j * VEC + e] = f[e];
         }
@@ -123,51 +164,82 @@ __global__ void __launch_bounds__(kDecodeThreads) hstu_decode_partial(const tf_h
 #pragma unroll
         for (int e = 0; e < SLICE; ++e) acc[i][e] = 0.f;
 
-    // The trip count is the warp's, not the group's: every lane must reach the group reductions' shuffles
-    // (a group past the chunk's end takes part with weight 0).
-    const int stride = kDecodeWarps * groups;  // keys per round of every group of the block
-    for (int wbase = k0 + warp * groups; wbase < k1; wbase += U * stride) {
-        const int base = wbase + grp;
-        uint4 kr[U][NV], vr[U][NV];
+    const int stride = kDecodeWarps * groups;  // keys per step of every group of the block
+    // This lane's slices of the next key it loads (kp, vp), stepping by stride rows; keys from k1 on are
+    // not loaded (zeros, weight 0). vk: whole aligned 16-byte slices (qk_vec and v_vec), one predicated
+    // load each; else element loads up to the row's end.
+    int next = k0 + warp * groups + grp;
+    const int col = gl * VEC, jstep = G * VEC;  // slice j's first element: col + j jstep
+    const T *kp = kb + (s.start + next) * p.k_sr + (int64_t)h * p.k_sh + col;
+    const T *vp = vb + (s.start + next) * p.v_sr + (int64_t)h * p.v_sh + col;
+    const int64_t kstep = (int64_t)stride * p.k_sr, vstep = (int64_t)stride * p.v_sr;
+    auto load = [&](uint4 (&kr)[NV], uint4 (&vr)[NV], auto vk) {
+        const bool in = next < k1;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int key = base + u * stride;
-            const int64_t row = s.start + (key < k1 ? key : k0);
-            const T *krow = kb + row * p.k_sr + (int64_t)h * p.k_sh;
-            const T *vrow = vb + row * p.v_sr + (int64_t)h * p.v_sh;
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                kr[u][j] = load_slice<T>(krow, (gl + G * j) * VEC, (int)p.dqk, qk_vec);
-                vr[u][j] = load_slice<T>(vrow, (gl + G * j) * VEC, (int)p.dv, v_vec);
+        for (int j = 0; j < NV; ++j) {
+            if constexpr (decltype(vk)::value) {
+                kr[j] = in && col + j * jstep < dqk ? *(const uint4 *)(kp + j * jstep) : make_uint4(0, 0, 0, 0);
+                vr[j] = in && col + j * jstep < dv ? *(const uint4 *)(vp + j * jstep) : make_uint4(0, 0, 0, 0);
+            } else {
+                kr[j] = load_part<T>(kp + j * jstep, in ? dqk - col - j * jstep : 0);
+                vr[j] = load_part<T>(vp + j * jstep, in ? dv - col - j * jstep : 0);
             }
         }
+        kp += kstep;
+        vp += vstep;
+        next += stride;
+    };
+    auto consume = [&](const uint4 (&kr)[NV], const uint4 (&vr)[NV], int wb) {
+        const int key = wb + grp;
+        float kf[SLICE], vf[SLICE];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int key = base + u * stride;
-            float kf[SLICE], vf[SLICE];
+        for (int j = 0; j < NV; ++j) {
+            float f[VEC];
+            slice_to_f<T>(kr[j], f);
 #pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                float f[VEC];
-                slice_to_f<T>(kr[u][j], f);
+            for (int e = 0; e < VEC; ++e) kf[j * VEC + e] = f[e];
+            slice_to_f<T>(vr[j], f);
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) kf[j * VEC + e] = f[e];
-                slice_to_f<T>(vr[u][j], f);
+            for (int e = 0; e < VEC; ++e) vf[j * VEC + e] = f[e];
+        }
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) vf[j * VEC + e] = f[e];
-            }
+        for (int i = 0; i < R; ++i) {
+            float dot = 0.f;
 #pragma unroll
-            for (int i = 0; i < R; ++i) {
-                float dot = 0.f;
+            for (int e = 0; e < SLICE; ++e) dot = fmaf(q[i][e], kf[e], dot);
 #pragma unroll
-                for (int e = 0; e < SLICE; ++e) dot = fmaf(q[i][e], kf[e], dot);
-                for (int off = G / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-                const bool ok = key < k1 && pos[i] >= 0 && (full[i] || tf_hstu_valid(&s.mask, pos[i], key));
-                const float w = ok ? to_f<T>(from_f<T>(silu_of(alpha * dot) * inv_scale)) : 0.f;
+            for (int off = 16; off > 0; off >>= 1)  // G is the whole warp's: a uniform branch
+                if (off < G) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+            const bool ok = key < k1 && pos[i] >= 0 && (full[i] || tf_hstu_valid(&s.mask, pos[i], key));
+            const float w = ok ? to_f<T>(from_f<T>(silu_of(alpha * dot) * inv_scale)) : 0.f;
 #pragma unroll
-                for (int e = 0; e < SLICE; ++e) acc[i][e] = fmaf(w, vf[e], acc[i][e]);
+            for (int e = 0; e < SLICE; ++e) acc[i][e] = fmaf(w, vf[e], acc[i][e]);
+        }
+    };
+
+    // A ring of U register slots, one warp step each: a slot is reloaded with the step U on as soon as
+    // its keys are used, so U - 1 steps' loads (8 16-byte loads a lane) stay in flight. wb is the
+    // warp's (not the group's), so every lane runs the same trip count and reaches the group reductions'
+    // shuffles (a group past the chunk's end takes part with weight 0).
+    auto keys = [&](auto vk) {
+        // element loads hold a register per element until packed: one slot there
+        constexpr int S = decltype(vk)::value ? U : 1;
+        uint4 kr[S][NV], vr[S][NV];
+        int wb = k0 + warp * groups;
+#pragma unroll
+        for (int u = 0; u < S; ++u) load(kr[u], vr[u], vk);
+        while (true) {
+#pragma unroll
+            for (int u = 0; u < S; ++u) {
+                if (wb >= k1) return;
+                consume(kr[u], vr[u], wb);
+                load(kr[u], vr[u], vk);
+                wb += stride;
             }
         }
-    }
+    };
+    if (qk_vec && v_vec) keys(std::true_type{});
+    else keys(std::false_type{});
 
     // the groups of a warp, then the warps: one partial row per query row
 #pragma unroll
@@ -181,17 +253,23 @@ __global__ void __launch_bounds__(kDecodeThreads) hstu_decode_partial(const tf_h
 #pragma unroll
             for (int j = 0; j < NV; ++j)
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) red[warp][i][(gl + G * j) * VEC + e] = acc[i][j * VEC + e];
+                for (int e = 0; e < VEC; e += 4)
+                    *(float4 *)&red[warp][i][red_idx((gl + G * j) * VEC + e)] =
+                        make_float4(acc[i][j * VEC + e], acc[i][j * VEC + e + 1], acc[i][j * VEC + e + 2],
+                                    acc[i][j * VEC + e + 3]);
     }
     __syncthreads();
-    const int width = G * SLICE;  // the dims the groups cover (>= dv)
-    for (int t = threadIdx.x; t < delta * width; t += kDecodeThreads) {
-        const int i = t / width, dim = t % width;
-        if (dim >= p.dv) continue;
-        float sum = 0.f;
+    const int64_t q_rows = p.B * p.delta;
 #pragma unroll
-        for (int w = 0; w < kDecodeWarps; ++w) sum += red[w][i][dim];
-        ws[((c * q_rows + s.q_start + i) * p.H + h) * p.dv + dim] = sum;
+    for (int i = 0; i < R; ++i) {
+        if (i >= delta) break;
+        float *wrow = ws + (((int64_t)blockIdx.x * q_rows + (int64_t)b * delta + i) * p.H + h) * p.dv;
+        for (int dim = threadIdx.x; dim < dv; dim += kDecodeThreads) {
+            float sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < kDecodeWarps; ++w) sum += red[w][i][red_idx(dim)];
+            wrow[dim] = sum;
+        }
     }
 }
 
@@ -239,45 +317,73 @@ int device_sms() {
     return sms[dev] > 0 ? sms[dev] : 132;
 }
 
-/* Keys per block: the largest power of two from 32 up that still gives every SM four blocks (at most
- * the longest sequence, rounded up); 32 when even that does not. */
+/* Keys per block: the largest power of two from 64 up that still gives every SM two blocks (at most
+ * the longest sequence, rounded up); 64 when even that does not. A warp's fixed cost (the sequence's
+ * metadata, the query row, the reductions, the partial row's write) was most of its instructions at 8
+ * keys a warp; at two blocks an SM every block is resident at once (four fit) and each warp's ring of
+ * register slots keeps 8 16-byte loads a lane in flight. */
 int decode_chunk(const tf_hstu_params &p) {
-    const int64_t want = 4 * (int64_t)device_sms(), pairs = p.B * p.H;
-    int chunk = 32;
+    const int64_t want = 2 * (int64_t)device_sms(), pairs = p.B * p.H;
+    int chunk = 64;
     while (chunk < p.max_seq_len && pairs * ((p.max_seq_len + 2 * chunk - 1) / (2 * chunk)) >= want) chunk *= 2;
     return chunk;
 }
 
 int elem_bytes(int dt) { return dt == TF_F32 ? 4 : 2; }
 
-/* Head dims the decode kernel covers at NV slices a lane: 32 lanes x 16 bytes x NV. */
+/* 16-byte slices a lane holds: two past 16 slices a row, so that a warp step covers two or more keys
+ * (G <= 16) and a key's shuffle reduction, SiLU and mask cost half as many instructions a key. */
 int decode_nv(const tf_hstu_params &p) {
     const int64_t d = p.dqk > p.dv ? p.dqk : p.dv, per16 = 16 / elem_bytes(p.dtype);
-    return d <= 32 * per16 ? 1 : 2;
+    return d <= 16 * per16 ? 1 : 2;
 }
 
-template <typename T, int NV>
+/* Whether q and k (qk), else v, rows split into whole aligned 16-byte slices of `vec` elements: decided
+ * once here instead of per block, and the kernel's loop is then built for one kind of load. */
+bool decode_vec(const tf_hstu_params &p, int vec, bool qk) {
+    if (qk)
+        return p.dqk % vec == 0 && p.q_sr % vec == 0 && p.q_sh % vec == 0 && p.k_sr % vec == 0 &&
+               p.k_sh % vec == 0 && ((uintptr_t)p.q & 15) == 0 && ((uintptr_t)p.k & 15) == 0;
+    return p.dv % vec == 0 && p.v_sr % vec == 0 && p.v_sh % vec == 0 && ((uintptr_t)p.v & 15) == 0;
+}
+
+template <typename T, int NV, int GF>
 cudaError_t launch_rows(const tf_hstu_params &p, int chunk, int64_t chunks, int G, cudaStream_t st) {
-    const int64_t blocks = p.B * p.H * chunks;
-    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    const int64_t pairs = p.B * p.H;
+    if (pairs == 0 || chunks == 0) return cudaSuccess;
+    if (chunks > 0x7fffffff || pairs > 0xffffffffll) return cudaErrorInvalidConfiguration;
+    const int64_t gy = pairs < 65535 ? pairs : 65535, gz = (pairs + gy - 1) / gy;
+    if (gz > 65535) return cudaErrorInvalidConfiguration;
+    const dim3 grid((unsigned)chunks, (unsigned)gy, (unsigned)gz);
     // one query row per sequence (tf_hstu_decode_applies): R = 2, 4, 8 measured slower than the tiled kernels
-    hstu_decode_partial<T, 1, NV><<<(unsigned)blocks, kDecodeThreads, 0, st>>>(p, chunk, chunks, G, p.decode_ws);
+    const int vec = 16 / (int)sizeof(T);
+    hstu_decode_partial<T, 1, NV, GF><<<grid, kDecodeThreads, 0, st>>>(
+        p, chunk, G, (float)p.alpha, (float)p.inv_scale, decode_vec(p, vec, true), decode_vec(p, vec, false),
+        p.decode_ws);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_decode(const tf_hstu_params &p, cudaStream_t st) {
+    if (p.delta != 1) return cudaErrorInvalidValue;  // the partial kernel holds one query row
     const int chunk = decode_chunk(p);
     const int64_t chunks = (p.max_seq_len + chunk - 1) / chunk;
     const int nv = decode_nv(p), per16 = 16 / (int)sizeof(T);
     const int64_t d = p.dqk > p.dv ? p.dqk : p.dv;
+    if (d > 256) return cudaErrorInvalidValue;  // 32 lanes x 2 slices of fp32
     int G = 1;
-    while ((int64_t)G * per16 * nv < d && G < 32) G *= 2;
+    while ((int64_t)G * per16 * nv < d) G *= 2;
+    // NV = 1 has G <= 16 and NV = 2 has G >= 16 (decode_nv); G = 32 only for fp32
     cudaError_t err;
-    if constexpr (sizeof(T) == 2) err = launch_rows<T, 1>(p, chunk, chunks, G, st);  // 32 x 8 >= 256 dims
-    else err = nv == 1 ? launch_rows<T, 1>(p, chunk, chunks, G, st) : launch_rows<T, 2>(p, chunk, chunks, G, st);
+    if (nv == 1)
+        err = G == 16 ? launch_rows<T, 1, 16>(p, chunk, chunks, G, st) : launch_rows<T, 1, 0>(p, chunk, chunks, G, st);
+    else if constexpr (sizeof(T) == 2)
+        err = launch_rows<T, 2, 16>(p, chunk, chunks, G, st);
+    else
+        err = G == 16 ? launch_rows<T, 2, 16>(p, chunk, chunks, G, st) : launch_rows<T, 2, 32>(p, chunk, chunks, G, st);
     if (err != cudaSuccess) return err;
     const int64_t total = p.B * p.delta * p.H * p.dv;
+    if (total == 0) return cudaSuccess;
     const int64_t want = (total + 31) / 32;
     const unsigned grid = (unsigned)(want < 16 * (int64_t)device_sms() ? want : 16 * (int64_t)device_sms());
     hstu_decode_reduce<T><<<grid, 32 * kReduceTeams, 0, st>>>(p, chunk, p.decode_ws);

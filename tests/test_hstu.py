@@ -458,6 +458,35 @@ def test_cached_kv_lengths_reads_slots(device, dtype, D):
         torchfuse.hstu_attention_cached(dq, ks, vs, starts, msl, 0.3, kv_lengths=bad)
 
 
+@pytest.mark.parametrize("dqk, dv", [(128, 128), (96, 72)], ids=lambda d: str(d))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_cached_one_row_many_sequences(device, dtype, dqk, dv):
+    """One newest row for more (sequence, head) pairs than one CUDA grid dimension holds (65535; the
+    decode kernels then run a second plane), with empty and one-row sequences, at head dims the decode
+    kernels load in whole 16-byte slices, against the formula in fp64 for every sequence at once."""
+    B, H, n_max, alpha = 33000, 2, 3, 0.7
+    lens = torch.randint(0, n_max + 1, (B,))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    L = int(offsets[-1])
+    k = torch.randn(L, H, dqk, dtype=dtype)
+    v = torch.randn(L, H, dv, dtype=dtype)
+    dq = torch.randn(B, H, dqk, dtype=dtype)
+    # every key of a sequence is valid for its last row (causal, no targets, context or window)
+    j = torch.arange(n_max)
+    valid = j[None, :] < lens[:, None]  # (B, n_max)
+    rows = torch.where(valid, offsets[:-1, None] + j[None, :], 0)
+    want = {}
+    for t in (torch.float64, dtype):
+        kk, vv = k[rows].to(t), v[rows].to(t)  # (B, n_max, H, d)
+        s = torch.einsum("bhd,bjhd->bhj", dq.to(t), kk)
+        p = F.silu(alpha * s) / n_max * valid[:, None, :].to(t)
+        want[t] = torch.einsum("bhj,bjhd->bhd", p, vv)
+    got = torchfuse.hstu_attention_cached(dq.to(device), k.to(device), v.to(device), offsets.to(device), n_max,
+                                          alpha)
+    check("cached", got.cpu(), want[torch.float64], want[dtype], 2.0, dtype)
+    assert torch.equal(got.cpu()[lens == 0], torch.zeros_like(got.cpu()[lens == 0]))
+
+
 def test_sequences_are_isolated_from_nonfinite_neighbours(target):
     """inf / nan in one sequence's rows must not reach another sequence's output (a kernel that reads
     whole tiles past a sequence's end multiplies those rows by P = 0, and 0 x inf is nan)."""
