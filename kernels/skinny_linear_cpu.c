@@ -19,9 +19,12 @@ int tf_skinny_linear_cpu(const tf_skinny_linear_params *p) {
     for (int64_t m = 0; m < p->M; ++m) {
         tf_row_to_f32(p->a, dt, m * p->a_stride, K, arow);
         if (p->norm_w) {
+            /* the mean about the row's first element: a plain fp32 sum of values far from zero loses the
+             * digits that the normalized row keeps */
+            const float shift = arow[0];
             float s = 0.f, v = 0.f;
-            for (int64_t k = 0; k < K; ++k) s += arow[k];
-            const float mean = s / (float)K;
+            for (int64_t k = 0; k < K; ++k) s += arow[k] - shift;
+            const float mean = shift + s / (float)K;
             for (int64_t k = 0; k < K; ++k) v += (arow[k] - mean) * (arow[k] - mean);
             const float rstd = 1.f / sqrtf(v / (float)K + p->eps);
             for (int64_t k = 0; k < K; ++k) {

@@ -26,12 +26,15 @@ def _inputs(M, K, N, device, dtype):
 
 
 def _reference(a, w, bias, res, nw, nb, eps, dtype):
-    """(float64, low precision): LayerNorm rounded to dtype (what the norm op hands the GEMM), then addmm."""
+    """(float64, low precision): LayerNorm rounded to dtype (what the norm op hands the GEMM), then addmm;
+    the low-precision one takes the norm in fp32, as PyTorch's own does."""
+    a_lowp = a
     if nw is not None:
         normed = F.layer_norm(a.double(), (a.shape[1],), nw.double(), None if nb is None else nb.double(), eps)
+        a_lowp = F.layer_norm(a.float(), (a.shape[1],), nw.float(), None if nb is None else nb.float(), eps).to(dtype)
         a = normed.to(dtype)
     out64 = a.double() @ w.double()
-    lowp = a @ w if a.is_cuda or dtype == torch.float32 else (a.float() @ w.float()).to(dtype)
+    lowp = a_lowp @ w if a.is_cuda or dtype == torch.float32 else (a_lowp.float() @ w.float()).to(dtype)
     for t in (bias, res):
         if t is not None:
             out64 = out64 + t.double()
@@ -158,3 +161,16 @@ def test_serving_ops_route_few_rows(L):
         pad = lambda t: torch.cat([t, torch.zeros(40, t.shape[1], device="cuda", dtype=dt)])
         out_many = torchfuse.hstu_compute_output(pad(attn), pad(u), x, onw, onb, 1e-6, Wo, **kw)
     torch.testing.assert_close(out_few, out_many[:L], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_far_from_zero(device, dtype):
+    """Rows whose mean is a thousand standard deviations from zero: the variance must not cancel."""
+    M, K, N = 3, 512, 64
+    a = (1000 + torch.randn(M, K, device=device)).to(dtype)
+    w = (torch.randn(K, N, device=device) / K ** 0.5).to(dtype)
+    nw, nb = torch.ones(K, device=device, dtype=dtype), torch.zeros(K, device=device, dtype=dtype)
+    with torch.no_grad():
+        out = skinny_linear(a, w, norm_weight=nw, norm_bias=nb, eps=1e-6)
+    ref64, lowp = _reference(a, w, None, None, nw, nb, 1e-6, dtype)
+    check_close("far from zero", out, ref64, lowp, dtype)
