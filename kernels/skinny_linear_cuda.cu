@@ -214,12 +214,10 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_linear_kernel(const tf_ski
     }
 
     // the cluster's ranks in order (each rank its share of the outputs), then bias and residual
+    __syncthreads();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     cg::cluster_group cluster = cg::this_cluster();
-    if (splits > 1) cluster.sync();
-    else __syncthreads();
-#else
-    __syncthreads();
+    if (splits > 1) cluster.sync();  // the other ranks' parts written too
 #endif
 #pragma unroll
     for (int j = 0; j < OUTS; ++j) {
