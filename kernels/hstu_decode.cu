@@ -32,25 +32,12 @@
 
 #include "hstu_kernels.h"
 #include "hstu_mma.cuh"
+#include "tf_typed.cuh"
 
 namespace {
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
-
-template <typename T>
-__device__ __forceinline__ float to_f(T v) {
-    if constexpr (std::is_same_v<T, float>) return v;
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
-    else return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v) {
-    if constexpr (std::is_same_v<T, float>) return v;
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
-    else return __float2half_rn(v);
-}
 
 /* VEC elements of a row from column c on (16 bytes), zeros past d; one 16-byte load when whole and aligned. */
 template <typename T>

@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "skinny_linear_kernels.h"
+#include "tf_typed.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -33,20 +34,6 @@ constexpr int kColThreads = 8;                    // threads across a tile's col
 constexpr int kRowGroups = kThreads / kColThreads;  // 32
 constexpr int kMaxSplits = 8;                     // the portable cluster size
 constexpr size_t kMaxSmem = 96 * 1024;
-
-template <typename T>
-__device__ __forceinline__ float to_f(T v) {
-    if constexpr (std::is_same_v<T, float>) return v;
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
-    else return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v) {
-    if constexpr (std::is_same_v<T, float>) return v;
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
-    else return __float2half_rn(v);
-}
 
 template <typename T>
 __device__ __forceinline__ float rounded(float v) { return to_f<T>(from_f<T>(v)); }
