@@ -220,12 +220,15 @@ def test_serving_weight_casts_follow_parameter_updates(device, dtype):
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_reserved_cache_matches_the_jagged_cache(device, idx_dtype):
+@pytest.mark.parametrize("dims", [(16, 24), (24, 24)])
+def test_reserved_cache_matches_the_jagged_cache(device, idx_dtype, dims):
     """A cache moved into fixed slots (reserve_kv_cache) gives cached_forward the same rows as the jagged
     cache it came from, call after call (append_to_cache), and keeps them as kv_caching_lengths says;
-    overflowing a slot is refused."""
-    cfg = STULayerConfig(embedding_dim=32, num_heads=2, hidden_dim=16, attention_dim=24, output_dropout_ratio=0.0,
-                         contextual_seq_len=1, max_attn_len=6)
+    overflowing a slot is refused. With K and V rows of one width the slots are one buffer of (v, k)
+    pairs and a call's new rows go in with one index_copy_ per layer."""
+    hidden, attention = dims
+    cfg = STULayerConfig(embedding_dim=32, num_heads=2, hidden_dim=hidden, attention_dim=attention,
+                         output_dropout_ratio=0.0, contextual_seq_len=1, max_attn_len=6)
     jagged = STUStack([STULayer(cfg), STULayer(cfg)]).to(device).eval()
     for layer in jagged._stu_layers:
         _randomize(layer)
@@ -240,6 +243,18 @@ def test_reserved_cache_matches_the_jagged_cache(device, idx_dtype):
         for s in (jagged, slotted):
             s(x, lengths, offsets, cap, None, kv_caching_lengths=lengths)
         slotted.reserve_kv_cache(cap)
+        paired = hidden == attention
+        for layer in slotted._stu_layers:
+            assert (layer._kv_pair is not None) == paired
+            if paired:
+                assert layer.k_cache._base is layer._kv_pair and layer.v_cache._base is layer._kv_pair
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for layer in slotted._stu_layers:
+                layer.max_kv_caching_len = cap - 1
+            probe = slotted.cached_forward(torch.randn(4, 32, device=device), None)  # no append: slots unchanged
+        copies = sum(e.count for e in prof.key_averages() if e.key == "aten::index_copy_")
+        assert copies == (2 if paired else 4), copies
+        del probe
         for delta in (1, 3, 2):
             dx = torch.randn(4 * delta, 32, device=device)
             pinned = cap - delta  # the same attention scale for both, as the recommender pins it

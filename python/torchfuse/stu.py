@@ -105,6 +105,7 @@ class STULayer(torch.nn.Module):
         self.max_kv_caching_len = 0
         self._kv_slots = None  # (capacity, lengths) once reserve_kv_cache has run
         self._kv_slots_shared = False  # the lengths are the stack's, shared by its layers
+        self._kv_pair = None  # the slots' (v, k) row pairs that k_cache and v_cache view, where widths match
 
     def reserve_kv_cache(self, capacity: int) -> None:
         """Move the cache into a slot of ``capacity`` rows per sequence (a torchfuse extension for serving).
@@ -129,11 +130,19 @@ class STULayer(torch.nn.Module):
         dest = torch.arange(rows, device=offsets.device) + torch.repeat_interleave(starts - offsets[:-1], lengths,
                                                                                    output_size=rows)
         # zeroed, not empty: a slot's unused rows then hold finite values for kernels that load whole tiles
-        k = self.k_cache.new_zeros((B * capacity, self.k_cache.shape[1]))
-        v = self.v_cache.new_zeros((B * capacity, self.v_cache.shape[1]))
+        kw, vw = self.k_cache.shape[1], self.v_cache.shape[1]
+        if kw == vw and self.k_cache.dtype == self.v_cache.dtype:
+            # one buffer of (v, k) row pairs: a call's new rows, which sit at a fixed distance in the
+            # uvqk output, then go in with one index_copy_ instead of two (_append_rows)
+            pair = self.k_cache.new_zeros((B * capacity, 2, kw))
+            k, v = pair[:, 1], pair[:, 0]
+        else:
+            pair = None
+            k = self.k_cache.new_zeros((B * capacity, kw))
+            v = self.v_cache.new_zeros((B * capacity, vw))
         k.index_copy_(0, dest, self.k_cache)
         v.index_copy_(0, dest, self.v_cache)
-        self.k_cache, self.v_cache = k, v
+        self.k_cache, self.v_cache, self._kv_pair = k, v, pair
         self.kv_caching_offsets = torch.arange(B + 1, device=offsets.device) * capacity
         self._kv_slots = (capacity, lengths)
 
@@ -145,6 +154,7 @@ class STULayer(torch.nn.Module):
             return
         self._kv_slots = None
         self._kv_slots_shared = False
+        self._kv_pair = None
         kv_offsets = complete_cumsum(kv_caching_lengths).to(seq_offsets.dtype)
         delta_offsets = seq_offsets - kv_offsets
         # k, v: (L, H, D) from forward, or (L, H * D) from cached_forward's full K/V
@@ -275,6 +285,23 @@ class STULayer(torch.nn.Module):
         elif kv_caching_lengths is not None:  # keep the first kv_caching_lengths[b] rows of each sequence
             lengths.copy_(torch.minimum(kv_caching_lengths.to(lengths.dtype), full))
 
+    def _append_rows(self, dest: Tensor, k: Tensor, v: Tensor) -> None:
+        """k_cache[dest] = k, v_cache[dest] = v. k and v are views of one uvqk output, each row's k a fixed
+        distance after its v: where the cache is one buffer of (v, k) pairs, a strided view pairs them up
+        and one index_copy_ writes both (a kernel less per layer and call)."""
+        pair = self._kv_pair
+        if (pair is not None and k._base is not None and k._base is v._base and k.dtype == pair.dtype
+                and k.shape == v.shape and k.stride() == v.stride() and k.stride(1) == 1):
+            gap = k.storage_offset() - v.storage_offset()
+        else:
+            gap = 0
+        if gap > 0:  # k after v in the same storage (hstu_preprocess's u, v, q, k order)
+            rows = torch.as_strided(v, (v.shape[0], 2, v.shape[1]), (v.stride(0), gap, 1), v.storage_offset())
+            pair.index_copy_(0, dest, rows)
+            return
+        self.k_cache.index_copy_(0, dest, k)
+        self.v_cache.index_copy_(0, dest, v)
+
     def _slotted_forward(self, delta_x, u, q, k, v, num_targets, kv_caching_lengths, append_to_cache, slot_step=None):
         """cached_forward on a reserved cache: the new rows go into each slot after its cached rows.
         ``slot_step``: (dest, full) from the stack, which computes them once for all its layers and
@@ -285,8 +312,7 @@ class STULayer(torch.nn.Module):
                                "STUStack.cached_forward")
         delta = self._slot_delta(delta_x)
         dest, full = slot_step if slot_step is not None else self._slot_step(delta)
-        self.k_cache.index_copy_(0, dest, k.flatten(1, 2))
-        self.v_cache.index_copy_(0, dest, v.flatten(1, 2))
+        self._append_rows(dest, k.flatten(1, 2), v.flatten(1, 2))
         max_seq_len = self.max_kv_caching_len + delta
         H = self._num_heads
         attn = _attention(q, self.k_cache.view(-1, H, self._attention_dim), self.v_cache.view(-1, H, self._hidden_dim),
