@@ -57,7 +57,7 @@ class Plan:
         self.uniq, self.inv, self.counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
         owner = owner_fn(self.uniq)
         self.order = torch.argsort(owner, stable=True)
-        self.send_ids = self.uniq[self.order]
+        self.send_ids = self.uniq.index_select(0, self.order)
         send_counts = torch.bincount(owner, minlength=world)
         recv_counts = all_to_all(send_counts, [1] * world, [1] * world, group, log, "counts")
         host = torch.cat([send_counts, recv_counts]).tolist()  # the exchange's one host sync
@@ -138,13 +138,14 @@ class PerId(torch.autograd.Function):
         ctx.plan = plan
         by_uniq = torch.empty_like(rows)
         by_uniq[plan.order] = rows
-        return by_uniq[plan.inv]
+        # index_select rather than by_uniq[inv]: the same gather, about 6x faster on the CPU
+        return by_uniq.index_select(0, plan.inv)
 
     @staticmethod
     def backward(ctx, grad):
         # summed in fp32 (as one device sums a key's occurrences), rounded once to the rows' dtype
         plan = ctx.plan
-        return plan.per_id_sum(grad).to(grad.dtype)[plan.order], None
+        return plan.per_id_sum(grad).to(grad.dtype).index_select(0, plan.order), None
 
 
 class PooledBags(torch.autograd.Function):
@@ -174,10 +175,11 @@ class PooledBags(torch.autograd.Function):
         g_rows = g_w = None
         if ctx.needs_input_grad[0]:
             scale = ctx.scale.float().contiguous() if ctx.scale is not None else None
-            g_rows = plan.per_id_sum(grad, ctx.bag_of, scale).to(ctx.rows_dtype)[plan.order]
+            g_rows = plan.per_id_sum(grad, ctx.bag_of, scale).to(ctx.rows_dtype).index_select(0, plan.order)
         if ctx.needs_input_grad[1]:
             pos = plan.positions()
-            g_w = (rows[pos[plan.inv]].float() * grad[ctx.bag_of].float()).sum(1).to(weights.dtype)
+            g_w = (rows.index_select(0, pos.index_select(0, plan.inv)).float()
+                   * grad.index_select(0, ctx.bag_of).float()).sum(1).to(weights.dtype)
         return g_rows, g_w, None, None, None, None, None
 
 
@@ -192,8 +194,9 @@ class PartialPlan:
         order = torch.argsort(owner, stable=True)
         if n_bags >= 2**31:
             raise ValueError(f"torchfuse.distributed: {n_bags} bags in one batch; the exchange sends bag indices as int32")
-        self.send_ids, self.send_bags = flat[order], bag_of[order].to(torch.int32)  # half the bytes of int64
-        self.send_w = weights[order] if weights is not None else None
+        self.send_ids = flat.index_select(0, order)
+        self.send_bags = bag_of.index_select(0, order).to(torch.int32)  # half the bytes of int64
+        self.send_w = weights.index_select(0, order) if weights is not None else None
         counts = torch.bincount(owner, minlength=world)
         meta = torch.stack([counts, torch.full_like(counts, n_bags)], 1)
         recv_meta = all_to_all(meta, [1] * world, [1] * world, group, log, "counts")
