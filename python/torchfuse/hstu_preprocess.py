@@ -1,6 +1,8 @@
 """The HSTU layer's input section: LayerNorm, one GEMM with bias, SiLU on u, and the split into the
 attention's q, k, v. Composed of torchfuse's norm op and ATen's addmm (cuBLAS, bias in its epilogue),
-with its own autograd so that the ``recompute_*`` choices decide what the backward keeps.
+with its own autograd so that the ``recompute_*`` choices decide what the backward keeps. Without
+autograd, a serving step's few rows (at most 8, CUDA) take ``skinny_linear``: the norm, the GEMM and
+the bias in one kernel.
 """
 from typing import Tuple
 

@@ -113,8 +113,9 @@ class STULayer(torch.nn.Module):
         first ``length`` rows of each (``hstu_attention_cached(kv_lengths=)``), instead of copying the whole
         cache into a new jagged tensor every call; the memory stays fixed at B x capacity rows. Afterwards
         ``k_cache`` / ``v_cache`` are the slot buffers (B * capacity, H * D) and ``kv_caching_offsets`` the
-        slots' starts; a full ``forward`` with ``kv_caching_lengths`` or ``reset_kv_cache`` makes the cache
-        jagged again."""
+        slots' starts; where K and V rows have one width both are views (row stride 2 * H * D) of one
+        buffer of (v, k) row pairs, so a call's new rows go in with one copy. A full ``forward`` with
+        ``kv_caching_lengths`` or ``reset_kv_cache`` makes the cache jagged again."""
         if self.k_cache is None or self.kv_caching_offsets is None:
             raise RuntimeError("torchfuse.nn.STULayer.reserve_kv_cache: the K/V cache is empty; run forward(..., "
                                "kv_caching_lengths=...) first")
