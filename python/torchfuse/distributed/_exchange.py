@@ -1,11 +1,11 @@
 """The all-to-all exchange of a sharded dynamic embedding: ids to their owners, rows back, and in
 the backward pass the rows' gradients to the owners, whose tables apply their fused optimizer.
 
-Every step is a fixed function of the ranks' batches: ids are sorted (torch.unique), grouped by
-owner with a stable sort, exchanged in rank order, and every gradient sum runs in a fixed order
-(dynemb_segment_sum per id here, in batch order; the owner's table sums the ranks' contributions in
-rank order), and bags are pooled by the single-device kernel (dynemb_pool: fp32 sums in id order),
-so the same inputs give the same results run to run on CPU and GPU.
+Every step is a fixed function of the ranks' batches: ids are grouped (dynemb_sort_segments), the
+distinct ids grouped by owner with a stable sort, exchanged in rank order, and every gradient sum
+runs in a fixed order (dynemb_segment_sum per id here, in batch order; the owner's table sums the
+ranks' contributions in rank order), and bags are pooled by the single-device kernel (dynemb_pool:
+fp32 sums in id order), so the same inputs give the same results run to run on CPU and GPU.
 """
 import math
 import time
@@ -48,30 +48,43 @@ def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group, lo
     return out
 
 
+def _owner_counts(sorted_owner: Tensor, world: int) -> Tensor:
+    """How many of the owner-sorted entries each rank 0..world-1 owns. No host sync (torch.bincount
+    reads the input's min and max on the host on CUDA)."""
+    bounds = torch.searchsorted(sorted_owner, torch.arange(world + 1, device=sorted_owner.device))
+    return bounds[1:] - bounds[:-1]
+
+
 class Plan:
-    """Where a batch's ids go: its unique ids (sorted) and each id's index into them (inv), the
-    unique ids grouped by owner (send_ids = uniq[order]) and the split sizes both ways. Building one
-    exchanges the counts (one all-to-all and one host read of both split lists)."""
+    """Where a batch's ids go: its unique ids (in dynemb_sort_segments' order: id order on the CPU,
+    the ids' hash order on CUDA) and each id's index into them (inv), the unique ids grouped by
+    owner (send_ids = uniq[order]) and the split sizes both ways. Building one exchanges the counts
+    (one all-to-all) and reads both split lists and the number of distinct ids on the host at once:
+    the grouping (dynemb_sort_segments, as the single-device table groups a batch) pads its distinct
+    ids to the batch's length, and the padding, owned by no rank, sorts last and is cut off after
+    that read."""
 
     def __init__(self, flat: Tensor, owner_fn, world: int, group, log=None):
-        self.uniq, self.inv, self.counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
-        owner = owner_fn(self.uniq)
-        self.order = torch.argsort(owner, stable=True)
-        self.send_ids = self.uniq.index_select(0, self.order)
-        send_counts = torch.bincount(owner, minlength=world)
+        perm, uniq, seg, self.inv, n_unique = _ops.dynemb_sort_segments(flat)
+        n = flat.numel()
+        # the padding past n_unique is given owner `world`, after every rank's ids
+        owner = torch.where(torch.arange(n, device=flat.device) < n_unique, owner_fn(uniq), world)
+        order = torch.argsort(owner, stable=True)
+        send_counts = _owner_counts(owner.index_select(0, order), world)
         recv_counts = all_to_all(send_counts, [1] * world, [1] * world, group, log, "counts")
-        host = torch.cat([send_counts, recv_counts]).tolist()  # the exchange's one host sync
-        self.send_splits, self.recv_splits = host[:world], host[world:]
-        self.group, self.log, self.n = group, log, flat.numel()
-        self._segments = self._pos = None
+        host = torch.cat([send_counts, recv_counts, n_unique]).tolist()  # the exchange's one host sync
+        self.send_splits, self.recv_splits, n_u = host[:world], host[world:2 * world], host[2 * world]
+        self.uniq, self.order = uniq[:n_u], order[:n_u]  # the padding's entries are the last n - n_u
+        self.send_ids = uniq.index_select(0, self.order)
+        # perm: the batch's ids grouped by unique id, batch order within a group (a stable sort's);
+        # seg: the groups' bounds
+        self._segments = (perm, seg[:n_u + 1])
+        self.group, self.log, self.n = group, log, n
+        self._pos = None
 
     def segments(self) -> Tuple[Tensor, Tensor]:
         """(perm, seg), for the backward: the batch's ids grouped by unique id, each group's
         occurrences in batch order (perm), and the groups' bounds (seg, n_unique + 1)."""
-        if self._segments is None:
-            perm = torch.argsort(self.inv, stable=True)
-            seg = torch.cat([self.counts.new_zeros(1), torch.cumsum(self.counts, 0)])
-            self._segments = (perm, seg)
         return self._segments
 
     def positions(self) -> Tensor:
@@ -197,7 +210,7 @@ class PartialPlan:
         self.send_ids = flat.index_select(0, order)
         self.send_bags = bag_of.index_select(0, order).to(torch.int32)  # half the bytes of int64
         self.send_w = weights.index_select(0, order) if weights is not None else None
-        counts = torch.bincount(owner, minlength=world)
+        counts = _owner_counts(owner.index_select(0, order), world)
         meta = torch.stack([counts, torch.full_like(counts, n_bags)], 1)
         recv_meta = all_to_all(meta, [1] * world, [1] * world, group, log, "counts")
         host = torch.cat([meta.reshape(-1), recv_meta.reshape(-1)]).tolist()  # the one host sync
