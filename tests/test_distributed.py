@@ -41,8 +41,10 @@ def _init(rank, world, tmp, backend):
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    # NCCL bound to this rank's GPU at once (device_id), as benchmarks/bench_distributed.py does
     dist.init_process_group(backend, init_method=f"file://{tmp}/pg", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=120),
+                            **({"device_id": torch.device(f"cuda:{rank}")} if backend == "nccl" else {}))
 
 
 def _entry(rank, world, tmp, backend, fn, args):

@@ -75,7 +75,8 @@ def _worker(rank, world, tmp, backend, seed, kw):
     else:
         torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{tmp}/pg", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=120),
+                            **({"device_id": torch.device(f"cuda:{rank}")} if backend == "nccl" else {}))
     try:
         dev = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
         model, train, catalog, tcfg = _setup(seed, dev, **kw)
