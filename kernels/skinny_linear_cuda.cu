@@ -319,21 +319,29 @@ cudaError_t launch_typed(const tf_skinny_linear_params &p, const Plan &pl, cudaS
     return p.norm_w ? launch_rows<T, true>(p, pl, st) : launch_rows<T, false>(p, pl, st);
 }
 
+/* Whether the kernel takes p and, if so, its plan in *pl (one plan per call: the entry points below
+ * share it). */
+bool applies(const tf_skinny_linear_params *p, Plan *pl) {
+    const int es = tf_dtype_size(p->dtype), vec = 16 / es;
+    if (p->M < 1 || p->M > TF_SKINNY_MAX_ROWS || p->K < 1 || p->N < 1 || p->K > (1 << 24)) return false;
+    // whole 16-byte slices of w's rows: N and the row stride multiples of VEC, w 16-byte aligned
+    if (p->N % vec || p->w_stride % vec || ((uintptr_t)p->w & 15)) return false;
+    if ((p->N + kColThreads * vec - 1) / (kColThreads * vec) * kMaxSplits > 0x7fffffff) return false;
+    *pl = plan(p);
+    const size_t optin = (size_t)device_info().smem_optin;
+    return pl->smem <= kMaxSmem && pl->smem + 1024 <= optin;  // + the static statistics
+}
+
 }  // namespace
 
 extern "C" int tf_skinny_linear_cuda_applies(const tf_skinny_linear_params *p) {
-    const int es = tf_dtype_size(p->dtype), vec = 16 / es;
-    if (p->M < 1 || p->M > TF_SKINNY_MAX_ROWS || p->K < 1 || p->N < 1 || p->K > (1 << 24)) return 0;
-    // whole 16-byte slices of w's rows: N and the row stride multiples of VEC, w 16-byte aligned
-    if (p->N % vec || p->w_stride % vec || ((uintptr_t)p->w & 15)) return 0;
-    if ((p->N + kColThreads * vec - 1) / (kColThreads * vec) * kMaxSplits > 0x7fffffff) return 0;
-    const size_t smem = plan(p).smem, optin = (size_t)device_info().smem_optin;
-    return smem <= kMaxSmem && smem + 1024 <= optin;  // + the static statistics
+    Plan pl;
+    return applies(p, &pl) ? 1 : 0;
 }
 
 extern "C" int tf_skinny_linear_cuda(const tf_skinny_linear_params *p, void *stream) {
-    if (!tf_skinny_linear_cuda_applies(p)) return (int)cudaErrorInvalidValue;
-    const Plan pl = plan(p);
+    Plan pl;
+    if (!applies(p, &pl)) return (int)cudaErrorInvalidValue;
     const cudaStream_t st = (cudaStream_t)stream;
     if (p->dtype == TF_BF16) return (int)launch_typed<__nv_bfloat16>(*p, pl, st);
     if (p->dtype == TF_F16) return (int)launch_typed<__half>(*p, pl, st);
