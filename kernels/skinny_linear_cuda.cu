@@ -61,48 +61,6 @@ __device__ __forceinline__ void load_batch(uint4 (&w)[U], const T *col_ptr, int6
     }
 }
 
-/* a's rows as fp32 into a_s[m * span + k - s_lo] (zeros past M and K); with the norm (span = K, s_lo = 0),
- * each thread's share of every row's sum and sum of squares about the row's first element as it stages,
- * then the block's K-range normalized and rounded, as the norm op's output is. Ends before a barrier. */
-template <typename T, int MR, bool NORM>
-__device__ __forceinline__ void stage_rows(const tf_skinny_linear_params &p, float *a_s, float *nw_s, float *nb_s,
-                                           int span, int s_lo, int k_lo, int k_hi) {
-    const int K = (int)p.K, M = (int)p.M, tid = threadIdx.x;
-    const T *a = (const T *)p.a;
-    float sum[MR], sq[MR], shift[MR];
-#pragma unroll
-    for (int m = 0; m < MR; ++m) {
-        const T *arow = a + (int64_t)m * p.a_stride;
-        shift[m] = NORM && m < M ? to_f<T>(arow[0]) : 0.f;
-        sum[m] = sq[m] = 0.f;
-        for (int k = tid; k < span; k += kThreads) {
-            const float v = m < M && s_lo + k < K ? to_f<T>(arow[s_lo + k]) : 0.f;
-            a_s[m * span + k] = v;
-            if (NORM && m < M) {
-                const float d = v - shift[m];
-                sum[m] += d;
-                sq[m] = fmaf(d, d, sq[m]);
-            }
-        }
-    }
-    if constexpr (NORM) {
-        const T *nw = (const T *)p.norm_w, *nb = (const T *)p.norm_b;
-        for (int k = k_lo + tid; k < k_hi; k += kThreads) {
-            nw_s[k] = to_f<T>(nw[k]);
-            nb_s[k] = nb ? to_f<T>(nb[k]) : 0.f;
-        }
-        const float2 *stats = skinny_row_stats<MR, kWarps>(sum, sq, shift, K, p.eps);
-        // only this block's K range is multiplied: normalize that
-#pragma unroll
-        for (int m = 0; m < MR; ++m) {
-            if (m >= M) break;
-            const float mean = stats[m].x, rstd = stats[m].y;
-            for (int k = k_lo + tid; k < k_hi; k += kThreads)
-                a_s[m * span + k] = skinny_rounded<T>((a_s[m * span + k] - mean) * rstd * nw_s[k] + nb_s[k]);
-        }
-    }
-}
-
 /* smem: a_s [MR][span] | red [kWarps][MR][TILE] | part [MR][TILE] | (NORM) nw_s, nb_s [span] (fp32).
  * P: tf_skinny_linear_params, or tf_skinny_hstu_output_params for kHstuOutput. */
 template <typename T, int MR, int PRO, int U, typename P>
@@ -147,10 +105,69 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_linear_kernel(const P q, i
         }
         extra[j] = e;
     }
-    if constexpr (PRO == kHstuOutput)
+    if constexpr (PRO == kHstuOutput) {
         hstu_output_rows<T, MR, kThreads>(q, a_s, span, k_lo, k_hi);
-    else
-        stage_rows<T, MR, NORM>(p, a_s, nw_s, nb_s, span, s_lo, k_lo, k_hi);
+    } else {
+        // a's rows as fp32 (zeros past M and K); with the norm, each thread's share of every row's sum and sum
+        // of squares about the row's first element (a one-pass variance that stays exact for |mean| >> std)
+        const T *a = (const T *)p.a;
+        float sum[MR], sq[MR], shift[MR];
+#pragma unroll
+        for (int m = 0; m < MR; ++m) {
+            const T *arow = a + (int64_t)m * p.a_stride;
+            shift[m] = NORM && m < M ? to_f<T>(arow[0]) : 0.f;
+            sum[m] = sq[m] = 0.f;
+            for (int k = tid; k < span; k += kThreads) {
+                const float v = m < M && s_lo + k < K ? to_f<T>(arow[s_lo + k]) : 0.f;
+                a_s[m * span + k] = v;
+                if (NORM && m < M) {
+                    const float d = v - shift[m];
+                    sum[m] += d;
+                    sq[m] = fmaf(d, d, sq[m]);
+                }
+            }
+        }
+        if constexpr (NORM) {
+            const T *nw = (const T *)p.norm_w, *nb = (const T *)p.norm_b;
+            for (int k = k_lo + tid; k < k_hi; k += kThreads) {
+                nw_s[k] = to_f<T>(nw[k]);
+                nb_s[k] = nb ? to_f<T>(nb[k]) : 0.f;
+            }
+            __shared__ float2 wsum[kWarps][MR];
+            __shared__ float2 stats[MR];
+            __shared__ float shifts[MR];
+#pragma unroll
+            for (int m = 0; m < MR; ++m) {
+                if (tid == 0) shifts[m] = shift[m];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    sum[m] += __shfl_xor_sync(0xffffffffu, sum[m], o);
+                    sq[m] += __shfl_xor_sync(0xffffffffu, sq[m], o);
+                }
+                if (lane == 0) wsum[warp][m] = make_float2(sum[m], sq[m]);
+            }
+            __syncthreads();
+            if (tid < MR) {
+                float2 t = make_float2(0.f, 0.f);
+#pragma unroll
+                for (int w = 0; w < kWarps; ++w) {
+                    t.x += wsum[w][tid].x;
+                    t.y += wsum[w][tid].y;
+                }
+                const float dm = t.x / (float)K;  // mean - shift
+                stats[tid] = make_float2(shifts[tid] + dm, rsqrtf(fmaxf(t.y / (float)K - dm * dm, 0.f) + p.eps));
+            }
+            __syncthreads();
+            // only this block's K range is multiplied: normalize (and round, as the norm op's output is) that
+#pragma unroll
+            for (int m = 0; m < MR; ++m) {
+                if (m >= M) break;
+                const float mean = stats[m].x, rstd = stats[m].y;
+                for (int k = k_lo + tid; k < k_hi; k += kThreads)
+                    a_s[m * span + k] = skinny_rounded<T>((a_s[m * span + k] - mean) * rstd * nw_s[k] + nb_s[k]);
+            }
+        }
+    }
     __syncthreads();
 
     float acc[MR][VEC];

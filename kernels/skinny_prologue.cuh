@@ -71,11 +71,14 @@ __device__ __forceinline__ float skinny_load_any(const void *p, int dt, int64_t 
 }
 
 /* Rows m < MR of the concatenation, columns [k_lo, k_hi), into a_s[m * span + k - k_lo] (zeros for rows
- * past M). u' and attn need no statistics and are written while the statistics' sums are still being
- * reduced; y's part after. Ends with the statistics' barrier behind it: the caller syncs before reading. */
+ * past M). The prologue is a chain of global reads with nothing else to hide them, so each loop issues
+ * its loads in batches before using any: attn's row for the statistics; u' and attn columns, which need
+ * no statistics; then the first batch of y's inputs is put in flight before the statistics' reduction
+ * and used after it. The caller syncs before reading a_s. */
 template <typename T, int MR, int THREADS>
 __device__ __forceinline__ void hstu_output_rows(const tf_skinny_hstu_output_params &q, float *a_s, int span,
                                                  int k_lo, int k_hi) {
+    constexpr int B = 2;  // loads of a tensor in flight per thread
     const int M = (int)q.lin.M, n = (int)q.cols, tid = threadIdx.x;
     const int oy = (q.cat_u + q.cat_x) * n, ox = q.cat_u ? n : 0;  // y's and (with cat_x) attn's offsets
     const T *attn = (const T *)q.attn, *u = (const T *)q.u;
@@ -86,36 +89,71 @@ __device__ __forceinline__ void hstu_output_rows(const tf_skinny_hstu_output_par
         if (m >= M) continue;
         const T *arow = attn + (int64_t)m * q.attn_stride;
         shift[m] = to_f<T>(arow[0]);
-        for (int c = tid; c < n; c += THREADS) {
-            const float d = to_f<T>(arow[c]) - shift[m];
-            sum[m] += d;
-            sq[m] = fmaf(d, d, sq[m]);
+        for (int c0 = tid; c0 < n; c0 += 2 * B * THREADS) {
+            float v[2 * B];
+#pragma unroll
+            for (int j = 0; j < 2 * B; ++j) {
+                const int c = c0 + j * THREADS;
+                v[j] = c < n ? to_f<T>(arow[c]) : shift[m];
+            }
+#pragma unroll
+            for (int j = 0; j < 2 * B; ++j) {
+                const float d = v[j] - shift[m];
+                sum[m] += d;
+                sq[m] = fmaf(d, d, sq[m]);
+            }
         }
     }
     const int pre_hi = min(k_hi, oy);  // [k_lo, pre_hi): u' and attn
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
         const T *arow = attn + (int64_t)m * q.attn_stride, *urow = u + (int64_t)m * q.u_stride;
-        for (int k = k_lo + tid; k < k_hi; k += THREADS) {
-            float v = 0.f;
-            if (m < M && k < pre_hi)
-                v = q.cat_u && k < n ? skinny_rounded<T>(skinny_act(to_f<T>(urow[k]), q.cat_act))
-                                     : to_f<T>(arow[k - ox]);
-            if (m >= M || k < pre_hi) a_s[m * span + k - k_lo] = v;
+        const int hi = m < M ? pre_hi : k_hi;  // rows past M: zeros over the whole range
+        for (int k0 = k_lo + tid; k0 < hi; k0 += B * THREADS) {
+            float v[B];
+#pragma unroll
+            for (int j = 0; j < B; ++j) {
+                const int k = k0 + j * THREADS;
+                v[j] = m < M && k < hi ? to_f<T>(q.cat_u && k < n ? urow[k] : arow[k - ox]) : 0.f;
+            }
+#pragma unroll
+            for (int j = 0; j < B; ++j) {
+                const int k = k0 + j * THREADS;
+                if (k >= hi) break;
+                a_s[m * span + k - k_lo] = m < M && q.cat_u && k < n ? skinny_rounded<T>(skinny_act(v[j], q.cat_act))
+                                                                      : v[j];
+            }
         }
     }
-    const float2 *stats = skinny_row_stats<MR, THREADS / 32>(sum, sq, shift, n, q.lin.eps);
-#pragma unroll
-    for (int m = 0; m < MR; ++m) {
-        if (m >= M) break;
-        const float mean = stats[m].x, rstd = stats[m].y;
+    // y's columns [ky, k_hi) of rows < M, in batches t = m * nb + i of B * THREADS columns
+    const int ky = max(k_lo, oy);
+    const int nb = ky < k_hi ? (k_hi - ky + B * THREADS - 1) / (B * THREADS) : 0, batches = M * nb;
+    float ya[B], yu[B], yw[B], yb[B];
+    auto load_y = [&](int t) {
+        const int m = t / nb, k0 = ky + (t - m * nb) * B * THREADS + tid;
         const T *arow = attn + (int64_t)m * q.attn_stride, *urow = u + (int64_t)m * q.u_stride;
-        for (int k = max(k_lo, oy) + tid; k < k_hi; k += THREADS) {
-            const int c = k - oy;
-            const float w = q.norm_w ? skinny_load_any(q.norm_w, q.norm_dtype, c) : 1.f;
-            const float b = q.norm_b ? skinny_load_any(q.norm_b, q.norm_dtype, c) : 0.f;
-            const float nrm = (to_f<T>(arow[c]) - mean) * rstd * w + b;
-            a_s[m * span + k - k_lo] = skinny_rounded<T>(skinny_act(to_f<T>(urow[c]), q.mul_act) * nrm);
+#pragma unroll
+        for (int j = 0; j < B; ++j) {
+            const int k = k0 + j * THREADS, c = k - oy;
+            const bool in = k < k_hi;
+            ya[j] = in ? to_f<T>(arow[c]) : 0.f;
+            yu[j] = in ? to_f<T>(urow[c]) : 0.f;
+            yw[j] = in && q.norm_w ? skinny_load_any(q.norm_w, q.norm_dtype, c) : 1.f;
+            yb[j] = in && q.norm_b ? skinny_load_any(q.norm_b, q.norm_dtype, c) : 0.f;
+        }
+    };
+    if (batches > 0) load_y(0);
+    const float2 *stats = skinny_row_stats<MR, THREADS / 32>(sum, sq, shift, n, q.lin.eps);
+    for (int t = 0; t < batches; ++t) {
+        if (t > 0) load_y(t);
+        const int m = t / nb, k0 = ky + (t - m * nb) * B * THREADS + tid;
+        const float mean = stats[m].x, rstd = stats[m].y;
+#pragma unroll
+        for (int j = 0; j < B; ++j) {
+            const int k = k0 + j * THREADS;
+            if (k >= k_hi) break;
+            const float nrm = (ya[j] - mean) * rstd * yw[j] + yb[j];
+            a_s[m * span + k - k_lo] = skinny_rounded<T>(skinny_act(yu[j], q.mul_act) * nrm);
         }
     }
 }
