@@ -216,4 +216,9 @@ TORCH_LIBRARY(torchfuse, m) {
     m.def(
         "skinny_linear(Tensor a, Tensor weight, Tensor? bias=None, Tensor? residual=None, Tensor? norm_weight=None, "
         "Tensor? norm_bias=None, float eps=1e-5) -> Tensor");
+    // hstu_output_fwd's y (groups 0, no dropout) and x + y @ output_weight in one kernel for attn of at most 8
+    // rows (hstu_compute_output's serving path): y is built in the GEMM's prologue, never stored.
+    m.def(
+        "hstu_output_skinny(Tensor attn, Tensor u, Tensor x, Tensor norm_weight, Tensor norm_bias, float eps, "
+        "Tensor output_weight, int mul_act, int cat_act, bool concat_u, bool concat_x) -> Tensor");
 }

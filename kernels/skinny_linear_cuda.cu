@@ -1,5 +1,6 @@
 /* Skinny linear (semantics: skinny_linear_kernels.h): out = [LayerNorm(a)] @ w + bias + residual for
- * M <= 8 rows, bound by reading w once.
+ * M <= 8 rows, bound by reading w once; and the same GEMM with a's rows built from HSTU's output
+ * section (kernels/skinny_prologue.cuh), so that op's kernel and its y buffer drop out of a serving step.
  *
  *   skinny_linear_kernel: a block of 256 threads owns TILE = 8 x VEC columns of w (16 bytes a thread, a
  *     128-byte line of a bf16 row per 8 threads) and one K-range: 32 row groups of 8 threads, row group g
@@ -12,7 +13,11 @@
  *     through distributed shared memory, in rank order, with no workspace and no second kernel; each
  *     rank writes an interleaved share of the tile's outputs. Before sm_90, S = 1.
  *   The norm's statistics need whole rows: every block stages a's M whole rows (kilobytes) and takes
- *   their sums and sums of squares about each row's first element as it stages them. */
+ *   their sums and sums of squares about each row's first element as it stages them.
+ *   The HSTU output variant (a template parameter: the prologue, kernels/skinny_prologue.cuh) reads no a:
+ *   each block takes attn's row statistics from global memory and builds only its K-range of the
+ *   concatenation [u', attn, act(u) * LayerNorm(attn)] in shared memory; tiles, split and epilogue are
+ *   the same kernel's. */
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -22,6 +27,7 @@
 #include <type_traits>
 
 #include "skinny_linear_kernels.h"
+#include "skinny_prologue.cuh"
 #include "tf_typed.cuh"
 
 namespace cg = cooperative_groups;
@@ -35,8 +41,16 @@ constexpr int kRowGroups = kThreads / kColThreads;  // 32
 constexpr int kMaxSplits = 8;                     // the portable cluster size
 constexpr size_t kMaxSmem = 96 * 1024;
 
-template <typename T>
-__device__ __forceinline__ float rounded(float v) { return to_f<T>(from_f<T>(v)); }
+/* What fills the rows of a: a read as is, a normalized, or HSTU's output section (params
+ * tf_skinny_hstu_output_params) */
+enum Prologue { kPlain = 0, kNorm = 1, kHstuOutput = 2 };
+
+__host__ __device__ __forceinline__ const tf_skinny_linear_params &lin_of(const tf_skinny_linear_params &p) {
+    return p;
+}
+__host__ __device__ __forceinline__ const tf_skinny_linear_params &lin_of(const tf_skinny_hstu_output_params &q) {
+    return q.lin;
+}
 
 template <typename T, int U>
 __device__ __forceinline__ void load_batch(uint4 (&w)[U], const T *col_ptr, int64_t w_stride, int k, int k_hi) {
@@ -47,10 +61,12 @@ __device__ __forceinline__ void load_batch(uint4 (&w)[U], const T *col_ptr, int6
     }
 }
 
-/* smem: a_s [MR][span] | red [kWarps][MR][TILE] | part [MR][TILE] | (NORM) nw_s, nb_s [span] (fp32) */
-template <typename T, int MR, bool NORM, int U>
-__global__ void __launch_bounds__(kThreads, 2) skinny_linear_kernel(const tf_skinny_linear_params p, int splits,
-                                                                 int k_per_split) {
+/* smem: a_s [MR][span] | red [kWarps][MR][TILE] | part [MR][TILE] | (NORM) nw_s, nb_s [span] (fp32).
+ * P: tf_skinny_linear_params, or tf_skinny_hstu_output_params for kHstuOutput. */
+template <typename T, int MR, int PRO, int U, typename P>
+__global__ void __launch_bounds__(kThreads, 2) skinny_linear_kernel(const P q, int splits, int k_per_split) {
+    constexpr bool NORM = PRO == kNorm;
+    const tf_skinny_linear_params &p = lin_of(q);
     constexpr int VEC = 16 / sizeof(T);
     constexpr int TILE = kColThreads * VEC;
     constexpr int OUTS = (MR * TILE + kThreads - 1) / kThreads;  // epilogue outputs a thread may own
@@ -71,8 +87,9 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_linear_kernel(const tf_ski
     const int k_first = col_ok ? k_lo + rg : k_hi;
 
     // Everything the block reads is independent of everything else it reads, so all of it is put in
-    // flight first: two batches of w (the next ones are loaded as these are consumed), a's rows and the
-    // norm's parameters (into shared memory), and the bias and residual of the outputs this thread writes.
+    // flight first: two batches of w (the next ones are loaded as these are consumed), the bias and
+    // residual of the outputs this thread writes, then the rows of a (with the norm's parameters, or
+    // built from attn and u) into shared memory.
     uint4 b0[U], b1[U];
     load_batch<T, U>(b0, wcol, p.w_stride, k_first, k_hi);
     load_batch<T, U>(b1, wcol, p.w_stride, k_first + STEP, k_hi);
@@ -88,63 +105,67 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_linear_kernel(const tf_ski
         }
         extra[j] = e;
     }
-    // a's rows as fp32 (zeros past M and K); with the norm, each thread's share of every row's sum and sum
-    // of squares about the row's first element (a one-pass variance that stays exact for |mean| >> std)
-    const T *a = (const T *)p.a;
-    float sum[MR], sq[MR], shift[MR];
-#pragma unroll
-    for (int m = 0; m < MR; ++m) {
-        const T *arow = a + (int64_t)m * p.a_stride;
-        shift[m] = NORM && m < M ? to_f<T>(arow[0]) : 0.f;
-        sum[m] = sq[m] = 0.f;
-        for (int k = tid; k < span; k += kThreads) {
-            const float v = m < M && s_lo + k < K ? to_f<T>(arow[s_lo + k]) : 0.f;
-            a_s[m * span + k] = v;
-            if (NORM && m < M) {
-                const float d = v - shift[m];
-                sum[m] += d;
-                sq[m] = fmaf(d, d, sq[m]);
-            }
-        }
-    }
-    if constexpr (NORM) {
-        const T *nw = (const T *)p.norm_w, *nb = (const T *)p.norm_b;
-        for (int k = k_lo + tid; k < k_hi; k += kThreads) {
-            nw_s[k] = to_f<T>(nw[k]);
-            nb_s[k] = nb ? to_f<T>(nb[k]) : 0.f;
-        }
-        __shared__ float2 wsum[kWarps][MR];
-        __shared__ float2 stats[MR];
-        __shared__ float shifts[MR];
+    if constexpr (PRO == kHstuOutput) {
+        hstu_output_rows<T, MR, kThreads>(q, a_s, span, k_lo, k_hi);
+    } else {
+        // a's rows as fp32 (zeros past M and K); with the norm, each thread's share of every row's sum and sum
+        // of squares about the row's first element (a one-pass variance that stays exact for |mean| >> std)
+        const T *a = (const T *)p.a;
+        float sum[MR], sq[MR], shift[MR];
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-            if (tid == 0) shifts[m] = shift[m];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                sum[m] += __shfl_xor_sync(0xffffffffu, sum[m], o);
-                sq[m] += __shfl_xor_sync(0xffffffffu, sq[m], o);
+            const T *arow = a + (int64_t)m * p.a_stride;
+            shift[m] = NORM && m < M ? to_f<T>(arow[0]) : 0.f;
+            sum[m] = sq[m] = 0.f;
+            for (int k = tid; k < span; k += kThreads) {
+                const float v = m < M && s_lo + k < K ? to_f<T>(arow[s_lo + k]) : 0.f;
+                a_s[m * span + k] = v;
+                if (NORM && m < M) {
+                    const float d = v - shift[m];
+                    sum[m] += d;
+                    sq[m] = fmaf(d, d, sq[m]);
+                }
             }
-            if (lane == 0) wsum[warp][m] = make_float2(sum[m], sq[m]);
         }
-        __syncthreads();
-        if (tid < MR) {
-            float2 t = make_float2(0.f, 0.f);
-#pragma unroll
-            for (int w = 0; w < kWarps; ++w) {
-                t.x += wsum[w][tid].x;
-                t.y += wsum[w][tid].y;
+        if constexpr (NORM) {
+            const T *nw = (const T *)p.norm_w, *nb = (const T *)p.norm_b;
+            for (int k = k_lo + tid; k < k_hi; k += kThreads) {
+                nw_s[k] = to_f<T>(nw[k]);
+                nb_s[k] = nb ? to_f<T>(nb[k]) : 0.f;
             }
-            const float dm = t.x / (float)K;  // mean - shift
-            stats[tid] = make_float2(shifts[tid] + dm, rsqrtf(fmaxf(t.y / (float)K - dm * dm, 0.f) + p.eps));
-        }
-        __syncthreads();
-        // only this block's K range is multiplied: normalize (and round, as the norm op's output is) that
+            __shared__ float2 wsum[kWarps][MR];
+            __shared__ float2 stats[MR];
+            __shared__ float shifts[MR];
 #pragma unroll
-        for (int m = 0; m < MR; ++m) {
-            if (m >= M) break;
-            const float mean = stats[m].x, rstd = stats[m].y;
-            for (int k = k_lo + tid; k < k_hi; k += kThreads)
-                a_s[m * span + k] = rounded<T>((a_s[m * span + k] - mean) * rstd * nw_s[k] + nb_s[k]);
+            for (int m = 0; m < MR; ++m) {
+                if (tid == 0) shifts[m] = shift[m];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    sum[m] += __shfl_xor_sync(0xffffffffu, sum[m], o);
+                    sq[m] += __shfl_xor_sync(0xffffffffu, sq[m], o);
+                }
+                if (lane == 0) wsum[warp][m] = make_float2(sum[m], sq[m]);
+            }
+            __syncthreads();
+            if (tid < MR) {
+                float2 t = make_float2(0.f, 0.f);
+#pragma unroll
+                for (int w = 0; w < kWarps; ++w) {
+                    t.x += wsum[w][tid].x;
+                    t.y += wsum[w][tid].y;
+                }
+                const float dm = t.x / (float)K;  // mean - shift
+                stats[tid] = make_float2(shifts[tid] + dm, rsqrtf(fmaxf(t.y / (float)K - dm * dm, 0.f) + p.eps));
+            }
+            __syncthreads();
+            // only this block's K range is multiplied: normalize (and round, as the norm op's output is) that
+#pragma unroll
+            for (int m = 0; m < MR; ++m) {
+                if (m >= M) break;
+                const float mean = stats[m].x, rstd = stats[m].y;
+                for (int k = k_lo + tid; k < k_hi; k += kThreads)
+                    a_s[m * span + k] = skinny_rounded<T>((a_s[m * span + k] - mean) * rstd * nw_s[k] + nb_s[k]);
+            }
         }
     }
     __syncthreads();
@@ -272,10 +293,11 @@ Plan plan(const tf_skinny_linear_params *p) {
     return pl;
 }
 
-template <typename T, int MR, bool NORM>
-cudaError_t launch(const tf_skinny_linear_params &p, const Plan &pl, cudaStream_t st) {
+template <typename T, int MR, int PRO, typename P>
+cudaError_t launch(const P &q, const Plan &pl, cudaStream_t st) {
     constexpr int U = MR <= 2 ? 8 : 4;
-    const void *fn = (const void *)skinny_linear_kernel<T, MR, NORM, U>;
+    const tf_skinny_linear_params &p = lin_of(q);
+    const void *fn = (const void *)skinny_linear_kernel<T, MR, PRO, U, P>;
     static bool opted[64] = {false};
     int dev = 0;
     cudaGetDevice(&dev);
@@ -301,22 +323,35 @@ cudaError_t launch(const tf_skinny_linear_params &p, const Plan &pl, cudaStream_
         cfg.attrs = attr;
         cfg.numAttrs = 1;
     }
-    return cudaLaunchKernelEx(&cfg, skinny_linear_kernel<T, MR, NORM, U>, p, pl.splits, pl.k_per_split);
+    return cudaLaunchKernelEx(&cfg, skinny_linear_kernel<T, MR, PRO, U, P>, q, pl.splits, pl.k_per_split);
 }
 
-template <typename T, bool NORM>
-cudaError_t launch_rows(const tf_skinny_linear_params &p, const Plan &pl, cudaStream_t st) {
-    switch (rows_tier(p.M)) {
-    case 1: return launch<T, 1, NORM>(p, pl, st);
-    case 2: return launch<T, 2, NORM>(p, pl, st);
-    case 4: return launch<T, 4, NORM>(p, pl, st);
-    default: return launch<T, 8, NORM>(p, pl, st);
+template <typename T, int PRO, typename P>
+cudaError_t launch_rows(const P &q, const Plan &pl, cudaStream_t st) {
+    switch (rows_tier(lin_of(q).M)) {
+    case 1: return launch<T, 1, PRO>(q, pl, st);
+    case 2: return launch<T, 2, PRO>(q, pl, st);
+    case 4: return launch<T, 4, PRO>(q, pl, st);
+    default: return launch<T, 8, PRO>(q, pl, st);
     }
 }
 
 template <typename T>
 cudaError_t launch_typed(const tf_skinny_linear_params &p, const Plan &pl, cudaStream_t st) {
-    return p.norm_w ? launch_rows<T, true>(p, pl, st) : launch_rows<T, false>(p, pl, st);
+    return p.norm_w ? launch_rows<T, kNorm>(p, pl, st) : launch_rows<T, kPlain>(p, pl, st);
+}
+
+template <typename T>
+cudaError_t launch_typed(const tf_skinny_hstu_output_params &q, const Plan &pl, cudaStream_t st) {
+    return launch_rows<T, kHstuOutput>(q, pl, st);
+}
+
+template <typename P>
+cudaError_t launch_dtype(const P &q, const Plan &pl, cudaStream_t st) {
+    const tf_skinny_linear_params &p = lin_of(q);
+    if (p.dtype == TF_BF16) return launch_typed<__nv_bfloat16>(q, pl, st);
+    if (p.dtype == TF_F16) return launch_typed<__half>(q, pl, st);
+    return launch_typed<float>(q, pl, st);
 }
 
 /* Whether the kernel takes p and, if so, its plan in *pl (one plan per call: the entry points below
@@ -342,8 +377,28 @@ extern "C" int tf_skinny_linear_cuda_applies(const tf_skinny_linear_params *p) {
 extern "C" int tf_skinny_linear_cuda(const tf_skinny_linear_params *p, void *stream) {
     Plan pl;
     if (!applies(p, &pl)) return (int)cudaErrorInvalidValue;
-    const cudaStream_t st = (cudaStream_t)stream;
-    if (p->dtype == TF_BF16) return (int)launch_typed<__nv_bfloat16>(*p, pl, st);
-    if (p->dtype == TF_F16) return (int)launch_typed<__half>(*p, pl, st);
-    return (int)launch_typed<float>(*p, pl, st);
+    return (int)launch_dtype(*p, pl, (cudaStream_t)stream);
+}
+
+/* The linear's own conditions, with a's rows the concatenation's: no staged a, no norm of a (plan() then
+ * sizes a_s to the block's K-range); the plan in *pl. */
+static bool hstu_output_applies(const tf_skinny_hstu_output_params *q, Plan *pl) {
+    const tf_skinny_linear_params *p = &q->lin;
+    if (p->a || p->norm_w || p->norm_b || !q->attn || !q->u || q->cols < 1 || q->cols > (1 << 22)) return false;
+    if (q->mul_act < TF_ACT_NONE || q->mul_act > TF_ACT_SIGMOID || q->cat_act < TF_ACT_NONE ||
+        q->cat_act > TF_ACT_SIGMOID)
+        return false;
+    if (p->K != (1 + (q->cat_u != 0) + (q->cat_x != 0)) * q->cols) return false;
+    return applies(p, pl);
+}
+
+extern "C" int tf_skinny_hstu_output_cuda_applies(const tf_skinny_hstu_output_params *q) {
+    Plan pl;
+    return hstu_output_applies(q, &pl);
+}
+
+extern "C" int tf_skinny_hstu_output_cuda(const tf_skinny_hstu_output_params *q, void *stream) {
+    Plan pl;
+    if (!hstu_output_applies(q, &pl)) return (int)cudaErrorInvalidValue;
+    return (int)launch_dtype(*q, pl, (cudaStream_t)stream);
 }

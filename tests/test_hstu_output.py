@@ -17,6 +17,7 @@ import torch
 import torchfuse
 from torchfuse import reference
 from torchfuse.hstu_output import _dropout_mask
+from _helpers import check_close as check_close_lowp
 from test_hstu_dropout import philox4x32_10
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -414,3 +415,181 @@ def test_op_autograd_matches_the_function(device):
     leaves = list(t.values())
     for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- few rows: y built in the skinny kernel
+# hstu_compute_output without autograd, at most 8 rows on CUDA, LayerNorm, no dropout: one kernel
+# (torch.ops.torchfuse.hstu_output_skinny) instead of the output op's and skinny_linear's. On the CPU the
+# op composes those two; it is called directly there (the route is CUDA's).
+
+_ACT_CODES = {"none": 0, "silu": 1, "sigmoid": 2}
+FUSED_OPTIONS = list(itertools.product(CONCATS, _ACT_CODES, [False, True]))
+
+
+def _fused(device, t, eps, concat, act, silu_u):
+    """The few-row result: through hstu_compute_output's route on CUDA (checked taken), the op on the CPU."""
+    cu, cx = CONCATS[concat]
+    L, n = t["attn"].shape
+    if device != "cuda":
+        return torch.ops.torchfuse.hstu_output_skinny(t["attn"], t["u"], t["x"], t["norm_weight"], t["norm_bias"],
+                                                      eps, t["output_weight"], _ACT_CODES[act], int(silu_u), cu, cx)
+    with torch.no_grad(), torchfuse.stats() as calls:
+        out = call(torchfuse.hstu_compute_output, t, eps, num_heads=1, linear_dim=n, dropout_ratio=0.1,
+                   training=False, concat_u=cu, concat_x=cx, mul_u_activation_type=act, group_norm=False,
+                   silu_u=silu_u)
+    assert calls.get("hstu_output_skinny") == 1 and "skinny_linear" not in calls, calls
+    return out
+
+
+def _check_fused(device, t, eps, concat, act, silu_u, what):
+    """Against the two-kernel path's own y (the output op's rows, rounded as it stores them) multiplied
+    exactly and by torch.addmm in the dtype, and against the plain-PyTorch formula."""
+    cu, cx = CONCATS[concat]
+    dtype = t["attn"].dtype
+    out = _fused(device, t, eps, concat, act, silu_u)
+    assert out.dtype == dtype and out.shape == t["x"].shape, what
+    with torch.no_grad():
+        y = torch.ops.torchfuse.hstu_output_fwd(t["attn"], t["u"], t["norm_weight"], t["norm_bias"], eps, 0,
+                                                _ACT_CODES[act], int(silu_u), cu, cx, 0.0, None, None)[0]
+        x, W = t["x"], t["output_weight"]
+        ref64 = x.double() + y.double() @ W.double()
+        lowp = torch.addmm(x, y, W) if device == "cuda" or dtype == torch.float32 else \
+            (x.float() + y.float() @ W.float()).to(dtype)
+        check_close_lowp(f"fused vs the output op's y ({what})", out, ref64, lowp, dtype)
+        kw = dict(num_heads=1, linear_dim=t["attn"].shape[1], dropout_ratio=0.0, training=False, concat_u=cu,
+                  concat_x=cx, mul_u_activation_type=act, group_norm=False, silu_u=silu_u)
+        plain = call(reference.hstu_compute_output, {k: v.clone() for k, v in t.items()}, eps, **kw)
+        plain64 = call(reference.hstu_compute_output, {k: v.double() for k, v in t.items()}, eps, **kw)
+        check_close_lowp(f"fused vs the formula ({what})", out, plain64, plain, dtype)
+
+
+@pytest.mark.parametrize("concat,act,silu_u", FUSED_OPTIONS, ids=[f"{c}-{a}-{'silu_u' if s else 'u'}"
+                                                                  for c, a, s in FUSED_OPTIONS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_fused_few_rows_options(device, dtype, concat, act, silu_u):
+    L = int(torch.randint(1, 9, ()))
+    t = make(L, 3, 7, 24, dtype, device, False, *CONCATS[concat], requires_grad=False)  # n = 21: odd K
+    _check_fused(device, t, 1e-5, concat, act, silu_u, f"{dtype} L={L} {concat} {act} silu_u={silu_u}")
+
+
+# 1 to 8 rows (each row tier of the kernel and the partial ones), at widths that split K over a
+# cluster with part boundaries inside a block's K-range (n = 1024: NVIDIA's 4 x 256 heads, E = 1024;
+# n = 1000), and narrow ones (one block, n < the block's threads).
+@pytest.mark.parametrize("L", range(1, 9))
+@pytest.mark.parametrize("n,E", [(1024, 1024), (1000, 256), (50, 64)], ids=["1024x1024", "1000x256", "50x64"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_fused_few_rows_widths(device, dtype, n, E, L):
+    t = make(L, 1, n, E, dtype, device, False, True, True, requires_grad=False)
+    _check_fused(device, t, 1e-6, "uxy", "silu", True, f"{dtype} L={L} n={n} E={E}")
+
+
+@pytest.mark.parametrize("concat", ["uxy", "y"])
+def test_fused_few_rows_fp32_norm_params(device, concat):
+    t = make(5, 2, 12, 32, torch.bfloat16, device, False, *CONCATS[concat], requires_grad=False,
+             wdtype=torch.float32)
+    _check_fused(device, t, 1e-5, concat, "sigmoid", False, f"fp32 norm params {concat}")
+
+
+def test_fused_few_rows_mean_far_from_zero(device):
+    """attn rows a thousand standard deviations from zero: the statistics must not cancel."""
+    t = make(3, 2, 64, 32, torch.float32, device, False, True, True, requires_grad=False)
+    t["attn"] = t["attn"] + 1000
+    _check_fused(device, t, 1e-5, "uxy", "silu", True, "mean 1000")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_few_rows_strided(device, dtype):
+    """attn and x column slices of wider tensors (row strides past their widths), u column-major (copied),
+    the output weight a column slice (row stride past E): the same result as contiguous inputs."""
+    L, n, E = 6, 40, 64
+    t = make(L, 1, n, E, dtype, device, False, True, True, requires_grad=False)
+    s = dict(t)
+    s["attn"] = torch.cat([torch.randn(L, 8, device=device, dtype=dtype), t["attn"]], 1)[:, 8:]
+    s["x"] = torch.cat([t["x"], torch.randn(L, 16, device=device, dtype=dtype)], 1)[:, :E]
+    s["u"] = t["u"].t().contiguous().t()
+    s["output_weight"] = torch.cat([torch.randn(3 * n, 64, device=device, dtype=dtype), t["output_weight"]], 1)[:, 64:]
+    assert s["attn"].stride(0) == n + 8 and s["x"].stride(0) == E + 16 and s["u"].stride() == (1, L)
+    assert s["output_weight"].stride(0) == E + 64
+    _check_fused(device, s, 1e-5, "uxy", "silu", False, f"strided {dtype}")
+    torch.testing.assert_close(_fused(device, s, 1e-5, "uxy", "silu", False),
+                               _fused(device, t, 1e-5, "uxy", "silu", False), rtol=0, atol=0)
+
+
+def test_fused_few_rows_unaligned_weight(device):
+    """E not a multiple of the kernel's 16-byte vectors: the op runs the output op and the linear."""
+    t = make(4, 2, 9, 20, torch.bfloat16, device, False, True, False, requires_grad=False)
+    _check_fused(device, t, 1e-5, "uy", "none", True, "E = 20")
+
+
+def test_fused_route_falls_back(device):
+    """GroupNorm, dropout, more than 8 rows and autograd keep the two-kernel path (or addmm), with the
+    formula's results."""
+    _cuda_only(device)
+    H, D, E = 2, 16, 32
+    cases = [  # (rows, group_norm, training, requires_grad, the GEMM's op counted)
+        (4, True, False, False, "skinny_linear"), (4, False, True, False, "skinny_linear"),
+        (9, False, False, False, None), (4, False, False, True, None),
+    ]
+    for L, gn, training, grad, gemm in cases:
+        t = make(L, H, D, E, torch.bfloat16, device, gn, True, True, requires_grad=grad)
+        kw = dict(num_heads=H, linear_dim=D, dropout_ratio=0.2, training=training, concat_u=True, concat_x=True,
+                  mul_u_activation_type="silu", group_norm=gn, silu_u=True, seed=5)
+        with torch.set_grad_enabled(grad), torchfuse.stats() as calls:
+            out = call(torchfuse.hstu_compute_output, t, 1e-5, **kw)
+        what = f"L={L} gn={gn} training={training} grad={grad}"
+        assert "hstu_output_skinny" not in calls and calls.get("hstu_output_fwd") == 1, (what, calls)
+        assert calls.get("skinny_linear") == (1 if gemm else None), (what, calls)
+        mask = _dropout_mask(L, H * D, 3, 0.2, seed=5, device=device) if training else None
+        kw.pop("seed")
+        with torch.no_grad():
+            ref = {k: v.detach() for k, v in t.items()}
+            lowp = call(reference.hstu_compute_output, ref, 1e-5, dropout_mask=mask, **kw)
+            ref64 = call(reference.hstu_compute_output, {k: v.double() for k, v in ref.items()}, 1e-5,
+                         dropout_mask=mask, **kw)
+        check_close_lowp(f"fallback {what}", out.detach(), ref64, lowp, torch.bfloat16)
+
+
+def test_fused_op_checks(device):
+    t = make(3, 2, 8, 16, torch.float32, device, False, True, True, requires_grad=False)
+    args = [t["attn"], t["u"], t["x"], t["norm_weight"], t["norm_bias"], 1e-5, t["output_weight"], 1, 1, True, True]
+    op = torch.ops.torchfuse.hstu_output_skinny
+
+    def bad(i, value, err, match):
+        a = list(args)
+        a[i] = value
+        with pytest.raises(err, match=match):
+            op(*a)
+
+    bad(0, torch.randn(9, 16, device=device), ValueError, "attn must have at most 8 rows")
+    bad(1, torch.randn(3, 15, device=device), ValueError, "u must have attn's shape")
+    bad(2, torch.randn(2, 16, device=device), ValueError, "x must be 2-D with attn's 3 rows")
+    bad(2, t["x"].double(), TypeError, "x must have attn's dtype")
+    bad(3, torch.ones(15, device=device), ValueError, "norm_weight must be 1-D with 16 elements")
+    bad(4, torch.zeros(16, device=device, dtype=torch.bfloat16), TypeError, "norm_weight and norm_bias must share")
+    bad(5, 0.0, ValueError, "eps must be")
+    bad(6, torch.randn(32, 16, device=device), ValueError, r"output_weight must be \(48, 16\)")
+    bad(6, t["output_weight"].half(), TypeError, "output_weight must have attn's dtype")
+    bad(7, 3, ValueError, "mul_u_activation_type code")
+    bad(8, 2, ValueError, "concatenated u's activation")
+    torch.library.opcheck(op.default, tuple(args), test_utils=("test_schema", "test_faketensor"))
+    assert op(*[a[:0] if isinstance(a, torch.Tensor) and a.dim() == 2 and i < 3 else a
+                for i, a in enumerate(args)]).shape == (0, 16)
+
+
+def test_fused_few_rows_cuda_graph(device):
+    """Captured once, replayed on new inputs: the replay computes what an eager call computes."""
+    _cuda_only(device)
+    t = make(2, 4, 256, 1024, torch.bfloat16, device, False, True, True, requires_grad=False)
+    f = lambda: _fused(device, t, 1e-6, "uxy", "silu", True)  # noqa: E731
+    f()  # warm-up outside the graph
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        out = call(torchfuse.hstu_compute_output, t, 1e-6, num_heads=4, linear_dim=256, dropout_ratio=0.0,
+                   training=False, concat_u=True, concat_x=True, mul_u_activation_type="silu", group_norm=False,
+                   silu_u=True)
+    for k in ("attn", "u", "x"):
+        t[k].copy_(torch.randn_like(t[k]))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, f())

@@ -4,7 +4,10 @@ autograd.
 The norm, the multiply by u, the concatenation and the dropout are ``torch.ops.torchfuse.hstu_output_fwd``
 / ``hstu_output_bwd`` (csrc/hstu_output*.cpp, kernels/hstu_output_*): one memory-bound pass each way.
 The output projection is a GEMM and goes to cuBLAS / ATen (``torch.addmm``), or, for the few rows of a
-serving step without autograd, to ``skinny_linear`` (the GEMM and the residual in one kernel).
+serving step without autograd (CUDA, at most 8 rows), to ``skinny_linear`` (the GEMM and the residual in
+one kernel). With LayerNorm and no dropout those rows take one kernel for the whole section,
+``hstu_output_skinny``: the skinny linear's kernel builds y's rows from attn and u in its prologue, so the
+output op's kernel and its y buffer drop out.
 """
 from typing import Optional
 
@@ -18,6 +21,7 @@ from .skinny_linear import applies as skinny_applies
 _fwd = torch.ops.torchfuse.hstu_output_fwd.default
 _bwd = torch.ops.torchfuse.hstu_output_bwd.default
 _skinny = torch.ops.torchfuse.skinny_linear.default
+_fused = torch.ops.torchfuse.hstu_output_skinny.default
 
 _ACTS = {"none": 0, "silu": 1, "sigmoid": 2}
 _OP = "torchfuse.hstu_compute_output"
@@ -76,6 +80,10 @@ def hstu_compute_output(
             recompute_y_in_backward)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (attn, u, x, norm_weight, norm_bias, output_weight)):
         return _HstuComputeOutput.apply(*args)
+    if skinny_applies(attn) and groups == 0 and p == 0.0:  # a serving step's few rows, y built in the GEMM's kernel
+        count("hstu_output_skinny")
+        return _fused(attn, u, x, norm_weight, norm_bias, float(eps), output_weight.to(x.dtype), mul_act, cat_act,
+                      cu, cx)
     y = _fwd(attn, u, norm_weight, norm_bias, eps, groups, mul_act, cat_act, cu, cx, p, seed, None)[0]
     if skinny_applies(y):  # a serving step's few rows: the GEMM and the residual in one kernel
         count("skinny_linear")
@@ -170,6 +178,15 @@ def _hstu_output_fwd_fake(attn, u, weight, bias, eps, groups, mul_act, cat_act, 
     y = attn.new_empty((L, n * (1 + int(concat_u) + int(concat_x))))
     mean = attn.new_empty((L, max(groups, 1)), dtype=torch.float32)
     return y, mean, torch.empty_like(mean), attn.new_empty(2, dtype=torch.int64)
+
+
+@torch.library.register_fake("torchfuse::hstu_output_skinny")
+def _hstu_output_skinny_fake(attn, u, x, norm_weight, norm_bias, eps, output_weight, mul_act, cat_act, concat_u,
+                             concat_x):
+    torch._check(attn.dim() == 2 and x.dim() == 2 and output_weight.dim() == 2,
+                 lambda: f"{_OP}: attn, x and output_weight must be 2-D")
+    torch._check(attn.shape[0] <= 8, lambda: f"{_OP}: attn must have at most 8 rows for the fused few-row path")
+    return x.new_empty((x.shape[0], output_weight.shape[1]))
 
 
 @torch.library.register_fake("torchfuse::hstu_output_bwd")
