@@ -192,3 +192,18 @@ def test_decode_graph_replays_match_eager(dtype):
     ref = last_row_reference(q1, k, v, starts, lens, msl, 0.3, torch.float64)
     ref_lp = last_row_reference(q1, k, v, starts, lens, msl, 0.3, dtype)
     check("decode graph", out_a, ref, ref_lp, 2.0, dtype)
+
+
+@cuda_only
+def test_decode_is_one_kernel_and_no_memset():
+    """A call runs the one decode kernel (the chunks' sum in its last blocks, no second kernel), and once
+    the stream's counters exist, no memset: the kernel leaves them zero."""
+    q1, k, v, offsets = jagged([4096, 0, 1], 4, 256, 256, "cuda", torch.bfloat16)
+    torchfuse.hstu_attention_cached(q1, k, v, offsets, 4096, 0.2, validate=False)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torchfuse.hstu_attention_cached(q1, k, v, offsets, 4096, 0.2, validate=False)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert [n for n in names if "hstu" in n or "emset" in n] == [n for n in names if "hstu_decode_partial" in n], names
+    assert len([n for n in names if "hstu_decode_partial" in n]) == 1, names
