@@ -8,8 +8,8 @@
 //   starts from zero even if it is the first use of that memory, and its kernels leave it zero;
 // - streams forked into one capture are different streams: each has its own buffer and memset.
 // The memory comes from cudaMalloc, not the caching allocator: a capture's allocations from the
-// allocator belong to the graph's private pool, which torch.compile's CUDA graph trees free and reuse
-// behind any tensor they do not track. As in PyTorch's allocator, cudaMalloc during a capture runs in
+// allocator belong to the graph's private pool, which torch.compile's CUDA graph trees check and reset
+// to the tensors they track. As in PyTorch's allocator, cudaMalloc during a capture runs in
 // relaxed capture mode (it enqueues nothing). Buffers are never freed: a graph holding the address may
 // be replayed at any time, and an eager buffer may still be in use by queued kernels when it grows.
 // They hold 4 bytes per pair: growth (doubling) and captures add a few KB each.
