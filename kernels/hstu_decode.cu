@@ -206,6 +206,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const t
     }
     const int k0 = (int)k0l;
     const int k1 = s.n - k0 > chunk ? k0 + chunk : s.n;
+    const int nc = (s.n + chunk - 1) / chunk;  // the pair's blocks that write (at most gridDim.x)
 
     // whether this chunk needs the mask per key
     float q[R][SLICE];
@@ -341,7 +342,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const t
     // that sees the others' counts sees their partials (the fence-then-count pattern of the CUDA
     // programming guide's last-block sum). The barrier also ends every read of red before the team sums
     // reuse its memory.
-    const int nc = (s.n + chunk - 1) / chunk;  // the pair's blocks that write (at most gridDim.x)
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
