@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "hstu.h"
+#include "hstu_decode_counters_cuda.h"
 #include "tf_check.h"
 #include "tf_philox_glue_cuda.h"
 
@@ -98,9 +99,13 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
     if (decode) {
         const int64_t ws_floats = tf_hstu_decode_ws_floats(&g.p);
         if (ws_floats == 0) return g.o.zero_();  // no sequence, head or position: every row is zero
+        const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+        // the partials: fresh per call (each chunk's are written before they are read); the counters:
+        // kept zero between calls on this stream (hstu_decode_counters_cuda.cpp)
         const at::Tensor ws = at::empty({ws_floats}, q.options().dtype(at::kFloat));
         g.p.decode_ws = ws.data_ptr<float>();
-        check_launch(tf_hstu_fwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU decode kernels");
+        g.p.decode_cnt = hstu_decode_counters(stream, g.p.B * g.p.H);
+        check_launch(tf_hstu_fwd_cuda(&g.p, stream), "HSTU decode kernels");
         return g.o;
     }
     check_kernel_dims(g.p);

@@ -16,13 +16,18 @@
  *     kernels round P before their P V product, then acc += P v. The next steps' K and V slices load
  *     into a ring of registers while a step's keys are used. The groups' and warps' sums go through
  *     shared memory to one fp32 partial row per query row, written to ws[chunk].
- *   hstu_decode_reduce: out = the sum of a row's chunks, in the output dtype; zeros for rows at
- *     negative positions and empty sequences. A block covers 32 consecutive outputs with 8 teams of
- *     32 threads: team t sums chunks t, t + 8, ..., then the teams' sums add in team order: a fixed
- *     order (deterministic), and 8 independent load chains instead of one per output, whose L2
- *     latency a long history's many chunks would otherwise pay one after another.
+ *   The sum of a row's chunks runs in the same kernel, in the last of the pair's blocks to finish (a
+ *     separate reduce kernel cost a launch, most of its time for one user): each block that wrote a
+ *     partial fences it and counts itself on the pair's counter; the block that brings the count to the
+ *     pair's chunk count ceil(n / chunk) reads every partial, resets the counter to zero for the next
+ *     launch, and writes the output row. Its 128 threads take (team, column) units, team t summing chunks
+ *     t, t + 8, ..., then each output adds the 8 teams' sums in team order: the order of the reduce
+ *     kernel this replaced, so the results are the same bits. Blocks past a sequence's end and the
+ *     grid's padding plane write nothing and do not count; an empty sequence's row (no chunk) is zeroed
+ *     by its chunk-0 block.
  *
- * Only chunks below ceil(n / chunk) are written and read, so the workspace needs no zeroing. */
+ * Only chunks below ceil(n / chunk) are written and read, so the workspace needs no zeroing; the
+ * counters (decode_cnt, B x H) must be zero before a launch and are zero again after it. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -38,6 +43,7 @@ namespace {
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
+constexpr int kReduceTeams = 8;
 
 /* VEC elements of a row from column c on (16 bytes), zeros past d; one 16-byte load when whole and aligned. */
 template <typename T>
@@ -88,6 +94,66 @@ __device__ __forceinline__ void slice_to_f(const uint4 &raw, float (&out)[16 / s
  * wrote one bank), and a warp reading 32 consecutive dims still reads 32 banks. */
 __device__ __forceinline__ int red_idx(int dim) { return dim + (dim >> 5) * 4; }
 
+/* The last block's team sums of one row: smem[t x dv + dim] = the sum of chunks t, t + 8, ... of
+ * src[c x plane + dim], each from 0 in chunk order. Units (team, VF columns) spread over the threads,
+ * two units a thread at a time with UNIT_LOADS loads each in flight: the partials sit in L2 (another
+ * block wrote most of them, so they are read through L2, __ldcg), and one load chain a team would pay
+ * its latency nc / 8 times over. VF = 4: dv a multiple of 4, the rows 16-byte aligned. */
+template <int VF>
+__device__ __forceinline__ void sum_chunks(const float *src, int64_t plane, int nc, int dv, float *smem) {
+    using V = std::conditional_t<VF == 4, float4, float>;
+    constexpr int UNIT_LOADS = 8, PAIR = 2;
+    auto zero = [] {
+        if constexpr (VF == 4) return make_float4(0.f, 0.f, 0.f, 0.f);
+        else return 0.f;
+    };
+    auto add = [](V &a, const V &x) {
+        if constexpr (VF == 4) {
+            a.x += x.x;
+            a.y += x.y;
+            a.z += x.z;
+            a.w += x.w;
+        } else {
+            a += x;
+        }
+    };
+    const int cols = dv / VF, units = kReduceTeams * cols;
+    for (int u0 = threadIdx.x; u0 < units; u0 += PAIR * kDecodeThreads) {
+        int team[PAIR], col[PAIR];
+        bool on[PAIR];
+        V acc[PAIR];
+#pragma unroll
+        for (int m = 0; m < PAIR; ++m) {
+            const int u = u0 + m * kDecodeThreads;
+            on[m] = u < units;
+            team[m] = on[m] ? u / cols : nc;  // no unit: every chunk index past nc, nothing added
+            col[m] = on[m] ? u - team[m] * cols : 0;
+            acc[m] = zero();
+        }
+        for (int c0 = 0; c0 < nc; c0 += kReduceTeams * UNIT_LOADS) {
+            V x[PAIR][UNIT_LOADS];
+#pragma unroll
+            for (int m = 0; m < PAIR; ++m)
+#pragma unroll
+                for (int j = 0; j < UNIT_LOADS; ++j) {
+                    // a chunk past nc loads chunk nc - 1 and is dropped below: unpredicated loads, so that
+                    // the predicate registers do not cap the loads in flight
+                    const int c = min(c0 + j * kReduceTeams + team[m], nc - 1);
+                    x[m][j] = __ldcg((const V *)(src + c * plane) + col[m]);
+                }
+#pragma unroll
+            for (int m = 0; m < PAIR; ++m)
+#pragma unroll
+                for (int j = 0; j < UNIT_LOADS; ++j)
+                    if (c0 + j * kReduceTeams + team[m] < nc) add(acc[m], x[m][j]);
+        }
+#pragma unroll
+        for (int m = 0; m < PAIR; ++m)
+            if (on[m]) *((V *)(smem + team[m] * dv) + col[m]) = acc[m];
+    }
+    __syncthreads();
+}
+
 /* R: query rows per sequence the registers hold (delta <= R; launched with R = 1, see launch_rows); NV:
  * 16-byte slices per lane (head dims up to 32 x VEC x NV); GF: G when known at compile time (16, 32: the
  * shuffle reductions unrolled, the lane split by shifts), else 0 and G = g. Grid: x the chunk, y +
@@ -96,15 +162,21 @@ __device__ __forceinline__ int red_idx(int dim) { return dim + (dim >> 5) * 4; }
 template <typename T, int R, int NV, int GF>
 __global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const tf_hstu_params p, int chunk, int g,
                                                                         float alpha, float inv_scale, bool qk_vec,
-                                                                        bool v_vec, float *ws) {
+                                                                        bool v_vec, float *ws, unsigned *cnt) {
     const int G = GF ? GF : g;
     constexpr int VEC = 16 / sizeof(T);
     constexpr int U = NV == 1 ? 5 : 3;  // register slots of K and V slices: warp steps loaded ahead
     constexpr int SLICE = NV * VEC;  // a lane's elements of a row
     constexpr int RED = 32 * SLICE + 32 * SLICE / 8;  // red_idx(32 x SLICE) rounded up
-    __shared__ __align__(16) float red[kDecodeWarps][R][RED];
+    // the head dims are at most 32 x SLICE (G <= 32): the last block's team sums fit in kReduceTeams rows
+    constexpr int DV_MAX = 32 * SLICE < 256 ? 32 * SLICE : 256;
+    constexpr int RED_FLOATS = kDecodeWarps * R * RED, TEAM_FLOATS = kReduceTeams * DV_MAX;
+    // the warps' sums, then (last block only, after a barrier) the team sums: one buffer
+    __shared__ __align__(16) float smem[RED_FLOATS > TEAM_FLOATS ? RED_FLOATS : TEAM_FLOATS];
+    __shared__ bool last;
+    float(*red)[R][RED] = reinterpret_cast<float(*)[R][RED]>(smem);
     const unsigned bh = blockIdx.y + gridDim.y * blockIdx.z, H = (unsigned)p.H;
-    if (bh >= (unsigned)p.B * H) return;  // the grid's last z plane
+    if (bh >= (unsigned)p.B * H) return;  // the grid's last z plane: no pair, not counted
     const unsigned b = bh / H, h = bh - b * H;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int grp = lane / G, gl = lane % G, groups = 32 / G;
@@ -125,9 +197,16 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const t
 
     const HstuSeq s = hstu_seq(p, b);
     const int64_t k0l = (int64_t)blockIdx.x * chunk;
-    if (k0l >= s.n) return;  // past the sequence: the reducer reads no partial of this chunk
+    if (k0l >= s.n) {  // past the sequence: no partial of this chunk is read, and the block does not count
+        if (s.n == 0 && blockIdx.x == 0) {  // no chunk at all: the row (at position -1) is zero
+            T *orow = (T *)p.o + ((int64_t)b * delta * H + h) * dv;
+            for (int dim = threadIdx.x; dim < dv; dim += kDecodeThreads) orow[dim] = from_f<T>(0.f);
+        }
+        return;
+    }
     const int k0 = (int)k0l;
     const int k1 = s.n - k0 > chunk ? k0 + chunk : s.n;
+    const int nc = (s.n + chunk - 1) / chunk;  // the pair's blocks that write (at most gridDim.x)
 
     // whether this chunk needs the mask per key
     float q[R][SLICE];
@@ -246,11 +325,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const t
                                     acc[i][j * VEC + e + 3]);
     }
     __syncthreads();
-    const int64_t q_rows = p.B * p.delta;
+    const int64_t plane = p.B * p.delta * p.H * p.dv;  // one chunk's partial rows
 #pragma unroll
     for (int i = 0; i < R; ++i) {
         if (i >= delta) break;
-        float *wrow = ws + (((int64_t)blockIdx.x * q_rows + (int64_t)b * delta + i) * p.H + h) * p.dv;
+        float *wrow = ws + (int64_t)blockIdx.x * plane + (((int64_t)b * delta + i) * p.H + h) * p.dv;
         for (int dim = threadIdx.x; dim < dv; dim += kDecodeThreads) {
             float sum = 0.f;
 #pragma unroll
@@ -258,40 +337,37 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) hstu_decode_partial(const t
             wrow[dim] = sum;
         }
     }
-}
 
-constexpr int kReduceTeams = 8;
-
-template <typename T>
-__global__ void __launch_bounds__(32 * kReduceTeams) hstu_decode_reduce(const tf_hstu_params p, int chunk,
-                                                                        const float *ws) {
-    __shared__ float part[kReduceTeams][32];
-    const int64_t q_rows = p.B * p.delta, total = q_rows * p.H * p.dv;
-    const int lane = threadIdx.x % 32, team = threadIdx.x / 32;
-    T *out = (T *)p.o;
-    for (int64_t base = (int64_t)blockIdx.x * 32; base < total; base += (int64_t)gridDim.x * 32) {
-        const int64_t idx = base + lane;
-        float sum = 0.f;
-        int pos = -1;
-        if (idx < total) {
-            const int64_t row = idx / (p.H * p.dv);
-            const HstuSeq s = hstu_seq(p, row / p.delta);
-            pos = s.n - (int)p.delta + (int)(row % p.delta);
-            if (pos >= 0) {
-                const int nc = (s.n + chunk - 1) / chunk;
-#pragma unroll 4
-                for (int c = team; c < nc; c += kReduceTeams) sum += ws[c * total + idx];
-            }
-        }
-        part[team][lane] = sum;
-        __syncthreads();
-        if (team == 0 && idx < total) {
+    // Every thread's partial stores are visible device-wide before thread 0 counts the block; the block
+    // that sees the others' counts sees their partials (the fence-then-count pattern of the CUDA
+    // programming guide's last-block sum). The barrier also ends every read of red before the team sums
+    // reuse its memory.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned *pair_cnt = cnt + blockIdx.y + gridDim.y * blockIdx.z;  // bh, not held through the key loop
+        last = atomicAdd(pair_cnt, 1u) == (unsigned)nc - 1u;
+        if (last) *pair_cnt = 0u;  // all nc blocks have counted: the next launch (a graph replay too) starts at 0
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        if (i >= delta) break;
+        const int64_t row = (((int64_t)b * delta + i) * p.H + h) * p.dv;
+        if (dv % 4 == 0)
+            sum_chunks<4>(ws + row, plane, nc, dv, smem);
+        else
+            sum_chunks<1>(ws + row, plane, nc, dv, smem);
+        T *orow = (T *)p.o + row;
+        for (int dim = threadIdx.x; dim < dv; dim += kDecodeThreads) {
             float t = 0.f;
 #pragma unroll
-            for (int i = 0; i < kReduceTeams; ++i) t += part[i][lane];
-            out[idx] = from_f<T>(pos >= 0 ? t : 0.f);
+            for (int team = 0; team < kReduceTeams; ++team) t += smem[team * dv + dim];
+            orow[dim] = from_f<T>(t);
         }
-        __syncthreads();
+        __syncthreads();  // the next row's team sums reuse smem
     }
 }
 
@@ -346,13 +422,14 @@ cudaError_t launch_rows(const tf_hstu_params &p, int chunk, int64_t chunks, int 
     const int vec = 16 / (int)sizeof(T);
     hstu_decode_partial<T, 1, NV, GF><<<grid, kDecodeThreads, 0, st>>>(
         p, chunk, G, (float)p.alpha, (float)p.inv_scale, decode_vec(p, vec, true), decode_vec(p, vec, false),
-        p.decode_ws);
+        p.decode_ws, p.decode_cnt);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_decode(const tf_hstu_params &p, cudaStream_t st) {
-    if (p.delta != 1) return cudaErrorInvalidValue;  // the partial kernel holds one query row
+    // the partial kernel holds one query row; its last blocks count on decode_cnt
+    if (p.delta != 1 || !p.decode_cnt) return cudaErrorInvalidValue;
     const int chunk = decode_chunk(p);
     const int64_t chunks = (p.max_seq_len + chunk - 1) / chunk;
     const int nv = decode_nv(p), per16 = 16 / (int)sizeof(T);
@@ -368,13 +445,7 @@ cudaError_t launch_decode(const tf_hstu_params &p, cudaStream_t st) {
         err = launch_rows<T, 2, 16>(p, chunk, chunks, G, st);
     else
         err = G == 16 ? launch_rows<T, 2, 16>(p, chunk, chunks, G, st) : launch_rows<T, 2, 32>(p, chunk, chunks, G, st);
-    if (err != cudaSuccess) return err;
-    const int64_t total = p.B * p.delta * p.H * p.dv;
-    if (total == 0) return cudaSuccess;
-    const int64_t want = (total + 31) / 32;
-    const unsigned grid = (unsigned)(want < 16 * (int64_t)device_sms() ? want : 16 * (int64_t)device_sms());
-    hstu_decode_reduce<T><<<grid, 32 * kReduceTeams, 0, st>>>(p, chunk, p.decode_ws);
-    return cudaGetLastError();
+    return err;
 }
 
 }  // namespace

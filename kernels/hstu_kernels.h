@@ -74,6 +74,10 @@ typedef struct {
     /* CUDA, cached inference with few query rows: fp32 scratch of tf_hstu_decode_ws_floats() floats (no
      * zeroing needed); set, tf_hstu_fwd_cuda runs the split-key decode kernels (hstu_decode.cu) */
     float *decode_ws;
+    /* with decode_ws: B x H counters, zero before the launch and zero again once it ends (the kernel's
+     * last block per (sequence, head) resets its own), so one zeroing at allocation serves every later
+     * launch on the same stream; launches that may overlap need their own */
+    unsigned int *decode_cnt;
 } tf_hstu_params;
 
 /* ---- the mask, shared by every path ---- */
