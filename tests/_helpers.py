@@ -20,3 +20,16 @@ def check_close(name, ours, ref64, lowp, dtype, *, expect_dtype=None, scale_floo
     err_pt = (lowp.double() - ref64).abs().max().item()
     tol = 2 * err_pt + ATOL[dtype] * max(scale_floor, ref64.abs().max().item()) + 1e-12
     assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (PyTorch's own error {err_pt:.3g})"
+
+
+def exit_failed_rank(rank):
+    """In a spawned rank whose check raised: print its traceback, then exit at once. Destroying the
+    process group instead would wait on the other ranks, themselves waiting in their next collective
+    (with NCCL the run hung until the group's timeout instead of failing); mp.spawn stops the others."""
+    import os
+    import sys
+    import traceback
+    print(f"[rank {rank}] failed:", file=sys.stderr)
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)

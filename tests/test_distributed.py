@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torchfuse
+from _helpers import exit_failed_rank
 from torchfuse import DynamicEmbedding, DynamicEmbeddingBag
 from torchfuse import optim as tfo
 from torchfuse.distributed import ShardedDynamicEmbedding, ShardedDynamicEmbeddingBag, owner_of, shard
@@ -56,8 +57,9 @@ def _entry(rank, world, tmp, backend, fn, args):
         # called without an active exception", about 1 run in 5 of the DMP test); freed here, never
         gc.collect()
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        exit_failed_rank(rank)
+    dist.destroy_process_group()
 
 
 def _spawn(fn, world, *args, backend="gloo"):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _helpers import exit_failed_rank
 from torchfuse.recsys import HSTURecommender, HSTURecommenderConfig, leave_one_out, synthetic_histories
 from torchfuse.recsys.data import batch_users, batches, window_batch
 from torchfuse.recsys.distributed import rank_users, split_batch, user_bounds
@@ -103,8 +104,9 @@ def _worker(rank, world, tmp, backend, seed, kw):
         tr = model = None
         gc.collect()  # DDP and the sharded tables go while the process group lives (see test_distributed._entry)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        exit_failed_rank(rank)
+    dist.destroy_process_group()
 
 
 def _run_ranks(world, backend, seed, **kw):
