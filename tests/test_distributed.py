@@ -323,15 +323,21 @@ def _check_bad_inputs(dev):
 
 
 def _check_table_wise(rank, world, seed, dev):
-    """owner_rank: the whole table on one rank, against one table fed the union of the batches, with
-    eviction (the owner's table is that table): outputs and every key's row, state and score bit for
-    bit; the other ranks' tables stay empty. Then (gloo) a re-shard round trip to row-wise and back."""
+    """owner_rank: the whole table on one rank, against one table fed the union of the batches (the
+    owner's table is that table): outputs and every key's row, state and score bit for bit; the other
+    ranks' tables stay empty. Then (gloo) a re-shard round trip to row-wise and back.
+
+    On the CPU the tables evict (LRU). On CUDA they grow instead: the keys of one step share a score,
+    the victim among equal scores is the key in the lowest slot, and the owner receives the keys in
+    another order than the single table (grouped by owner, in hash order), so the two tables may
+    evict different keys of a step (see _check_eviction)."""
+    exact_eviction = dev.type == "cpu"
     g = torch.Generator().manual_seed(seed + 5)
     pool = _pool(g, 300)
     owner = world - 1
     # 4 buckets of 16 for at most 24 distinct ids a step: no bucket fills with one batch's keys
-    cfg = dict(capacity=16, max_capacity=64, device=dev, optimizer=tfo.Adam(lr=0.05), seed=4, bucket_size=16,
-               eviction="lru", evicted_record_limit=0)
+    cfg = dict(capacity=16, max_capacity=64 if exact_eviction else 1 << 14, device=dev, optimizer=tfo.Adam(lr=0.05),
+               seed=4, bucket_size=16, eviction="lru" if exact_eviction else "none", evicted_record_limit=0)
     emb = ShardedDynamicEmbeddingBag(4, owner_rank=owner, **cfg)
     ref = DynamicEmbeddingBag(4, **cfg)
     assert "table-wise on rank" in repr(emb)
@@ -346,7 +352,7 @@ def _check_table_wise(rank, world, seed, dev):
         (ref_out * torch.cat(gw).to(dev)).sum().backward()
         lo = sum(x.shape[0] for x in gw[:rank])
         assert torch.equal(out, ref_out[lo:lo + gw[rank].shape[0]]), f"table-wise step {step}"
-    assert len(ref) < len(seen)  # it evicted
+    assert len(ref) < len(seen) if exact_eviction else len(ref) == len(seen)  # it evicted, or it grew
     if rank == owner:
         assert all(torch.equal(a, b) for a, b in zip(_by_key(emb.export()), _by_key(ref.export())))
     else:
