@@ -11,6 +11,24 @@
 #include "tf_philox_glue.h"
 
 namespace torchfuse {
+
+void check_hstu_output_norm_and_acts(const at::Tensor &weight, const at::Tensor &bias, const at::Tensor &attn,
+                                     int64_t count, const char *shape_note, int64_t mul_act, int64_t cat_act,
+                                     const char *op) {
+    for (auto [t, name] : {std::pair<const at::Tensor &, const char *>{weight, "norm_weight"}, {bias, "norm_bias"}}) {
+        check_same_device(t, attn, op, name, "attn");
+        TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == count, op, ": ", name, " must be 1-D with ", count,
+                          " elements", shape_note, ", got shape ", t.sizes());
+        kernel_dtype(t.scalar_type(), op, name);
+    }
+    TORCH_CHECK_TYPE(weight.scalar_type() == bias.scalar_type(), op, ": norm_weight and norm_bias must share one "
+                     "dtype, got ", weight.scalar_type(), " and ", bias.scalar_type());
+    TORCH_CHECK_VALUE(mul_act >= TF_ACT_NONE && mul_act <= TF_ACT_SIGMOID, op,
+                      ": mul_u_activation_type code must be 0 (none), 1 (silu) or 2 (sigmoid), got ", mul_act);
+    TORCH_CHECK_VALUE(cat_act == TF_ACT_NONE || cat_act == TF_ACT_SILU, op,
+                      ": the concatenated u's activation must be 0 (none) or 1 (silu), got ", cat_act);
+}
+
 namespace {
 
 constexpr const char *kOp = "torchfuse.hstu_compute_output";
@@ -33,19 +51,9 @@ Shape check_common(const at::Tensor &attn, const at::Tensor &u, const at::Tensor
     TORCH_CHECK_VALUE(groups == 0 || (groups >= 1 && cols % groups == 0), kOp, ": num_heads (", groups,
                       ") must be positive and divide attn's width ", cols, " for group_norm");
     const int64_t wcols = groups == 0 ? cols : groups;
-    const char *shape_note = groups == 0 ? " (LayerNorm over attn's width)" : " (one per head with group_norm)";
-    for (auto [t, name] : {std::pair<const at::Tensor &, const char *>{weight, "norm_weight"}, {bias, "norm_bias"}}) {
-        check_same_device(t, attn, kOp, name, "attn");
-        TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == wcols, kOp, ": ", name, " must be 1-D with ", wcols,
-                          " elements", shape_note, ", got shape ", t.sizes());
-        kernel_dtype(t.scalar_type(), kOp, name);
-    }
-    TORCH_CHECK_TYPE(weight.scalar_type() == bias.scalar_type(), kOp, ": norm_weight and norm_bias must share one "
-                     "dtype, got ", weight.scalar_type(), " and ", bias.scalar_type());
-    TORCH_CHECK_VALUE(mul_act >= TF_ACT_NONE && mul_act <= TF_ACT_SIGMOID, kOp,
-                      ": mul_u_activation_type code must be 0 (none), 1 (silu) or 2 (sigmoid), got ", mul_act);
-    TORCH_CHECK_VALUE(cat_act == TF_ACT_NONE || cat_act == TF_ACT_SILU, kOp,
-                      ": the concatenated u's activation must be 0 (none) or 1 (silu), got ", cat_act);
+    check_hstu_output_norm_and_acts(weight, bias, attn, wcols,
+                                    groups == 0 ? " (LayerNorm over attn's width)" : " (one per head with group_norm)",
+                                    mul_act, cat_act, kOp);
     TORCH_CHECK_VALUE(std::isfinite(dropout_ratio) && dropout_ratio >= 0 && dropout_ratio < 1, kOp,
                       ": dropout_ratio must be in [0, 1), got ", dropout_ratio);
     return {attn.size(0), cols, wcols, cols * (1 + (int64_t)concat_u + (int64_t)concat_x)};

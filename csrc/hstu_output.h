@@ -12,6 +12,12 @@
 
 namespace torchfuse {
 
+// norm_weight and norm_bias (1-D, `count` elements, attn's device, one kernel dtype between them) and
+// the activation codes, checked for `op` (shape_note: what count is, for the message).
+void check_hstu_output_norm_and_acts(const at::Tensor &weight, const at::Tensor &bias, const at::Tensor &attn,
+                                     int64_t count, const char *shape_note, int64_t mul_act, int64_t cat_act,
+                                     const char *op);
+
 using HstuOutputResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 struct HstuOutputFwd {

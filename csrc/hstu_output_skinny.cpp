@@ -42,19 +42,8 @@ HstuOutputSkinny prepare_hstu_output_skinny(const at::Tensor &attn, const at::Te
         TORCH_CHECK_TYPE(t.scalar_type() == attn.scalar_type(), kOp, ": ", name, " must have attn's dtype ",
                          attn.scalar_type(), ", got ", t.scalar_type());
     }
-    for (auto [t, name] :
-         {std::pair<const at::Tensor &, const char *>{norm_weight, "norm_weight"}, {norm_bias, "norm_bias"}}) {
-        check_same_device(t, attn, kOp, name, "attn");
-        TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n, kOp, ": ", name, " must be 1-D with ", n,
-                          " elements (LayerNorm over attn's width), got shape ", t.sizes());
-        kernel_dtype(t.scalar_type(), kOp, name);
-    }
-    TORCH_CHECK_TYPE(norm_weight.scalar_type() == norm_bias.scalar_type(), kOp, ": norm_weight and norm_bias must "
-                     "share one dtype, got ", norm_weight.scalar_type(), " and ", norm_bias.scalar_type());
-    TORCH_CHECK_VALUE(mul_act >= TF_ACT_NONE && mul_act <= TF_ACT_SIGMOID, kOp,
-                      ": mul_u_activation_type code must be 0 (none), 1 (silu) or 2 (sigmoid), got ", mul_act);
-    TORCH_CHECK_VALUE(cat_act == TF_ACT_NONE || cat_act == TF_ACT_SILU, kOp,
-                      ": the concatenated u's activation must be 0 (none) or 1 (silu), got ", cat_act);
+    check_hstu_output_norm_and_acts(norm_weight, norm_bias, attn, n, " (LayerNorm over attn's width)", mul_act,
+                                    cat_act, kOp);
     TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0, kOp, ": eps must be a positive finite number, got ", eps);
 
     HstuOutputSkinny s{};

@@ -133,31 +133,7 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_linear_kernel(const P q, i
                 nw_s[k] = to_f<T>(nw[k]);
                 nb_s[k] = nb ? to_f<T>(nb[k]) : 0.f;
             }
-            __shared__ float2 wsum[kWarps][MR];
-            __shared__ float2 stats[MR];
-            __shared__ float shifts[MR];
-#pragma unroll
-            for (int m = 0; m < MR; ++m) {
-                if (tid == 0) shifts[m] = shift[m];
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) {
-                    sum[m] += __shfl_xor_sync(0xffffffffu, sum[m], o);
-                    sq[m] += __shfl_xor_sync(0xffffffffu, sq[m], o);
-                }
-                if (lane == 0) wsum[warp][m] = make_float2(sum[m], sq[m]);
-            }
-            __syncthreads();
-            if (tid < MR) {
-                float2 t = make_float2(0.f, 0.f);
-#pragma unroll
-                for (int w = 0; w < kWarps; ++w) {
-                    t.x += wsum[w][tid].x;
-                    t.y += wsum[w][tid].y;
-                }
-                const float dm = t.x / (float)K;  // mean - shift
-                stats[tid] = make_float2(shifts[tid] + dm, rsqrtf(fmaxf(t.y / (float)K - dm * dm, 0.f) + p.eps));
-            }
-            __syncthreads();
+            const float2 *stats = skinny_row_stats<MR, kWarps>(sum, sq, shift, K, p.eps);
             // only this block's K range is multiplied: normalize (and round, as the norm op's output is) that
 #pragma unroll
             for (int m = 0; m < MR; ++m) {
