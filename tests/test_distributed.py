@@ -1,5 +1,5 @@
 """torchfuse.distributed: the sharded dynamic embeddings against single-device tables, in spawned
-processes over gloo (CPU) and, with two or four GPUs, NCCL.
+processes over gloo (CPU) and, with two, four or eight GPUs, NCCL.
 
 Every rank draws the same global data from one seed (each rank's batch, and dyadic loss weights:
 multiples of 1/8, so that every gradient sum is exact in fp32 in any order). Two references:
@@ -412,7 +412,7 @@ def test_sharded_matches_single_device(world, fresh_seed):
     _spawn(_world_checks, world, fresh_seed, "gloo")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_sharded_matches_single_device_nccl(world, fresh_seed, monkeypatch):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")

@@ -214,7 +214,7 @@ def test_ranks_equal_one_process_gloo(world, kw, atol):
     _compare(ref, got, rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_ranks_equal_one_process_nccl(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs")
