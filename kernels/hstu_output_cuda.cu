@@ -21,6 +21,7 @@
 #include <mutex>
 #include <utility>
 
+#include "hstu_output_act.cuh"
 #include "hstu_output_kernels.h"
 #include "tf_cp_async.cuh"
 #include "tf_vec.cuh"
@@ -33,30 +34,6 @@ constexpr int kWarps = 8; /* per block */
  * unspilled (ptxas, sm_90a: 162 to 232). */
 template <int K>
 constexpr int fwd_min_blocks() { return K >= 2 ? 2 : 3; }
-
-__device__ __forceinline__ float act_f(float x, int act) {
-    if (act == TF_ACT_SILU) return x / (1.f + expf(-x));
-    if (act == TF_ACT_SIGMOID) return 1.f / (1.f + expf(-x));
-    return x;
-}
-
-__device__ __forceinline__ float act_grad(float x, int act) {
-    if (act == TF_ACT_NONE) return 1.f;
-    const float s = 1.f / (1.f + expf(-x));
-    return act == TF_ACT_SILU ? s * (1.f + x * (1.f - s)) : s * (1.f - s);
-}
-
-/* act_f and act_grad together, bit for bit the same values, from one exponential. */
-__device__ __forceinline__ void act_fg(float x, int act, float &f, float &g) {
-    if (act == TF_ACT_NONE) {
-        f = x;
-        g = 1.f;
-        return;
-    }
-    const float den = 1.f + expf(-x), s = 1.f / den;
-    f = act == TF_ACT_SILU ? x / den : s;
-    g = act == TF_ACT_SILU ? s * (1.f + x * (1.f - s)) : s * (1.f - s);
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -178,7 +155,7 @@ __device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params 
     float v[TF_VEC], fm[TF_VEC];
 #pragma unroll
     for (int i = 0; i < TF_VEC; ++i) {
-        fm[i] = act_f(u[i], p.mul_act);
+        fm[i] = hstu_act(u[i], p.mul_act);
         v[i] = fm[i] * ((a[i] - mean) * rstd * w[i] + b[i]);
     }
     apply_mask(d, e_row + oy + col, cn, v);
@@ -195,7 +172,7 @@ __device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params 
             for (int i = 0; i < TF_VEC; ++i) v[i] = fm[i];
         else
 #pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) v[i] = act_f(u[i], p.cat_act);
+            for (int i = 0; i < TF_VEC; ++i) v[i] = hstu_act(u[i], p.cat_act);
         apply_mask(d, e_row + ou + col, cn, v);
         tf_st_chunk(yrow, p.y_dtype, ou + col, cn, v);
     }
@@ -305,7 +282,7 @@ __device__ __forceinline__ void bwd_load(const tf_hstu_output_bwd_params &p, con
 #pragma unroll
     for (int i = 0; i < TF_VEC; ++i) {
         c.xhat[i] = i < cn ? (c.a[i] - mean) * rstd : 0.f;
-        c.dn[i] = i < cn ? c.gy[i] * act_f(c.u[i], p.mul_act) : 0.f;
+        c.dn[i] = i < cn ? c.gy[i] * hstu_act(c.u[i], p.mul_act) : 0.f;
     }
 }
 
@@ -374,7 +351,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
                 /* the product rounded before the subtraction, as in m1's terms: an FMA here would leave
                  * the product's rounding error, which rstd magnifies when the row is constant */
                 da[i] = rstd * (__fmul_rn(c.dn[i], c.w[i]) - m1 - c.xhat[i] * m2);
-                du[i] = c.gy[i] * (c.xhat[i] * c.w[i] + c.b[i]) * act_grad(c.u[i], p.mul_act);
+                du[i] = c.gy[i] * (c.xhat[i] * c.w[i] + c.b[i]) * hstu_act_grad(c.u[i], p.mul_act);
             }
             if (ox >= 0) {
                 tf_load_chunk(dyrow, p.dy_dtype, ox + col, cn, t);
@@ -386,7 +363,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
                 tf_load_chunk(dyrow, p.dy_dtype, ou + col, cn, t);
                 apply_mask(d, e_row + ou + col, cn, t);
 #pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) du[i] += t[i] * act_grad(c.u[i], p.cat_act);
+                for (int i = 0; i < TF_VEC; ++i) du[i] += t[i] * hstu_act_grad(c.u[i], p.cat_act);
             }
             tf_store_chunk(darow, p.dattn_dtype, col, cn, da);
             tf_store_chunk(durow, p.du_dtype, col, cn, du);
@@ -669,7 +646,7 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED>()) h
 #pragma unroll
             for (int i = 0; i < TF_VEC; ++i) {
                 float fm;
-                act_fg(u[k][i], p.mul_act, fm, gm[i]); /* the one exponential of this element */
+                hstu_act_fg(u[k][i], p.mul_act, fm, gm[i]); /* the one exponential of this element */
                 xh[k][i] = i < m ? (xh[k][i] - mean) * rstd : 0.f;
                 const float dn = i < m ? gy[k][i] * fm : 0.f;
                 dx[k][i] = __fmul_rn(dn, w[k][i]);
@@ -692,7 +669,7 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED>()) h
                 apply_mask(d, e_row + ou + col, m, tu[k]);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i)
-                    du[i] += tu[k][i] * (p.cat_act == p.mul_act ? gm[i] : act_grad(u[k][i], p.cat_act));
+                    du[i] += tu[k][i] * (p.cat_act == p.mul_act ? gm[i] : hstu_act_grad(u[k][i], p.cat_act));
             }
             tf_st_chunk(durow, p.du_dtype, col, m, du);
         }

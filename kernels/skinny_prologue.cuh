@@ -14,9 +14,11 @@
 
 #include <stdint.h>
 
+#include "hstu_output_act.cuh"
 #include "hstu_output_kernels.h"
 #include "skinny_linear_kernels.h"
 #include "tf_typed.cuh"
+#include "tf_vec.cuh"
 
 template <typename T>
 __device__ __forceinline__ float skinny_rounded(float v) { return to_f<T>(from_f<T>(v)); }
@@ -55,19 +57,6 @@ __device__ __forceinline__ const float2 *skinny_row_stats(float (&sum)[MR], floa
     }
     __syncthreads();
     return stats;
-}
-
-/* The output op's activations (kernels/hstu_output_cuda.cu's act_f), for the same values. */
-__device__ __forceinline__ float skinny_act(float x, int act) {
-    if (act == TF_ACT_SILU) return x / (1.f + expf(-x));
-    if (act == TF_ACT_SIGMOID) return 1.f / (1.f + expf(-x));
-    return x;
-}
-
-__device__ __forceinline__ float skinny_load_any(const void *p, int dt, int64_t i) {
-    if (dt == TF_BF16) return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
-    if (dt == TF_F16) return __half2float(((const __half *)p)[i]);
-    return ((const float *)p)[i];
 }
 
 /* Rows m < MR of the concatenation, columns [k_lo, k_hi), into a_s[m * span + k - k_lo] (zeros for rows
@@ -120,7 +109,7 @@ __device__ __forceinline__ void hstu_output_rows(const tf_skinny_hstu_output_par
             for (int j = 0; j < B; ++j) {
                 const int k = k0 + j * THREADS;
                 if (k >= hi) break;
-                a_s[m * span + k - k_lo] = m < M && q.cat_u && k < n ? skinny_rounded<T>(skinny_act(v[j], q.cat_act))
+                a_s[m * span + k - k_lo] = m < M && q.cat_u && k < n ? skinny_rounded<T>(hstu_act(v[j], q.cat_act))
                                                                       : v[j];
             }
         }
@@ -138,8 +127,8 @@ __device__ __forceinline__ void hstu_output_rows(const tf_skinny_hstu_output_par
             const bool in = k < k_hi;
             ya[j] = in ? to_f<T>(arow[c]) : 0.f;
             yu[j] = in ? to_f<T>(urow[c]) : 0.f;
-            yw[j] = in && q.norm_w ? skinny_load_any(q.norm_w, q.norm_dtype, c) : 1.f;
-            yb[j] = in && q.norm_b ? skinny_load_any(q.norm_b, q.norm_dtype, c) : 0.f;
+            yw[j] = in && q.norm_w ? tf_load_one(q.norm_w, q.norm_dtype, c) : 1.f;
+            yb[j] = in && q.norm_b ? tf_load_one(q.norm_b, q.norm_dtype, c) : 0.f;
         }
     };
     if (batches > 0) load_y(0);
@@ -153,7 +142,7 @@ __device__ __forceinline__ void hstu_output_rows(const tf_skinny_hstu_output_par
             const int k = k0 + j * THREADS;
             if (k >= k_hi) break;
             const float nrm = (ya[j] - mean) * rstd * yw[j] + yb[j];
-            a_s[m * span + k - k_lo] = skinny_rounded<T>(skinny_act(yu[j], q.mul_act) * nrm);
+            a_s[m * span + k - k_lo] = skinny_rounded<T>(hstu_act(yu[j], q.mul_act) * nrm);
         }
     }
 }

@@ -22,6 +22,13 @@ __device__ __forceinline__ float tf_round(float v, int dt) {
     return v;
 }
 
+/* base[i] of dtype dt as a float. */
+__device__ __forceinline__ float tf_load_one(const void *base, int dt, int64_t i) {
+    if (dt == TF_BF16) return __bfloat162float(((const __nv_bfloat16 *)base)[i]);
+    if (dt == TF_F16) return __half2float(((const __half *)base)[i]);
+    return ((const float *)base)[i];
+}
+
 __device__ __forceinline__ bool tf_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 /* v[0..n) = row[col .. col+n) as floats; v[n..8) = 0. */
