@@ -57,9 +57,10 @@ def call(fn, t, eps, **kw):
 
 
 def check_close(name, got, ref64, lowp, factor, terms=1):
-    """terms: the number of fp32 products summed into each element (a norm weight's gradient sums
-    rows x columns-per-weight of them, whose cancellation PyTorch's differently ordered sum may avoid
-    by luck): the floor allows fp32 rounding growing as its square root."""
+    """terms: the number of fp32 products summed into each element (out sums the concatenation's
+    width of them, a norm weight's gradient rows x columns-per-weight, whose rounding or cancellation
+    PyTorch's differently ordered sum may avoid by luck): the floor allows fp32 rounding growing as
+    its square root."""
     ref64 = ref64.double()
     err = (got.double() - ref64).abs().max().item() if ref64.numel() else 0.0
     err_lp = (lowp.double() - ref64).abs().max().item() if ref64.numel() else 0.0
@@ -84,7 +85,10 @@ def run_case(device, dtype, L, H, D, E, *, group_norm, concat, act, silu_u, p, r
     out_ref = call(reference.hstu_compute_output, ref, eps, dropout_mask=mask, **kw)
     assert out.dtype == dtype and out.shape == (L, E)
     what = f"{dtype} L={L} H={H} D={D} gn={group_norm} {concat} {act} silu_u={silu_u} p={p}"
-    check_close(f"out ({what})", out, out_ref, out_lp, 2.0)
+    # out sums the concatenation's k products per element: with one row, PyTorch's own sum can land
+    # within an ulp of the float64 value by luck (seed 1715464834: 1.2e-7 against ours 4.2e-7)
+    k = H * D * _parts(group_norm, concat_u, concat_x)
+    check_close(f"out ({what})", out, out_ref, out_lp, 2.0, terms=k)
     if not grad:
         return
     dout = torch.randn_like(out_ref)
