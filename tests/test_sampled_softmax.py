@@ -201,24 +201,15 @@ def test_zero_vectors_clamped_norm(device):
         check_close(name, ours, a, b, torch.float32, torch.float32)
 
 
+@pytest.mark.parametrize("mask", ["row", "shared"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunk", [1, 7, 16])
-def test_chunks(device, dtype, chunk, monkeypatch):
-    """Shared negatives in blocks of `chunk` query rows (the last one partial) give the one-block result."""
+@pytest.mark.parametrize("chunk", [1, 7, 8, 16])
+def test_chunks(device, dtype, chunk, mask, monkeypatch):
+    """Queries in blocks of `chunk` rows (the last one partial) are as accurate as one block: against the
+    float64 reference within the bound of every other test. With shared negatives their gradient sums
+    over the blocks; its summation order differs from one block's, so the two agree to rounding only."""
     monkeypatch.setattr(losses, "_chunk_rows", chunk)
-    run_case(device, dtype, 45, 13, 40, mask="row", weights=True)
-
-
-def test_chunks_match_one_block(device, monkeypatch):
-    (q, p, n), kw = make_case(device, torch.float32, 50, 17, 33, mask="shared", weights=True)
-    outs = []
-    for chunk in (0, 8):
-        monkeypatch.setattr(losses, "_chunk_rows", chunk)
-        ins = [x.clone().requires_grad_(True) for x in (q, p, n)]
-        loss = torchfuse.sampled_softmax_loss(*ins, 0.05, **kw)
-        outs.append((loss, *torch.autograd.grad(loss, ins)))
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    run_case(device, dtype, 45, 13, 40, mask=mask, weights=True)
 
 
 def test_int32_ids_and_strided_inputs(device):
