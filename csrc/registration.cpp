@@ -1,6 +1,7 @@
 // Every torchfuse op schema, in one place, a section per op family. Implementations register per
 // device next to their code (e.g. norm.cpp: CPU, norm_cuda.cpp: CUDA); fake (meta) kernels and autograd
-// are registered in Python (python/torchfuse/<family>.py).
+// are registered in Python (python/torchfuse/<family>.py), but for the norms' autograd, which is in C++
+// (norm_autograd.cpp).
 #include <torch/library.h>
 
 TORCH_LIBRARY(torchfuse, m) {

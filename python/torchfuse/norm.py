@@ -1,6 +1,7 @@
-"""Fused residual add + LayerNorm / RMSNorm: Python entry points, fake kernels and autograd.
+"""Fused residual add + LayerNorm / RMSNorm: Python entry points and fake kernels.
 
-The compute is ``torch.ops.torchfuse.norm_fwd`` / ``norm_bwd`` (csrc/norm.cpp, kernels/norm_*.c[u]).
+The compute is ``torch.ops.torchfuse.norm_fwd`` / ``norm_bwd`` (csrc/norm.cpp, kernels/norm_*.c[u]);
+norm_fwd's autograd, whose backward is norm_bwd, is registered in C++ (csrc/norm_autograd.cpp).
 """
 from typing import Optional, Tuple, Union
 
@@ -8,7 +9,6 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers torch.ops.torchfuse)
-from ._autograd import function_for
 from ._stats import count
 
 LAYER_NORM, RMS_NORM_LLAMA, RMS_NORM_GEMMA = 0, 1, 2
@@ -104,10 +104,9 @@ def _norm(x, residual, residual2, weight, bias, weight2, bias2, eps, norm_type, 
         # the inference op: same kernel, no Python autograd layer, fewer arguments (decode latency)
         y, s = _infer(x, residual, weight, bias, eps, norm_type, weight_offset)
         return y if residual is None else (y, s)
-    args = (x, residual, residual2, weight, bias, weight2, bias2, eps, norm_type, weight_offset, residual_dtype,
-            save_stats)
-    # training: the op's autograd without torch.library's per-call Python layer (_autograd.py)
-    y, y2, s, _, _ = _NormFunction.apply(*args) if save_stats else _fwd(*args)
+    # training: the op's autograd is in C++ (csrc/norm_autograd.cpp)
+    y, y2, s, _, _ = _fwd(x, residual, residual2, weight, bias, weight2, bias2, eps, norm_type, weight_offset,
+                          residual_dtype, save_stats)
     if weight2 is None:
         return y if residual is None else (y, s)
     return (y, y2) if residual is None else (y, y2, s)
@@ -154,56 +153,3 @@ def _norm_bwd_fake(dy, dy2, ds, s, mean, rstd, weight, weight2, norm_type, weigh
     has_w, has_w2 = weight is not None, weight2 is not None
     return (dx, dres, dres2, param(weight_grad and has_w), param(weight_grad and has_bias and layer and has_w),
             param(weight_grad and has_w2), param(weight_grad and has_bias2 and layer and has_w2))
-
-
-# ---- autograd ----
-
-
-def _setup_context(ctx, inputs, output):
-    (x, residual, residual2, weight, bias, weight2, bias2, _eps, norm_type, weight_offset, _rdt, save_stats) = inputs
-    _y, _y2, s, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(s if residual is not None else x, mean, rstd, weight, weight2)
-    ctx.norm_type, ctx.weight_offset, ctx.save_stats = norm_type, weight_offset, save_stats
-    ctx.x_dtype = x.dtype
-    ctx.res_dtype = residual.dtype if residual is not None else None
-    ctx.res2_dtype = residual2.dtype if residual2 is not None else None
-    ctx.has_bias, ctx.has_bias2, ctx.two = bias is not None, bias2 is not None, weight2 is not None
-
-
-def _backward(ctx, dy, dy2, ds, _dmean, _drstd):
-    if not ctx.save_stats:
-        raise RuntimeError(
-            "torchfuse.norm_fwd: the forward ran with save_stats=False, so it cannot be differentiated; "
-            "call torchfuse.layer_norm / rms_norm, which set it when gradients are needed"
-        )
-    s, mean, rstd, weight, weight2 = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    x_dt, r_dt, r2_dt = ctx.x_dtype, ctx.res_dtype, ctx.res2_dtype
-    # A residual gradient is the same values as dx in another dtype: materialize it only then.
-    r_sep = r_dt if r_dt is not None and r_dt != x_dt else None
-    r2_sep = r2_dt if r2_dt is not None and r2_dt not in (x_dt, r_dt) else None
-    weight_grad = need[3] or need[4] or need[5] or need[6]
-    dx, dres, dres2, dw, db, dw2, db2 = _bwd(
-        dy, dy2 if ctx.two else None, ds if r_dt is not None else None, s, mean, rstd, weight, weight2,
-        ctx.norm_type, ctx.weight_offset, ctx.has_bias, ctx.has_bias2, x_dt, r_sep, r2_sep, weight_grad,
-    )
-    gres = None if r_dt is None else (dres if r_sep is not None else dx)
-    gres2 = None
-    if r2_dt is not None:
-        gres2 = dres2 if r2_sep is not None else (dx if r2_dt == x_dt else gres)
-    return (
-        dx if need[0] else None,
-        gres if need[1] else None,
-        gres2 if need[2] else None,
-        dw if need[3] else None,
-        db if need[4] else None,
-        dw2 if need[5] else None,
-        db2 if need[6] else None,
-        None, None, None, None, None,
-    )
-
-
-torch.library.register_autograd("torchfuse::norm_fwd", _backward, setup_context=_setup_context)
-_NormFunction = function_for("NormFunction", _fwd, _setup_context, _backward)
