@@ -1,5 +1,6 @@
 // HSTU attention: the CUDA implementation (checks and setup live in hstu.cpp).
 #include <initializer_list>
+#include <vector>
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -25,12 +26,14 @@ struct HeadPad {
     int64_t dqk, dv, pqk, pv;  // the real dims and the kernels'
 };
 
-// Inputs the op will accept except for their head dims; anything else goes to the checks unpadded.
+// Inputs the op will accept except for their head dims (16-bit, on q's device); anything else goes to the
+// checks unpadded, which refuse it by name.
 HeadPad head_pad(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
     HeadPad h{};
     if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3) return h;
     const at::ScalarType t = q.scalar_type();
     if ((t != at::kHalf && t != at::kBFloat16) || k.scalar_type() != t || v.scalar_type() != t) return h;
+    if (!q.is_cuda() || k.device() != q.device() || v.device() != q.device()) return h;
     h.dqk = q.size(2);
     h.dv = v.size(2);
     if (k.size(2) != h.dqk || h.dqk < 1 || h.dqk > 256 || h.dv < 1 || h.dv > 256) return h;
@@ -40,19 +43,41 @@ HeadPad head_pad(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) 
     return h;
 }
 
-at::Tensor pad_dim(const at::Tensor &t, int64_t d) {
-    return t.size(2) == d ? t : at::constant_pad_nd(t, {0, d - t.size(2)});
+void check_launch(int err, const char *what) {
+    TORCH_CHECK(err == 0, "torchfuse: ", what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
-at::Tensor cut_dim(const at::Tensor &t, int64_t d) { return t.size(2) == d ? t : t.narrow(2, 0, d).contiguous(); }
+// Each (L, H, d) tensor ts[i] as a contiguous (L, H, dims[i]) tensor of dtype `out`, zero-padded past d
+// or cut to dims[i], all in one launch (kernels/hstu_head_dims.cu); one already of that width and dtype
+// is passed on as it is.
+std::vector<at::Tensor> head_copies(std::initializer_list<at::Tensor> ts, std::initializer_list<int64_t> dims,
+                                    at::ScalarType out) {
+    TORCH_INTERNAL_ASSERT(ts.size() == dims.size() && ts.size() <= TF_HSTU_HEAD_PLANES);
+    tf_hstu_head_copy_params p{};
+    std::vector<at::Tensor> res, srcs;
+    auto d = dims.begin();
+    for (const at::Tensor &t : ts) {
+        const int64_t width = *d++;
+        if (t.size(2) == width && t.scalar_type() == out) {
+            res.push_back(t);
+            continue;
+        }
+        const at::Tensor s = t.stride(2) == 1 ? t : t.contiguous();  // rows and heads may be strided
+        res.push_back(at::empty({t.size(0), t.size(1), width}, t.options().dtype(out)));
+        p.planes[p.n++] = tf_hstu_head_plane{s.data_ptr(), res.back().data_ptr(), s.size(0), s.size(1), s.stride(0),
+                                             s.stride(1), (int)s.size(2), (int)width,
+                                             kernel_dtype(s.scalar_type(), "torchfuse.hstu_attention", "q/k/v"),
+                                             kernel_dtype(out, "torchfuse.hstu_attention", "q/k/v")};
+        srcs.push_back(s);
+    }
+    if (p.n > 0)
+        check_launch(tf_hstu_head_copy_cuda(&p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU head-dim copy");
+    return res;
+}
 
 void check_kernel_dims(const tf_hstu_params &p) {
     TORCH_INTERNAL_ASSERT(p.dtype == TF_F32 || (kernel_head_dim(p.dqk) == p.dqk && kernel_head_dim(p.dv) == p.dv),
                           "torchfuse: HSTU head dims ", p.dqk, ", ", p.dv, " reached the 16-bit kernels unpadded");
-}
-
-void check_launch(int err, const char *what) {
-    TORCH_CHECK(err == 0, "torchfuse: ", what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
 // Outputs are allocated uninitialised on CUDA (prepare_hstu): the kernels write every row inside the
@@ -82,12 +107,15 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
     const int kernels = hstu_backend(backend, "torchfuse.hstu_attention");
     // the decode kernels read any head dim as it is: no padded copy of a whole K/V cache per call
     const bool decode = tf_hstu_decode_applies(delta, attn_bias.has_value(), dropout_p, kernels);
-    if (const HeadPad hp = head_pad(q, k, v); hp.on && !decode)
-        return cut_dim(hstu_fwd_cuda(pad_dim(q, hp.pqk), pad_dim(k, hp.pqk), pad_dim(v, hp.pv), seq_offsets,
-                                     num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen, contextual_seq_len,
-                                     max_attn_len, min_full_attn_seq_len, target_group_size, delta, validate, backend,
-                                     dropout_p, rng_state, kv_lengths),
-                       hp.dv);
+    if (const HeadPad hp = head_pad(q, k, v); hp.on && !decode) {
+        const c10::cuda::CUDAGuard guard(q.device());
+        const auto padded = head_copies({q, k, v}, {hp.pqk, hp.pqk, hp.pv}, q.scalar_type());
+        const at::Tensor o = hstu_fwd_cuda(padded[0], padded[1], padded[2], seq_offsets, num_targets, attn_bias,
+                                           max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
+                                           min_full_attn_seq_len, target_group_size, delta, validate, backend,
+                                           dropout_p, rng_state, kv_lengths);
+        return head_copies({o}, {hp.dv}, o.scalar_type())[0];
+    }
     const c10::cuda::CUDAGuard guard(q.device());
     Hstu g = prepare_hstu("torchfuse.hstu_attention", q, k, v, seq_offsets, num_targets, attn_bias,
                           HstuOpts{max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
@@ -117,21 +145,14 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
     return g.o;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
+// The backward with dq as the kernels leave it (fp32) and dbias in its own dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_kernels(
     const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
     const std::optional<at::Tensor> &attn_bias, int64_t max_seq_len, double alpha,
     std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
     int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad,
     std::optional<c10::string_view> backend, double dropout_p, const std::optional<at::Tensor> &rng_state) {
-    if (const HeadPad hp = head_pad(q, k, v); hp.on && dout.dim() == 3 && dout.size(2) == hp.dv) {
-        auto [dq, dk, dv, db] = hstu_bwd_cuda(pad_dim(dout, hp.pv), pad_dim(q, hp.pqk), pad_dim(k, hp.pqk),
-                                              pad_dim(v, hp.pv), seq_offsets, num_targets, attn_bias, max_seq_len,
-                                              alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
-                                              min_full_attn_seq_len, target_group_size, bias_grad, backend,
-                                              dropout_p, rng_state);
-        return {cut_dim(dq, hp.dqk), cut_dim(dk, hp.dqk), cut_dim(dv, hp.dv), db};
-    }
     const c10::cuda::CUDAGuard guard(q.device());
     const int kernels = hstu_backend(backend, "torchfuse.hstu_bwd");
     Hstu g = prepare_hstu("torchfuse.hstu_bwd", q, k, v, seq_offsets, num_targets, attn_bias,
@@ -147,9 +168,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
     g.p.sched = sched.data_ptr<int>();
     zero_uncovered_rows(g, {g.dk, g.dv});
     check_launch(tf_hstu_bwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU backward kernel");
-    at::Tensor dq = g.dq.to(g.q.scalar_type());
     at::Tensor db = g.dbias.defined() ? g.dbias.to(g.bias.scalar_type()) : no_output(g.o);
-    return {dq, g.dk, g.dv, db};
+    return {g.dq, g.dk, g.dv, db};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
+    const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+    const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
+    const std::optional<at::Tensor> &attn_bias, int64_t max_seq_len, double alpha,
+    std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
+    int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad,
+    std::optional<c10::string_view> backend, double dropout_p, const std::optional<at::Tensor> &rng_state) {
+    if (const HeadPad hp = head_pad(q, k, v); hp.on && dout.dim() == 3 && dout.size(2) == hp.dv &&
+                                              dout.scalar_type() == q.scalar_type() && dout.device() == q.device()) {
+        const c10::cuda::CUDAGuard guard(q.device());
+        const auto in = head_copies({dout, q, k, v}, {hp.pv, hp.pqk, hp.pqk, hp.pv}, q.scalar_type());
+        auto [dq, dk, dv, db] = hstu_bwd_kernels(in[0], in[1], in[2], in[3], seq_offsets, num_targets, attn_bias,
+                                                 max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
+                                                 min_full_attn_seq_len, target_group_size, bias_grad, backend,
+                                                 dropout_p, rng_state);
+        // cut back to the real dims, dq converted from fp32 in the same launch
+        const auto out = head_copies({dq, dk, dv}, {hp.dqk, hp.dqk, hp.dv}, q.scalar_type());
+        return {out[0], out[1], out[2], db};
+    }
+    auto [dq, dk, dv, db] = hstu_bwd_kernels(dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha,
+                                             scaling_seqlen, contextual_seq_len, max_attn_len, min_full_attn_seq_len,
+                                             target_group_size, bias_grad, backend, dropout_p, rng_state);
+    return {dq.to(q.scalar_type()), dk, dv, db};
 }
 
 // Reserved from the CUDA generator as PyTorch's fused dropout does; under graph capture the values are

@@ -265,6 +265,21 @@ int tf_hstu_decode_cuda(const tf_hstu_params *p, void *stream);
  * whole (the kernels write every row inside [offsets[0], offsets[B])). n <= 3. */
 int tf_hstu_zero_outside(void *const *rows, const int64_t *row_bytes, int n, int64_t L, const void *offsets,
                          int offsets_i64, int64_t B, void *stream);
+/* Head-dim copies (kernels/hstu_head_dims.cu): up to TF_HSTU_HEAD_PLANES tensors at once, each
+ * out[l, h, c] = c < d_src ? src[l, h, c] : 0 for c < d_dst, in dst_dtype; src (L, H, d_src) with rows
+ * and heads at the given element strides (the last dim unit-stride), dst contiguous (L, H, d_dst). */
+#define TF_HSTU_HEAD_PLANES 4
+typedef struct {
+    const void *src;
+    void *dst;
+    int64_t L, H, src_row_stride, src_head_stride;
+    int d_src, d_dst, src_dtype, dst_dtype;
+} tf_hstu_head_plane;
+typedef struct {
+    tf_hstu_head_plane planes[TF_HSTU_HEAD_PLANES];
+    int n;
+} tf_hstu_head_copy_params;
+int tf_hstu_head_copy_cuda(const tf_hstu_head_copy_params *p, void *stream);
 /* Needs p->dq_acc (fp32, zeroed) and, with a bias gradient, p->dbias (fp32, zeroed). */
 int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream);
 /* The sm_90a (TMA + wgmma) backward, 16-bit dtypes, head dims up to 256, no attn_bias: -1 when it does

@@ -197,6 +197,33 @@ def test_any_head_dim(target, dtype, dqk, dv):
               grad=True)
 
 
+@pytest.mark.parametrize("dqk, dv", [(25, 25), (25, 50), (12, 7)], ids=lambda d: str(d))
+def test_padded_head_dims_of_strided_views(device, dqk, dv):
+    """Head dims the 16-bit kernels do not take, with q, k and v as column slices of one projection (as
+    the STU layer passes them): the same output and gradients, bit for bit, as from contiguous copies."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v, offsets, msl, nt, _ = make_inputs(device, dtype, 5, 2, dqk, dv, 60, targets=True, strided=True)
+    assert not q.is_contiguous()
+    kw = dict(num_targets=nt, contextual_seq_len=1, max_attn_len=20)
+    views = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    copies = [t.detach().contiguous().requires_grad_(True) for t in (q, k, v)]
+    outs = [torchfuse.hstu_attention(*ins, offsets, msl, 0.4, **kw) for ins in (views, copies)]
+    assert torch.equal(outs[0], outs[1])
+    L, H = outs[0].shape[:2]
+    dout = torch.randn(L, H, dv + 3, device=device, dtype=dtype)[..., :dv]  # a strided output gradient too
+    for a, b in zip(torch.autograd.grad(outs[0], views, dout), torch.autograd.grad(outs[1], copies, dout)):
+        assert torch.equal(a, b)
+
+
+def test_padded_head_dims_refuse_another_device():
+    """At a padded head dim, k on the CPU beside CUDA q and v is refused by name, not copied from."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA only")
+    q, k, v, offsets, msl, _, _ = make_inputs("cuda", torch.bfloat16, 3, 2, 25, 25, 30)
+    with pytest.raises(RuntimeError, match="k"):
+        torchfuse.hstu_attention(q, k.cpu(), v, offsets, msl, 0.4)
+
+
 @pytest.mark.parametrize("dqk, dv", [(25, 25), (16, 50), (1, 200)], ids=lambda d: str(d))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_any_head_dim_cached_and_compat(device, dtype, dqk, dv):
