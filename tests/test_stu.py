@@ -85,9 +85,11 @@ def test_layer_forward_backward_matches_gr(device, cfg_kw, dtype):
 @pytest.mark.parametrize("cfg_kw", [CONFIGS[0], CONFIGS[1]])
 def test_stack_under_torch_compile(device, cfg_kw):
     """A stack of two layers compiled whole (fullgraph: the ops' fake kernels and autograd trace through
-    AOTAutograd) trains as the eager stack does: forward and gradients against the float64 reference
-    within the bound above. aot_eager, not inductor: inductor's fusion of the glue between the ops moves
-    bf16 roundings (a norm weight's gradient measured 3.3x PyTorch's own error), which is not the ops'."""
+    AOTAutograd) trains as the eager stack does: its forward and gradients are within twice the error of
+    the eager torchfuse stack or of PyTorch's own run in the dtype, whichever is larger, against the
+    float64 reference (errors compound through the stack, so the eager stack is the measure here, not a
+    fixed multiple). aot_eager, not inductor: inductor's fusion of the glue between the ops moves bf16
+    roundings (a norm weight's gradient measured 3.3x PyTorch's own error), which is not the ops'."""
     torch._dynamo.reset()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = STULayerConfig(output_dropout_ratio=0.0, **cfg_kw)
@@ -97,9 +99,9 @@ def test_stack_under_torch_compile(device, cfg_kw):
     stack = stack.to(dtype)
     B, N = random.randint(2, 5), random.randint(2, 20)
     x, lengths, offsets, nt = _batch(B, N, cfg.embedding_dim, device, dtype, cfg.target_aware)
-    run = torch.compile(lambda x_: stack(x_, lengths, offsets, N, nt), fullgraph=True, backend="aot_eager")
-    x.requires_grad_(True)
-    out = run(x)
+    params = [dict(layer.named_parameters())[k] for layer in stack._stu_layers for k in GR_KEYS]
+    eager = lambda x_: stack(x_, lengths, offsets, N, nt)  # noqa: E731
+    compiled = torch.compile(eager, fullgraph=True, backend="aot_eager")
     Ps = [_params(layer) for layer in stack._stu_layers]
 
     def ref_stack(cast, dt):
@@ -113,21 +115,24 @@ def test_stack_under_torch_compile(device, cfg_kw):
     ref, x64, P64 = ref_stack(lambda t: t.double(), torch.float64)
     lp, x_lp, P_lp = ref_stack(lambda t: t.clone(), dtype)
     g = torch.randn_like(ref)
-    out.backward(g.to(dtype))
     ref.backward(g)
     lp.backward(g.to(dtype))
+    results = []
+    for fn in (compiled, eager):
+        xi = x.detach().clone().requires_grad_(True)
+        out = fn(xi)
+        results.append([out] + list(torch.autograd.grad(out, [xi] + params, g.to(dtype))))
+    wants = [ref, x64.grad] + [P[k].grad for P in P64 for k in GR_KEYS]
+    owns = [lp, x_lp.grad] + [P[k].grad for P in P_lp for k in GR_KEYS]
+    names = ["out", "x"] + [f"{i}.{k}" for i in range(2) for k in GR_KEYS]
     floor = 1e-5 if dtype == torch.float32 else 1e-3
 
     def rel(a, b):
         return (a.double() - b).abs().max().item() / (b.abs().max().item() + 1e-6)
 
-    assert rel(out, ref) <= max(3 * rel(lp, ref), floor), (rel(out, ref), rel(lp, ref))
-    checks = [("x", x.grad, x64.grad, x_lp.grad)]
-    for i, layer in enumerate(stack._stu_layers):
-        params = dict(layer.named_parameters())
-        checks += [(f"{i}.{k}", params[k].grad, P64[i][k].grad, P_lp[i][k].grad) for k in GR_KEYS]
-    for name, got, want, own in checks:
-        assert rel(got, want) <= max(3 * rel(own, want), floor), (name, rel(got, want), rel(own, want))
+    for name, got, ours, want, own in zip(names, *results, wants, owns):
+        bound = 2 * max(rel(ours, want), rel(own, want), floor)
+        assert rel(got, want) <= bound, (name, rel(got, want), rel(ours, want), rel(own, want))
 
 
 def test_state_dict_keys_match_gr():
