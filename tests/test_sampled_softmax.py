@@ -212,6 +212,30 @@ def test_chunks(device, dtype, chunk, mask, monkeypatch):
     run_case(device, dtype, 45, 13, 40, mask=mask, weights=True)
 
 
+def test_chunks_match_one_block(device, monkeypatch):
+    """Shared negatives in blocks of 8 query rows against one block, same inputs, element by element:
+    within rtol 1e-5 / atol 1e-7 plus twice PyTorch's own float32 error at that element (the blocks sum
+    the negatives' gradients in another order, which moves an element by its rounding where its terms
+    cancel, as PyTorch's float32 error there shows)."""
+    (q, p, n), kw = make_case(device, torch.float32, 50, 17, 33, mask="shared", weights=True)
+    outs = []
+    for chunk in (0, 8):
+        monkeypatch.setattr(losses, "_chunk_rows", chunk)
+        ins = [x.clone().requires_grad_(True) for x in (q, p, n)]
+        loss = torchfuse.sampled_softmax_loss(*ins, 0.05, **kw)
+        outs.append((loss, *torch.autograd.grad(loss, ins)))
+    refs = []
+    for cast in (lambda x: x.double(), lambda x: x):
+        xs = [cast(x).detach().requires_grad_(True) for x in (q, p, n)]
+        rkw = dict(kw, weights=cast(kw["weights"]))
+        r = reference(*xs, 0.05, **rkw)
+        refs.append((r, *torch.autograd.grad(r, xs)))
+    for name, a, b, r64, r32 in zip(("loss", "dquery", "dpositive", "dnegatives"), *outs, *refs):
+        err = (a.double() - b.double()).abs().flatten()
+        tol = (1e-7 + 1e-5 * b.double().abs() + 2 * (r32.double() - r64).abs()).flatten()
+        assert (err <= tol).all(), f"{name}: chunked vs one block {err.max().item():.3g}"
+
+
 def test_int32_ids_and_strided_inputs(device):
     (q, p, n), kw = make_case(device, torch.float32, 12, 9, 20, mask="row", weights=True)
     expect = torchfuse.sampled_softmax_loss(q, p, n, 0.1, **kw)
