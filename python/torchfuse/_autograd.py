@@ -5,7 +5,8 @@ differentiable wherever it is called from. That layer, though, re-reads the op's
 differentiable call (``torch._library.utils.fill_defaults``): 40-60 us per call on a CPU core for
 ops of 12-15 arguments, longer than the kernels themselves at small shapes. The public wrappers
 therefore run training calls through a plain ``torch.autograd.Function`` built here from the same
-setup_context and backward, so both paths compute the same gradients.
+setup_context and backward, so both paths compute the same gradients. (The norms' autograd is in C++,
+csrc/norm_autograd.cpp, one path for the op and the wrappers, cheaper still.)
 """
 from typing import Callable
 
