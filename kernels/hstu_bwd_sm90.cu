@@ -37,11 +37,14 @@
  *         its keys (each adds its own partial: no barrier between them).
  *       head dim 256 (and 192): kBN = 64 keys, BOTH warpgroups work on those 64 keys and warpgroup w owns
  *         columns 128 w.. of dK and dV (64 keys x 128 columns: 64 + 64 registers as at 128; all 256 columns
- *         of one warpgroup's 64 keys would be 256). Each warpgroup computes S^T and dP^T in full (K dimension
- *         256), the same values: that duplicates those two GEMMs (5 GEMMs' work done as 7) but exchanges
- *         nothing through shared memory before dK += dZ^T Q[:, half], dV += P^T dO[:, half]. dZ is stored
- *         once (warpgroup w its query rows 32 w..), then dQ's columns are split (128 a warpgroup, in two
- *         chunks of 64 so its accumulator stays at 32 registers beside dK and dV).
+ *         of one warpgroup's 64 keys would be 256). Warpgroup w computes S^T and dP^T for query rows 32 w..
+ *         of the tile (64 keys x 32 queries, K dimension 256) and stores its P^T and dZ^T columns
+ *         transposed into shared memory (P and dZ tiles, double-buffered); after one barrier both read
+ *         the whole tiles as MN-major A operands: dV += P^T dO[:, half], dK += dZ^T Q[:, half] (both
+ *         operands in shared memory), and dQ's columns are split (128 a warpgroup, in two chunks of 64 so
+ *         its accumulator stays at 32 registers beside dK and dV). Each warpgroup computing S^T and dP^T
+ *         in full instead (P^T and dZ^T from registers, nothing exchanged before dK and dV) did 5 GEMMs'
+ *         work as 7.
  *   - the mask comes as bits from the keys' spans (tf_hstu_col_spans via hstu_col_bits), tiles inside
  *     it skip it;
  *   - TMA reads whole tiles: rows past the sequence's end come from the next sequence (past the
@@ -74,12 +77,15 @@ struct BwdSm90Cfg {
     static constexpr int NC = COL_SPLIT ? D / 2 : D;  // dK / dV columns per consumer warpgroup
     static constexpr int ST = D <= 64 ? 4 : D <= 128 ? 3 : 2;  // Q / dO ring stages
     static constexpr int KV_BYTES = BN * D * 2, QO_BYTES = kBQ * D * 2, Z_BYTES = kBQ * BN * 2;
+    // the column split's P tiles (as the dZ tiles: query rows, keys along the row), double-buffered
+    static constexpr int P_BYTES = COL_SPLIT ? 2 * Z_BYTES : 0;
     // dQ's columns split between the consumers (else its keys: two partial sums added), in DQ_CHUNKS
     // chunks of 64 columns per warpgroup
     static constexpr bool DQ_SPLIT_N = D >= 128;
     static constexpr int DQ_CHUNKS = DQ_SPLIT_N ? D / 128 : 1;
-    // K, V, the Q and dO rings, dZ twice; +1024: tiles start on the swizzle pattern's 1024-byte period
-    static constexpr int SMEM = 2 * KV_BYTES + 2 * ST * QO_BYTES + 2 * Z_BYTES + 1024;
+    // K, V, the Q and dO rings, dZ twice, P twice at the column split; +1024: tiles start on the
+    // swizzle pattern's 1024-byte period
+    static constexpr int SMEM = 2 * KV_BYTES + 2 * ST * QO_BYTES + 2 * Z_BYTES + P_BYTES + 1024;
     // dQ through shared memory and a TMA reduce-add (head dims up to 128; at 256 shared memory is full:
     // red.global.add from the registers there): one fp32 staging tile of kBQ rows x 64 columns per consumer
     // warpgroup, as two 128-byte-swizzled boxes of 32 columns (the swizzle's 128-byte row)
@@ -166,13 +172,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
     constexpr int kBN = C::BN, NC = C::NC, ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
+    constexpr int QN = C::COL_SPLIT ? kBQ / 2 : kBQ;  // query rows of a tile per consumer in S^T and dP^T
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
     // flags: bit 0 dQ by TMA reduce-adds, bit 1 dK / dV by 16-byte stores (the launch's choices)
     // dQ's staging tiles (launched with SMEM_TMA bytes only when flags bit 0 is set): consumer cw's at
     // DQs + cw * DQ_WG_BYTES
-    uint8_t *DQs = Zs + 2 * C::Z_BYTES;
+    uint8_t *Ps = Zs + 2 * C::Z_BYTES, *DQs = Ps + C::P_BYTES;
     const bool dq_tma = C::DQ_TMA && (flags & 1);  // uniform over the block
     const bool vec_store = (flags & 2) != 0;        // dK / dV by 16-byte stores (see the item's end)
     // kv_full / kv_empty: the one K/V buffer, phase k for the block's k-th item; full / empty: the Q/dO
@@ -182,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     //   producer: work_slot[k % 2] = the item (or active = 0: the end), bar.sync 6 (k > 0), bar.arrive 5;
     //   consumers: bar.sync 5, copy work_slot[k % 2], bar.arrive 6 unless it was the end.
     // Named barriers 5 and 6 span the producer warp and the consumers (288 threads); 1 (tail zeroing,
-    // 256), 2 (dZ stored, 256), 3 + cw (dZ stored, 128, head dim 64) and 7 + cw (dQ staged, 128, the TMA
+    // 256), 2 (dZ, and P at the column split, stored, 256), 3 + cw (dZ stored, 128, head dim 64) and 7 + cw (dQ staged, 128, the TMA
     // dQ path) are the consumers' per tile.
     // Each consumer waits at 5 for every item, so the two warpgroups enter an item together.
     // Why nothing waits forever: the producer waits on kv_empty phase k - 1 only for an item k it
@@ -191,8 +198,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // finish without anything the producer has still to do (its tiles and, for ring slots of this
     // item's own tiles, this item's K and V, are loaded first). A block that takes no item hands over
     // the end at once: no thread waits on a barrier but 5.
-    // The Z double buffer (gt & 1): a warpgroup stores Z of tile gt + 2 after the barrier of tile
-    // gt + 1, which the other passed only after its dQ wgmma of tile gt had completed.
+    // The Z (and P) double buffer (gt & 1): a warpgroup stores Z of tile gt + 2 after the barrier of tile
+    // gt + 1, which the other passed only after its wgmmas of tile gt (dK, dV, dQ) had completed.
     // K's tail rows, zeroed by consumer 0 at an item's first tile, are not overwritten by the next
     // item's load before every consumer warp is done with them: that load waits for kv_empty.
     // dQ's staging tile (TMA path), per consumer warpgroup, per query tile: the warpgroup's thread 0, which
@@ -285,6 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
         const int kr0 = C::COL_SPLIT ? 0 : 64 * cw;  // this warpgroup's first key in the tile
         const int nc0 = C::COL_SPLIT ? NC * cw : 0;  // this warpgroup's first dK / dV column
+        const int qw0 = C::COL_SPLIT ? QN * cw : 0;  // this warpgroup's first query row of a tile in S^T, dP^T
         // The element-wise step, with h = alpha s / 2, t = tanh(h) (so z = 2 h, sigmoid(z) = (1 + t) / 2):
         //   z sigmoid(z) = h (1 + t); dZ's factor alpha / S sigmoid(z) (1 + z (1 - sigmoid(z))) = w (1 + h (1 - t))
         //   with w = kz (1 + t), kz = alpha / (2 S): six FP32 instructions and a tanh per element (the
@@ -310,6 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int it = 0; it < w.total; ++it, ++gt) {
                 const int st = gt % ST, q0 = q_tile(w, it) * kBQ;
                 uint8_t *Qt = Qs + st * QO_BYTES, *Ot = Os + st * QO_BYTES, *Zt = Zs + (gt & 1) * C::Z_BYTES;
+                uint8_t *Pt = Ps + (gt & 1) * C::Z_BYTES;  // the column split's only
                 mbar_wait(&full_bar[st], (gt / ST) & 1);
                 // tail rows (the same decision in every thread of both consumers)
                 const bool k_tail = it == 0 && k0 + kBN > len, q_tail = q0 + kBQ > len;
@@ -319,28 +328,28 @@ __global__ void __launch_bounds__(kThreads, 1)
                     fence_proxy_async();
                     named_bar_sync(1);
                 }
-                float sacc[kBQ / 2], dpacc[kBQ / 2];
+                float sacc[QN / 2], dpacc[QN / 2];
                 tf_wgmma_fence();
-                tf_gemm_ss<T, D, kBN, kBQ>(sacc, k_addr + kr0 * 128, smem_u32(Qt));
-                tf_gemm_ss<T, D, kBN, kBQ>(dpacc, v_addr + kr0 * 128, smem_u32(Ot));
+                tf_gemm_ss<T, D, kBN, QN, kBQ>(sacc, k_addr + kr0 * 128, smem_u32(Qt) + qw0 * 128);
+                tf_gemm_ss<T, D, kBN, QN, kBQ>(dpacc, v_addr + kr0 * 128, smem_u32(Ot) + qw0 * 128);
                 tf_wgmma_commit();
                 tf_wgmma_wait<0>();
                 tf_wgmma_reg_fence(sacc);
                 tf_wgmma_reg_fence(dpacc);
 
-                // accumulator element i = 4 j + 2 hh + e: key key_a + 8 hh, query q0 + 8 j + 2 t4 + e
-                if (tf_hstu_tile_full(&mask, q0, q0 + kBQ, kw0, kw0 + 64)) {
+                // accumulator element i = 4 j + 2 hh + e: key key_a + 8 hh, query q0 + qw0 + 8 j + 2 t4 + e
+                if (tf_hstu_tile_full(&mask, q0 + qw0, q0 + qw0 + QN, kw0, kw0 + 64)) {
 #pragma unroll
-                    for (int i = 0; i < kBQ / 2; ++i) {
+                    for (int i = 0; i < QN / 2; ++i) {
                         const float hv = h_s * sacc[i], t = tanh_approx(hv), w = fmaf(t, kz, kz);
                         sacc[i] = fmaf(hv, t, hv);
                         dpacc[i] *= fmaf(w, fmaf(-hv, t, hv), w);
                     }
                 } else {
-                    const uint32_t bits[2] = {hstu_col_bits<kBQ / 8>(mask, key_a, q0 + 2 * t4),
-                                              hstu_col_bits<kBQ / 8>(mask, key_a + 8, q0 + 2 * t4)};
+                    const uint32_t bits[2] = {hstu_col_bits<QN / 8>(mask, key_a, q0 + qw0 + 2 * t4),
+                                              hstu_col_bits<QN / 8>(mask, key_a + 8, q0 + qw0 + 2 * t4)};
 #pragma unroll
-                    for (int i = 0; i < kBQ / 2; ++i) {
+                    for (int i = 0; i < QN / 2; ++i) {
                         // the full tile's arithmetic, then the mask as an AND with all ones or zero: selects here had
                         // ptxas move and spill registers around the masked path (46 spill instructions in the tile
                         // loop at head dim 128, none with the AND; 247 -> 283 TFLOP/s at 128 x 1024 x 128)
@@ -350,35 +359,43 @@ __global__ void __launch_bounds__(kThreads, 1)
                         dpacc[i] = __uint_as_float(__float_as_uint(dpacc[i] * fmaf(w, fmaf(-hv, t, hv), w)) & keep);
                     }
                 }
-                uint32_t pp[kBQ / 16][4], pz[kBQ / 16][4];  // P^T, dZ^T as A fragments (keys x 16 queries)
+                uint32_t pp[QN / 16][4], pz[QN / 16][4];  // P^T, dZ^T as A fragments (keys x 16 queries)
 #pragma unroll
-                for (int kk = 0; kk < kBQ / 16; ++kk)
+                for (int kk = 0; kk < QN / 16; ++kk)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         pp[kk][r] = pack2<T>(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
                         pz[kk][r] = pack2<T>(dpacc[8 * kk + 2 * r], dpacc[8 * kk + 2 * r + 1]);
                     }
                 // dZ^T -> Zt as dZ (query rows, keys along the row; this warpgroup's 64 keys = panel cw, or at
-                // D = 256 the block's 64 keys = panel 0, which both warpgroups hold: each stores half its
-                // query rows, warpgroup cw steps kk = 2 cw, 2 cw + 1):
-                // fragment r of step kk is the 8 x 8 block (keys 16 warp + 8 (r & 1), queries 16 kk + 8 (r >> 1))
+                // D = 256 the block's 64 keys = panel 0, which both warpgroups hold: warpgroup cw stores its
+                // query rows qw0.., and its P^T into Pt the same way):
+                // fragment r of step kk is the 8 x 8 block (keys 16 warp + 8 (r & 1), queries qw0 + 16 kk + 8 (r >> 1))
                 {
                     const int m = lane / 8, i = lane % 8;
                     const int kb = 16 * warp + 8 * (m & 1);  // key within the panel
                     const uint32_t zp = smem_u32(Zt) + (C::COL_SPLIT ? 0 : cw) * kBQ * 128;
 #pragma unroll
-                    for (int kk = 0; kk < kBQ / 16; ++kk) {
-                        if (C::COL_SPLIT && kk / (kBQ / 32) != cw) continue;  // unrolled: pz's index stays constant
-                        const int row = 16 * kk + 8 * (m >> 1) + i;
-                        stmatrix_x4_trans(zp + row * 128 + (((kb / 8) ^ (row % 8)) * 16), pz[kk]);
+                    for (int kk = 0; kk < QN / 16; ++kk) {
+                        const int row = qw0 + 16 * kk + 8 * (m >> 1) + i;
+                        const uint32_t off = row * 128 + (((kb / 8) ^ (row % 8)) * 16);
+                        stmatrix_x4_trans(zp + off, pz[kk]);
+                        if constexpr (C::COL_SPLIT) stmatrix_x4_trans(smem_u32(Pt) + off, pp[kk]);
                     }
                 }
                 fence_proxy_async();
+                // the column split: both warpgroups' halves of P and dZ stored before either reads them
+                if constexpr (C::COL_SPLIT) named_bar_sync(2);
                 tf_wgmma_fence();
                 // dV[:, nc0..] += P^T dO[:, nc0..], dK[:, nc0..] += dZ^T Q[:, nc0..]: a column half at D = 256 is
-                // panels 2 cw, 2 cw + 1 (kBQ rows each), contiguous
-                tf_gemm_rs<T, NC, kBQ>(dv, pp, smem_u32(Ot) + (nc0 / 64) * kBQ * 128);
-                tf_gemm_rs<T, NC, kBQ>(dk, pz, smem_u32(Qt) + (nc0 / 64) * kBQ * 128);
+                // panels 2 cw, 2 cw + 1 (kBQ rows each), contiguous; P^T and dZ^T from the stored tiles there
+                if constexpr (C::COL_SPLIT) {
+                    tf_gemm_ss_tt<T, NC, kBQ>(dv, smem_u32(Pt), smem_u32(Ot) + (nc0 / 64) * kBQ * 128);
+                    tf_gemm_ss_tt<T, NC, kBQ>(dk, smem_u32(Zt), smem_u32(Qt) + (nc0 / 64) * kBQ * 128);
+                } else {
+                    tf_gemm_rs<T, NC, kBQ>(dv, pp, smem_u32(Ot) + (nc0 / 64) * kBQ * 128);
+                    tf_gemm_rs<T, NC, kBQ>(dk, pz, smem_u32(Qt) + (nc0 / 64) * kBQ * 128);
+                }
                 tf_wgmma_commit();
                 // dQ = dZ K: every warp's dZ must be in Zt first (both warpgroups' when they split the columns).
                 // TMA dQ path: the barrier also orders this warpgroup's staging writes below after the read of
@@ -386,7 +403,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                 // Every thread waits (no bulk groups: at once; the red path has none): a branch between the
                 // wgmma fence above and the dQ wgmma makes ptxas inject another fence (C7519)
                 if constexpr (C::DQ_TMA) bulk_wait_group_read0();
-                if constexpr (C::DQ_SPLIT_N) named_bar_sync(2); else named_bar_sync_n(3 + cw, 128);
+                if constexpr (C::COL_SPLIT) {
+                    // passed above
+                } else if constexpr (C::DQ_SPLIT_N) {
+                    named_bar_sync(2);
+                } else {
+                    named_bar_sync_n(3 + cw, 128);
+                }
                 const uint32_t z_addr = smem_u32(Zt);
                 const int dqk = (int)p.dqk;
 #pragma unroll

@@ -4,6 +4,7 @@
  * wgmma_ss<T, N>(d, desc_a, desc_b, accumulate): D(64 x N, fp32) (+)= A(64 x 16) B(16 x N), A and B
  *   K-major in shared memory (descriptors: tf_wgmma_desc_*).
  * wgmma_ss_tb<T, N>(d, desc_a, desc_b, accumulate): the same with B MN-major ("transposed").
+ * wgmma_ss_tt<T, N>(d, desc_a, desc_b, accumulate): the same with A and B both MN-major.
  * wgmma_rs<T, N>(d, a, desc_b, accumulate): D (+)= A B with A from registers (the mma.sync m16n8k16 A fragment of
  *   the warp's 16 rows) and B MN-major ("transposed") in shared memory.
  * Accumulator layout (per warp w of the warpgroup, lane = 4 g + t): d[4 j + e] is row 16 w + g + 8 (e / 2),
@@ -44,6 +45,8 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uin
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss_tb(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
 template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
+template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int accumulate);
 
 #include "tf_wgmma_ops.cuh"
@@ -51,19 +54,30 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 /* Tile GEMMs on 128-byte-swizzled shared memory (rows of 64 16-bit elements; a tile wider than 64 is
  * stored as panels of 64 columns, one after another). Issued, not waited for.
  *
- * tf_gemm_ss<T, K, A_ROWS, N>: acc (64 x N) = A B^T over K (a multiple of 16), A's 64 rows and B's N
- *   rows both K-major; A's panels hold A_ROWS rows (A may be rows 64 r.. of a taller tile: pass its
- *   address), B's N. All K / 16 steps even where the tail of K is zero padding: a branch between two
- *   wgmmas makes the compiler wait for the first. */
-template <typename T, int K, int A_ROWS, int N>
+ * tf_gemm_ss<T, K, A_ROWS, N, B_ROWS>: acc (64 x N) = A B^T over K (a multiple of 16), A's 64 rows and
+ *   B's N rows both K-major; A's panels hold A_ROWS rows (A may be rows 64 r.. of a taller tile: pass its
+ *   address), B's B_ROWS (N by default; B may be rows r.. of a taller tile, r a multiple of 8). All K / 16
+ *   steps even where the tail of K is zero padding: a branch between two wgmmas makes the compiler wait
+ *   for the first. */
+template <typename T, int K, int A_ROWS, int N, int B_ROWS = N>
 __device__ __forceinline__ void tf_gemm_ss(float (&acc)[N / 2], uint32_t a_addr, uint32_t b_addr) {
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         // 16 columns: panel kk / 4, 32 bytes into its rows per step
         const uint32_t koff = (kk % 4) * 32;
         wgmma_ss<T, N>(acc, tf_wgmma_desc(a_addr + (kk / 4) * A_ROWS * 128 + koff, 0),
-                       tf_wgmma_desc(b_addr + (kk / 4) * N * 128 + koff, 0), kk > 0);
+                       tf_wgmma_desc(b_addr + (kk / 4) * B_ROWS * 128 + koff, 0), kk > 0);
     }
+}
+/* tf_gemm_ss_tt<T, N, K>: acc (64 x N) += A B, A (64 x K) stored MN-major as K rows of 64 elements (one
+ *   128-byte row each: a tile stored transposed), B's K rows of N columns MN-major (panels of 64
+ *   columns, K rows each), both in shared memory. */
+template <typename T, int N, int K>
+__device__ __forceinline__ void tf_gemm_ss_tt(float (&acc)[N / 2], uint32_t a_addr, uint32_t b_addr) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)  // 16 rows of A and of B per step; B's LBO: its panel stride
+        wgmma_ss_tt<T, N>(acc, tf_wgmma_desc(a_addr + kk * 16 * 128, 0), tf_wgmma_desc(b_addr + kk * 16 * 128, K * 128),
+                          1);
 }
 /* tf_gemm_rs<T, N, K>: acc (64 x N) += A B, A from registers (K / 16 mma.sync A fragments), B's K rows
  *   of N columns MN-major (panels of 64 columns, K rows each). */
