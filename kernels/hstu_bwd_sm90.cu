@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // dQ's staging tiles (launched with SMEM_TMA bytes only when flags bit 0 is set): consumer cw's at
     // DQs + cw * DQ_WG_BYTES
     uint8_t *Ps = Zs + 2 * C::Z_BYTES, *DQs = Ps + C::P_BYTES;
-    const bool dq_tma = C::DQ_TMA && (flags & 1);  // uniform over the block
+    const bool dq_tma = (C::DQ_TMA || C::COL_SPLIT) && (flags & 1);  // uniform over the block
     const bool vec_store = (flags & 2) != 0;        // dK / dV by 16-byte stores (see the item's end)
     // kv_full / kv_empty: the one K/V buffer, phase k for the block's k-th item; full / empty: the Q/dO
     // ring, slot gt % ST and phase gt / ST for the block's gt-th query tile (counted across items, the
@@ -412,87 +412,172 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
                 const uint32_t z_addr = smem_u32(Zt);
                 const int dqk = (int)p.dqk;
+                if constexpr (C::COL_SPLIT) {
+                    // both 64-column chunks of this warpgroup's dQ columns issued at once (64 registers: P^T
+                    // and dZ^T are not held past their stores)
+                    float dq[2][32];
 #pragma unroll
-                for (int n = 0; n < C::DQ_CHUNKS; ++n) {  // D = 256: two chunks of 64 columns, 32 registers each
-                    float dq[32];
-                    // column panel pc of K (dQ columns 64 pc..): DQ_SPLIT_N: this warpgroup's DQ_CHUNKS panels
-                    const int pc = C::DQ_CHUNKS * cw + n;
-                    if (n > 0) tf_wgmma_fence();  // the previous chunk's dq registers were read since
-                    if constexpr (C::DQ_SPLIT_N) {  // columns 64 pc.., all kBN keys
+                    for (int n = 0; n < 2; ++n) {
+                        const int pc = 2 * cw + n;
 #pragma unroll
                         for (int kk = 0; kk < kBN / 16; ++kk)
-                            wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + (kk / 4) * kBQ * 128 + (kk % 4) * 32, 0),
+                            wgmma_ss_tb<T, 64>(dq[n], tf_wgmma_desc(z_addr + (kk / 4) * kBQ * 128 + (kk % 4) * 32, 0),
                                                tf_wgmma_desc(k_addr + pc * kBN * 128 + kk * 16 * 128, kBN * 128), kk > 0);
-                    } else {  // all 64 columns, this warpgroup's 64 keys
-#pragma unroll
-                        for (int kk = 0; kk < 4; ++kk)
-                            wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + cw * kBQ * 128 + kk * 32, 0),
-                                               tf_wgmma_desc(k_addr + (64 * cw + 16 * kk) * 128, kBN * 128), kk > 0);
+                        tf_wgmma_commit();
                     }
-                    tf_wgmma_commit();
-                    tf_wgmma_wait<0>();
-                    tf_wgmma_reg_fence(dq);
-                    if (n == 0) {  // the wait covered dK += .., dV += .. too
+                    if (dq_tma) {
+                        tf_wgmma_wait<0>();
+                        tf_wgmma_reg_fence(dq[0]);
+                        tf_wgmma_reg_fence(dq[1]);
                         tf_wgmma_reg_fence(dk);
                         tf_wgmma_reg_fence(dv);
-                        __syncwarp();
-                        if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage's Q and dO
-                    }
-
-                    const int col0 = C::DQ_SPLIT_N ? 64 * pc : 0;
-                    if constexpr (C::DQ_TMA) {
-                        if (dq_tma) {
-                            // The 64 x 64 fragment -> this warpgroup's staging tile: columns 32 b.. in box b,
-                            // rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8) (the TMA's 128-byte
-                            // swizzle); element 4 j + 2 hh + e: row 16 warp + g + 8 hh (so r % 8 = g), column
-                            // 8 j + 2 t4 + e = box j / 4, chunk 2 (j % 4) + t4 / 2, byte 8 (t4 % 2) + 4 e.
-                            // A warp's 8-byte store (fixed j, hh): the 8 rows' two chunks (2 (j % 4) + {0, 1}) ^ g
-                            // cover each of the 8 chunk positions (bank groups) twice: 256 bytes in 2 wavefronts,
-                            // no conflict beyond that.
-                            // Rows at or past the sequence's end (pos >= len) are stored as 0: the reduce adds
-                            // all 64 rows (the copy engine clips only at L), and those are the next sequence's.
-                            // The arithmetic alone gives 0 there only if this sequence's own K and V are finite:
-                            // dZ^T's columns pos >= len are 0 (Q and dO tail rows are zeroed in shared memory
-                            // above; a masked tile selects 0 for them, hstu_col_bits having no bits past len; a
-                            // tile tf_hstu_tile_full reports has keys below its first query only, so < len,
-                            // and its dP^T = V dO^T = V . 0, z = alpha K . 0 = 0 there, 0 unless V has inf /
-                            // NaN), and dQ = dZ K is then 0 x K over the tile's keys (K's rows past len zeroed,
-                            // the others this sequence's): inf / NaN in this sequence's own K or V (the
-                            // neighbour-isolation test's middle sequence) would give NaN, so the select does it.
-                            // Address: (2 (j % 4) + t4 / 2) ^ g = (32 (j % 4) ^ 16 (t4 / 2 ^ g)) / 16, the
-                            // bits of 2 (j % 4) and t4 / 2 not overlapping
-                            const uint32_t dqs = smem_u32(DQs + cw * C::DQ_WG_BYTES);
+                        // Since barrier 2 this warpgroup's wgmmas alone read its column half of the stage's Q and
+                        // dO (panels 2 cw, 2 cw + 1 of each; S^T and dP^T, which read every panel, completed
+                        // before), and they have completed: those four 8 KB panels stage its 64 x 128 fp32 dQ
+                        // as four 32-column boxes (chunk 0 in Q's, chunk 1 in dO's; the layout of the TMA path
+                        // above, see there), added by TMA reduce-adds. The stage goes back to the producer
+                        // (empty_bar) once they have been read.
+                        const int qp = kBQ * 128;  // a panel's bytes = a box's
+#pragma unroll
+                        for (int n = 0; n < 2; ++n) {
+                            const uint32_t dqs = smem_u32(n == 0 ? Qt : Ot) + 2 * cw * qp;
                             const uint32_t a0 = dqs + (16 * warp + g) * 128 + 8 * (t4 & 1), x = 16 * ((t4 / 2) ^ g);
 #pragma unroll
                             for (int hh = 0; hh < 2; ++hh) {
                                 const bool in = q0 + 16 * warp + g + 8 * hh < len;
 #pragma unroll
                                 for (int j = 0; j < 8; ++j)
-                                    st_shared_v2(a0 + ((32 * (j % 4)) ^ x) + hh * 8 * 128 + (j / 4) * C::DQ_BOX_BYTES,
-                                                 in ? dq[4 * j + 2 * hh] : 0.f, in ? dq[4 * j + 2 * hh + 1] : 0.f);
+                                    st_shared_v2(a0 + ((32 * (j % 4)) ^ x) + hh * 8 * 128 + (j / 4) * qp,
+                                                 in ? dq[n][4 * j + 2 * hh] : 0.f, in ? dq[n][4 * j + 2 * hh + 1] : 0.f);
                             }
-                            fence_proxy_async();  // the stores -> the reduce's (async proxy) reads
-                            named_bar_sync_n(7 + cw, 128);
-                            if (threadIdx.x % 128 == 0) {
-                                // rows w.start + q0.. (clipped at L), columns col0 + 32 b (clipped at dqk:
-                                // a box wholly past it is not issued)
-                                const int row = (int)(w.start + q0);
+                        }
+                        fence_proxy_async();  // the stores -> the reduces' (async proxy) reads
+                        named_bar_sync_n(7 + cw, 128);
+                        if (threadIdx.x % 128 == 0) {
+                            const int row = (int)(w.start + q0);
+#pragma unroll
+                            for (int n = 0; n < 2; ++n) {
+                                const uint32_t dqs = smem_u32(n == 0 ? Qt : Ot) + 2 * cw * qp;
+                                const int col0 = 64 * (2 * cw + n);
                                 if (col0 < dqk) tma_reduce_add(&tm_dq, dqs, col0, h, row);
-                                if (col0 + 32 < dqk) tma_reduce_add(&tm_dq, dqs + C::DQ_BOX_BYTES, col0 + 32, h, row);
-                                bulk_commit_group();
+                                if (col0 + 32 < dqk) tma_reduce_add(&tm_dq, dqs + qp, col0 + 32, h, row);
                             }
-                            continue;  // n: the only chunk
+                            bulk_commit_group();
+                            bulk_wait_group_read0();
+                        }
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage
+                        continue;  // the tile
+                    }
+                    // red.global.add from the registers; the first chunk's overlaps the second's wgmma
+                    tf_wgmma_wait<1>();  // dK += .., dV += .. and chunk 0
+                    tf_wgmma_reg_fence(dq[0]);
+                    tf_wgmma_reg_fence(dk);
+                    tf_wgmma_reg_fence(dv);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage's Q and dO
+#pragma unroll
+                    for (int n = 0; n < 2; ++n) {
+                        if (n == 1) {
+                            tf_wgmma_wait<0>();
+                            tf_wgmma_reg_fence(dq[1]);
+                        }
+                        const int col0 = 64 * (2 * cw + n);
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            const int pos = q0 + 16 * warp + g + 8 * hh;
+                            if (pos >= len) continue;
+                            float *dst = p.dq_acc + ((w.start + pos) * p.H + h) * (int64_t)dqk;
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) {
+                                const int col = col0 + 8 * j + 2 * t4;
+                                if (col < dqk) red_add_v2(dst + col, dq[n][4 * j + 2 * hh], dq[n][4 * j + 2 * hh + 1]);
+                            }
                         }
                     }
+                } else {
 #pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const int pos = q0 + 16 * warp + g + 8 * hh;
-                        if (pos >= len) continue;
-                        float *dst = p.dq_acc + ((w.start + pos) * p.H + h) * (int64_t)dqk;
+                    for (int n = 0; n < C::DQ_CHUNKS; ++n) {
+                        float dq[32];
+                        // column panel pc of K (dQ columns 64 pc..): DQ_SPLIT_N: this warpgroup's DQ_CHUNKS panels
+                        const int pc = C::DQ_CHUNKS * cw + n;
+                        if (n > 0) tf_wgmma_fence();  // the previous chunk's dq registers were read since
+                        if constexpr (C::DQ_SPLIT_N) {  // columns 64 pc.., all kBN keys
 #pragma unroll
-                        for (int j = 0; j < 8; ++j) {
-                            const int col = col0 + 8 * j + 2 * t4;
-                            if (col < dqk) red_add_v2(dst + col, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+                            for (int kk = 0; kk < kBN / 16; ++kk)
+                                wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + (kk / 4) * kBQ * 128 + (kk % 4) * 32, 0),
+                                                   tf_wgmma_desc(k_addr + pc * kBN * 128 + kk * 16 * 128, kBN * 128), kk > 0);
+                        } else {  // all 64 columns, this warpgroup's 64 keys
+#pragma unroll
+                            for (int kk = 0; kk < 4; ++kk)
+                                wgmma_ss_tb<T, 64>(dq, tf_wgmma_desc(z_addr + cw * kBQ * 128 + kk * 32, 0),
+                                                   tf_wgmma_desc(k_addr + (64 * cw + 16 * kk) * 128, kBN * 128), kk > 0);
+                        }
+                        tf_wgmma_commit();
+                        tf_wgmma_wait<0>();
+                        tf_wgmma_reg_fence(dq);
+                        if (n == 0) {  // the wait covered dK += .., dV += .. too
+                            tf_wgmma_reg_fence(dk);
+                            tf_wgmma_reg_fence(dv);
+                            __syncwarp();
+                            if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage's Q and dO
+                        }
+
+                        const int col0 = C::DQ_SPLIT_N ? 64 * pc : 0;
+                        if constexpr (C::DQ_TMA) {
+                            if (dq_tma) {
+                                // The 64 x 64 fragment -> this warpgroup's staging tile: columns 32 b.. in box b,
+                                // rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8) (the TMA's 128-byte
+                                // swizzle); element 4 j + 2 hh + e: row 16 warp + g + 8 hh (so r % 8 = g), column
+                                // 8 j + 2 t4 + e = box j / 4, chunk 2 (j % 4) + t4 / 2, byte 8 (t4 % 2) + 4 e.
+                                // A warp's 8-byte store (fixed j, hh): the 8 rows' two chunks (2 (j % 4) + {0, 1}) ^ g
+                                // cover each of the 8 chunk positions (bank groups) twice: 256 bytes in 2 wavefronts,
+                                // no conflict beyond that.
+                                // Rows at or past the sequence's end (pos >= len) are stored as 0: the reduce adds
+                                // all 64 rows (the copy engine clips only at L), and those are the next sequence's.
+                                // The arithmetic alone gives 0 there only if this sequence's own K and V are finite:
+                                // dZ^T's columns pos >= len are 0 (Q and dO tail rows are zeroed in shared memory
+                                // above; a masked tile selects 0 for them, hstu_col_bits having no bits past len; a
+                                // tile tf_hstu_tile_full reports has keys below its first query only, so < len,
+                                // and its dP^T = V dO^T = V . 0, z = alpha K . 0 = 0 there, 0 unless V has inf /
+                                // NaN), and dQ = dZ K is then 0 x K over the tile's keys (K's rows past len zeroed,
+                                // the others this sequence's): inf / NaN in this sequence's own K or V (the
+                                // neighbour-isolation test's middle sequence) would give NaN, so the select does it.
+                                // Address: (2 (j % 4) + t4 / 2) ^ g = (32 (j % 4) ^ 16 (t4 / 2 ^ g)) / 16, the
+                                // bits of 2 (j % 4) and t4 / 2 not overlapping
+                                const uint32_t dqs = smem_u32(DQs + cw * C::DQ_WG_BYTES);
+                                const uint32_t a0 = dqs + (16 * warp + g) * 128 + 8 * (t4 & 1), x = 16 * ((t4 / 2) ^ g);
+#pragma unroll
+                                for (int hh = 0; hh < 2; ++hh) {
+                                    const bool in = q0 + 16 * warp + g + 8 * hh < len;
+#pragma unroll
+                                    for (int j = 0; j < 8; ++j)
+                                        st_shared_v2(a0 + ((32 * (j % 4)) ^ x) + hh * 8 * 128 + (j / 4) * C::DQ_BOX_BYTES,
+                                                     in ? dq[4 * j + 2 * hh] : 0.f, in ? dq[4 * j + 2 * hh + 1] : 0.f);
+                                }
+                                fence_proxy_async();  // the stores -> the reduce's (async proxy) reads
+                                named_bar_sync_n(7 + cw, 128);
+                                if (threadIdx.x % 128 == 0) {
+                                    // rows w.start + q0.. (clipped at L), columns col0 + 32 b (clipped at dqk:
+                                    // a box wholly past it is not issued)
+                                    const int row = (int)(w.start + q0);
+                                    if (col0 < dqk) tma_reduce_add(&tm_dq, dqs, col0, h, row);
+                                    if (col0 + 32 < dqk) tma_reduce_add(&tm_dq, dqs + C::DQ_BOX_BYTES, col0 + 32, h, row);
+                                    bulk_commit_group();
+                                }
+                                continue;  // n: the only chunk
+                            }
+                        }
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            const int pos = q0 + 16 * warp + g + 8 * hh;
+                            if (pos >= len) continue;
+                            float *dst = p.dq_acc + ((w.start + pos) * p.H + h) * (int64_t)dqk;
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) {
+                                const int col = col0 + 8 * j + 2 * t4;
+                                if (col < dqk) red_add_v2(dst + col, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+                            }
                         }
                     }
                 }
@@ -566,7 +651,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     // can be made), else red.global.add from the registers
     CUtensorMap tdq;
     memset(&tdq, 0, sizeof(tdq));  // unread on the red path
-    const bool dq_tma = BwdSm90Cfg<D>::DQ_TMA && tensor_map_f32_reduce(&tdq, p.dq_acc, p.L, p.H, p.dqk, kBQ);
+    const bool dq_tma = (BwdSm90Cfg<D>::DQ_TMA || BwdSm90Cfg<D>::COL_SPLIT) &&
+                        tensor_map_f32_reduce(&tdq, p.dq_acc, p.L, p.H, p.dqk, kBQ);
     const int smem = dq_tma ? BwdSm90Cfg<D>::SMEM_TMA : BwdSm90Cfg<D>::SMEM;
     cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
