@@ -109,9 +109,12 @@ CASES = {
     # several; the items of sequences shorter than 129 whose second key tile starts past their end are
     # skipped): 300 lengths 0..200
     "many_short_seqs": (300, 2, 64, 64, 200, {}, {}),
+    # the same at head dim 256 (64-key tiles, the consumers' query split, dQ staged in the ring's panels):
+    # 4 key tiles x 240 pairs, several items a block, ring slots handed from one item to the next
+    "many_short_seqs_d256": (120, 2, 256, 256, 200, {}, {}),
 }
 # cases for the GPU kernels' scheduling only: skipped on the CPU (the backward's reference there took 6-10 s)
-CUDA_ONLY_CASES = {"many_short_seqs"}
+CUDA_ONLY_CASES = {"many_short_seqs", "many_short_seqs_d256"}
 
 # Where a case runs: the CPU, or a GPU with the HSTU kernels chosen through torchfuse.backends: "sm90"
 # the Hopper (TMA + wgmma) kernels wherever they can run (16-bit, compute capability 9.0, a build for
