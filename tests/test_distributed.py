@@ -335,7 +335,9 @@ def _check_table_wise(rank, world, seed, dev):
     g = torch.Generator().manual_seed(seed + 5)
     pool = _pool(g, 300)
     owner = world - 1
-    # 4 buckets of 16 for at most 24 distinct ids a step: no bucket fills with one batch's keys
+    # 4 buckets of 16 for at most 24 distinct ids a step (32 from 8 ranks: bags of 4): no bucket fills
+    # with one batch's keys
+    per_rank = max(4, 24 // world)
     cfg = dict(capacity=16, max_capacity=64 if exact_eviction else 1 << 14, device=dev, optimizer=tfo.Adam(lr=0.05),
                seed=4, bucket_size=16, eviction="lru" if exact_eviction else "none", evicted_record_limit=0)
     emb = ShardedDynamicEmbeddingBag(4, owner_rank=owner, **cfg)
@@ -343,7 +345,7 @@ def _check_table_wise(rank, world, seed, dev):
     assert "table-wise on rank" in repr(emb)
     seen = set()
     for step in range(16):
-        ids = [b[: b.numel() // 4 * 4].view(-1, 4) for b in _batches(g, pool, world, 8, step)]
+        ids = [b[: b.numel() // 4 * 4].view(-1, 4) for b in _batches(g, pool, world, per_rank, step)]
         seen.update(torch.cat(ids).reshape(-1).tolist())
         gw = [_dyadic(g, i.shape[0], 4) for i in ids]
         out = emb(ids[rank].to(dev))
@@ -407,7 +409,7 @@ def _world_checks(rank, world, seed, backend):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_sharded_matches_single_device(world, fresh_seed):
     _spawn(_world_checks, world, fresh_seed, "gloo")
 

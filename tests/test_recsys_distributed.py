@@ -206,7 +206,8 @@ def test_sgd_trajectory_keeps_rounding_small(fixed_seed):
 # adam (lr 1e-2) amplifies a gradient's rounding where the gradient is near zero (m / sqrt(v) of a
 # tiny value: e.g. the positions only long histories reach), so its parameters' tolerance is 5% of
 # one step's lr; sgd moves a parameter by lr x gradient, rounding and all
-@pytest.mark.parametrize("world,kw,atol", [(2, {}, 5e-4), (3, {"optimizer": "sgd", "user_context": True}, SGD_ATOL)])
+@pytest.mark.parametrize("world,kw,atol", [(2, {}, 5e-4), (3, {"optimizer": "sgd", "user_context": True}, SGD_ATOL),
+                                           (4, {}, 5e-4), (8, {"optimizer": "sgd"}, SGD_ATOL)])
 def test_ranks_equal_one_process_gloo(world, kw, atol):
     seed = int(torch.randint(0, 1 << 20, ()).item())
     ref = _run_single(seed, "cpu", **kw)
