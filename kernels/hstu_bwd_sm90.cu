@@ -19,7 +19,8 @@
  *       S^T = K Q^T, dP^T = V dO^T              wgmma, both operands in shared memory
  *       P^T = SiLU(alpha S^T) / S_norm, dZ^T = dP^T alpha / S_norm . s (1 + z (1 - s)), masked (P^T
  *       without its 1 / S_norm, which dV takes at the item's end; both from one tanh, see cw's constants)
- *       dV += P^T dO, dK += dZ^T Q              wgmma, P^T / dZ^T from registers, dO / Q transposed
+ *       dV += P^T dO, dK += dZ^T Q              wgmma, P^T / dZ^T from registers (head dims 192 / 256: from
+ *                                               shared memory, see below), dO / Q transposed
  *       dQ  = dZ K                              wgmma from shared memory: dZ^T is stored transposed
  *                                               (stmatrix) into a 128-byte-swizzled tile, double-buffered
  *     and add dQ into the fp32 buffer p.dq_acc (the caller casts it). Head dims up to 128: each warpgroup
@@ -27,7 +28,8 @@
  *     its threads adds that to p.dq_acc with TMA bulk reduce-adds (two boxes of 32 columns), as
  *     FlashAttention-3 does; per-thread red.global.add straight from the accumulator (16 vector reductions
  *     per thread per tile) had the consumers stalled on long_scoreboard and lg_throttle in an ncu profile.
- *     Head dims 192 and 256 (shared memory is full there), or where p.dq_acc's map cannot be made:
+ *     Head dims 192 and 256 (shared memory is full there): the same reduce-adds, from the consumer's own
+ *     column half of the stage's Q and dO panels (below). Where p.dq_acc's map cannot be made:
  *     red.global.add from the registers. dK and dV
  *     stay in registers, 64 + 64 per thread, and are written once at the item's end (16-byte stores after
  *     a transpose within each quad of threads: 4-byte stores of the accumulator layout half-fill sectors). How the two warpgroups
@@ -86,9 +88,9 @@ struct BwdSm90Cfg {
     // K, V, the Q and dO rings, dZ twice, P twice at the column split; +1024: tiles start on the
     // swizzle pattern's 1024-byte period
     static constexpr int SMEM = 2 * KV_BYTES + 2 * ST * QO_BYTES + 2 * Z_BYTES + P_BYTES + 1024;
-    // dQ through shared memory and a TMA reduce-add (head dims up to 128; at 256 shared memory is full:
-    // red.global.add from the registers there): one fp32 staging tile of kBQ rows x 64 columns per consumer
-    // warpgroup, as two 128-byte-swizzled boxes of 32 columns (the swizzle's 128-byte row)
+    // dQ through shared memory and a TMA reduce-add (head dims up to 128; at 256 shared memory is full: dQ
+    // is staged in the ring's panels there, no tiles of its own): one fp32 staging tile of kBQ rows x 64
+    // columns per consumer warpgroup, as two 128-byte-swizzled boxes of 32 columns (the swizzle's 128-byte row)
     static constexpr bool DQ_TMA = !COL_SPLIT;
     static constexpr int DQ_BOX_BYTES = kBQ * 32 * 4, DQ_WG_BYTES = 2 * DQ_BOX_BYTES;
     static constexpr int SMEM_TMA = SMEM + (DQ_TMA ? 2 * DQ_WG_BYTES : 0);
@@ -177,8 +179,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *Ks = smem, *Vs = Ks + KV_BYTES, *Qs = Vs + KV_BYTES, *Os = Qs + ST * QO_BYTES, *Zs = Os + ST * QO_BYTES;
     // flags: bit 0 dQ by TMA reduce-adds, bit 1 dK / dV by 16-byte stores (the launch's choices)
-    // dQ's staging tiles (launched with SMEM_TMA bytes only when flags bit 0 is set): consumer cw's at
-    // DQs + cw * DQ_WG_BYTES
+    // dQ's staging tiles up to head dim 128 (launched with SMEM_TMA bytes only when flags bit 0 is set):
+    // consumer cw's at DQs + cw * DQ_WG_BYTES
     uint8_t *Ps = Zs + 2 * C::Z_BYTES, *DQs = Ps + C::P_BYTES;
     const bool dq_tma = (C::DQ_TMA || C::COL_SPLIT) && (flags & 1);  // uniform over the block
     const bool vec_store = (flags & 2) != 0;        // dK / dV by 16-byte stores (see the item's end)
@@ -647,8 +649,9 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
         !tensor_map(&tv, p.dtype, p.v, p.L, p.H, p.dv, p.v_sr, p.v_sh, kBN) ||
         !tensor_map(&tdo, p.dtype, p.dout, p.L, p.H, p.dv, p.do_sr, p.do_sh, kBQ))
         return -1;
-    // dQ: staged in shared memory and added by TMA reduce-adds (head dims up to 128, where p.dq_acc's map
-    // can be made), else red.global.add from the registers
+    // dQ: staged in shared memory and added by TMA reduce-adds where p.dq_acc's map can be made (staging
+    // tiles of its own up to head dim 128, the ring's panels at 192 / 256), else red.global.add from the
+    // registers
     CUtensorMap tdq;
     memset(&tdq, 0, sizeof(tdq));  // unread on the red path
     const bool dq_tma = (BwdSm90Cfg<D>::DQ_TMA || BwdSm90Cfg<D>::COL_SPLIT) &&
