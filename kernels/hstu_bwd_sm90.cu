@@ -125,6 +125,38 @@ __device__ __forceinline__ void st_shared_v2(uint32_t addr, float a, float b) {
 __device__ __forceinline__ void red_add_v2(float *dst, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }
+/* A consumer warpgroup's 64 x 64 fp32 dQ fragment (rows: query r0 + 16 warp + g + 8 hh of the tile, i.e.
+ * dq[4 j + 2 hh + e] at column 8 j + 2 t4 + e) into a staging tile of two 128-byte-swizzled boxes of 32
+ * columns, box_bytes apart, for TMA reduce-adds; rows whose query is at or past len are stored as 0 (the
+ * reduce adds all 64 rows: see the TMA path for why they must be 0). */
+__device__ __forceinline__ void dq_stage(uint32_t dqs, const float (&dq)[32], int box_bytes, int warp, int g, int t4,
+                                         int q0, int len) {
+    const uint32_t a0 = dqs + (16 * warp + g) * 128 + 8 * (t4 & 1), x = 16 * ((t4 / 2) ^ g);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const bool in = q0 + 16 * warp + g + 8 * hh < len;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            st_shared_v2(a0 + ((32 * (j % 4)) ^ x) + hh * 8 * 128 + (j / 4) * box_bytes, in ? dq[4 * j + 2 * hh] : 0.f,
+                         in ? dq[4 * j + 2 * hh + 1] : 0.f);
+    }
+}
+/* The same fragment added into dQ's rows (row_of(pos): the fp32 row of query pos) by red.global.add,
+ * columns col0.. clipped at dqk, rows at or past len skipped. */
+__device__ __forceinline__ void dq_red(float *dq_acc, int64_t row0, int64_t H, int h, int dqk, int col0, const float (&dq)[32],
+                                       int warp, int g, int t4, int q0, int len) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int pos = q0 + 16 * warp + g + 8 * hh;
+        if (pos >= len) continue;
+        float *dst = dq_acc + ((row0 + pos) * H + h) * (int64_t)dqk;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int col = col0 + 8 * j + 2 * t4;
+            if (col < dqk) red_add_v2(dst + col, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+        }
+    }
+}
 #endif
 
 /* A work item: key tile kt of a (sequence, head) pair. Item order: (sequence, head) pairs in sections
@@ -442,16 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const int qp = kBQ * 128;  // a panel's bytes = a box's
 #pragma unroll
                         for (int n = 0; n < 2; ++n) {
-                            const uint32_t dqs = smem_u32(n == 0 ? Qt : Ot) + 2 * cw * qp;
-                            const uint32_t a0 = dqs + (16 * warp + g) * 128 + 8 * (t4 & 1), x = 16 * ((t4 / 2) ^ g);
-#pragma unroll
-                            for (int hh = 0; hh < 2; ++hh) {
-                                const bool in = q0 + 16 * warp + g + 8 * hh < len;
-#pragma unroll
-                                for (int j = 0; j < 8; ++j)
-                                    st_shared_v2(a0 + ((32 * (j % 4)) ^ x) + hh * 8 * 128 + (j / 4) * qp,
-                                                 in ? dq[n][4 * j + 2 * hh] : 0.f, in ? dq[n][4 * j + 2 * hh + 1] : 0.f);
-                            }
+                            dq_stage(smem_u32(n == 0 ? Qt : Ot) + 2 * cw * qp, dq[n], qp, warp, g, t4, q0, len);
                         }
                         fence_proxy_async();  // the stores -> the reduces' (async proxy) reads
                         named_bar_sync_n(7 + cw, 128);
@@ -484,18 +507,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                             tf_wgmma_wait<0>();
                             tf_wgmma_reg_fence(dq[1]);
                         }
-                        const int col0 = 64 * (2 * cw + n);
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            const int pos = q0 + 16 * warp + g + 8 * hh;
-                            if (pos >= len) continue;
-                            float *dst = p.dq_acc + ((w.start + pos) * p.H + h) * (int64_t)dqk;
-#pragma unroll
-                            for (int j = 0; j < 8; ++j) {
-                                const int col = col0 + 8 * j + 2 * t4;
-                                if (col < dqk) red_add_v2(dst + col, dq[n][4 * j + 2 * hh], dq[n][4 * j + 2 * hh + 1]);
-                            }
-                        }
+                        dq_red(p.dq_acc, w.start, p.H, h, dqk, 64 * (2 * cw + n), dq[n], warp, g, t4, q0, len);
                     }
                 } else {
 #pragma unroll
@@ -548,15 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 // Address: (2 (j % 4) + t4 / 2) ^ g = (32 (j % 4) ^ 16 (t4 / 2 ^ g)) / 16, the
                                 // bits of 2 (j % 4) and t4 / 2 not overlapping
                                 const uint32_t dqs = smem_u32(DQs + cw * C::DQ_WG_BYTES);
-                                const uint32_t a0 = dqs + (16 * warp + g) * 128 + 8 * (t4 & 1), x = 16 * ((t4 / 2) ^ g);
-#pragma unroll
-                                for (int hh = 0; hh < 2; ++hh) {
-                                    const bool in = q0 + 16 * warp + g + 8 * hh < len;
-#pragma unroll
-                                    for (int j = 0; j < 8; ++j)
-                                        st_shared_v2(a0 + ((32 * (j % 4)) ^ x) + hh * 8 * 128 + (j / 4) * C::DQ_BOX_BYTES,
-                                                     in ? dq[4 * j + 2 * hh] : 0.f, in ? dq[4 * j + 2 * hh + 1] : 0.f);
-                                }
+                                dq_stage(dqs, dq, C::DQ_BOX_BYTES, warp, g, t4, q0, len);
                                 fence_proxy_async();  // the stores -> the reduce's (async proxy) reads
                                 named_bar_sync_n(7 + cw, 128);
                                 if (threadIdx.x % 128 == 0) {
@@ -570,17 +574,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 continue;  // n: the only chunk
                             }
                         }
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            const int pos = q0 + 16 * warp + g + 8 * hh;
-                            if (pos >= len) continue;
-                            float *dst = p.dq_acc + ((w.start + pos) * p.H + h) * (int64_t)dqk;
-#pragma unroll
-                            for (int j = 0; j < 8; ++j) {
-                                const int col = col0 + 8 * j + 2 * t4;
-                                if (col < dqk) red_add_v2(dst + col, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
-                            }
-                        }
+                        dq_red(p.dq_acc, w.start, p.H, h, dqk, col0, dq, warp, g, t4, q0, len);
                     }
                 }
             }
