@@ -645,12 +645,13 @@ def _dmp_checks(rank, world, seed, table_wise):
         _check_same_rows(ec_local._inner.tables["t2"].local, [ec_ref.ec.tables["t2"]], rank, world, "EC")
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("table_wise", [False, True], ids=["row_wise", "t1_table_wise"])
-def test_dmp_sharder_matches_unsharded(fresh_seed, table_wise):
+def test_dmp_sharder_matches_unsharded(fresh_seed, table_wise, world):
     """DistributedModelParallel with DynamicEmbeddingSharder (planned by TorchRec's planner: row-wise,
     or one table asked table-wise through its ParameterConstraints) on a small model against the
-    unsharded model fed both ranks' samples: the same outputs, dense gradients (DDP's mean times the
+    unsharded model fed every rank's samples (2, 4 and 8 ranks): the same outputs, dense gradients (DDP's mean times the
     world size) and table rows, to fp32 rounding (the dense layer's gradients make the sums' order
     matter)."""
     pytest.importorskip("torchrec")
-    _spawn(_dmp_checks, 2, fresh_seed, table_wise)
+    _spawn(_dmp_checks, world, fresh_seed, table_wise)
