@@ -536,11 +536,18 @@ def _dmp_checks(rank, world, seed, table_wise):
               EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f2"],
                                  pooling=PoolingType.MEAN)]
 
+    # Adam at 2 ranks; SGD at 4 and 8, where the per-key gradient sums over more ranks in another order
+    # than the unsharded model's round differently and Adam turns that into a visible weight change where
+    # a key's gradient nearly cancels (7.7e-5 relative at 8 ranks, seed 31906793; SGD moves a weight by
+    # lr x the rounding). The sharded Adam itself is checked exactly, on dyadic gradients, by
+    # test_sharded_matches_single_device at every world size.
+    table_optimizer = tfo.Adam if world <= 2 else tfo.SGD
+
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.ebc = DynamicEmbeddingBagCollection(tables, device="cpu", capacity=16, max_capacity=1 << 14,
-                                                     eviction="none", optimizer=tfo.Adam(lr=0.05), seed=2)
+                                                     eviction="none", optimizer=table_optimizer(lr=0.05), seed=2)
             self.dense = torch.nn.Linear(12, 1)
 
         def forward(self, kjt):
