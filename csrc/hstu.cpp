@@ -231,7 +231,7 @@ void prepare_hstu_dropout(Hstu &g, const char *op, double dropout_p, const std::
     }
 }
 
-void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda) {
+void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda, const HstuGradOuts *outs) {
     tf_hstu_params &p = g.p;
     const char *op = "torchfuse.hstu_bwd";
     TORCH_CHECK(p.delta == 0, op, ": the cached-inference form has no backward");
@@ -242,23 +242,78 @@ void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda
     p.dout = g.dout.data_ptr(); p.do_sr = g.dout.stride(0); p.do_sh = g.dout.stride(1);
     const at::TensorOptions opt = g.q.options().memory_format(at::MemoryFormat::Contiguous);
     auto out = [&](int64_t d) { return g.covered || cuda ? at::empty({p.L, p.H, d}, opt) : at::zeros({p.L, p.H, d}, opt); };
-    g.dk = out(p.dqk);
-    g.dv = out(p.dv);
+    // the caller's: on the CPU zeroed whole where the sequences leave rows the kernels do not write (on
+    // CUDA the glue zeroes just those rows, as it does for its own outputs)
+    auto given = [&](const at::Tensor &t) { return g.covered || cuda ? t : t.zero_(); };
+    g.dk = outs ? given(outs->dk) : out(p.dqk);
+    g.dv = outs ? given(outs->dv) : out(p.dv);
     p.dk = g.dk.data_ptr();
     p.dvv = g.dv.data_ptr();
+    p.dk_sr = g.dk.stride(0);
+    p.dv_sr = g.dv.stride(0);
     if (cuda) {
         g.dq = at::zeros({p.L, p.H, p.dqk}, opt.dtype(at::kFloat));  // fp32 accumulator, cast after
         p.dq_acc = g.dq.data_ptr<float>();
         p.dq = nullptr;
+        p.dq_sr = p.H * p.dqk;
     } else {
-        g.dq = out(p.dqk);
+        g.dq = outs ? given(outs->dq) : out(p.dqk);
         p.dq = g.dq.data_ptr();
+        p.dq_sr = g.dq.stride(0);
     }
     if (bias_grad) {
         TORCH_CHECK(g.bias.defined(), op, ": bias_grad needs attn_bias");
         g.dbias = at::zeros(g.bias.sizes(), g.bias.options().dtype(cuda ? at::kFloat : at::kDouble));
         p.dbias = g.dbias.data_ptr();
     }
+}
+
+void check_hstu_grad_outs(const char *op, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                          const at::Tensor &dout, const HstuGradOuts &outs) {
+    if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3) return;  // prepare_hstu refuses them by name
+    const at::Tensor *ins[3] = {&q, &k, &v}, *gs[3] = {&outs.dq, &outs.dk, &outs.dv};
+    const char *in_names[3] = {"q", "k", "v"}, *names[3] = {"dq", "dk", "dv"};
+    auto shares = [](const at::Tensor &a, const at::Tensor &b) {
+        return a.numel() > 0 && b.numel() > 0 && a.storage().is_alias_of(b.storage());
+    };
+    for (int i = 0; i < 3; ++i) {
+        const at::Tensor &t = *gs[i];
+        TORCH_CHECK(t.sizes() == ins[i]->sizes(), op, ": ", names[i], " must have ", in_names[i], "'s shape ",
+                    ins[i]->sizes(), ", got ", t.sizes());
+        TORCH_CHECK(t.scalar_type() == q.scalar_type(), op, ": ", names[i], " must have q's dtype ", q.scalar_type(),
+                    ", got ", t.scalar_type());
+        TORCH_CHECK(t.device() == q.device(), op, ": ", names[i], " must be on q's device ", q.device(), ", got ",
+                    t.device());
+        const bool rows_ok = t.numel() == 0 || (t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2)) &&
+                                                (t.size(0) == 1 || t.stride(0) >= t.size(1) * t.size(2)));
+        TORCH_CHECK(rows_ok, op, ": ", names[i], " must hold each row's heads contiguously (strides (>= H x d, d, 1)), got ",
+                    t.strides());
+        for (const at::Tensor *x : {&q, &k, &v, &dout})
+            TORCH_CHECK(!shares(t, *x), op, ": ", names[i], " shares memory with an input");
+    }
+    // outputs in one buffer: disjoint column ranges of rows a common stride apart (or, single rows, disjoint
+    // element ranges)
+    for (int i = 0; i < 3; ++i)
+        for (int j = i + 1; j < 3; ++j) {
+            const at::Tensor &a = *gs[i], &b = *gs[j];
+            if (!shares(a, b)) continue;
+            const int64_t wa = a.size(1) * a.size(2), wb = b.size(1) * b.size(2);
+            int64_t oa = a.storage_offset(), ob = b.storage_offset();
+            bool ok;
+            if (a.size(0) == 1 && b.size(0) == 1) {
+                ok = oa + wa <= ob || ob + wb <= oa;
+            } else {
+                const int64_t sr = a.stride(0);
+                ok = b.stride(0) == sr && sr > 0;
+                if (ok) {
+                    oa %= sr;
+                    ob %= sr;
+                    ok = oa + wa <= sr && ob + wb <= sr && (oa + wa <= ob || ob + wb <= oa);
+                }
+            }
+            TORCH_CHECK(ok, op, ": ", names[i], " and ", names[j], " overlap (outputs that share memory must be "
+                        "disjoint columns of rows one stride apart)");
+        }
 }
 
 namespace {
@@ -306,6 +361,27 @@ HstuBwdResult hstu_bwd_cpu(const at::Tensor &dout, const at::Tensor &q, const at
     return {g.dq, g.dk, g.dv, db};
 }
 
+void hstu_bwd_into_cpu(const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                       const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
+                       const std::optional<at::Tensor> &attn_bias, int64_t max_seq_len, double alpha,
+                       std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
+                       int64_t min_full_attn_seq_len, int64_t target_group_size, at::Tensor dq, at::Tensor dk,
+                       at::Tensor dv, std::optional<c10::string_view> backend, double dropout_p,
+                       const std::optional<at::Tensor> &rng_state) {
+    const char *op = "torchfuse.hstu_bwd_into";
+    const HstuGradOuts outs{dq, dk, dv};
+    check_hstu_grad_outs(op, q, k, v, dout, outs);
+    hstu_backend(backend, op);
+    Hstu g = prepare_hstu(op, q, k, v, seq_offsets, num_targets, attn_bias,
+                          opts(max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
+                               min_full_attn_seq_len, target_group_size, 0, true),
+                          false);
+    prepare_hstu_dropout(g, op, dropout_p, rng_state, false);
+    prepare_hstu_bwd(g, dout, false, false, &outs);
+    const tf_hstu_params p = g.p;
+    at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) { tf_hstu_bwd_cpu(&p, b0, b1); });
+}
+
 at::Tensor hstu_dropout_state_cpu(const at::Tensor &like, std::optional<int64_t> seed) {
     const tf_philox_args a = philox_args_cpu(seed);
     at::Tensor r = at::empty({2}, at::TensorOptions().dtype(at::kLong));
@@ -319,6 +395,7 @@ at::Tensor hstu_dropout_state_cpu(const at::Tensor &like, std::optional<int64_t>
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("hstu_fwd", &hstu_fwd_cpu);
     m.impl("hstu_bwd", &hstu_bwd_cpu);
+    m.impl("hstu_bwd_into", &hstu_bwd_into_cpu);
     m.impl("hstu_dropout_state", &hstu_dropout_state_cpu);
 }
 

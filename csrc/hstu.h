@@ -47,7 +47,19 @@ int hstu_backend(const std::optional<c10::string_view> &backend, const char *op)
 void prepare_hstu_dropout(Hstu &g, const char *op, double dropout_p, const std::optional<at::Tensor> &rng_state,
                           bool cuda);
 
-// Backward extras on top of prepare_hstu: dout and the gradient outputs / accumulators.
-void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda);
+// Gradient outputs the caller provides (hstu_bwd_into), checked by check_hstu_grad_outs.
+struct HstuGradOuts {
+    at::Tensor dq, dk, dv;
+};
+
+// Backward extras on top of prepare_hstu: dout and the gradient outputs / accumulators (the caller's
+// dk, dv and, on the CPU, dq when `outs` is given; CUDA's dq always goes through the fp32 accumulator).
+void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda, const HstuGradOuts *outs = nullptr);
+
+// hstu_bwd_into's rules for dq, dk, dv (each named in its message): q's, k's, v's shapes, q's dtype and
+// device, each row's heads contiguous (strides (>= H x d, d, 1)), no memory shared with an input, and
+// among themselves only as disjoint columns of one row layout (views of one fused projection's buffer).
+void check_hstu_grad_outs(const char *op, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                          const at::Tensor &dout, const HstuGradOuts &outs);
 
 }  // namespace torchfuse

@@ -80,19 +80,21 @@ void check_kernel_dims(const tf_hstu_params &p) {
                           "torchfuse: HSTU head dims ", p.dqk, ", ", p.dv, " reached the 16-bit kernels unpadded");
 }
 
-// Outputs are allocated uninitialised on CUDA (prepare_hstu): the kernels write every row inside the
-// sequences, and the rows outside them are zeroed here, when the offsets may not cover all L rows.
+// Outputs are allocated uninitialised on CUDA (prepare_hstu), and hstu_bwd_into's are the caller's: the
+// kernels write every row inside the sequences, and the rows outside them are zeroed here, when the
+// offsets may not cover all L rows. Rows may be strided (each row's elements contiguous).
 void zero_uncovered_rows(const Hstu &g, std::initializer_list<at::Tensor> outs) {
     if (g.covered || g.p.delta > 0 || g.p.L == 0) return;
     void *rows[3];
-    int64_t bytes[3];
+    int64_t bytes[3], stride[3];
     int n = 0;
     for (const at::Tensor &t : outs) {
         rows[n] = t.data_ptr();
         bytes[n] = t.numel() / g.p.L * (int64_t)t.element_size();
+        stride[n] = g.p.L > 1 ? t.stride(0) * (int64_t)t.element_size() : bytes[n];
         ++n;
     }
-    check_launch(tf_hstu_zero_outside(rows, bytes, n, g.p.L, g.p.offsets, g.p.offsets_i64, g.p.B,
+    check_launch(tf_hstu_zero_outside(rows, bytes, stride, n, g.p.L, g.p.offsets, g.p.offsets_i64, g.p.B,
                                       c10::cuda::getCurrentCUDAStream().stream()),
                  "HSTU zeroing of uncovered rows");
 }
@@ -145,31 +147,60 @@ at::Tensor hstu_fwd_cuda(const at::Tensor &q, const at::Tensor &k, const at::Ten
     return g.o;
 }
 
-// The backward with dq as the kernels leave it (fp32) and dbias in its own dtype.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_kernels(
-    const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-    const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
-    const std::optional<at::Tensor> &attn_bias, int64_t max_seq_len, double alpha,
-    std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
-    int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad,
-    std::optional<c10::string_view> backend, double dropout_p, const std::optional<at::Tensor> &rng_state) {
-    const c10::cuda::CUDAGuard guard(q.device());
-    const int kernels = hstu_backend(backend, "torchfuse.hstu_bwd");
-    Hstu g = prepare_hstu("torchfuse.hstu_bwd", q, k, v, seq_offsets, num_targets, attn_bias,
-                          HstuOpts{max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
-                                   min_full_attn_seq_len, target_group_size, 0, false},
+// hstu_bwd's and hstu_bwd_into's arguments but for the gradients.
+struct BwdArgs {
+    const at::Tensor &dout, &q, &k, &v, &seq_offsets;
+    const std::optional<at::Tensor> &num_targets, &attn_bias;
+    int64_t max_seq_len;
+    double alpha;
+    std::optional<int64_t> scaling_seqlen;
+    int64_t contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size;
+    std::optional<c10::string_view> backend;
+    double dropout_p;
+    const std::optional<at::Tensor> &rng_state;
+};
+
+// The backward of a (with dq as the kernels leave it, fp32, and dbias in its own dtype), dk and dv
+// written into the caller's `outs` when given.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_kernels(const BwdArgs &a, bool bias_grad,
+                                                                            const HstuGradOuts *outs = nullptr) {
+    const char *op = outs ? "torchfuse.hstu_bwd_into" : "torchfuse.hstu_bwd";
+    const c10::cuda::CUDAGuard guard(a.q.device());
+    const int kernels = hstu_backend(a.backend, op);
+    Hstu g = prepare_hstu(op, a.q, a.k, a.v, a.seq_offsets, a.num_targets, a.attn_bias,
+                          HstuOpts{a.max_seq_len, a.alpha, a.scaling_seqlen, a.contextual_seq_len, a.max_attn_len,
+                                   a.min_full_attn_seq_len, a.target_group_size, 0, false},
                           true);
-    prepare_hstu_dropout(g, "torchfuse.hstu_bwd", dropout_p, rng_state, true);
-    prepare_hstu_bwd(g, dout, bias_grad, true);
+    prepare_hstu_dropout(g, op, a.dropout_p, a.rng_state, true);
+    prepare_hstu_bwd(g, a.dout, bias_grad, true, outs);
     g.p.backend = kernels;
     check_kernel_dims(g.p);
     // the persistent sm_90a backward's work counter, its own (zeroed by the launch on the stream)
-    const at::Tensor sched = at::empty({1}, q.options().dtype(at::kInt));
+    const at::Tensor sched = at::empty({1}, a.q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
     zero_uncovered_rows(g, {g.dk, g.dv});
     check_launch(tf_hstu_bwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU backward kernel");
     at::Tensor db = g.dbias.defined() ? g.dbias.to(g.bias.scalar_type()) : no_output(g.o);
     return {g.dq, g.dk, g.dv, db};
+}
+
+// The kernels' own contiguous gradients, cut back from padded head dims where the inputs needed them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_any_dims(const BwdArgs &a, bool bias_grad) {
+    if (const HeadPad hp = head_pad(a.q, a.k, a.v); hp.on && a.dout.dim() == 3 && a.dout.size(2) == hp.dv &&
+                                                    a.dout.scalar_type() == a.q.scalar_type() &&
+                                                    a.dout.device() == a.q.device()) {
+        const c10::cuda::CUDAGuard guard(a.q.device());
+        const auto in = head_copies({a.dout, a.q, a.k, a.v}, {hp.pv, hp.pqk, hp.pqk, hp.pv}, a.q.scalar_type());
+        const BwdArgs padded{in[0], in[1], in[2], in[3], a.seq_offsets, a.num_targets, a.attn_bias, a.max_seq_len,
+                             a.alpha, a.scaling_seqlen, a.contextual_seq_len, a.max_attn_len,
+                             a.min_full_attn_seq_len, a.target_group_size, a.backend, a.dropout_p, a.rng_state};
+        auto [dq, dk, dv, db] = hstu_bwd_kernels(padded, bias_grad);
+        // cut back to the real dims, dq converted from fp32 in the same launch
+        const auto out = head_copies({dq, dk, dv}, {hp.dqk, hp.dqk, hp.dv}, a.q.scalar_type());
+        return {out[0], out[1], out[2], db};
+    }
+    auto [dq, dk, dv, db] = hstu_bwd_kernels(a, bias_grad);
+    return {dq.to(a.q.scalar_type()), dk, dv, db};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
@@ -179,22 +210,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_cuda(
     std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
     int64_t min_full_attn_seq_len, int64_t target_group_size, bool bias_grad,
     std::optional<c10::string_view> backend, double dropout_p, const std::optional<at::Tensor> &rng_state) {
-    if (const HeadPad hp = head_pad(q, k, v); hp.on && dout.dim() == 3 && dout.size(2) == hp.dv &&
-                                              dout.scalar_type() == q.scalar_type() && dout.device() == q.device()) {
-        const c10::cuda::CUDAGuard guard(q.device());
-        const auto in = head_copies({dout, q, k, v}, {hp.pv, hp.pqk, hp.pqk, hp.pv}, q.scalar_type());
-        auto [dq, dk, dv, db] = hstu_bwd_kernels(in[0], in[1], in[2], in[3], seq_offsets, num_targets, attn_bias,
-                                                 max_seq_len, alpha, scaling_seqlen, contextual_seq_len, max_attn_len,
-                                                 min_full_attn_seq_len, target_group_size, bias_grad, backend,
-                                                 dropout_p, rng_state);
-        // cut back to the real dims, dq converted from fp32 in the same launch
-        const auto out = head_copies({dq, dk, dv}, {hp.dqk, hp.dqk, hp.dv}, q.scalar_type());
-        return {out[0], out[1], out[2], db};
+    return hstu_bwd_any_dims(BwdArgs{dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha,
+                                     scaling_seqlen, contextual_seq_len, max_attn_len, min_full_attn_seq_len,
+                                     target_group_size, backend, dropout_p, rng_state},
+                             bias_grad);
+}
+
+void hstu_bwd_into_cuda(const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                        const at::Tensor &seq_offsets, const std::optional<at::Tensor> &num_targets,
+                        const std::optional<at::Tensor> &attn_bias, int64_t max_seq_len, double alpha,
+                        std::optional<int64_t> scaling_seqlen, int64_t contextual_seq_len, int64_t max_attn_len,
+                        int64_t min_full_attn_seq_len, int64_t target_group_size, at::Tensor dq, at::Tensor dk,
+                        at::Tensor dv, std::optional<c10::string_view> backend, double dropout_p,
+                        const std::optional<at::Tensor> &rng_state) {
+    const HstuGradOuts outs{dq, dk, dv};
+    check_hstu_grad_outs("torchfuse.hstu_bwd_into", q, k, v, dout, outs);
+    const BwdArgs a{dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
+                    contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, backend, dropout_p,
+                    rng_state};
+    // the 16-bit kernels store dK / dV two columns (4 bytes) at a time: rows 4-byte aligned
+    auto direct = [&](const at::Tensor &t) {
+        return q.scalar_type() == at::kFloat ||
+               (reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0 && (t.size(0) <= 1 || t.stride(0) % 2 == 0));
+    };
+    if (head_pad(q, k, v).on || !direct(dk) || !direct(dv)) {  // the kernels' own outputs, copied
+        auto [gq, gk, gv, db] = hstu_bwd_any_dims(a, false);
+        dq.copy_(gq);
+        dk.copy_(gk);
+        dv.copy_(gv);
+        return;
     }
-    auto [dq, dk, dv, db] = hstu_bwd_kernels(dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha,
-                                             scaling_seqlen, contextual_seq_len, max_attn_len, min_full_attn_seq_len,
-                                             target_group_size, bias_grad, backend, dropout_p, rng_state);
-    return {dq.to(q.scalar_type()), dk, dv, db};
+    auto [acc, gk, gv, db] = hstu_bwd_kernels(a, false, &outs);
+    dq.copy_(acc);  // fp32 -> q's dtype, into dq's rows
 }
 
 // Reserved from the CUDA generator as PyTorch's fused dropout does; under graph capture the values are
@@ -218,6 +265,7 @@ at::Tensor hstu_dropout_state_cuda(const at::Tensor &like, std::optional<int64_t
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("hstu_fwd", &hstu_fwd_cuda);
     m.impl("hstu_bwd", &hstu_bwd_cuda);
+    m.impl("hstu_bwd_into", &hstu_bwd_into_cuda);
     m.impl("hstu_dropout_state", &hstu_dropout_state_cuda);
 }
 

@@ -70,6 +70,14 @@ TORCH_LIBRARY(torchfuse, m) {
         "Tensor? attn_bias, int max_seq_len, float alpha, int? scaling_seqlen, int contextual_seq_len, "
         "int max_attn_len, int min_full_attn_seq_len, int target_group_size, bool bias_grad, str? backend=None, "
         "float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor, Tensor, Tensor, Tensor)");
+    // hstu_bwd without the bias gradient, dq, dk, dv written into the caller's tensors: q's, k's, v's shapes,
+    // each row's heads contiguous, any row stride (e.g. disjoint column views of one buffer laid out as a
+    // fused projection's output, which its backward then reads as one gradient, no concatenation).
+    m.def(
+        "hstu_bwd_into(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor seq_offsets, Tensor? num_targets, "
+        "Tensor? attn_bias, int max_seq_len, float alpha, int? scaling_seqlen, int contextual_seq_len, "
+        "int max_attn_len, int min_full_attn_seq_len, int target_group_size, Tensor(a!) dq, Tensor(b!) dk, "
+        "Tensor(c!) dv, str? backend=None, float dropout_p=0.0, Tensor? rng_state=None) -> ()");
     // Dropout's Philox (seed, offset) for one hstu_fwd call and its backward: int64 (2,) on like's device.
     // seed=None draws from torch's default generator of that device (on CUDA the 4 offsets PyTorch's fused
     // dropout reserves, the values written on the device, so a captured CUDA graph draws anew each replay).

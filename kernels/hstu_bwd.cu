@@ -269,13 +269,12 @@ __global__ void __launch_bounds__(32 * BwdCfg<D>::NW) hstu_bwd_mma(const tf_hstu
     for (int half = 0; half < 2; ++half) {
         const int key = k0 + ks * 16 + g + half * 8;
         if (key >= s.n) continue;
-        const int64_t row = (s.start + key) * p.H + h;
+        T *dkr = dkp + (s.start + key) * p.dk_sr + h * dqk, *dvr = dvp + (s.start + key) * p.dv_sr + h * dv;
 #pragma unroll
         for (int nt = 0; nt < DP / 8; ++nt) {
             const int col = dpart * DP + nt * 8 + 2 * t4;
-            if (col < dqk) *(uint32_t *)(dkp + row * dqk + col) = pack2<T>(dk[nt][2 * half], dk[nt][2 * half + 1]);
-            if (col < dv)
-                *(uint32_t *)(dvp + row * dv + col) = pack2<T>(dvacc[nt][2 * half], dvacc[nt][2 * half + 1]);
+            if (col < dqk) *(uint32_t *)(dkr + col) = pack2<T>(dk[nt][2 * half], dk[nt][2 * half + 1]);
+            if (col < dv) *(uint32_t *)(dvr + col) = pack2<T>(dvacc[nt][2 * half], dvacc[nt][2 * half + 1]);
         }
     }
 }
@@ -383,7 +382,7 @@ __global__ void hstu_bwd_dkv_f32(const tf_hstu_params p) {
             if (lane + 32 * c < p.dv) dva[c] += pw * dout[lane + 32 * c];
         }
     }
-    float *dk = (float *)p.dk + (row * p.H + h) * p.dqk, *dvv = (float *)p.dvv + (row * p.H + h) * p.dv;
+    float *dk = (float *)p.dk + row * p.dk_sr + h * p.dqk, *dvv = (float *)p.dvv + row * p.dv_sr + h * p.dv;
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
         if (lane + 32 * c < p.dqk) dk[lane + 32 * c] = dka[c];

@@ -614,13 +614,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int key = key_a + 8 * hh;
-                    const int64_t row = (w.start + key) * p.H + h;
+                    T *dkr = dkp + (w.start + key) * p.dk_sr + h * dqk, *dvr = dvp + (w.start + key) * p.dv_sr + h * dvd;
 #pragma unroll
                     for (int m = 0; m < NC / 32; ++m) {
                         const uint4 ck = quad_chunk<T>(dk, hh, m), cv = quad_chunk<T>(dv, hh, m);  // every lane
                         const int col = nc0 + 8 * (4 * m + t4);
-                        if (key < len && col < dqk) *(uint4 *)(dkp + row * dqk + col) = ck;
-                        if (key < len && col < dvd) *(uint4 *)(dvp + row * dvd + col) = cv;
+                        if (key < len && col < dqk) *(uint4 *)(dkr + col) = ck;
+                        if (key < len && col < dvd) *(uint4 *)(dvr + col) = cv;
                     }
                 }
             } else {  // 4-byte stores of the accumulator layout
@@ -628,14 +628,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                 for (int hh = 0; hh < 2; ++hh) {
                     const int key = key_a + 8 * hh;
                     if (key >= len) continue;
-                    const int64_t row = (w.start + key) * p.H + h;
+                    T *dkr = dkp + (w.start + key) * p.dk_sr + h * dqk, *dvr = dvp + (w.start + key) * p.dv_sr + h * dvd;
 #pragma unroll
                     for (int j = 0; j < NC / 8; ++j) {
                         const int col = nc0 + 8 * j + 2 * t4;
-                        if (col < dqk)
-                            *(uint32_t *)(dkp + row * dqk + col) = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
-                        if (col < dvd)
-                            *(uint32_t *)(dvp + row * dvd + col) = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+                        if (col < dqk) *(uint32_t *)(dkr + col) = pack2<T>(dk[4 * j + 2 * hh], dk[4 * j + 2 * hh + 1]);
+                        if (col < dvd) *(uint32_t *)(dvr + col) = pack2<T>(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
                     }
                 }
             }
@@ -678,8 +676,8 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     // dK / dV by 16-byte stores where rows and columns allow (head dims that are multiples of 8, aligned
     // outputs), else 4-byte stores
-    const bool vec = p.dqk % 8 == 0 && p.dv % 8 == 0 && reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 &&
-                     reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
+    const bool vec = p.dqk % 8 == 0 && p.dv % 8 == 0 && p.dk_sr % 8 == 0 && p.dv_sr % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 && reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
     hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, p, (int)k_tiles, section,
                                                                   (int)items, (dq_tma ? 1 : 0) | (vec ? 2 : 0));
     return cudaGetLastError();

@@ -178,7 +178,7 @@ void tf_hstu_bwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1) {
                                       drop_factor(p, &dr, s.start + pos, h, col);
                     for (int64_t j = 0; j < dqk; ++j) acc[j] += dz * K[col * dqk + j];
                 }
-                for (int64_t j = 0; j < dqk; ++j) st(p->dq, p->dtype, ((s.start + pos) * p->H + h) * dqk + j, acc[j]);
+                for (int64_t j = 0; j < dqk; ++j) st(p->dq, p->dtype, (s.start + pos) * p->dq_sr + h * dqk + j, acc[j]);
             }
             /* dK, dV, dbias by columns */
             for (int col = 0; col < (int)n; ++col) {
@@ -198,8 +198,8 @@ void tf_hstu_bwd_cpu(const tf_hstu_params *p, int64_t b0, int64_t b1) {
                     for (int64_t j = 0; j < dv; ++j) acc2[j] += pw * DO[pos * dv + j];
                     if (p->dbias) ((double *)p->dbias)[b * p->bias_sb + h * p->bias_sh + pos * p->bias_sr + col] += dz;
                 }
-                for (int64_t j = 0; j < dqk; ++j) st(p->dk, p->dtype, ((s.start + col) * p->H + h) * dqk + j, acc[j]);
-                for (int64_t j = 0; j < dv; ++j) st(p->dvv, p->dtype, ((s.start + col) * p->H + h) * dv + j, acc2[j]);
+                for (int64_t j = 0; j < dqk; ++j) st(p->dk, p->dtype, (s.start + col) * p->dk_sr + h * dqk + j, acc[j]);
+                for (int64_t j = 0; j < dv; ++j) st(p->dvv, p->dtype, (s.start + col) * p->dv_sr + h * dv + j, acc2[j]);
             }
         }
         free(Q);

@@ -250,17 +250,19 @@ cudaError_t dispatch_fwd(const tf_hstu_params &p, cudaStream_t stream) {
  * and every thread returns after two loads. */
 struct ZeroOutside {
     uint32_t *rows[3];
-    int64_t words[3];  // 4-byte words per row
+    int64_t words[3], stride[3];  // 4-byte words per row, and between rows
 };
 
 __global__ void hstu_zero_outside(ZeroOutside z, int64_t L, const void *offsets, int offsets_i64, int64_t B) {
     int64_t a = tf_idx_load(offsets, offsets_i64, 0), e = tf_idx_load(offsets, offsets_i64, B);
     a = a < 0 ? 0 : a > L ? L : a;
     e = e < a ? a : e > L ? L : e;
-    const int64_t w = z.words[blockIdx.y], head = a * w, total = head + (L - e) * w;
+    const int64_t w = z.words[blockIdx.y], s = z.stride[blockIdx.y], total = (a + L - e) * w;
     uint32_t *base = z.rows[blockIdx.y];
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
-        base[i < head ? i : e * w + (i - head)] = 0u;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t k = i / w, r = k < a ? k : e + (k - a);  // the k-th uncovered row
+        base[r * s + (i - k * w)] = 0u;
+    }
 }
 
 }  // namespace
@@ -282,15 +284,17 @@ extern "C" int tf_hstu_fwd_cuda(const tf_hstu_params *p, void *stream_) {
     return (int)cudaGetLastError();
 }
 
-extern "C" int tf_hstu_zero_outside(void *const *rows, const int64_t *row_bytes, int n, int64_t L, const void *offsets,
-                                    int offsets_i64, int64_t B, void *stream) {
+extern "C" int tf_hstu_zero_outside(void *const *rows, const int64_t *row_bytes, const int64_t *row_stride_bytes, int n,
+                                    int64_t L, const void *offsets, int offsets_i64, int64_t B, void *stream) {
     if (n <= 0 || L == 0) return 0;
     if (n > 3) return (int)cudaErrorInvalidValue;
     ZeroOutside z = {};
     for (int i = 0; i < n; ++i) {
-        if (row_bytes[i] % 4 != 0) return (int)cudaErrorInvalidValue;
+        if (row_bytes[i] % 4 != 0 || row_stride_bytes[i] % 4 != 0 || (uintptr_t)rows[i] % 4 != 0)
+            return (int)cudaErrorInvalidValue;
         z.rows[i] = (uint32_t *)rows[i];
         z.words[i] = row_bytes[i] / 4;
+        z.stride[i] = row_stride_bytes[i] / 4;
     }
     // a small fixed grid: the common case has nothing to zero, and a launch this size costs what a
     // memset's does; all-uncovered calls (rare) stride over their rows

@@ -64,7 +64,8 @@ typedef struct {
     int backend;                                 /* CUDA: TF_HSTU_AUTO / SM90 / MMA */
     /* backward only */
     const void *dout; int64_t do_sr, do_sh;      /* dout, dq, dk, dv shaped like o, q, k, v; */
-    void *dq, *dk, *dvv;                         /* dq/dk/dv contiguous */
+    void *dq, *dk, *dvv;                         /* dq/dk/dv: heads contiguous within a row, rows */
+    int64_t dq_sr, dk_sr, dv_sr;                 /* dq_sr, dk_sr, dv_sr elements apart (>= H x dim) */
     float *dq_acc;                               /* CUDA: fp32 (rows, H, dqk) zeroed, or NULL */
     int *sched;    /* CUDA: one int of device scratch (the sm_90a kernels' work queue), or NULL */
     void *dbias;   /* NULL: no bias gradient; else zeroed, bias's (contiguous) shape: double on the CPU, fp32 on CUDA */
@@ -259,12 +260,12 @@ int tf_hstu_fwd_sm90(const tf_hstu_params *p, void *stream);
  * compute); tf_hstu_fwd_cuda runs them when p->decode_ws is set. */
 int64_t tf_hstu_decode_ws_floats(const tf_hstu_params *p);
 int tf_hstu_decode_cuda(const tf_hstu_params *p, void *stream);
-/* Zeroes rows [0, offsets[0]) and [offsets[B], L) (read on the device, clamped to [0, L]) of n
- * contiguous (L, ...) tensors of row_bytes[i] bytes a row (a multiple of 4): the rows no sequence
- * covers, which the kernels never write. Lets unvalidated calls allocate outputs without zeroing them
- * whole (the kernels write every row inside [offsets[0], offsets[B])). n <= 3. */
-int tf_hstu_zero_outside(void *const *rows, const int64_t *row_bytes, int n, int64_t L, const void *offsets,
-                         int offsets_i64, int64_t B, void *stream);
+/* Zeroes rows [0, offsets[0]) and [offsets[B], L) (read on the device, clamped to [0, L]) of n (L, ...)
+ * tensors: row_bytes[i] bytes a row, rows row_stride_bytes[i] apart (both multiples of 4, 4-byte
+ * aligned): the rows no sequence covers, which the kernels never write. Lets unvalidated calls leave
+ * outputs unzeroed (the kernels write every row inside [offsets[0], offsets[B])). n <= 3. */
+int tf_hstu_zero_outside(void *const *rows, const int64_t *row_bytes, const int64_t *row_stride_bytes, int n,
+                         int64_t L, const void *offsets, int offsets_i64, int64_t B, void *stream);
 /* Head-dim copies (kernels/hstu_head_dims.cu): up to TF_HSTU_HEAD_PLANES tensors at once, each
  * out[l, h, c] = c < d_src ? src[l, h, c] : 0 for c < d_dst, in dst_dtype; src (L, H, d_src) with rows
  * and heads at the given element strides (the last dim unit-stride), dst contiguous (L, H, d_dst). */

@@ -14,6 +14,7 @@ from ._stats import count
 
 _fwd = torch.ops.torchfuse.hstu_fwd.default
 _bwd = torch.ops.torchfuse.hstu_bwd.default
+_bwd_into = torch.ops.torchfuse.hstu_bwd_into.default
 _dropout_state = torch.ops.torchfuse.hstu_dropout_state.default
 
 
@@ -161,6 +162,13 @@ def _hstu_bwd_fake(dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_l
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), db
 
 
+@torch.library.register_fake("torchfuse::hstu_bwd_into")
+def _hstu_bwd_into_fake(dout, q, k, v, seq_offsets, num_targets, attn_bias, max_seq_len, alpha, scaling_seqlen,
+                        contextual_seq_len, max_attn_len, min_full_attn_seq_len, target_group_size, dq, dk, dv,
+                        backend=None, dropout_p=0.0, rng_state=None):
+    return None
+
+
 @torch.library.register_fake("torchfuse::hstu_dropout_state")
 def _hstu_dropout_state_fake(like, seed=None):
     return like.new_empty((2,), dtype=torch.int64)
@@ -180,12 +188,42 @@ def _setup_context(ctx, inputs, output):
     ctx.dropout_p = dropout_p
 
 
+def _grads_like(q: Tensor, k: Tensor, v: Tensor):
+    """dq, dk, dv as views of one new buffer laid out as q, k, v lie in theirs, when q, k, v are disjoint
+    column views of one row-major buffer (a fused projection's output, as hstu_preprocess makes them):
+    the projection's backward then reads the three gradients as one tensor, no concatenation. None
+    otherwise, and while tracing (fake tensors have no storage to compare)."""
+    ts = (q, k, v)
+    if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in ts) or q.shape[0] < 2:
+        return None
+    storage = q.untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() or t.dtype != q.dtype for t in ts[1:]):
+        return None
+    sr = q.stride(0)
+    if any(t.dim() != 3 or t.shape[0] != q.shape[0] or t.stride() != (sr, t.shape[2], 1) for t in ts):
+        return None
+    spans = sorted((t.storage_offset() % sr, t.shape[1] * t.shape[2]) for t in ts)
+    if any(a + w > b for (a, w), (b, _) in zip(spans, spans[1:])) or spans[-1][0] + spans[-1][1] > sr:
+        return None
+    elems = storage.nbytes() // q.element_size()
+    if elems > 2 * sum(t.numel() for t in ts):  # views of a much larger buffer: not worth its size
+        return None
+    buf = q.new_empty(elems)
+    return tuple(buf.as_strided(t.shape, t.stride(), t.storage_offset()) for t in ts)
+
+
 def _backward(ctx, dout):
     if ctx.delta != 0:
         raise RuntimeError("torchfuse.hstu_attention_cached is inference-only; use hstu_attention for training")
     q, k, v, seq_offsets, num_targets, attn_bias, rng_state = ctx.saved_tensors
     need = ctx.needs_input_grad
     bias_grad = attn_bias is not None and need[5]
+    grads = None if bias_grad or not all(need[:3]) else _grads_like(q, k, v)
+    if grads is not None:
+        dq, dk, dv = grads
+        _bwd_into(dout, q, k, v, seq_offsets, num_targets, attn_bias, *ctx.opts, dq, dk, dv, ctx.backend,
+                  ctx.dropout_p, rng_state)
+        return (dq, dk, dv) + (None,) * (len(need) - 3)
     dq, dk, dv, db = _bwd(dout, q, k, v, seq_offsets, num_targets, attn_bias, *ctx.opts, bias_grad, ctx.backend,
                           ctx.dropout_p, rng_state)
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None,

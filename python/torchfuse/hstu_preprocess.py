@@ -129,6 +129,36 @@ def _flat(g: Tensor, like_cols: int, rows: int, ref: Tensor) -> Tensor:
     return ref.new_zeros(rows, like_cols) if g is None else g.reshape(rows, like_cols)
 
 
+def _joined(dq, dk, dv, L: int, H: int, Da: int, Dh: int, ref: Tensor):
+    """The GEMM output's gradient as one (L, N) tensor when dv, dq, dk are views of one buffer laid out as
+    v, q, k lie in the GEMM's output (hstu_attention's backward lays its gradients out like its inputs),
+    u's columns free for du; None otherwise (and while tracing)."""
+    ts = (dv, dq, dk)
+    if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in ts) or L < 2:
+        return None
+    n = 2 * H * (Dh + Da)
+    storage = dv.untyped_storage()
+    if storage.nbytes() != L * n * ref.element_size():
+        return None
+    for t, off, d in ((dv, H * Dh, Dh), (dq, 2 * H * Dh, Da), (dk, 2 * H * Dh + H * Da, Da)):
+        if (t.untyped_storage().data_ptr() != storage.data_ptr() or t.dtype != ref.dtype or
+                t.shape != (L, H, d) or t.stride() != (n, d, 1) or t.storage_offset() != off):
+            return None
+    return dv.as_strided((L, n), (n, 1), 0)
+
+
+def _copy_cols(dst: Tensor, src: Tensor) -> None:
+    """dst.copy_(src) for a 2-D dst whose rows are strided (a column block of a wider buffer), moved as
+    8-byte words where both layouts allow: ATen's copy into a strided destination moves an element per
+    load, which for 2-byte elements runs far below the copy bandwidth."""
+    if (src.dtype == dst.dtype and src.element_size() == 2 and src.is_contiguous() and dst.stride(1) == 1
+            and dst.shape[1] % 4 == 0 and dst.stride(0) % 4 == 0 and dst.storage_offset() % 4 == 0
+            and src.storage_offset() % 4 == 0 and dst.data_ptr() % 8 == 0 and src.data_ptr() % 8 == 0):
+        dst.view(torch.int64).copy_(src.view(torch.int64))
+    else:
+        dst.copy_(src)
+
+
 class _HSTUPreprocess(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, H, Da, Dh, recompute_normed_x,
@@ -154,7 +184,7 @@ class _HSTUPreprocess(torch.autograd.Function):
         if normed is None and (need_dw or (ctx.silu_u and u_pre is None and du is not None)):
             normed = _norm_infer(x, None, norm_weight, norm_bias, ctx.eps, LAYER_NORM, 0.0)[0]
         if du is None:
-            du_pre = x.new_zeros(L, H * Dh)
+            du_pre = None
         elif not ctx.silu_u:
             du_pre = du
         else:
@@ -162,7 +192,15 @@ class _HSTUPreprocess(torch.autograd.Function):
                 u_pre = torch.addmm(uvqk_bias[:H * Dh], normed, uvqk_weight[:, :H * Dh])
             du_pre = torch.ops.aten.silu_backward(du, u_pre)
         # the GEMM output's gradient in its column order: u, v, q, k
-        d_uvqk = torch.cat([du_pre, _flat(dv, H * Dh, L, x), _flat(dq, H * Da, L, x), _flat(dk, H * Da, L, x)], dim=1)
+        d_uvqk = _joined(dq, dk, dv, L, H, Da, Dh, x)
+        if d_uvqk is not None:  # v, q, k's already in place: du into u's columns
+            if du_pre is None:
+                d_uvqk[:, :H * Dh].zero_()
+            else:
+                _copy_cols(d_uvqk[:, :H * Dh], du_pre)
+        else:
+            d_uvqk = torch.cat([_flat(du_pre, H * Dh, L, x), _flat(dv, H * Dh, L, x), _flat(dq, H * Da, L, x),
+                                _flat(dk, H * Da, L, x)], dim=1)
         d_w = normed.t().mm(d_uvqk) if need[4] else None
         d_b = d_uvqk.sum(0) if need[5] else None
         dx = dnw = dnb = None
