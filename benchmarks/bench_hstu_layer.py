@@ -20,8 +20,10 @@ relative to the largest |output| (bf16: about 1e-2 is rounding).
 Launches: kernels (and memcpy / memset) on the GPU for one forward + backward of one layer at config
 (b), counted with torch.profiler: config (b) is launch-bound.
 
-Memory: the torchfuse layer at config (a) under its ``recompute_normed_x`` / ``recompute_uvqk`` choices:
-the bytes the forward leaves for the backward (allocated after the forward minus before), and the time.
+Memory: the torchfuse layer at config (a) under its ``recompute_normed_x`` / ``recompute_uvqk`` /
+``recompute_y`` choices (GR's defaults: all three on; the plain layer's autograd keeps everything, as
+all three off do): the bytes the forward leaves for the backward (allocated after the forward minus
+before), and the time.
 
     python benchmarks/bench_hstu_layer.py [--quick] [--peers DIR] [--out results.md]
 
@@ -232,9 +234,10 @@ def memory_rows(cfg, quick):
     inputs = batch_inputs(cfg, B)
     torch.manual_seed(0)
     sd = {k: v.to(DEVICE) for k, v in STULayer(layer_config(cfg)).to(DTYPE).state_dict().items()}
-    for rn, ru in ((False, False), (True, False), (False, True), (True, True)):
+    for rn, ru, ry in ((False, False, True), (True, False, True), (False, True, True), (True, True, True),
+                       (False, False, False), (True, True, False)):
         try:
-            model, params = ours(cfg, [sd], recompute_normed_x=rn, recompute_uvqk=ru)
+            model, params = ours(cfg, [sd], recompute_normed_x=rn, recompute_uvqk=ru, recompute_y=ry)
             x, lengths, offsets, N = inputs
             xi = x.detach().requires_grad_(True)
             torch.cuda.synchronize()
@@ -244,9 +247,9 @@ def memory_rows(cfg, quick):
             kept = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
             out = None
             us = C.bench_us(step(as_fn(model), params, inputs), quick)
-            rows.append([str(rn), str(ru), C.fmt(kept / 2**20, 0), C.fmt(us / 1e3, 2)])
+            rows.append([str(rn), str(ru), str(ry), C.fmt(kept / 2**20, 0), C.fmt(us / 1e3, 2)])
         except torch.OutOfMemoryError:
-            rows.append([str(rn), str(ru), "out of memory", "-"])
+            rows.append([str(rn), str(ru), str(ry), "out of memory", "-"])
         finally:
             model = params = out = None
             torch.cuda.empty_cache()
@@ -328,7 +331,8 @@ def run(args):
               ["rows x width", "dropout", "pass", "us", "GB/s", "% of copy", "eager fwd us", "vs eager"], out_rows)
     if not args.quick:
         rep.table("torchfuse STULayer at config (a): what the forward keeps for the backward, by recompute choice",
-                  ["recompute_normed_x", "recompute_uvqk", "kept MiB", "fwd+bwd ms"], memory_rows(CONFIGS["a"], False))
+                  ["recompute_normed_x", "recompute_uvqk", "recompute_y", "kept MiB", "fwd+bwd ms"],
+                  memory_rows(CONFIGS["a"], False))
     return rep
 
 

@@ -192,9 +192,13 @@ def _grads_like(q: Tensor, k: Tensor, v: Tensor):
     """dq, dk, dv as views of one new buffer laid out as q, k, v lie in theirs, when q, k, v are disjoint
     column views of one row-major buffer (a fused projection's output, as hstu_preprocess makes them):
     the projection's backward then reads the three gradients as one tensor, no concatenation. None
-    otherwise, and while tracing (fake tensors have no storage to compare)."""
+    otherwise, and while tracing (fake tensors have no storage to compare). None too where the 16-bit CUDA
+    kernels run on copies padded to head dims of multiples of 8: their gradients would be copied in,
+    three copies where the projection's concatenation is one."""
     ts = (q, k, v)
     if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in ts) or q.shape[0] < 2:
+        return None
+    if q.is_cuda and q.element_size() == 2 and (q.shape[2] % 8 or v.shape[2] % 8):
         return None
     storage = q.untyped_storage()
     if any(t.untyped_storage().data_ptr() != storage.data_ptr() or t.dtype != q.dtype for t in ts[1:]):
