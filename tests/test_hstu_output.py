@@ -56,16 +56,16 @@ def call(fn, t, eps, **kw):
     return fn(t["attn"], t["u"], t["x"], t["norm_weight"], t["norm_bias"], eps, t["output_weight"], **kw)
 
 
-def check_close(name, got, ref64, lowp, factor, terms=1):
+def check_close(name, got, ref64, lowp, factor, terms=1, ulps=1):
     """terms: the number of fp32 products summed into each element (out sums the concatenation's
     width of them, a norm weight's gradient rows x columns-per-weight, whose rounding or cancellation
     PyTorch's differently ordered sum may avoid by luck): the floor allows fp32 rounding growing as
-    its square root."""
+    its square root. ulps: the fp32 ulps one such product may be off by itself."""
     ref64 = ref64.double()
     err = (got.double() - ref64).abs().max().item() if ref64.numel() else 0.0
     err_lp = (lowp.double() - ref64).abs().max().item() if ref64.numel() else 0.0
     big = max(1.0, ref64.abs().max().item() if ref64.numel() else 0.0)
-    floor = max(torch.finfo(got.dtype).eps, torch.finfo(torch.float32).eps * terms ** 0.5) * big
+    floor = max(torch.finfo(got.dtype).eps, torch.finfo(torch.float32).eps * ulps * terms ** 0.5) * big
     assert torch.isfinite(got).all(), name
     assert err <= factor * err_lp + floor, f"{name}: error {err:.3g} > {factor} x PyTorch's {err_lp:.3g} + {floor:.3g}"
 
@@ -96,10 +96,15 @@ def run_case(device, dtype, L, H, D, E, *, group_norm, concat, act, silu_u, p, r
     g = torch.autograd.grad(out, [ours[k] for k in names], dout.to(dtype))
     g_lp = torch.autograd.grad(out_lp, [lowp[k] for k in names], dout.to(dtype))
     g_ref = torch.autograd.grad(out_ref, [ref[k] for k in names], dout)
+    # a norm parameter's gradient sums dn * xhat over its rows: xhat = (a - mean) * rstd carries the
+    # rounding of the row's mean relative to a - mean, a few ulps where a lies near the mean, and with
+    # one row PyTorch's own value can land within an ulp by luck (seed 410339896, L = 1: 2.3e-7, 4 ulps
+    # of 0.75, against PyTorch's 4.3e-9)
     per_weight = L * (D if group_norm else 1)
     for name, a, b, c in zip(names, g, g_lp, g_ref):
         assert a.dtype == ours[name].dtype and a.shape == ours[name].shape, name
-        check_close(f"d{name} ({what})", a, c, b, 4.0, terms=per_weight if name.startswith("norm_") else 1)
+        norm = name.startswith("norm_")
+        check_close(f"d{name} ({what})", a, c, b, 4.0, terms=per_weight if norm else 1, ulps=4 if norm else 1)
 
 
 # ---------------------------------------------------------------- every option combination
