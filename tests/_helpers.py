@@ -22,6 +22,17 @@ def check_close(name, ours, ref64, lowp, dtype, *, expect_dtype=None, scale_floo
     assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (PyTorch's own error {err_pt:.3g})"
 
 
+def check_close_elementwise(name, got, want, spread, rtol, atol):
+    """|got - want| <= atol + rtol |want| + 2 spread at every element; spread: how far PyTorch's own
+    low-precision run is off the float64 one there (|ref_lp - ref64|), so the tolerance widens only
+    where that run shows rounding or cancellation."""
+    err = (got.double() - want.double()).abs().flatten()
+    tol = (atol + rtol * want.double().abs() + 2 * spread.double()).flatten()
+    if (err > tol).any():
+        i = (err - tol).argmax().item()
+        raise AssertionError(f"{name}: error {err[i].item():.3g} > {tol[i].item():.3g} at flat index {i}")
+
+
 def exit_failed_rank(rank):
     """In a spawned rank whose check raised: print its traceback, then exit at once. Destroying the
     process group instead would wait on the other ranks, themselves waiting in their next collective

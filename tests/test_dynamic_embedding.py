@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import _helpers
 import torchfuse
 from torchfuse import DynamicEmbedding, DynamicEmbeddingBag
 from torchfuse import optim as tfo
@@ -273,13 +274,8 @@ def _rowwise_step(weight, acc, lr, eps=1e-8):
 
 
 def _close_elementwise(name, ours, ref64, ref32, rtol, atol):
-    """|ours - ref64| <= atol + rtol |ref64| + 2 |ref32 - ref64| at every element: the tolerance of a
-    comparison with the float32 run, widened only where that run is itself off the float64 one."""
-    err = (ours.double() - ref64).abs().flatten()
-    tol = (atol + rtol * ref64.abs() + 2 * (ref32.double() - ref64).abs()).flatten()
-    if (err > tol).any():
-        i = (err - tol).argmax().item()
-        raise AssertionError(f"{name}: error {err[i].item():.3g} > {tol[i].item():.3g} at flat index {i}")
+    """ours against the float64 run, the tolerance widened only where the float32 run is off it."""
+    _helpers.check_close_elementwise(name, ours, ref64, (ref32.double() - ref64.double()).abs(), rtol, atol)
 
 
 @pytest.mark.parametrize("host_tier", [False, True])

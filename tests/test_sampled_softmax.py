@@ -231,9 +231,8 @@ def test_chunks_match_one_block(device, monkeypatch):
         r = reference(*xs, 0.05, **rkw)
         refs.append((r, *torch.autograd.grad(r, xs)))
     for name, a, b, r64, r32 in zip(("loss", "dquery", "dpositive", "dnegatives"), *outs, *refs):
-        err = (a.double() - b.double()).abs().flatten()
-        tol = (1e-7 + 1e-5 * b.double().abs() + 2 * (r32.double() - r64).abs()).flatten()
-        assert (err <= tol).all(), f"{name}: chunked vs one block {err.max().item():.3g}"
+        _helpers.check_close_elementwise(f"{name}: chunked vs one block", a, b, (r32.double() - r64).abs(), 1e-5,
+                                         1e-7)
 
 
 def test_int32_ids_and_strided_inputs(device):
