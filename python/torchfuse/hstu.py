@@ -193,8 +193,8 @@ def _grads_like(q: Tensor, k: Tensor, v: Tensor):
     column views of one row-major buffer (a fused projection's output, as hstu_preprocess makes them):
     the projection's backward then reads the three gradients as one tensor, no concatenation. None
     otherwise, and while tracing (fake tensors have no storage to compare). None too where the 16-bit CUDA
-    kernels run on copies padded to head dims of multiples of 8: their gradients would be copied in,
-    three copies where the projection's concatenation is one."""
+    kernels run on copies padded to head dims of multiples of 8 (csrc/hstu_cuda.cpp, kernel_head_dim):
+    their gradients would be copied in, three copies where the projection's concatenation is one."""
     ts = (q, k, v)
     if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in ts) or q.shape[0] < 2:
         return None
