@@ -65,7 +65,7 @@ std::vector<at::Tensor> head_copies(std::initializer_list<at::Tensor> ts, std::i
         const at::Tensor s = t.stride(2) == 1 ? t : t.contiguous();  // rows and heads may be strided
         res.push_back(at::empty({t.size(0), t.size(1), width}, t.options().dtype(out)));
         p.planes[p.n++] = tf_hstu_head_plane{s.data_ptr(), res.back().data_ptr(), s.size(0), s.size(1), s.stride(0),
-                                             s.stride(1), (int)s.size(2), (int)width,
+                                             s.stride(1), 0, 0, (int)s.size(2), (int)width,
                                              kernel_dtype(s.scalar_type(), "torchfuse.hstu_attention", "q/k/v"),
                                              kernel_dtype(out, "torchfuse.hstu_attention", "q/k/v")};
         srcs.push_back(s);
@@ -241,7 +241,18 @@ void hstu_bwd_into_cuda(const at::Tensor &dout, const at::Tensor &q, const at::T
         return;
     }
     auto [acc, gk, gv, db] = hstu_bwd_kernels(a, false, &outs);
-    dq.copy_(acc);  // fp32 -> q's dtype, into dq's rows
+    if (acc.scalar_type() == dq.scalar_type()) {
+        dq.copy_(acc);
+        return;
+    }
+    // fp32 -> q's dtype into dq's rows, a 16-byte chunk a thread (ATen's copy into strided rows moves an
+    // element per load)
+    tf_hstu_head_copy_params p{};
+    p.planes[p.n++] = tf_hstu_head_plane{acc.data_ptr(), dq.data_ptr(), acc.size(0), acc.size(1), acc.stride(0),
+                                         acc.stride(1), dq.stride(0), dq.stride(1), (int)acc.size(2),
+                                         (int)dq.size(2), TF_F32,
+                                         kernel_dtype(dq.scalar_type(), "torchfuse.hstu_bwd_into", "dq")};
+    check_launch(tf_hstu_head_copy_cuda(&p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU dq conversion");
 }
 
 // Reserved from the CUDA generator as PyTorch's fused dropout does; under graph capture the values are

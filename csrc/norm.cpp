@@ -148,6 +148,27 @@ NormFwdResult NormFwd::result() const {
 
 std::tuple<at::Tensor, at::Tensor> NormFwd::infer_result() const { return {y, s.defined() ? s : no_output(y)}; }
 
+NormFwd prepare_norm_with_ones(const at::Tensor &x, const std::optional<at::Tensor> &weight,
+                               const std::optional<at::Tensor> &bias, double eps, bool save_stats) {
+    const char *op = "torchfuse.layer_norm_with_ones";
+    TORCH_CHECK(x.dim() == 2 && x.size(1) >= 1, op, ": x must be 2-D (rows, cols) with cols >= 1, got shape ",
+                x.sizes());
+    NormFwd f = prepare_norm_fwd(x, std::nullopt, std::nullopt, weight, bias, std::nullopt, std::nullopt, eps,
+                                 TF_LAYER_NORM, 0.0, std::nullopt, save_stats);
+    const int64_t cols = x.size(1), width = (cols + 1 + 7) / 8 * 8;
+    f.y = at::empty({x.size(0), width}, x.options().memory_format(at::MemoryFormat::Contiguous));
+    f.p.y = f.y.data_ptr();
+    f.p.y_stride = width;
+    f.y.narrow(1, cols, 1).fill_(1);
+    if (width > cols + 1) f.y.narrow(1, cols + 1, width - cols - 1).zero_();
+    return f;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_with_ones_result(const NormFwd &f) {
+    auto out = [&f](const at::Tensor &t) { return t.defined() ? t : no_output(f.y); };
+    return {f.y, out(f.mean), out(f.rstd)};
+}
+
 NormBwd prepare_norm_bwd(const std::optional<at::Tensor> &dy, const std::optional<at::Tensor> &dy2,
                          const std::optional<at::Tensor> &ds, const at::Tensor &s, const at::Tensor &mean,
                          const at::Tensor &rstd, const std::optional<at::Tensor> &weight,
@@ -287,6 +308,15 @@ std::tuple<at::Tensor, at::Tensor> add_norm_cpu(const at::Tensor &x, const std::
     return f.infer_result();
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_with_ones_cpu(const at::Tensor &x,
+                                                                       const std::optional<at::Tensor> &weight,
+                                                                       const std::optional<at::Tensor> &bias,
+                                                                       double eps, bool save_stats) {
+    NormFwd f = prepare_norm_with_ones(x, weight, bias, eps, save_stats);
+    run_fwd_cpu(f.p);
+    return norm_with_ones_result(f);
+}
+
 NormBwdResult norm_bwd_cpu(const std::optional<at::Tensor> &dy, const std::optional<at::Tensor> &dy2,
                            const std::optional<at::Tensor> &ds, const at::Tensor &s, const at::Tensor &mean,
                            const at::Tensor &rstd, const std::optional<at::Tensor> &weight,
@@ -322,6 +352,7 @@ NormBwdResult norm_bwd_cpu(const std::optional<at::Tensor> &dy, const std::optio
 TORCH_LIBRARY_IMPL(torchfuse, CPU, m) {
     m.impl("norm_fwd", &norm_fwd_cpu);
     m.impl("add_norm", &add_norm_cpu);
+    m.impl("layer_norm_with_ones", &layer_norm_with_ones_cpu);
     m.impl("norm_bwd", &norm_bwd_cpu);
 }
 

@@ -37,6 +37,16 @@ std::tuple<at::Tensor, at::Tensor> add_norm_cuda(const at::Tensor &x, const std:
     return f.infer_result();
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_with_ones_cuda(const at::Tensor &x,
+                                                                        const std::optional<at::Tensor> &weight,
+                                                                        const std::optional<at::Tensor> &bias,
+                                                                        double eps, bool save_stats) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    NormFwd f = prepare_norm_with_ones(x, weight, bias, eps, save_stats);
+    check_launch(tf_norm_fwd_cuda(&f.p, c10::cuda::getCurrentCUDAStream().stream()), "norm forward kernel");
+    return norm_with_ones_result(f);
+}
+
 NormBwdResult norm_bwd_cuda(const std::optional<at::Tensor> &dy, const std::optional<at::Tensor> &dy2,
                             const std::optional<at::Tensor> &ds, const at::Tensor &s, const at::Tensor &mean,
                             const at::Tensor &rstd, const std::optional<at::Tensor> &weight,
@@ -74,6 +84,7 @@ NormBwdResult norm_bwd_cuda(const std::optional<at::Tensor> &dy, const std::opti
 TORCH_LIBRARY_IMPL(torchfuse, CUDA, m) {
     m.impl("norm_fwd", &norm_fwd_cuda);
     m.impl("add_norm", &add_norm_cuda);
+    m.impl("layer_norm_with_ones", &layer_norm_with_ones_cuda);
     m.impl("norm_bwd", &norm_bwd_cuda);
 }
 

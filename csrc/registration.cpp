@@ -18,6 +18,12 @@ TORCH_LIBRARY(torchfuse, m) {
     m.def(
         "add_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, int norm_type, "
         "float weight_offset) -> (Tensor, Tensor)");
+    // LayerNorm of a 2-D x as the first columns of (rows, round_up(cols + 1, 8)) rows [LN(x), 1, 0...]:
+    // a GEMM input whose weight gradient GEMM also yields the bias gradient (hstu_preprocess).
+    // Returns (y, mean, rstd); mean and rstd empty unless save_stats.
+    m.def(
+        "layer_norm_with_ones(Tensor x, Tensor? weight, Tensor? bias, float eps, bool save_stats) "
+        "-> (Tensor, Tensor, Tensor)");
     // Gradients of norm_fwd: (dx, dresidual, dresidual2, dweight, dbias, dweight2, dbias2). dresidual
     // (dresidual2) is empty unless residual_dtype (residual2_dtype) asks for a separate copy; weight
     // gradients are empty unless weight_grad and the parameter exists.

@@ -8,7 +8,8 @@
  * hstu_head_copy: grid y = the plane (tensor), x strides over its 8-column output chunks; a thread
  * writes one chunk of one (row, head): out[l, h, c] = c < d_src ? src[l, h, c] : 0 for c < d_dst,
  * converted to the output dtype (round to nearest even, as Tensor.to). Inputs may be strided views
- * (q, k, v are column slices of one GEMM output); outputs are contiguous (L, H, d_dst). */
+ * (q, k, v are column slices of one GEMM output), and so may outputs (dq written into the columns of
+ * the caller's gradient buffer). */
 #include <cuda_runtime.h>
 
 #include "hstu_kernels.h"
@@ -24,11 +25,12 @@ __global__ void __launch_bounds__(256) hstu_head_copy(tf_hstu_head_copy_params p
         const int c0 = (int)(i % chunks) * TF_VEC;
         const int64_t lh = i / chunks, l = lh / pl.H, h = lh % pl.H;
         const int64_t src = l * pl.src_row_stride + h * pl.src_head_stride;
-        float v[TF_VEC];
-#pragma unroll
-        for (int e = 0; e < TF_VEC; ++e) v[e] = c0 + e < pl.d_src ? tf_load_one(pl.src, pl.src_dtype, src + c0 + e) : 0.f;
+        const int64_t dst = pl.dst_row_stride ? l * pl.dst_row_stride + h * pl.dst_head_stride : lh * pl.d_dst;
+        const int r = pl.d_src - c0;
+        float v[TF_VEC];  // one 16-byte load (two for fp32) where the chunk is whole and aligned
+        tf_load_chunk(tf_row(pl.src, pl.src_dtype, src, 1), pl.src_dtype, c0, r < 0 ? 0 : (r < TF_VEC ? r : TF_VEC), v);
         const int w = pl.d_dst - c0 < TF_VEC ? pl.d_dst - c0 : TF_VEC;
-        tf_store_chunk(pl.dst, pl.dst_dtype, lh * pl.d_dst + c0, w, v);
+        tf_store_chunk(tf_row(pl.dst, pl.dst_dtype, dst, 1), pl.dst_dtype, c0, w, v);
     }
 }
 

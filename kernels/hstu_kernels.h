@@ -267,13 +267,14 @@ int tf_hstu_decode_cuda(const tf_hstu_params *p, void *stream);
 int tf_hstu_zero_outside(void *const *rows, const int64_t *row_bytes, const int64_t *row_stride_bytes, int n,
                          int64_t L, const void *offsets, int offsets_i64, int64_t B, void *stream);
 /* Head-dim copies (kernels/hstu_head_dims.cu): up to TF_HSTU_HEAD_PLANES tensors at once, each
- * out[l, h, c] = c < d_src ? src[l, h, c] : 0 for c < d_dst, in dst_dtype; src (L, H, d_src) with rows
- * and heads at the given element strides (the last dim unit-stride), dst contiguous (L, H, d_dst). */
+ * out[l, h, c] = c < d_src ? src[l, h, c] : 0 for c < d_dst, in dst_dtype; src (L, H, d_src) and dst
+ * (L, H, d_dst) with rows and heads at the given element strides (the last dim unit-stride); dst strides
+ * of 0 mean contiguous. */
 #define TF_HSTU_HEAD_PLANES 4
 typedef struct {
     const void *src;
     void *dst;
-    int64_t L, H, src_row_stride, src_head_stride;
+    int64_t L, H, src_row_stride, src_head_stride, dst_row_stride, dst_head_stride;
     int d_src, d_dst, src_dtype, dst_dtype;
 } tf_hstu_head_plane;
 typedef struct {

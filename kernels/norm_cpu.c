@@ -106,8 +106,9 @@ void tf_norm_fwd_cpu(const tf_norm_fwd_params *p, int64_t row_begin, int64_t row
         const float rstd = 1.0f / sqrtf(m2 / (float)n + p->eps);
         if (p->mean) p->mean[r] = mean;
         if (p->rstd) p->rstd[r] = rstd;
-        norm_out_row(p, buf, mean, rstd, w, b, out, p->y, r * n);
-        if (p->y2) norm_out_row(p, buf, mean, rstd, w2, b2, out, p->y2, r * n);
+        const int64_t yoff = r * (p->y_stride ? p->y_stride : n);
+        norm_out_row(p, buf, mean, rstd, w, b, out, p->y, yoff);
+        if (p->y2) norm_out_row(p, buf, mean, rstd, w2, b2, out, p->y2, yoff);
     }
     free(buf);
 }

@@ -41,6 +41,8 @@ constexpr int kMaxBwdK = 2;        /* ... and by the backward */
 constexpr int kMaxRegThreads = 512; /* group size of the register variants (128 registers each) */
 constexpr int kMaxThreads = 1024;  /* group size of the looping variants */
 
+__device__ __forceinline__ int64_t y_stride(const tf_norm_fwd_params &p) { return p.y_stride ? p.y_stride : p.cols; }
+
 __device__ __forceinline__ int chunk_len(bool active, int64_t col, int64_t cols) {
     return active && col < cols ? (int)(cols - col < TF_VEC ? cols - col : TF_VEC) : 0;
 }
@@ -102,8 +104,8 @@ __global__ void __launch_bounds__(K > 0 ? kMaxRegThreads : kMaxThreads) norm_fwd
     const int64_t cols = p.cols;
     const bool layer = p.norm_type == TF_LAYER_NORM;
     void *srow = p.s ? tf_row(p.s, p.s_dtype, row, cols) : nullptr;
-    void *yrow = tf_row(p.y, p.y_dtype, row, cols);
-    void *y2row = p.y2 ? tf_row(p.y2, p.y_dtype, row, cols) : nullptr;
+    void *yrow = tf_row(p.y, p.y_dtype, row, y_stride(p));
+    void *y2row = p.y2 ? tf_row(p.y2, p.y_dtype, row, y_stride(p)) : nullptr;
     float mean = 0.f, rstd;
 
     if constexpr (K > 0) {
@@ -443,13 +445,13 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_fast_kernel(const tf_
             rstd = rsqrtf(tf_group_sum(sumsq, red) / (float)cols + p.eps);
         }
         if (!active) continue;
-        void *yrow = tf_row(p.y, p.y_dtype, row, cols);
+        void *yrow = tf_row(p.y, p.y_dtype, row, y_stride(p));
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             if (len[k] == 0) continue;
             const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
             fwd_out_chunk(p, p.w, p.b, yrow, col, len[k], mean, rstd, v[k]);
-            if (p.y2) fwd_out_chunk(p, p.w2, p.b2, tf_row(p.y2, p.y_dtype, row, cols), col, len[k], mean, rstd, v[k]);
+            if (p.y2) fwd_out_chunk(p, p.w2, p.b2, tf_row(p.y2, p.y_dtype, row, y_stride(p)), col, len[k], mean, rstd, v[k]);
         }
         if (tid == 0) {
             if (p.mean) p.mean[row] = mean;
@@ -573,13 +575,13 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_fwd_staged_kernel(const t
             rstd = rsqrtf(tf_group_sum(sumsq, red) / (float)cols + p.eps);
         }
         if (!active) continue;
-        void *yrow = tf_row(p.y, p.y_dtype, row, cols);
+        void *yrow = tf_row(p.y, p.y_dtype, row, y_stride(p));
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             if (!have[k]) continue;
             const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
             fwd_out_chunk(p, p.w, p.b, yrow, col, TF_VEC, mean, rstd, v[k]);
-            if (p.y2) fwd_out_chunk(p, p.w2, p.b2, tf_row(p.y2, p.y_dtype, row, cols), col, TF_VEC, mean, rstd, v[k]);
+            if (p.y2) fwd_out_chunk(p, p.w2, p.b2, tf_row(p.y2, p.y_dtype, row, y_stride(p)), col, TF_VEC, mean, rstd, v[k]);
         }
         if (tid == 0) {
             if (p.mean) p.mean[row] = mean;

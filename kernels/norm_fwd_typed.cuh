@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 2) norm_fwd_typed_kernel(const tf_no
         }
         if (!active) continue;
 
-        T *const yrow = (T *)p.y + row * cols;
+        T *const yrow = (T *)p.y + row * (p.y_stride ? p.y_stride : cols);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             if (!have[k]) continue;

@@ -36,8 +36,9 @@ typedef struct {
     const void *res2; int64_t res2_stride; int res2_dtype; /* NULL: no second residual */
     int add1_dtype, add2_dtype;                            /* rounding of x+res, then +res2 */
     const void *w, *b, *w2, *b2; int w_dtype;              /* any may be NULL (w: ones, b: zeros) */
-    void *y; int y_dtype;                                  /* contiguous, rows x cols */
-    void *y2;                                              /* NULL: no second norm */
+    void *y; int y_dtype;                                  /* rows x cols, rows y_stride apart */
+    void *y2;                                              /* NULL: no second norm; y's layout */
+    int64_t y_stride;                                      /* 0: cols (contiguous) */
     void *s; int s_dtype;                                  /* NULL: s not stored */
     float *mean, *rstd;                                    /* NULL: not stored */
     float eps, weight_offset;

@@ -69,6 +69,29 @@ def test_forward_backward_match_float64(device, shape, dtype, recompute):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("frozen", [3, 4], ids=["uvqk_weight_frozen", "uvqk_bias_frozen"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute_normed_x"])
+def test_one_gemm_parameter_frozen(device, dtype, frozen, recompute):
+    """With only one of the GEMM's weight and bias trained, the bias gradient is a column sum of its own
+    (the joint [dW; db] GEMM needs both): same gradients as with both trained."""
+    L, E, H, Da, Dh = 23, 40, 2, 16, 8
+    dims = (H, Da, Dh)
+    ins = _inputs(L, E, H, Da, Dh, device, dtype)
+    grads = [torch.randn(s, device=device) for s in [(L, H * Dh), (L, H, Da), (L, H, Da), (L, H, Dh)]]
+    _, both = _run(torchfuse.hstu_preprocess, ins, dims, grads, recompute_normed_x=recompute)
+    leaves = [t.detach().clone().requires_grad_(i != frozen) for i, t in enumerate(ins)]
+    out = torchfuse.hstu_preprocess(leaves[0], leaves[1], leaves[2], 1e-6, leaves[3], leaves[4], *dims,
+                                    recompute_normed_x=recompute)
+    torch.autograd.backward(out, [g.to(o.dtype) for o, g in zip(out, grads)])
+    assert leaves[frozen].grad is None
+    for i, t in enumerate(leaves):
+        if i != frozen:  # a column sum and a GEMM row sum in other orders: a few roundings apart
+            assert _rel(t.grad, both[i].double()) <= 8 * torch.finfo(dtype).eps, i
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+
+
 def test_inference_path_equals_training_path(device, dtype):
     L, E, H, Da, Dh = 13, 32, 2, 16, 8
     ins = _inputs(L, E, H, Da, Dh, device, dtype)
@@ -112,8 +135,9 @@ def test_outputs_are_views_of_one_gemm_output(device):
 
 
 def test_recompute_flags_save_less(device):
-    """recompute_normed_x drops the (L, E) normalized rows from what the backward keeps; recompute_uvqk
-    drops u's pre-activation (L, H * hidden_dim)."""
+    """recompute_normed_x drops the normalized rows from what the backward keeps ([LN(x), 1] padded to a
+    multiple of 8 columns when both GEMM parameters train); recompute_uvqk drops u's pre-activation
+    (L, H * hidden_dim)."""
     L, E, H, Da, Dh = 10, 24, 2, 8, 6
     ins = [t.requires_grad_() for t in _inputs(L, E, H, Da, Dh, device, torch.float32)]
 
@@ -128,10 +152,11 @@ def test_recompute_flags_save_less(device):
             torchfuse.hstu_preprocess(ins[0], ins[1], ins[2], 1e-6, ins[3], ins[4], H, Da, Dh, **kw)
         return sum(sizes)
 
+    normed = L * ((E + 8) // 8 * 8)
     full = saved()
-    assert full - saved(recompute_normed_x=True) == L * E
+    assert full - saved(recompute_normed_x=True) == normed
     assert full - saved(recompute_uvqk=True) == L * H * Dh
-    assert full - saved(recompute_normed_x=True, recompute_uvqk=True) == L * E + L * H * Dh
+    assert full - saved(recompute_normed_x=True, recompute_uvqk=True) == normed + L * H * Dh
 
 
 def test_compile_and_meta():

@@ -356,6 +356,34 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.torchfuse.add_norm.default, args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,cols", [(0, 16), (1, 1), (37, 7), (64, 8), (19, 50), (129, 1024), (5, 4099)])
+def test_layer_norm_with_ones(device, dtype, rows, cols):
+    """[LN(x), 1, 0...] rows of width round_up(cols + 1, 8): the norm bit-identical to norm_fwd's (same
+    kernels, strided rows), then the ones column and zeros; stats only when asked for."""
+    x = make((rows, cols), dtype, device) * 3 + 1
+    w, b = make((cols,), dtype, device), make((cols,), dtype, device)
+    y, _, _, mean, rstd = torch.ops.torchfuse.norm_fwd(x, None, None, w, b, None, None, 1e-6, 0, 0.0, None, True)
+    width = (cols + 8) // 8 * 8
+    for save_stats in (True, False):
+        got, m, r = torch.ops.torchfuse.layer_norm_with_ones(x, w, b, 1e-6, save_stats)
+        assert got.shape == (rows, width) and got.dtype == dtype and got.is_contiguous()
+        assert torch.equal(got[:, :cols], y)
+        assert torch.equal(got[:, cols], torch.ones(rows, dtype=dtype, device=device))
+        assert torch.equal(got[:, cols + 1:], torch.zeros(rows, width - cols - 1, dtype=dtype, device=device))
+        if save_stats:
+            assert torch.equal(m, mean) and torch.equal(r, rstd)
+        else:
+            assert m.numel() == 0 and r.numel() == 0
+    strided = make((rows, cols + 3), dtype, device)[:, 1:cols + 1]
+    got = torch.ops.torchfuse.layer_norm_with_ones(strided, w, b, 1e-6, False)[0]
+    want = torch.ops.torchfuse.norm_fwd(strided, None, None, w, b, None, None, 1e-6, 0, 0.0, None, False)[0]
+    assert torch.equal(got[:, :cols], want)
+    torch.library.opcheck(torch.ops.torchfuse.layer_norm_with_ones.default, (x, w, b, 1e-6, True))
+    with pytest.raises(RuntimeError, match="layer_norm_with_ones: x must be 2-D"):
+        torch.ops.torchfuse.layer_norm_with_ones(x.reshape(-1), w, b, 1e-6, False)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_torch_compile_fullgraph(device, kind):
     backend = "inductor" if device == "cuda" else "aot_eager"

@@ -71,6 +71,11 @@ def test_layer_forward_backward_matches_gr(device, cfg_kw, dtype):
     ref.backward(g)
     lp.backward(g.to(dtype))
     floor = 1e-5 if dtype == torch.float32 else 1e-3  # relative to each tensor's scale
+    # a norm parameter's or a bias's gradient is a sum over every row of products of dtype-rounded
+    # factors, rounded to dtype: an ulp of its largest entry apart from float64 is rounding, not error
+    # (the formulation in dtype can land closer by luck: seen at 0.55 eps for bf16 against its 0.16)
+    sum_floor = max(floor, torch.finfo(dtype).eps)
+    sums = {"_uvqk_beta", "_input_norm_weight", "_input_norm_bias", "_output_norm_weight", "_output_norm_bias"}
 
     def rel(a, b):
         return (a.double() - b).abs().max().item() / (b.abs().max().item() + 1e-6)
@@ -79,7 +84,8 @@ def test_layer_forward_backward_matches_gr(device, cfg_kw, dtype):
     params = dict(layer.named_parameters())
     for name, got, want, own in [("x", x.grad, x64.grad, x_lp.grad)] + [
             (k, params[k].grad, P64[k].grad, P_lp[k].grad) for k in GR_KEYS]:
-        assert rel(got, want) <= max(3 * rel(own, want), floor), (name, rel(got, want), rel(own, want))
+        fl = sum_floor if name in sums else floor
+        assert rel(got, want) <= max(3 * rel(own, want), fl), (name, rel(got, want), rel(own, want))
 
 
 @pytest.mark.parametrize("cfg_kw", [CONFIGS[0], CONFIGS[1]])

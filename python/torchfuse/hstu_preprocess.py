@@ -18,6 +18,7 @@ from .skinny_linear import applies as skinny_applies
 _norm_fwd = torch.ops.torchfuse.norm_fwd.default
 _norm_infer = torch.ops.torchfuse.add_norm.default
 _norm_bwd = torch.ops.torchfuse.norm_bwd.default
+_norm_ones = torch.ops.torchfuse.layer_norm_with_ones.default
 _skinny = torch.ops.torchfuse.skinny_linear.default
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -82,6 +83,26 @@ def hstu_preprocess(
         return _split(uvqk, num_heads, attn_dim, hidden_dim, silu=bool(silu_u))
     normed, _ = _norm_infer(x, None, norm_weight, norm_bias, float(eps), LAYER_NORM, 0.0)
     return _split(torch.addmm(uvqk_bias, normed, uvqk_weight), num_heads, attn_dim, hidden_dim, silu=bool(silu_u))
+
+
+def hstu_preprocess_with_residual(x: Tensor, norm_weight: Tensor, norm_bias: Tensor, eps: float, uvqk_weight: Tensor,
+                                  uvqk_bias: Tensor, num_heads: int, attn_dim: int, hidden_dim: int, *,
+                                  recompute_normed_x: bool = False, recompute_uvqk: bool = False,
+                                  silu_u: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``hstu_preprocess`` and x itself, for the layer's residual (``out = x + y @ W``): training, the
+    residual's gradient then comes back to this op's backward and is added to x's inside the LayerNorm's
+    backward kernel, where autograd would otherwise add x's two gradients in a kernel of its own."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, norm_bias, uvqk_weight,
+                                                                     uvqk_bias))
+    if not grad or not isinstance(x, Tensor) or torch.is_autocast_enabled(x.device.type):
+        return (*hstu_preprocess(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim,
+                                 hidden_dim, recompute_normed_x=recompute_normed_x, recompute_uvqk=recompute_uvqk,
+                                 silu_u=silu_u), x)
+    count("hstu_preprocess")
+    _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim)
+    return _HSTUPreprocess.apply(x, norm_weight, norm_bias, float(eps), uvqk_weight, uvqk_bias, int(num_heads),
+                                 int(attn_dim), int(hidden_dim), bool(recompute_normed_x), bool(recompute_uvqk),
+                                 bool(silu_u), True)
 
 
 def _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, H, Da, Dh) -> None:
@@ -162,27 +183,38 @@ def _copy_cols(dst: Tensor, src: Tensor) -> None:
 class _HSTUPreprocess(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, H, Da, Dh, recompute_normed_x,
-                recompute_uvqk, silu_u):
-        normed, _, _, mean, rstd = _norm_fwd(x, None, None, norm_weight, norm_bias, None, None, eps, LAYER_NORM,
-                                             0.0, None, True)
+                recompute_uvqk, silu_u, alias_x=False):
+        # with both GEMM parameters trained, the norm writes [LN(x), 1] rows: the backward's one GEMM
+        # [LN(x), 1]^T @ d_uvqk then gives the bias gradient with the weight's (no column-sum pass)
+        ones = ctx.needs_input_grad[4] and ctx.needs_input_grad[5]
+        if ones:
+            normed_ones, mean, rstd = _norm_ones(x, norm_weight, norm_bias, eps, True)
+            normed = normed_ones[:, :x.shape[1]]
+        else:
+            normed, _, _, mean, rstd = _norm_fwd(x, None, None, norm_weight, norm_bias, None, None, eps,
+                                                 LAYER_NORM, 0.0, None, True)
         uvqk = torch.addmm(uvqk_bias, normed, uvqk_weight)
         u_pre, q, k, v = _split(uvqk, H, Da, Dh, silu=False)
         u = F.silu(u_pre) if silu_u else u_pre
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, uvqk_weight, uvqk_bias,
-                              None if recompute_normed_x else normed,
+                              None if recompute_normed_x else (normed_ones if ones else normed),
                               None if recompute_uvqk or not silu_u else u_pre)
-        ctx.eps, ctx.dims, ctx.silu_u = eps, (H, Da, Dh), silu_u
-        return u, q, k, v
+        ctx.eps, ctx.dims, ctx.silu_u, ctx.ones = eps, (H, Da, Dh), silu_u, ones
+        # alias_x: x again, as the layer's residual: its gradient comes back here and joins the norm's
+        # backward in one kernel (norm_bwd's ds) instead of autograd adding x's two gradients
+        return (u, q, k, v, x.view_as(x)) if alias_x else (u, q, k, v)
 
     @staticmethod
-    def backward(ctx, du, dq, dk, dv):
+    def backward(ctx, du, dq, dk, dv, dres=None):
         x, mean, rstd, norm_weight, norm_bias, uvqk_weight, uvqk_bias, normed, u_pre = ctx.saved_tensors
         H, Da, Dh = ctx.dims
         need = ctx.needs_input_grad
         L = x.shape[0]
         need_dw = need[4] or need[5]
         if normed is None and (need_dw or (ctx.silu_u and u_pre is None and du is not None)):
-            normed = _norm_infer(x, None, norm_weight, norm_bias, ctx.eps, LAYER_NORM, 0.0)[0]
+            normed = (_norm_ones(x, norm_weight, norm_bias, ctx.eps, False)[0] if ctx.ones else
+                      _norm_infer(x, None, norm_weight, norm_bias, ctx.eps, LAYER_NORM, 0.0)[0])
+        normed_ones, normed = (normed, normed[:, :x.shape[1]]) if ctx.ones and normed is not None else (None, normed)
         if du is None:
             du_pre = None
         elif not ctx.silu_u:
@@ -201,12 +233,16 @@ class _HSTUPreprocess(torch.autograd.Function):
         else:
             d_uvqk = torch.cat([_flat(du_pre, H * Dh, L, x), _flat(dv, H * Dh, L, x), _flat(dq, H * Da, L, x),
                                 _flat(dk, H * Da, L, x)], dim=1)
-        d_w = normed.t().mm(d_uvqk) if need[4] else None
-        d_b = d_uvqk.sum(0) if need[5] else None
+        if normed_ones is not None:  # [dW; db] in one GEMM
+            dwb = normed_ones.t().mm(d_uvqk)
+            d_w, d_b = dwb[:x.shape[1]], dwb[x.shape[1]]
+        else:
+            d_w = normed.t().mm(d_uvqk) if need[4] else None
+            d_b = d_uvqk.sum(0) if need[5] else None
         dx = dnw = dnb = None
         if need[0] or need[1] or need[2]:
             d_normed = d_uvqk.mm(uvqk_weight.t())
-            dx, _, _, dnw, dnb, _, _ = _norm_bwd(d_normed, None, None, x, mean, rstd, norm_weight, None, LAYER_NORM,
+            dx, _, _, dnw, dnb, _, _ = _norm_bwd(d_normed, None, dres, x, mean, rstd, norm_weight, None, LAYER_NORM,
                                                  0.0, True, False, x.dtype, None, None, need[1] or need[2])
         return (dx if need[0] else None, dnw if need[1] else None, dnb if need[2] else None, None,
-                d_w, d_b, None, None, None, None, None, None)
+                d_w, d_b, None, None, None, None, None, None, None)

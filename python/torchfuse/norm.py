@@ -137,6 +137,15 @@ def _add_norm_fake(x, residual, weight, bias, eps, norm_type, weight_offset):
     return y, s
 
 
+@torch.library.register_fake("torchfuse::layer_norm_with_ones")
+def _layer_norm_with_ones_fake(x, weight, bias, eps, save_stats):
+    torch._check(x.dim() == 2 and x.shape[1] >= 1, lambda: "torchfuse.layer_norm_with_ones: x must be 2-D")
+    rows, cols = x.shape
+    stat = (lambda: x.new_empty(rows, dtype=torch.float32)) if save_stats else (
+        lambda: x.new_empty(0, dtype=torch.float32))
+    return x.new_empty((rows, (cols + 8) // 8 * 8)), stat(), stat()
+
+
 @torch.library.register_fake("torchfuse::norm_bwd")
 def _norm_bwd_fake(dy, dy2, ds, s, mean, rstd, weight, weight2, norm_type, weight_offset, has_bias, has_bias2,
                    x_dtype, residual_dtype, residual2_dtype, weight_grad):

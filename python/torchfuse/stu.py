@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .hstu import hstu_attention, hstu_attention_cached
 from .hstu_output import hstu_compute_output
-from .hstu_preprocess import hstu_preprocess
+from .hstu_preprocess import hstu_preprocess, hstu_preprocess_with_residual
 from .jagged import complete_cumsum, concat_2d_jagged, split_2d_jagged
 
 __all__ = ["STULayerConfig", "STULayer", "STUStack"]
@@ -202,12 +202,15 @@ class STULayer(torch.nn.Module):
         casts[(name, dtype)] = (p._version, p.data_ptr(), t)
         return t
 
-    def _uvqk(self, x: Tensor):
+    def _uvqk(self, x: Tensor, residual: bool = False):
+        """u, q, k, v; with ``residual``, x as well, to be the output's residual (its gradient then joins
+        the input norm's backward kernel)."""
         w = self._param
-        return hstu_preprocess(x, w("_input_norm_weight", x.dtype), w("_input_norm_bias", x.dtype), 1e-6,
-                               w("_uvqk_weight", x.dtype), w("_uvqk_beta", x.dtype), self._num_heads,
-                               self._attention_dim, self._hidden_dim, recompute_normed_x=self._recompute_normed_x,
-                               recompute_uvqk=self._recompute_uvqk, silu_u=False)
+        fn = hstu_preprocess_with_residual if residual else hstu_preprocess
+        return fn(x, w("_input_norm_weight", x.dtype), w("_input_norm_bias", x.dtype), 1e-6,
+                  w("_uvqk_weight", x.dtype), w("_uvqk_beta", x.dtype), self._num_heads, self._attention_dim,
+                  self._hidden_dim, recompute_normed_x=self._recompute_normed_x, recompute_uvqk=self._recompute_uvqk,
+                  silu_u=False)
 
     def _output(self, attn: Tensor, u: Tensor, x: Tensor) -> Tensor:
         # u arrives before its SiLU: the output op applies it as it reads u (one pass less over u)
@@ -223,12 +226,12 @@ class STULayer(torch.nn.Module):
                 max_kv_caching_len: int = 0, kv_caching_lengths: Optional[Tensor] = None) -> Tensor:
         if x.dim() != 2 or x.shape[1] != self._embedding_dim:
             raise ValueError(f"torchfuse.nn.STULayer: x must be (L, {self._embedding_dim}), got {tuple(x.shape)}")
-        u, q, k, v = self._uvqk(x)
+        u, q, k, v, residual = self._uvqk(x, residual=True)
         attn = _attention(q, k, v, x_offsets, max_seq_len, self._attn_alpha,
                           num_targets if self._target_aware else None, self._contextual_seq_len,
                           self._max_attn_len).reshape(-1, self._hidden_dim * self._num_heads)
         self.update_kv_cache(max_seq_len, x_offsets, k, v, max_kv_caching_len, kv_caching_lengths)
-        return self._output(attn, u, x)
+        return self._output(attn, u, residual)
 
     def cached_forward(self, delta_x: Tensor, num_targets: Optional[Tensor], max_kv_caching_len: int = 0,
                        kv_caching_lengths: Optional[Tensor] = None, append_to_cache: bool = False,
