@@ -146,7 +146,7 @@ HstuOutputBwd prepare_hstu_output_bwd(const at::Tensor &dy, const at::Tensor &at
                                       const at::Tensor &weight, const at::Tensor &bias, const at::Tensor &mean,
                                       const at::Tensor &rstd, const at::Tensor &rng_state, int64_t groups,
                                       int64_t mul_act, int64_t cat_act, bool concat_u, bool concat_x,
-                                      double dropout_ratio, bool weight_grad) {
+                                      double dropout_ratio, bool weight_grad, bool recompute_y) {
     const Shape sh = check_common(attn, u, weight, bias, groups, mul_act, cat_act, concat_u, concat_x,
                                   dropout_ratio);
     HstuOutputBwd g{};
@@ -184,6 +184,13 @@ HstuOutputBwd prepare_hstu_output_bwd(const at::Tensor &dy, const at::Tensor &at
         g.dw = no_output(attn);
         g.db = no_output(attn);
     }
+    if (recompute_y) {
+        g.y = at::empty({p.rows, p.y_cols}, attn.options());
+        p.y = g.y.data_ptr();
+        p.y_dtype = p.attn_dtype;
+    } else {
+        g.y = no_output(attn);
+    }
     return g;
 }
 
@@ -220,13 +227,14 @@ HstuOutputResult hstu_output_fwd_cpu(const at::Tensor &attn, const at::Tensor &u
     return f.result();
 }
 
-HstuOutputResult hstu_output_bwd_cpu(const at::Tensor &dy, const at::Tensor &attn, const at::Tensor &u,
-                                     const at::Tensor &weight, const at::Tensor &bias, const at::Tensor &mean,
-                                     const at::Tensor &rstd, const at::Tensor &rng_state, int64_t groups,
-                                     int64_t mul_act, int64_t cat_act, bool concat_u, bool concat_x,
-                                     double dropout_ratio, bool weight_grad) {
+HstuOutputBwdResult hstu_output_bwd_cpu(const at::Tensor &dy, const at::Tensor &attn, const at::Tensor &u,
+                                        const at::Tensor &weight, const at::Tensor &bias, const at::Tensor &mean,
+                                        const at::Tensor &rstd, const at::Tensor &rng_state, int64_t groups,
+                                        int64_t mul_act, int64_t cat_act, bool concat_u, bool concat_x,
+                                        double dropout_ratio, bool weight_grad, bool recompute_y) {
     HstuOutputBwd g = prepare_hstu_output_bwd(dy, attn, u, weight, bias, mean, rstd, rng_state, groups, mul_act,
-                                              cat_act, concat_u, concat_x, dropout_ratio, weight_grad);
+                                              cat_act, concat_u, concat_x, dropout_ratio, weight_grad,
+                                              recompute_y);
     // fixed blocks of rows, each summing into its own partial row: the result does not depend on threads
     const int64_t blocks = std::max<int64_t>(1, (g.p.rows + kCpuRowsPerPartial - 1) / kCpuRowsPerPartial);
     at::Tensor partials = alloc_hstu_output_partials(g, blocks);

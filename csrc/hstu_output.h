@@ -34,19 +34,21 @@ HstuOutputFwd prepare_hstu_output_fwd(const at::Tensor &attn, const at::Tensor &
                                       int64_t cat_act, bool concat_u, bool concat_x, double dropout_ratio,
                                       const std::optional<at::Tensor> &rng_state);
 
+using HstuOutputBwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
 struct HstuOutputBwd {
     tf_hstu_output_bwd_params p;
     at::Tensor dy, attn, u, w, b, mean, rstd, rng_state;
-    at::Tensor dattn, du, dw, db;
+    at::Tensor dattn, du, dw, db, y;  // y: the forward's, written again (recompute_y), else empty
     bool want_wgrad;
-    HstuOutputResult result() const { return {dattn, du, dw, db}; }
+    HstuOutputBwdResult result() const { return {dattn, du, dw, db, y}; }
 };
 
 HstuOutputBwd prepare_hstu_output_bwd(const at::Tensor &dy, const at::Tensor &attn, const at::Tensor &u,
                                       const at::Tensor &weight, const at::Tensor &bias, const at::Tensor &mean,
                                       const at::Tensor &rstd, const at::Tensor &rng_state, int64_t groups,
                                       int64_t mul_act, int64_t cat_act, bool concat_u, bool concat_x,
-                                      double dropout_ratio, bool weight_grad);
+                                      double dropout_ratio, bool weight_grad, bool recompute_y);
 
 // Zeroed fp32 partial sums (2 x n_partials x wcols), wired into g.p when weight gradients are wanted.
 at::Tensor alloc_hstu_output_partials(HstuOutputBwd &g, int64_t n_partials);

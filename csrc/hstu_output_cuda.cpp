@@ -32,14 +32,15 @@ HstuOutputResult hstu_output_fwd_cuda(const at::Tensor &attn, const at::Tensor &
     return f.result();
 }
 
-HstuOutputResult hstu_output_bwd_cuda(const at::Tensor &dy, const at::Tensor &attn, const at::Tensor &u,
-                                      const at::Tensor &weight, const at::Tensor &bias, const at::Tensor &mean,
-                                      const at::Tensor &rstd, const at::Tensor &rng_state, int64_t groups,
-                                      int64_t mul_act, int64_t cat_act, bool concat_u, bool concat_x,
-                                      double dropout_ratio, bool weight_grad) {
+HstuOutputBwdResult hstu_output_bwd_cuda(const at::Tensor &dy, const at::Tensor &attn, const at::Tensor &u,
+                                         const at::Tensor &weight, const at::Tensor &bias, const at::Tensor &mean,
+                                         const at::Tensor &rstd, const at::Tensor &rng_state, int64_t groups,
+                                         int64_t mul_act, int64_t cat_act, bool concat_u, bool concat_x,
+                                         double dropout_ratio, bool weight_grad, bool recompute_y) {
     const c10::cuda::CUDAGuard guard(attn.device());
     HstuOutputBwd g = prepare_hstu_output_bwd(dy, attn, u, weight, bias, mean, rstd, rng_state, groups, mul_act,
-                                              cat_act, concat_u, concat_x, dropout_ratio, weight_grad);
+                                              cat_act, concat_u, concat_x, dropout_ratio, weight_grad,
+                                              recompute_y);
     const int64_t n_partials = tf_hstu_output_bwd_cuda_partials(&g.p);
     at::Tensor partials = alloc_hstu_output_partials(g, n_partials);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();

@@ -220,11 +220,13 @@ TORCH_LIBRARY(torchfuse, m) {
         "int cat_act, bool concat_u, bool concat_x, float dropout_ratio, int? seed=None, Tensor? rng_state=None) "
         "-> (Tensor, Tensor, Tensor, Tensor)",
         {at::Tag::nondeterministic_seeded});
-    // Gradients of hstu_output_fwd's y: (dattn, du, dweight, dbias); dweight/dbias empty unless weight_grad.
+    // Gradients of hstu_output_fwd's y: (dattn, du, dweight, dbias, y); dweight/dbias empty unless
+    // weight_grad; y, the forward's y written again bit for bit (recompute_y_in_backward: one pass over attn
+    // and u for both), empty unless recompute_y.
     m.def(
         "hstu_output_bwd(Tensor dy, Tensor attn, Tensor u, Tensor weight, Tensor bias, Tensor mean, Tensor rstd, "
         "Tensor rng_state, int groups, int mul_act, int cat_act, bool concat_u, bool concat_x, float dropout_ratio, "
-        "bool weight_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+        "bool weight_grad, bool recompute_y=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
     // ---- skinny linear (python/torchfuse/skinny_linear.py; semantics: kernels/skinny_linear_kernels.h) ----
     // [LayerNorm(a) with norm_weight, norm_bias, eps] @ weight + bias + residual for a of at most 8 rows.

@@ -114,10 +114,10 @@ void tf_hstu_output_bwd_cpu(const tf_hstu_output_bwd_params *p, int64_t row_begi
     part_offsets(n, p->cat_u, p->cat_x, &ou, &ox, &oy);
     mask_walk mw;
     mask_init(&mw, &p->rng, p->dropout, p->p);
-    float *buf = (float *)malloc((size_t)(7 * n + 1) * sizeof(float));
+    float *buf = (float *)malloc((size_t)(8 * n + 1) * sizeof(float));
     if (!buf) return;
     float *a = buf, *u = buf + n, *gy = buf + 2 * n, *xhat = buf + 3 * n, *dxhat = buf + 4 * n;
-    float *gu = buf + 5 * n, *gx = buf + 6 * n;
+    float *gu = buf + 5 * n, *gx = buf + 6 * n, *v = buf + 7 * n;
     float *dw = p->dw_part ? p->dw_part + part * wcols : NULL;
     float *db = p->db_part ? p->db_part + part * wcols : NULL;
     for (int64_t r = row_begin; r < row_end; ++r) {
@@ -125,6 +125,29 @@ void tf_hstu_output_bwd_cpu(const tf_hstu_output_bwd_params *p, int64_t row_begi
         tf_row_to_f32(p->u, p->u_dtype, r * p->u_stride, n, u);
         const uint64_t e_row = (uint64_t)r * (uint64_t)p->y_cols;
         const int64_t dy_row = r * p->dy_stride;
+        if (p->y) { /* the forward's y again, from its statistics: the forward's expressions and mask */
+            const int64_t y_row = r * p->y_cols;
+            if (ou >= 0) {
+                for (int64_t c = 0; c < n; ++c) v[c] = act_f(u[c], p->cat_act);
+                drop_segment(&mw, p->dropout, e_row + ou, n, v);
+                tf_row_from_f32(p->y, p->y_dtype, y_row + ou, n, v);
+            }
+            if (ox >= 0) {
+                for (int64_t c = 0; c < n; ++c) v[c] = a[c];
+                drop_segment(&mw, p->dropout, e_row + ox, n, v);
+                tf_row_from_f32(p->y, p->y_dtype, y_row + ox, n, v);
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                const float mean = p->mean[r * G + g], rstd = p->rstd[r * G + g];
+                for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
+                    const int64_t wi = p->group_weights ? g : c;
+                    const float w = tf_load_f32(p->w, p->w_dtype, wi), b = tf_load_f32(p->b, p->w_dtype, wi);
+                    v[c] = act_f(u[c], p->mul_act) * ((a[c] - mean) * rstd * w + b);
+                }
+            }
+            drop_segment(&mw, p->dropout, e_row + oy, n, v);
+            tf_row_from_f32(p->y, p->y_dtype, y_row + oy, n, v);
+        }
         /* the masked gradients of the three parts */
         tf_row_to_f32(p->dy, p->dy_dtype, dy_row + oy, n, gy);
         drop_segment(&mw, p->dropout, e_row + oy, n, gy);

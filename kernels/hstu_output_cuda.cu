@@ -89,11 +89,11 @@ struct Dropout {
     bool on;
 };
 
-/* v[i] *= keep(e0 + i) / (1 - p) for i < n <= 8. The chunk's elements span at most two Philox blocks of
- * 8: each is drawn once, its eight halves turned into keep bits at once (bit 8 * block + element, shifted
- * by the chunk's phase afterwards), so only four words and a bit mask are live at a time. */
-__device__ __forceinline__ void apply_mask(const Dropout &d, uint64_t e0, int n, float (&v)[TF_VEC]) {
-    if (!d.on || n <= 0) return;
+/* keep(e0 + i) as bit i, for i < n <= 8. The chunk's elements span at most two Philox blocks of 8: each
+ * is drawn once, its eight halves turned into keep bits at once (bit 8 * block + element, shifted by the
+ * chunk's phase afterwards), so only four words and a bit mask are live at a time. */
+__device__ __forceinline__ uint32_t mask_bits(const Dropout &d, uint64_t e0, int n) {
+    if (!d.on || n <= 0) return 0u;
     const uint64_t b0 = e0 >> 3;
     const unsigned ph = (unsigned)(e0 & 7), end = ph + (unsigned)n;
     uint32_t bits = 0u;
@@ -108,10 +108,19 @@ __device__ __forceinline__ void apply_mask(const Dropout &d, uint64_t e0, int n,
             for (int h = 0; h < 2; ++h)
                 bits |= (uint32_t)tf_philox_keep16(w[q], h, d.threshold) << (8 * j + 2 * q + h);
     }
-    bits >>= ph;
+    return bits >> ph;
+}
+
+/* v[i] *= keep(i) / (1 - p) for i < n, keep(i) bit i of mask_bits' word. */
+__device__ __forceinline__ void apply_bits(const Dropout &d, uint32_t bits, int n, float (&v)[TF_VEC]) {
+    if (!d.on) return;
 #pragma unroll
     for (int i = 0; i < TF_VEC; ++i)
         if (i < n) v[i] = (bits >> i) & 1u ? v[i] * d.scale : 0.f;
+}
+
+__device__ __forceinline__ void apply_mask(const Dropout &d, uint64_t e0, int n, float (&v)[TF_VEC]) {
+    apply_bits(d, mask_bits(d, e0, n), n, v);
 }
 
 __device__ __forceinline__ void load_params(const void *w, const void *b, int dt, int group_weights, int64_t g,
@@ -145,6 +154,17 @@ __device__ __forceinline__ Dropout make_dropout(const tf_philox_args &rng, int o
     return d;
 }
 
+/* y's element from attn's normalized value, u's activation and the norm parameters, each rounding
+ * spelled out: the backward writes y again (recompute_y_in_backward) and must land on the same bits,
+ * whatever contraction the compiler would choose in each kernel (ptxas fused a rematerialized
+ * mean = sum * inv into a - mean in one forward kernel: fp32 ulps apart from the stored mean's). */
+__device__ __forceinline__ float y_of(float xhat, float act_u, float w, float b) {
+    return __fmul_rn(act_u, __fmaf_rn(xhat, w, b));
+}
+__device__ __forceinline__ float xhat_of(float a, float mean, float rstd) {
+    return __fmul_rn(__fsub_rn(a, mean), rstd);
+}
+
 /* The three parts of one chunk of the output row, dropped out and rounded. y's part first: the norm
  * weight and bias (and, after attn's part, attn) are dead before the later parts' mask draws. */
 __device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params &p, const Dropout &d, void *yrow,
@@ -156,7 +176,7 @@ __device__ __forceinline__ void fwd_write_chunk(const tf_hstu_output_fwd_params 
 #pragma unroll
     for (int i = 0; i < TF_VEC; ++i) {
         fm[i] = hstu_act(u[i], p.mul_act);
-        v[i] = fm[i] * ((a[i] - mean) * rstd * w[i] + b[i]);
+        v[i] = y_of(xhat_of(a[i], mean, rstd), fm[i], w[i], b[i]);
     }
     apply_mask(d, e_row + oy + col, cn, v);
     tf_st_chunk(yrow, p.y_dtype, oy + col, cn, v);
@@ -281,12 +301,13 @@ __device__ __forceinline__ void bwd_load(const tf_hstu_output_bwd_params &p, con
     load_params(p.w, p.b, p.w_dtype, p.group_weights, g, col, cn, c.w, c.b);
 #pragma unroll
     for (int i = 0; i < TF_VEC; ++i) {
-        c.xhat[i] = i < cn ? (c.a[i] - mean) * rstd : 0.f;
+        c.xhat[i] = i < cn ? xhat_of(c.a[i], mean, rstd) : 0.f;
         c.dn[i] = i < cn ? c.gy[i] * hstu_act(c.u[i], p.mul_act) : 0.f;
     }
 }
 
-/* GroupNorm, and LayerNorm rows wider than the rows kernels take: any width, each chunk read twice. */
+/* GroupNorm, and LayerNorm rows wider than the rows kernels take: any width, each chunk read twice; y
+ * (p.y set) written in the second pass, each part's keep bits shared with dY's part. */
 __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
     const tf_hstu_output_bwd_params p) {
     const int lane = threadIdx.x & 31;
@@ -341,6 +362,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
         const float m1 = warp_sum(s1) * inv, m2 = warp_sum(s2) * inv;
         void *darow = tf_row(p.dattn, p.dattn_dtype, r, n);
         void *durow = tf_row(p.du, p.du_dtype, r, n);
+        void *yrow = p.y ? tf_row(p.y, p.y_dtype, r, p.y_cols) : nullptr;
         for (int64_t j = lane; j < nch; j += 32) {
             const int cn = chunk_n(j, gs);
             const int64_t col = c0 + j * TF_VEC;
@@ -352,16 +374,33 @@ __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
                  * the product's rounding error, which rstd magnifies when the row is constant */
                 da[i] = rstd * (__fmul_rn(c.dn[i], c.w[i]) - m1 - c.xhat[i] * m2);
                 du[i] = c.gy[i] * (c.xhat[i] * c.w[i] + c.b[i]) * hstu_act_grad(c.u[i], p.mul_act);
+                t[i] = y_of(c.xhat[i], hstu_act(c.u[i], p.mul_act), c.w[i], c.b[i]); /* y's part */
+            }
+            if (yrow) {
+                apply_mask(d, e_row + oy + col, cn, t);
+                tf_store_chunk(yrow, p.y_dtype, oy + col, cn, t);
             }
             if (ox >= 0) {
+                const uint32_t bits = mask_bits(d, e_row + ox + col, cn);
+                if (yrow) {
+                    apply_bits(d, bits, cn, c.a);
+                    tf_store_chunk(yrow, p.y_dtype, ox + col, cn, c.a);
+                }
                 tf_load_chunk(dyrow, p.dy_dtype, ox + col, cn, t);
-                apply_mask(d, e_row + ox + col, cn, t);
+                apply_bits(d, bits, cn, t);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) da[i] += t[i];
             }
             if (ou >= 0) {
+                const uint32_t bits = mask_bits(d, e_row + ou + col, cn);
+                if (yrow) {
+#pragma unroll
+                    for (int i = 0; i < TF_VEC; ++i) t[i] = hstu_act(c.u[i], p.cat_act);
+                    apply_bits(d, bits, cn, t);
+                    tf_store_chunk(yrow, p.y_dtype, ou + col, cn, t);
+                }
                 tf_load_chunk(dyrow, p.dy_dtype, ou + col, cn, t);
-                apply_mask(d, e_row + ou + col, cn, t);
+                apply_bits(d, bits, cn, t);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) du[i] += t[i] * hstu_act_grad(c.u[i], p.cat_act);
             }
@@ -387,11 +426,12 @@ constexpr int kRowMaxK = 2;
 /* Blocks per SM the register budgets are set for: the largest counts whose kernels compile unspilled
  * (ptxas, sm_90a); the staged forward's prefetch keeps loads in flight with one block fewer. The staged
  * backward keeps little in registers across rows (norm parameters read per row, dn * w parked in the
- * stage): 5 blocks, their 40 KB stages 200 KB of shared memory. */
+ * stage): 5 blocks, their 40 KB stages 200 KB of shared memory; one block fewer where the backward also
+ * writes y (Y), whose values would spill at the smaller budget. */
 template <int K, bool STAGED>
 constexpr int rows_fwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 6) : 4; }
-template <int K, bool STAGED>
-constexpr int rows_bwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 4) : 2; }
+template <int K, bool STAGED, bool Y>
+constexpr int rows_bwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 4) - (Y ? 1 : 0) : 2; }
 
 /* v summed over the tpr threads of each row group (a fixed order: the same result in every thread of
  * the group, run to run). Every thread of the block calls it; above 32 threads per row it meets the
@@ -552,12 +592,14 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
 /* The staged backward (K == 1, every chunk of attn, u and dY whole and 16-byte aligned): the next row's
  * attn, u and dY chunks (y's part, and attn's and u's when concatenated) are copied into shared memory
  * with cp.async while this row is worked on, as in the staged forward. Planes per stage: (tensor,
- * 16-byte piece) for attn, u, dY[y], dY[attn], dY[u], two pieces each for fp32. */
+ * 16-byte piece) for attn, u, dY[y], dY[attn], dY[u], two pieces each for fp32.
+ * Y: also writes the forward's y again (recompute_y_in_backward), bit for bit: the row's attn, u and
+ * statistics are in hand, and each part's keep bits are the ones dY's part is masked with, drawn once. */
 constexpr int kBwdStagePlanes = 10;
 constexpr size_t rows_bwd_stage_bytes() { return (size_t)2 * kBwdStagePlanes * kRowBlock * 16; }
 
-template <int K, bool STAGED>
-__global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED>()) hstu_output_bwd_rows(
+template <int K, bool STAGED, bool Y>
+__global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED, Y>()) hstu_output_bwd_rows(
     const tf_hstu_output_bwd_params p, int tpr) {
     static_assert(!STAGED || K == 1, "the staged backward holds one chunk per thread");
     __shared__ float red[kRowBlock / 32][2];
@@ -634,20 +676,27 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED>()) h
         }
         float s[2] = {0.f, 0.f};
         float dx[K][TF_VEC]; /* dn * w, rounded as in da below */
+        uint32_t bx[K];      /* Y: the keep bits of attn's part, for y's and then dY's */
         void *durow = tf_row(p.du, p.du_dtype, r, n);
+        void *yrow = Y ? tf_row(p.y, p.y_dtype, r, p.y_cols) : nullptr;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int m = live ? cn[k] : 0;
             const int64_t col = (int64_t)(t + tpr * k) * TF_VEC;
-            apply_mask(d, e_row + oy + col, m, gy[k]);
+            const uint32_t by = mask_bits(d, e_row + oy + col, m);
+            apply_bits(d, by, m, gy[k]);
             if constexpr (STAGED) /* after the mask's draws: not live across them */
                 load_params(p.w, p.b, p.w_dtype, 0, 0, col, cn[k], w[k], b[k]);
-            float du[TF_VEC], gm[TF_VEC];
+            float du[TF_VEC], gm[TF_VEC], fmv[TF_VEC], yv[TF_VEC], ya[TF_VEC];
 #pragma unroll
             for (int i = 0; i < TF_VEC; ++i) {
                 float fm;
                 hstu_act_fg(u[k][i], p.mul_act, fm, gm[i]); /* the one exponential of this element */
-                xh[k][i] = i < m ? (xh[k][i] - mean) * rstd : 0.f;
+                if constexpr (Y) {
+                    fmv[i] = fm;
+                    ya[i] = xh[k][i]; /* attn as read */
+                }
+                xh[k][i] = i < m ? xhat_of(xh[k][i], mean, rstd) : 0.f;
                 const float dn = i < m ? gy[k][i] * fm : 0.f;
                 dx[k][i] = __fmul_rn(dn, w[k][i]);
                 s[0] += dx[k][i];
@@ -655,6 +704,7 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED>()) h
                 acc_w[k][i] += dn * xh[k][i];
                 acc_b[k][i] += dn;
                 du[i] = gy[k][i] * (xh[k][i] * w[k][i] + b[k][i]) * gm[i];
+                if constexpr (Y) yv[i] = y_of(xh[k][i], fm, w[k][i], b[k][i]);
             }
             if constexpr (STAGED) { /* dn * w waits in dY[y]'s planes (read above) for the second phase */
                 *reinterpret_cast<float4 *>(plane(stage, 4)) = make_float4(dx[k][0], dx[k][1], dx[k][2], dx[k][3]);
@@ -663,13 +713,30 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED>()) h
             /* d u needs no row statistic: written before the row's reduction, so that only xhat, dn * w
              * and dY's attn part stay live across it (staged: nothing of the row) */
             if (m == 0) continue;
+            if constexpr (Y) {
+                apply_bits(d, by, m, yv);
+                tf_st_chunk(yrow, p.y_dtype, oy + col, m, yv);
+                if (ox >= 0) {
+                    bx[k] = mask_bits(d, e_row + ox + col, m);
+                    apply_bits(d, bx[k], m, ya);
+                    tf_st_chunk(yrow, p.y_dtype, ox + col, m, ya);
+                }
+            }
             if (ou >= 0) {
                 if (K > 1) tf_ld_chunk(dyrow, p.dy_dtype, ou + col, m, tu[k]); /* read only now: registers */
                 if constexpr (STAGED) stage_to_float(plane(stage, 8), plane(stage, 9), p.dy_dtype, tu[k]);
-                apply_mask(d, e_row + ou + col, m, tu[k]);
+                const uint32_t bu = mask_bits(d, e_row + ou + col, m);
+                apply_bits(d, bu, m, tu[k]);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i)
                     du[i] += tu[k][i] * (p.cat_act == p.mul_act ? gm[i] : hstu_act_grad(u[k][i], p.cat_act));
+                if constexpr (Y) {
+#pragma unroll
+                    for (int i = 0; i < TF_VEC; ++i)
+                        yv[i] = p.cat_act == p.mul_act ? fmv[i] : hstu_act(u[k][i], p.cat_act);
+                    apply_bits(d, bu, m, yv);
+                    tf_st_chunk(yrow, p.y_dtype, ou + col, m, yv);
+                }
             }
             tf_st_chunk(durow, p.du_dtype, col, m, du);
         }
@@ -685,7 +752,7 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED>()) h
                 float a[TF_VEC];
                 stage_to_float(plane(stage, 0), plane(stage, 1), p.attn_dtype, a);
 #pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) xh[k][i] = (a[i] - mean) * rstd;
+                for (int i = 0; i < TF_VEC; ++i) xh[k][i] = xhat_of(a[i], mean, rstd);
                 const float4 d0 = *reinterpret_cast<const float4 *>(plane(stage, 4));
                 const float4 d1 = *reinterpret_cast<const float4 *>(plane(stage, 5));
                 dx[k][0] = d0.x; dx[k][1] = d0.y; dx[k][2] = d0.z; dx[k][3] = d0.w;
@@ -701,7 +768,8 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED>()) h
             if (ox >= 0) {
                 if (K > 1) tf_ld_chunk(dyrow, p.dy_dtype, ox + col, cn[k], tx[k]); /* read only now: registers */
                 if constexpr (STAGED) stage_to_float(plane(stage, 6), plane(stage, 7), p.dy_dtype, tx[k]);
-                apply_mask(d, e_row + ox + col, cn[k], tx[k]);
+                if constexpr (Y) apply_bits(d, bx[k], cn[k], tx[k]);
+                else apply_mask(d, e_row + ox + col, cn[k], tx[k]);
 #pragma unroll
                 for (int i = 0; i < TF_VEC; ++i) da[i] += tx[k][i];
             }
@@ -806,12 +874,17 @@ bool bwd_stageable(const tf_hstu_output_bwd_params *p) {
            (p->dy_stride * bytes(p->dy_dtype)) % 16 == 0;
 }
 
+template <bool Y>
+Launch bwd_rows_launch(const tf_hstu_output_bwd_params *p, const RowMap &m) {
+    if (m.k == 1 && bwd_stageable(p))
+        return {(const void *)hstu_output_bwd_rows<1, true, Y>, kRowBlock, m.tpr, rows_bwd_stage_bytes()};
+    if (m.k == 1) return {(const void *)hstu_output_bwd_rows<1, false, Y>, kRowBlock, m.tpr, 0};
+    return {(const void *)hstu_output_bwd_rows<2, false, Y>, kRowBlock, m.tpr, 0};
+}
+
 Launch bwd_launch(const tf_hstu_output_bwd_params *p) {
     const RowMap m = row_map(p->cols, p->groups, p->group_weights);
-    if (m.k == 1 && bwd_stageable(p))
-        return {(const void *)hstu_output_bwd_rows<1, true>, kRowBlock, m.tpr, rows_bwd_stage_bytes()};
-    if (m.k == 1) return {(const void *)hstu_output_bwd_rows<1, false>, kRowBlock, m.tpr, 0};
-    if (m.k == 2) return {(const void *)hstu_output_bwd_rows<2, false>, kRowBlock, m.tpr, 0};
+    if (m.k > 0) return p->y ? bwd_rows_launch<true>(p, m) : bwd_rows_launch<false>(p, m);
     return {(const void *)hstu_output_bwd_kernel, kWarps * 32, 0, 0};
 }
 

@@ -63,6 +63,8 @@ typedef struct {
     void *du; int du_dtype;
     float *dw_part, *db_part;                /* n_partials x wcols each, zeroed; NULL: not wanted */
     int64_t n_partials;
+    void *y; int y_dtype;                    /* NULL: none; else the forward's y (rows x y_cols) written
+                                              * again, bit for bit (recompute_y_in_backward) */
 } tf_hstu_output_bwd_params;
 
 /* ---- CPU (kernels/hstu_output_cpu.c) ---- */

@@ -148,6 +148,42 @@ def test_widths(device, dtype, group_norm, H, D):
              recompute=False)
 
 
+def _y_again_equals_forward(device, dtype, L, H, D, group_norm, concat, act, p, seed):
+    concat_u, concat_x = CONCATS[concat]
+    t = make(L, H, D, 8, dtype, device, group_norm, concat_u, concat_x, requires_grad=False)
+    acts = {"none": 0, "silu": 1, "sigmoid": 2}
+    opts = (H if group_norm else 0, acts[act], 1 if act != "none" else 0, concat_u, concat_x, p)
+    y, mean, rstd, rng = torch.ops.torchfuse.hstu_output_fwd(t["attn"], t["u"], t["norm_weight"], t["norm_bias"],
+                                                             1e-5, *opts, seed, None)
+    dy = torch.randn_like(y)
+    args = (dy, t["attn"], t["u"], t["norm_weight"], t["norm_bias"], mean, rstd, rng, *opts, True)
+    plain = torch.ops.torchfuse.hstu_output_bwd(*args)
+    again = torch.ops.torchfuse.hstu_output_bwd(*args, True)
+    what = (dtype, L, H, D, group_norm, concat, act, p)
+    assert plain[4].numel() == 0, what
+    assert again[4].shape == y.shape and again[4].dtype == y.dtype, what
+    assert torch.equal(again[4], y), what  # the forward's y, bit for bit, mask included
+    for a, b in zip(plain[:4], again[:4]):
+        assert torch.equal(a, b), what  # and the gradients unchanged by writing it
+
+
+@pytest.mark.parametrize("group_norm,H,D", WIDTHS, ids=[f"{'gn' if g else 'ln'}-{h}x{d}" for g, h, d in WIDTHS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_backward_writes_the_forward_y(device, dtype, group_norm, H, D):
+    """recompute_y_in_backward: the backward op writes y again as it reads attn and u (every kernel path:
+    the widths above), equal to the forward's bit for bit, with its gradients unchanged."""
+    for concat, act, p in [("uxy", "silu", 0.3), ("xy", "sigmoid", 0.0), ("uy", "none", 0.5), ("y", "silu", 0.2)]:
+        if group_norm and concat in ("uy", "xy"):
+            continue  # GroupNorm concatenates all three parts or none
+        _y_again_equals_forward(device, dtype, 19, H, D, group_norm, concat, act, p, 1234 + H * D)
+
+
+@pytest.mark.parametrize("L,H,D", [(0, 2, 8), (1, 2, 8), (20000, 4, 64), (6000, 4, 256), (20000, 5, 25)],
+                         ids=["0", "1", "256", "1024", "125"])
+def test_backward_writes_the_forward_y_many_rows(device, L, H, D):
+    _y_again_equals_forward(device, torch.bfloat16, L, H, D, False, "uxy", "silu", 0.1, 7)
+
+
 @pytest.mark.parametrize("group_norm", [False, True], ids=["ln", "gn"])
 def test_fp32_norm_params_with_bf16_activations(device, group_norm):
     run_case(device, torch.bfloat16, 33, 2, 12, 16, group_norm=group_norm, concat="uxy", act="silu", silu_u=False,
@@ -336,6 +372,7 @@ def test_opcheck(device):
     bwd_args = (torch.randn_like(y), t["attn"], t["u"], t["norm_weight"], t["norm_bias"], mean, rstd, rng, 0, 1, 1,
                 True, False, 0.25, True)
     torch.library.opcheck(torch.ops.torchfuse.hstu_output_bwd.default, bwd_args)
+    torch.library.opcheck(torch.ops.torchfuse.hstu_output_bwd.default, bwd_args + (True,))
 
 
 def test_torch_compile_fullgraph(device):

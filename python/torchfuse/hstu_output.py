@@ -142,16 +142,20 @@ class _HstuComputeOutput(torch.autograd.Function):
         eps, groups, mul_act, cat_act, cu, cx, p = ctx.opts
         need = ctx.needs_input_grad
         Wc = W.to(dout.dtype)
-        dW = None
-        if need[5]:
-            if y is None:  # recompute_y_in_backward: the forward's y, mask from its rng state
-                y = _fwd(attn, u, w, b, eps, groups, mul_act, cat_act, cu, cx, p, None, rng)[0]
-            dW = (y.t() @ dout).to(W.dtype)
         dattn = du = dw = db = None
         if need[0] or need[1] or need[3] or need[4]:
+            # recompute_y_in_backward: the backward kernel writes the forward's y again as it reads attn and u
             dy = dout @ Wc.t()
-            dattn, du, dw, db = _bwd(dy, attn, u, w, b, mean, rstd, rng, groups, mul_act, cat_act, cu, cx, p,
-                                     need[3] or need[4])
+            again = y is None and need[5]
+            dattn, du, dw, db, y_again = _bwd(dy, attn, u, w, b, mean, rstd, rng, groups, mul_act, cat_act, cu, cx,
+                                              p, need[3] or need[4], again)
+            if again:
+                y = y_again
+        dW = None
+        if need[5]:
+            if y is None:  # the forward's y, mask from its rng state
+                y = _fwd(attn, u, w, b, eps, groups, mul_act, cat_act, cu, cx, p, None, rng)[0]
+            dW = (y.t() @ dout).to(W.dtype)
         return (dattn if need[0] else None, du if need[1] else None, dout if need[2] else None,
                 dw if need[3] else None, db if need[4] else None, dW) + (None,) * 9
 
@@ -191,11 +195,12 @@ def _hstu_output_skinny_fake(attn, u, x, norm_weight, norm_bias, eps, output_wei
 
 @torch.library.register_fake("torchfuse::hstu_output_bwd")
 def _hstu_output_bwd_fake(dy, attn, u, weight, bias, mean, rstd, rng_state, groups, mul_act, cat_act, concat_u,
-                          concat_x, dropout_ratio, weight_grad):
+                          concat_x, dropout_ratio, weight_grad, recompute_y=False):
     none = attn.new_empty(0, dtype=torch.float32)
     dw = weight.new_empty(weight.shape) if weight_grad else none
     db = bias.new_empty(bias.shape) if weight_grad else none.clone()
-    return attn.new_empty(attn.shape), u.new_empty(u.shape), dw, db
+    y = attn.new_empty(dy.shape) if recompute_y else none.clone()
+    return attn.new_empty(attn.shape), u.new_empty(u.shape), dw, db, y
 
 
 # ---- autograd of the op itself (torch.ops.torchfuse.hstu_output_fwd called directly) ----
@@ -212,7 +217,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, _dmean, _drstd, _drng):
     attn, u, w, b, mean, rstd, rng = ctx.saved_tensors
     need = ctx.needs_input_grad
-    dattn, du, dw, db = _bwd(dy, attn, u, w, b, mean, rstd, rng, *ctx.opts, need[2] or need[3])
+    dattn, du, dw, db, _ = _bwd(dy, attn, u, w, b, mean, rstd, rng, *ctx.opts, need[2] or need[3])
     return (dattn if need[0] else None, du if need[1] else None, dw if need[2] else None,
             db if need[3] else None) + (None,) * (len(need) - 4)
 
