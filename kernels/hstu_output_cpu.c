@@ -66,10 +66,45 @@ static void drop_segment(mask_walk *m, int dropout, uint64_t e0, int64_t n, floa
     for (int64_t c = 0; c < n; ++c) v[c] *= mask_factor(m, e0 + (uint64_t)c);
 }
 
+/* What one row of y is made from: the parts' offsets, the norm parameters and activations. */
+typedef struct {
+    int64_t n, G, ou, ox, oy;
+    const void *w, *b;
+    int w_dtype, group_weights, mul_act, cat_act, dropout;
+} y_layout;
+
+/* Row r of y, its three parts dropped out and rounded, from the row's attn a and u and each group's
+ * (mean, rstd): written by the forward, and again by the backward for recompute_y_in_backward. */
+static void write_y_row(const y_layout *l, mask_walk *mw, const float *a, const float *u, const float *mean,
+                        const float *rstd, uint64_t e_row, void *y, int y_dtype, int64_t y_row, float *v) {
+    const int64_t n = l->n, gs = n / l->G;
+    if (l->ou >= 0) {
+        for (int64_t c = 0; c < n; ++c) v[c] = act_f(u[c], l->cat_act);
+        drop_segment(mw, l->dropout, e_row + l->ou, n, v);
+        tf_row_from_f32(y, y_dtype, y_row + l->ou, n, v);
+    }
+    if (l->ox >= 0) {
+        for (int64_t c = 0; c < n; ++c) v[c] = a[c];
+        drop_segment(mw, l->dropout, e_row + l->ox, n, v);
+        tf_row_from_f32(y, y_dtype, y_row + l->ox, n, v);
+    }
+    for (int64_t g = 0; g < l->G; ++g)
+        for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
+            const int64_t wi = l->group_weights ? g : c;
+            const float w = tf_load_f32(l->w, l->w_dtype, wi), b = tf_load_f32(l->b, l->w_dtype, wi);
+            v[c] = act_f(u[c], l->mul_act) * ((a[c] - mean[g]) * rstd[g] * w + b);
+        }
+    drop_segment(mw, l->dropout, e_row + l->oy, n, v);
+    tf_row_from_f32(y, y_dtype, y_row + l->oy, n, v);
+}
+
+#define Y_LAYOUT(p) {(p)->cols, (p)->groups, 0, 0, 0, (p)->w, (p)->b, (p)->w_dtype, (p)->group_weights, \
+                      (p)->mul_act, (p)->cat_act, (p)->dropout}
+
 void tf_hstu_output_fwd_cpu(const tf_hstu_output_fwd_params *p, int64_t row_begin, int64_t row_end) {
     const int64_t n = p->cols, G = p->groups, gs = n / G;
-    int64_t ou, ox, oy;
-    part_offsets(n, p->cat_u, p->cat_x, &ou, &ox, &oy);
+    y_layout l = Y_LAYOUT(p);
+    part_offsets(n, p->cat_u, p->cat_x, &l.ou, &l.ox, &l.oy);
     mask_walk mw;
     mask_init(&mw, &p->rng, p->dropout, p->p);
     float *buf = (float *)malloc((size_t)(3 * n + 1) * sizeof(float));
@@ -78,31 +113,10 @@ void tf_hstu_output_fwd_cpu(const tf_hstu_output_fwd_params *p, int64_t row_begi
     for (int64_t r = row_begin; r < row_end; ++r) {
         tf_row_to_f32(p->attn, p->attn_dtype, r * p->attn_stride, n, a);
         tf_row_to_f32(p->u, p->u_dtype, r * p->u_stride, n, u);
-        const uint64_t e_row = (uint64_t)r * (uint64_t)p->y_cols;
-        const int64_t y_row = r * p->y_cols;
-        if (ou >= 0) {
-            for (int64_t c = 0; c < n; ++c) v[c] = act_f(u[c], p->cat_act);
-            drop_segment(&mw, p->dropout, e_row + ou, n, v);
-            tf_row_from_f32(p->y, p->y_dtype, y_row + ou, n, v);
-        }
-        if (ox >= 0) {
-            for (int64_t c = 0; c < n; ++c) v[c] = a[c];
-            drop_segment(&mw, p->dropout, e_row + ox, n, v);
-            tf_row_from_f32(p->y, p->y_dtype, y_row + ox, n, v);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-            float mean, rstd;
-            row_stats(a + g * gs, gs, p->eps, &mean, &rstd);
-            p->mean[r * G + g] = mean;
-            p->rstd[r * G + g] = rstd;
-            for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
-                const int64_t wi = p->group_weights ? g : c;
-                const float w = tf_load_f32(p->w, p->w_dtype, wi), b = tf_load_f32(p->b, p->w_dtype, wi);
-                v[c] = act_f(u[c], p->mul_act) * ((a[c] - mean) * rstd * w + b);
-            }
-        }
-        drop_segment(&mw, p->dropout, e_row + oy, n, v);
-        tf_row_from_f32(p->y, p->y_dtype, y_row + oy, n, v);
+        for (int64_t g = 0; g < G; ++g)
+            row_stats(a + g * gs, gs, p->eps, &p->mean[r * G + g], &p->rstd[r * G + g]);
+        write_y_row(&l, &mw, a, u, p->mean + r * G, p->rstd + r * G, (uint64_t)r * (uint64_t)p->y_cols, p->y,
+                    p->y_dtype, r * p->y_cols, v);
     }
     free(buf);
 }
@@ -110,8 +124,9 @@ void tf_hstu_output_fwd_cpu(const tf_hstu_output_fwd_params *p, int64_t row_begi
 void tf_hstu_output_bwd_cpu(const tf_hstu_output_bwd_params *p, int64_t row_begin, int64_t row_end, int64_t part) {
     const int64_t n = p->cols, G = p->groups, gs = n / G;
     const int64_t wcols = p->group_weights ? G : n;
-    int64_t ou, ox, oy;
-    part_offsets(n, p->cat_u, p->cat_x, &ou, &ox, &oy);
+    y_layout l = Y_LAYOUT(p);
+    part_offsets(n, p->cat_u, p->cat_x, &l.ou, &l.ox, &l.oy);
+    const int64_t ou = l.ou, ox = l.ox, oy = l.oy;
     mask_walk mw;
     mask_init(&mw, &p->rng, p->dropout, p->p);
     float *buf = (float *)malloc((size_t)(8 * n + 1) * sizeof(float));
@@ -125,29 +140,8 @@ void tf_hstu_output_bwd_cpu(const tf_hstu_output_bwd_params *p, int64_t row_begi
         tf_row_to_f32(p->u, p->u_dtype, r * p->u_stride, n, u);
         const uint64_t e_row = (uint64_t)r * (uint64_t)p->y_cols;
         const int64_t dy_row = r * p->dy_stride;
-        if (p->y) { /* the forward's y again, from its statistics: the forward's expressions and mask */
-            const int64_t y_row = r * p->y_cols;
-            if (ou >= 0) {
-                for (int64_t c = 0; c < n; ++c) v[c] = act_f(u[c], p->cat_act);
-                drop_segment(&mw, p->dropout, e_row + ou, n, v);
-                tf_row_from_f32(p->y, p->y_dtype, y_row + ou, n, v);
-            }
-            if (ox >= 0) {
-                for (int64_t c = 0; c < n; ++c) v[c] = a[c];
-                drop_segment(&mw, p->dropout, e_row + ox, n, v);
-                tf_row_from_f32(p->y, p->y_dtype, y_row + ox, n, v);
-            }
-            for (int64_t g = 0; g < G; ++g) {
-                const float mean = p->mean[r * G + g], rstd = p->rstd[r * G + g];
-                for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
-                    const int64_t wi = p->group_weights ? g : c;
-                    const float w = tf_load_f32(p->w, p->w_dtype, wi), b = tf_load_f32(p->b, p->w_dtype, wi);
-                    v[c] = act_f(u[c], p->mul_act) * ((a[c] - mean) * rstd * w + b);
-                }
-            }
-            drop_segment(&mw, p->dropout, e_row + oy, n, v);
-            tf_row_from_f32(p->y, p->y_dtype, y_row + oy, n, v);
-        }
+        if (p->y) /* the forward's y again, from its statistics */
+            write_y_row(&l, &mw, a, u, p->mean + r * G, p->rstd + r * G, e_row, p->y, p->y_dtype, r * p->y_cols, v);
         /* the masked gradients of the three parts */
         tf_row_to_f32(p->dy, p->dy_dtype, dy_row + oy, n, gy);
         drop_segment(&mw, p->dropout, e_row + oy, n, gy);
