@@ -41,7 +41,8 @@ NormFwd prepare_norm_fwd(const at::Tensor &x, const std::optional<at::Tensor> &r
                          const std::optional<at::Tensor> &residual2, const std::optional<at::Tensor> &weight,
                          const std::optional<at::Tensor> &bias, const std::optional<at::Tensor> &weight2,
                          const std::optional<at::Tensor> &bias2, double eps, int64_t norm_type,
-                         double weight_offset, std::optional<at::ScalarType> residual_dtype, bool save_stats) {
+                         double weight_offset, std::optional<at::ScalarType> residual_dtype, bool save_stats,
+                         int64_t y_width) {
     check_norm_type(norm_type);
     const char *op = op_name(norm_type);
     const bool layer = norm_type == TF_LAYER_NORM;
@@ -118,7 +119,13 @@ NormFwd prepare_norm_fwd(const at::Tensor &x, const std::optional<at::Tensor> &r
     p.w_dtype = w.defined() ? kernel_dtype(w.scalar_type(), op, "weight") : TF_F32;
     p.mul_dtype = w.defined() ? kernel_dtype(at::promote_types(w.scalar_type(), s_type), op, "weight") : p.s_dtype;
 
-    f.y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    if (y_width > 0) {
+        TORCH_INTERNAL_ASSERT(x.dim() == 2 && y_width >= x.size(1) && !weight2.has_value());
+        f.y = at::empty({x.size(0), y_width}, x.options().memory_format(at::MemoryFormat::Contiguous));
+        p.y_stride = y_width;
+    } else {
+        f.y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    }
     p.y = f.y.data_ptr();
     p.y_dtype = p.x_dtype;
     if (w2.defined()) {
@@ -153,12 +160,9 @@ NormFwd prepare_norm_with_ones(const at::Tensor &x, const std::optional<at::Tens
     const char *op = "torchfuse.layer_norm_with_ones";
     TORCH_CHECK(x.dim() == 2 && x.size(1) >= 1, op, ": x must be 2-D (rows, cols) with cols >= 1, got shape ",
                 x.sizes());
-    NormFwd f = prepare_norm_fwd(x, std::nullopt, std::nullopt, weight, bias, std::nullopt, std::nullopt, eps,
-                                 TF_LAYER_NORM, 0.0, std::nullopt, save_stats);
     const int64_t cols = x.size(1), width = (cols + 1 + 7) / 8 * 8;
-    f.y = at::empty({x.size(0), width}, x.options().memory_format(at::MemoryFormat::Contiguous));
-    f.p.y = f.y.data_ptr();
-    f.p.y_stride = width;
+    NormFwd f = prepare_norm_fwd(x, std::nullopt, std::nullopt, weight, bias, std::nullopt, std::nullopt, eps,
+                                 TF_LAYER_NORM, 0.0, std::nullopt, save_stats, width);
     f.y.narrow(1, cols, 1).fill_(1);
     if (width > cols + 1) f.y.narrow(1, cols + 1, width - cols - 1).zero_();
     return f;

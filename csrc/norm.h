@@ -29,12 +29,14 @@ NormFwd prepare_norm_fwd(const at::Tensor &x, const std::optional<at::Tensor> &r
                          const std::optional<at::Tensor> &residual2, const std::optional<at::Tensor> &weight,
                          const std::optional<at::Tensor> &bias, const std::optional<at::Tensor> &weight2,
                          const std::optional<at::Tensor> &bias2, double eps, int64_t norm_type,
-                         double weight_offset, std::optional<at::ScalarType> residual_dtype, bool save_stats);
+                         double weight_offset, std::optional<at::ScalarType> residual_dtype, bool save_stats,
+                         int64_t y_width = 0);
 
 // LayerNorm(x) of a 2-D x written into the first cols columns of a (rows, width) tensor whose column
 // cols is ones and the rest zeros, width = cols + 1 rounded up to 8 (16-byte rows): [LN(x), 1] @ [W; b]
 // is LN(x) @ W + b, and one GEMM [LN(x), 1]^T @ dY gives W's gradient and, in its row cols, b's.
-// f.y is that tensor; the kernel writes its first cols columns (p.y_stride = width).
+// f.y is that tensor; the kernel writes its first cols columns (p.y_stride = width; prepare_norm_fwd's
+// y_width > 0 allocates y so for a 2-D x).
 NormFwd prepare_norm_with_ones(const at::Tensor &x, const std::optional<at::Tensor> &weight,
                                const std::optional<at::Tensor> &bias, double eps, bool save_stats);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_with_ones_result(const NormFwd &f);
