@@ -159,11 +159,29 @@ std::tuple<at::Tensor, at::Tensor> add_norm_autograd(const at::Tensor &x, const 
     return op.call(x, residual, weight, bias, eps, norm_type, weight_offset);
 }
 
+// A building block inside hstu_preprocess's autograd Function (which runs it with grad mode off), not
+// differentiable itself: refused, by name, where autograd would have to record it.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_with_ones_autograd(const at::Tensor &x,
+                                                                            const OptTensor &weight,
+                                                                            const OptTensor &bias, double eps,
+                                                                            bool save_stats) {
+    TORCH_CHECK(!(at::GradMode::is_enabled() && (x.requires_grad() || needs_grad(weight) || needs_grad(bias))),
+                "torchfuse.layer_norm_with_ones is not differentiable and an input requires grad; use "
+                "torchfuse.layer_norm (torch.ops.torchfuse.norm_fwd) for a differentiable LayerNorm");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("torchfuse::layer_norm_with_ones", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor &, const OptTensor &,
+                                                                               const OptTensor &, double, bool)>();
+    return op.call(x, weight, bias, eps, save_stats);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchfuse, Autograd, m) {
     m.impl("norm_fwd", &norm_fwd_autograd);
     m.impl("add_norm", &add_norm_autograd);
+    m.impl("layer_norm_with_ones", &layer_norm_with_ones_autograd);
 }
 
 }  // namespace torchfuse

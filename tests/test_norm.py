@@ -382,6 +382,11 @@ def test_layer_norm_with_ones(device, dtype, rows, cols):
     torch.library.opcheck(torch.ops.torchfuse.layer_norm_with_ones.default, (x, w, b, 1e-6, True))
     with pytest.raises(RuntimeError, match="layer_norm_with_ones: x must be 2-D"):
         torch.ops.torchfuse.layer_norm_with_ones(x.reshape(-1), w, b, 1e-6, False)
+    with pytest.raises(RuntimeError, match="layer_norm_with_ones is not differentiable"):
+        torch.ops.torchfuse.layer_norm_with_ones(x, w.detach().requires_grad_(), b, 1e-6, False)
+    with torch.no_grad():  # as hstu_preprocess's autograd Function runs it
+        got = torch.ops.torchfuse.layer_norm_with_ones(x.detach().requires_grad_(), w, b, 1e-6, False)[0]
+    assert torch.equal(got[:, :cols], y)
 
 
 @pytest.mark.parametrize("kind", KINDS)
