@@ -20,7 +20,8 @@ TORCH_LIBRARY(torchfuse, m) {
         "float weight_offset) -> (Tensor, Tensor)");
     // LayerNorm of a 2-D x as the first columns of (rows, round_up(cols + 1, 8)) rows [LN(x), 1, 0...]:
     // a GEMM input whose weight gradient GEMM also yields the bias gradient (hstu_preprocess).
-    // Returns (y, mean, rstd); mean and rstd empty unless save_stats.
+    // Returns (y, mean, rstd); mean and rstd empty unless save_stats. Not differentiable (refused where
+    // autograd would record it).
     m.def(
         "layer_norm_with_ones(Tensor x, Tensor? weight, Tensor? bias, float eps, bool save_stats) "
         "-> (Tensor, Tensor, Tensor)");
