@@ -306,8 +306,9 @@ __device__ __forceinline__ void bwd_load(const tf_hstu_output_bwd_params &p, con
     }
 }
 
-/* GroupNorm, and LayerNorm rows wider than the rows kernels take: any width, each chunk read twice; y
- * (p.y set) written in the second pass, each part's keep bits shared with dY's part. */
+/* GroupNorm, and LayerNorm rows wider than the rows kernels take: any width, each chunk read twice. Y:
+ * y written again in the second pass, each part's keep bits shared with dY's part. */
+template <bool Y>
 __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
     const tf_hstu_output_bwd_params p) {
     const int lane = threadIdx.x & 31;
@@ -362,7 +363,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
         const float m1 = warp_sum(s1) * inv, m2 = warp_sum(s2) * inv;
         void *darow = tf_row(p.dattn, p.dattn_dtype, r, n);
         void *durow = tf_row(p.du, p.du_dtype, r, n);
-        void *yrow = p.y ? tf_row(p.y, p.y_dtype, r, p.y_cols) : nullptr;
+        void *yrow = Y ? tf_row(p.y, p.y_dtype, r, p.y_cols) : nullptr;
         for (int64_t j = lane; j < nch; j += 32) {
             const int cn = chunk_n(j, gs);
             const int64_t col = c0 + j * TF_VEC;
@@ -374,15 +375,16 @@ __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
                  * the product's rounding error, which rstd magnifies when the row is constant */
                 da[i] = rstd * (__fmul_rn(c.dn[i], c.w[i]) - m1 - c.xhat[i] * m2);
                 du[i] = c.gy[i] * (c.xhat[i] * c.w[i] + c.b[i]) * hstu_act_grad(c.u[i], p.mul_act);
-                t[i] = y_of(c.xhat[i], hstu_act(c.u[i], p.mul_act), c.w[i], c.b[i]); /* y's part */
             }
-            if (yrow) {
+            if constexpr (Y) { /* y's part */
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) t[i] = y_of(c.xhat[i], hstu_act(c.u[i], p.mul_act), c.w[i], c.b[i]);
                 apply_mask(d, e_row + oy + col, cn, t);
                 tf_store_chunk(yrow, p.y_dtype, oy + col, cn, t);
             }
             if (ox >= 0) {
                 const uint32_t bits = mask_bits(d, e_row + ox + col, cn);
-                if (yrow) {
+                if constexpr (Y) {
                     apply_bits(d, bits, cn, c.a);
                     tf_store_chunk(yrow, p.y_dtype, ox + col, cn, c.a);
                 }
@@ -393,7 +395,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) hstu_output_bwd_kernel(
             }
             if (ou >= 0) {
                 const uint32_t bits = mask_bits(d, e_row + ou + col, cn);
-                if (yrow) {
+                if constexpr (Y) {
 #pragma unroll
                     for (int i = 0; i < TF_VEC; ++i) t[i] = hstu_act(c.u[i], p.cat_act);
                     apply_bits(d, bits, cn, t);
@@ -885,7 +887,8 @@ Launch bwd_rows_launch(const tf_hstu_output_bwd_params *p, const RowMap &m) {
 Launch bwd_launch(const tf_hstu_output_bwd_params *p) {
     const RowMap m = row_map(p->cols, p->groups, p->group_weights);
     if (m.k > 0) return p->y ? bwd_rows_launch<true>(p, m) : bwd_rows_launch<false>(p, m);
-    return {(const void *)hstu_output_bwd_kernel, kWarps * 32, 0, 0};
+    return {p->y ? (const void *)hstu_output_bwd_kernel<true> : (const void *)hstu_output_bwd_kernel<false>,
+            kWarps * 32, 0, 0};
 }
 
 /* Blocks of `fn` resident on the current device at once (looked up once per device and kernel). */
