@@ -62,27 +62,8 @@ def hstu_preprocess(
         aligned). Differentiable in x and the four parameters. Under autocast every input is cast to
         autocast's dtype first (the section runs in it).
     """
-    if isinstance(x, Tensor) and x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
-        # the whole section in autocast's dtype (as its GEMM would be), the backward in the same dtypes
-        dt = torch.get_autocast_dtype(x.device.type)
-        cast = [t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t
-                for t in (x, norm_weight, norm_bias, uvqk_weight, uvqk_bias)]
-        with torch.autocast(x.device.type, enabled=False):
-            return hstu_preprocess(cast[0], cast[1], cast[2], eps, cast[3], cast[4], num_heads, attn_dim, hidden_dim,
-                                   recompute_normed_x=recompute_normed_x, recompute_uvqk=recompute_uvqk,
-                                   silu_u=silu_u)
-    count("hstu_preprocess")
-    _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim)
-    args = (x, norm_weight, norm_bias, float(eps), uvqk_weight, uvqk_bias, int(num_heads), int(attn_dim),
-            int(hidden_dim), bool(recompute_normed_x), bool(recompute_uvqk), bool(silu_u))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, norm_bias, uvqk_weight, uvqk_bias)):
-        return _HSTUPreprocess.apply(*args)
-    if skinny_applies(x):  # a serving step's few rows: norm, GEMM and bias in one kernel
-        count("skinny_linear")
-        uvqk = _skinny(x, uvqk_weight, uvqk_bias, None, norm_weight, norm_bias, float(eps))
-        return _split(uvqk, num_heads, attn_dim, hidden_dim, silu=bool(silu_u))
-    normed, _ = _norm_infer(x, None, norm_weight, norm_bias, float(eps), LAYER_NORM, 0.0)
-    return _split(torch.addmm(uvqk_bias, normed, uvqk_weight), num_heads, attn_dim, hidden_dim, silu=bool(silu_u))
+    return _preprocess(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim,
+                       recompute_normed_x, recompute_uvqk, silu_u, False)
 
 
 def hstu_preprocess_with_residual(x: Tensor, norm_weight: Tensor, norm_bias: Tensor, eps: float, uvqk_weight: Tensor,
@@ -92,17 +73,37 @@ def hstu_preprocess_with_residual(x: Tensor, norm_weight: Tensor, norm_bias: Ten
     """``hstu_preprocess`` and x itself, for the layer's residual (``out = x + y @ W``): training, the
     residual's gradient then comes back to this op's backward and is added to x's inside the LayerNorm's
     backward kernel, where autograd would otherwise add x's two gradients in a kernel of its own."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, norm_bias, uvqk_weight,
-                                                                     uvqk_bias))
-    if not grad or not isinstance(x, Tensor) or torch.is_autocast_enabled(x.device.type):
-        return (*hstu_preprocess(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim,
-                                 hidden_dim, recompute_normed_x=recompute_normed_x, recompute_uvqk=recompute_uvqk,
-                                 silu_u=silu_u), x)
+    return _preprocess(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim,
+                       recompute_normed_x, recompute_uvqk, silu_u, True)
+
+
+def _preprocess(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim,
+                recompute_normed_x, recompute_uvqk, silu_u, with_x):
+    """(u, q, k, v), and x last when ``with_x`` (through the autograd Function when it records, so that the
+    residual's gradient reaches its backward)."""
+    if isinstance(x, Tensor) and x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
+        # the whole section in autocast's dtype (as its GEMM would be), the backward in the same dtypes
+        dt = torch.get_autocast_dtype(x.device.type)
+        cast = [t.to(dt) if isinstance(t, Tensor) and t.is_floating_point() else t
+                for t in (x, norm_weight, norm_bias, uvqk_weight, uvqk_bias)]
+        with torch.autocast(x.device.type, enabled=False):
+            out = _preprocess(cast[0], cast[1], cast[2], eps, cast[3], cast[4], num_heads, attn_dim, hidden_dim,
+                              recompute_normed_x, recompute_uvqk, silu_u, False)
+        return (*out, x) if with_x else out
     count("hstu_preprocess")
     _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, attn_dim, hidden_dim)
-    return _HSTUPreprocess.apply(x, norm_weight, norm_bias, float(eps), uvqk_weight, uvqk_bias, int(num_heads),
-                                 int(attn_dim), int(hidden_dim), bool(recompute_normed_x), bool(recompute_uvqk),
-                                 bool(silu_u), True)
+    args = (x, norm_weight, norm_bias, float(eps), uvqk_weight, uvqk_bias, int(num_heads), int(attn_dim),
+            int(hidden_dim), bool(recompute_normed_x), bool(recompute_uvqk), bool(silu_u))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm_weight, norm_bias, uvqk_weight, uvqk_bias)):
+        return _HSTUPreprocess.apply(*args, bool(with_x))
+    if skinny_applies(x):  # a serving step's few rows: norm, GEMM and bias in one kernel
+        count("skinny_linear")
+        uvqk = _skinny(x, uvqk_weight, uvqk_bias, None, norm_weight, norm_bias, float(eps))
+    else:
+        normed, _ = _norm_infer(x, None, norm_weight, norm_bias, float(eps), LAYER_NORM, 0.0)
+        uvqk = torch.addmm(uvqk_bias, normed, uvqk_weight)
+    out = _split(uvqk, num_heads, attn_dim, hidden_dim, silu=bool(silu_u))
+    return (*out, x) if with_x else out
 
 
 def _check(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, H, Da, Dh) -> None:
