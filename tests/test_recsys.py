@@ -23,34 +23,45 @@ def _setup(device, user_context, seed, dropout=0.0, optimizer="sgd", users=300, 
     return h, train, targets, cfg
 
 
+def _loss_rel_errors(a, b, window):
+    """Per-step and per-window (mean over `window` steps) relative differences of two loss curves."""
+    step = ((a - b).abs() / b.abs()).max()
+    wa, wb = a.view(-1, window).mean(1), b.view(-1, window).mean(1)
+    return step, ((wa - wb).abs() / wb.abs()).max()
+
+
 @pytest.mark.parametrize("user_context", [True, False])
 def test_training_matches_plain_pytorch_model(device, user_context):
-    """Same seed, weights and data order, fp32: the torchfuse model (dynamic tables with their fused
-    SGD, fused HSTU attention, fused loss) and the plain-PyTorch one (nn.Embedding + sparse SGD, eager
-    attention, GR's loss formulation) train alike. They start 1e-7 apart (fp32 rounding in other orders)
-    and training amplifies that. With the user row in front (the well-conditioned form), over 200 steps:
-    every loss within 1e-3 relative and every 20-step window's mean loss within 1e-4 (over 40 seeds on
-    a CPU: at most 1.3e-4 and 1.1e-5). Without it, a history's first position sees one item alone and
-    its gradients are large (the 0.05 temperature): differences grow up to 1e-3 within 50 steps on some
-    seeds, so that form is held to 1e-3 for its first 20 steps (at most 9e-5 seen)."""
+    """Same seed, weights and data order: the torchfuse model (fp32; dynamic tables with their fused
+    SGD, fused HSTU attention, fused loss) trains as the plain-PyTorch one (nn.Embedding + sparse SGD,
+    eager attention, GR's loss formulation) run in float64. Training amplifies rounding (they start
+    1e-7 apart), on some seeds by far more than others (the 0.05 temperature), so each bound is the
+    larger of a fixed one and 4x the plain model's own fp32 error against its float64 run on that
+    seed. With the user row in front (the well-conditioned form), over 200 steps: every loss within
+    1e-3 relative and every 20-step window's mean within 1e-4 (on the CPU, inner seed 805: the fp32
+    plain model 2.1e-3 / 1.5e-4 off its float64 run, torchfuse 3.4e-3 / 2.4e-4; seeds 3 and 17: both
+    under 4e-5 / 4e-6; a 1% change of torchfuse's learning rate fails). Without the user row, a
+    history's first position sees one item alone and its gradients are large: that form is held for
+    its first 20 steps."""
     seed = random.randint(0, 1000)
     h, train, _, cfg = _setup(device, user_context, seed)
     catalog = torch.unique(h.items)
     model = HSTURecommender(cfg, device=device)
-    twin = ReferenceRecommender(model, catalog.to(device), train.user_ids.to(device)).to(device)
+    plain = [ReferenceRecommender(model, catalog.to(device), train.user_ids.to(device)).to(device, dtype)
+             for dtype in (torch.float32, torch.float64)]
     tcfg = TrainConfig(batch_size=16, max_len=12, num_negatives=32, temperature=0.05, lr=3e-4, seed=seed)
-    ours = Trainer(model, train, catalog, tcfg)
-    theirs = Trainer(twin, train, catalog, tcfg, loss_fn=reference.sampled_softmax_loss,
-                     sparse_optimizer=torch.optim.SGD(twin.sparse_parameters(), lr=cfg.embedding_lr))
+    trainers = [Trainer(model, train, catalog, tcfg)] + [
+        Trainer(twin, train, catalog, tcfg, loss_fn=reference.sampled_softmax_loss,
+                sparse_optimizer=torch.optim.SGD(twin.sparse_parameters(), lr=cfg.embedding_lr))
+        for twin in plain]
     steps = 200 if user_context else 20
-    a = torch.tensor([ours.step() for _ in range(steps)], dtype=torch.float64)
-    b = torch.tensor([theirs.step() for _ in range(steps)], dtype=torch.float64)
-    rel = (a - b).abs() / b.abs()
-    assert rel.max() <= 1e-3, rel
+    ours, plain32, plain64 = (torch.tensor([t.step() for _ in range(steps)], dtype=torch.float64) for t in trainers)
+    step_err, window_err = _loss_rel_errors(ours, plain64, 20)
+    step_ref, window_ref = _loss_rel_errors(plain32, plain64, 20)
+    assert step_err <= max(1e-3, 4 * step_ref), (step_err, step_ref, ours, plain64)
     if user_context:
-        wa, wb = a.view(10, 20).mean(1), b.view(10, 20).mean(1)
-        assert ((wa - wb).abs() / wb.abs()).max() <= 1e-4, (wa, wb)
-        assert a[-20:].mean() < 0.8 * a[:20].mean()  # and they trained
+        assert window_err <= max(1e-4, 4 * window_ref), (window_err, window_ref)
+        assert ours[-20:].mean() < 0.8 * ours[:20].mean()  # and they trained
 
 
 def test_learns_beyond_most_popular():
