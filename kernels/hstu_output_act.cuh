@@ -2,9 +2,10 @@
  * shared by the output op's kernels (hstu_output_cuda.cu) and the skinny linear's output prologue
  * (skinny_prologue.cuh), so that both compute the same values bit for bit.
  *
- * sigmoid(x) = rcp(1 + exp(-x)) with the hardware exponential (__expf: ex2.approx, a few fp32 ulps) and
- * a correctly rounded reciprocal, silu(x) = x * sigmoid(x): within a few fp32 ulps of PyTorch's
- * x / (1 + expf(-x)), whose accurate expf and IEEE division cost the instruction-bound backward
+ * sigmoid(x) = rcp(1 + exp(-x)) with the hardware exponential (__expf: ex2.approx, 2 + 1.16|x| fp32 ulps
+ * by CUDA's documentation) and a correctly rounded reciprocal, silu(x) = x * sigmoid(x): about 1e-6
+ * relative of PyTorch's x / (1 + expf(-x)) at |x| = 10, fewer ulps nearer 0 (below a bf16 or fp16
+ * output's rounding). PyTorch's accurate expf and IEEE division cost the instruction-bound backward
  * (three activations per element) about a tenth of its time. Where exp(-x) overflows, sigmoid is 0 and
  * silu -0, as in PyTorch. */
 #ifndef TF_HSTU_OUTPUT_ACT_CUH
