@@ -28,6 +28,7 @@
 #include <set>
 #include <tuple>
 
+#include "norm_bwd_typed.cuh"
 #include "norm_fwd_typed.cuh"
 #include "norm_kernels.h"
 #include "tf_cp_async.cuh"
@@ -855,7 +856,47 @@ const void *bwd_fast(int gb, int sb) { /* one chunk per thread */
     return sb == 2 ? (const void *)norm_bwd_fast_kernel<1, TWO, 4, 2> : (const void *)norm_bwd_fast_kernel<1, TWO, 4, 4>;
 }
 
+template <typename T, bool DS>
+const void *bwd_typed_nt(int nt) {
+    using tf_norm_typed::norm_bwd_typed_kernel;
+    if (nt == TF_LAYER_NORM) return (const void *)norm_bwd_typed_kernel<T, TF_LAYER_NORM, DS>;
+    if (nt == TF_RMS_NORM_LLAMA) return (const void *)norm_bwd_typed_kernel<T, TF_RMS_NORM_LLAMA, DS>;
+    return (const void *)norm_bwd_typed_kernel<T, TF_RMS_NORM_GEMMA, DS>;
+}
+
+/* The compile-time-dtype backward (norm_bwd_typed.cuh) where it applies: s, dy, ds_in and every
+ * written gradient of one 16-bit dtype, one norm, whole aligned chunks, one chunk per thread. */
+bool bwd_typed(const tf_norm_bwd_params *p, Launch &l) {
+    const int dt = p->s_dtype;
+    const int64_t chunks = p->cols / TF_VEC;
+    if (dt == TF_F32 || p->w2 || !p->dy || p->dy_dtype != dt || p->cols % TF_VEC != 0 ||
+        chunks > tf_norm_typed::kBwdThreads)
+        return false;
+    if (p->ds_in && p->ds_in_dtype != dt) return false;
+    if (!aligned_rows(p->s, p->s_stride, dt) || !aligned_rows(p->dy, p->dy_stride, dt) ||
+        (p->ds_in && !aligned_rows(p->ds_in, p->ds_in_stride, dt)))
+        return false;
+    void *const outs[3] = {p->dx, p->dres, p->dres2};
+    const int out_dt[3] = {p->dx_dtype, p->dres_dtype, p->dres2_dtype};
+    for (int i = 0; i < 3; ++i)
+        if (outs[i] && (out_dt[i] != dt || ((uintptr_t)outs[i] & 15u) != 0)) return false;
+    const bool ds = p->ds_in != nullptr;
+    l.fn = dt == TF_BF16 ? (ds ? bwd_typed_nt<__nv_bfloat16, true>(p->norm_type)
+                               : bwd_typed_nt<__nv_bfloat16, false>(p->norm_type))
+                         : (ds ? bwd_typed_nt<__half, true>(p->norm_type) : bwd_typed_nt<__half, false>(p->norm_type));
+    const int tpr = next_pow2(chunks);
+    l.block = dim3(tpr, tpr < 32 ? kSmallBlock / tpr : (tpr == 32 ? kSmallBlock / 32 : 1));
+    l.k = 1;
+    l.persistent = true;
+    l.smem = (size_t)2 * (ds ? 3 : 2) * l.block.x * l.block.y * 16;
+    return true;
+}
+
 Launch bwd_launch(const tf_norm_bwd_params *p) {
+    {
+        Launch t{};
+        if (bwd_typed(p, t)) return t;
+    }
     const bool two = p->w2 != nullptr;
     const int gb = elem_size(p->dy_dtype), sb = elem_size(p->s_dtype);
     const bool ds_ok = !p->ds_in || elem_size(p->ds_in_dtype) == sb;

@@ -166,7 +166,7 @@ def test_no_residual(device, kind):
     run_case(kind, device, torch.bfloat16, 33, 300, res_dtype=None)
 
 
-ALIGNED_ROWS = [(64, 300), (256, 129), (1024, 2051), (2560, 33), (8192, 17)]
+ALIGNED_ROWS = [(64, 300), (256, 129), (1024, 2051), (2560, 33), (8192, 17), (8192, 301)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -175,9 +175,10 @@ ALIGNED_ROWS = [(64, 300), (256, 129), (1024, 2051), (2560, 33), (8192, 17)]
 @pytest.mark.parametrize("hidden,rows", ALIGNED_ROWS, ids=[f"n{h}" for h, _ in ALIGNED_ROWS])
 def test_aligned_16bit_rows(device, kind, dtype, residual, hidden, rows):
     # 16-bit rows of a multiple of 8 elements, one dtype throughout: CUDA's compile-time-dtype
-    # forward, at group sizes below, at and above a warp and with more rows than resident blocks
+    # forward and backward (with the residual, s's own gradient enters the backward), at group sizes
+    # below, at and above a warp, a block of 1024 threads, and more rows than resident row slots
     run_case(kind, device, dtype, rows, hidden, res_dtype="same" if residual else None,
-             offset=1.0 if kind == "gemma" else 0.0, grad=hidden <= 1024)
+             offset=1.0 if kind == "gemma" else 0.0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
