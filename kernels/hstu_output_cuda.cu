@@ -884,12 +884,14 @@ Launch bwd_rows_launch(const tf_hstu_output_bwd_params *p, const RowMap &m) {
     return {(const void *)hstu_output_bwd_rows<2, false, Y>, kRowBlock, m.tpr, 0};
 }
 
-Launch bwd_launch(const tf_hstu_output_bwd_params *p) {
+/* The backward's kernel when it writes y again (Y) or not. */
+Launch bwd_launch(const tf_hstu_output_bwd_params *p, bool y) {
     const RowMap m = row_map(p->cols, p->groups, p->group_weights);
-    if (m.k > 0) return p->y ? bwd_rows_launch<true>(p, m) : bwd_rows_launch<false>(p, m);
-    return {p->y ? (const void *)hstu_output_bwd_kernel<true> : (const void *)hstu_output_bwd_kernel<false>,
-            kWarps * 32, 0, 0};
+    if (m.k > 0) return y ? bwd_rows_launch<true>(p, m) : bwd_rows_launch<false>(p, m);
+    return {y ? (const void *)hstu_output_bwd_kernel<true> : (const void *)hstu_output_bwd_kernel<false>, kWarps * 32,
+            0, 0};
 }
+Launch bwd_launch(const tf_hstu_output_bwd_params *p) { return bwd_launch(p, p->y != nullptr); }
 
 /* Blocks of `fn` resident on the current device at once (looked up once per device and kernel). */
 int64_t resident_blocks(const void *fn, int threads, size_t smem) {
@@ -925,6 +927,17 @@ unsigned grid_for(const Launch &l, int64_t tasks, bool partials) {
     return (unsigned)(g < 1 ? 1 : g);
 }
 
+/* The backward's grid. Each block owns a weight-gradient partial row, so the grid fixes how the rows'
+ * sums are grouped; the kernels with and without the y write (recompute_y_in_backward) hold different
+ * numbers of blocks per SM, and a grid sized by each one's own occupancy would group them differently
+ * (the weight gradients then differ by an ulp of their dtype now and then). Both launch the grid of the
+ * one that holds fewer, so the option leaves the gradients unchanged bit for bit. */
+unsigned bwd_grid(const tf_hstu_output_bwd_params *p) {
+    const Launch a = bwd_launch(p, false), b = bwd_launch(p, true);
+    const bool a_fewer = resident_blocks(a.fn, a.threads, a.smem) <= resident_blocks(b.fn, b.threads, b.smem);
+    return grid_for(a_fewer ? a : b, p->rows * p->groups, true);
+}
+
 } // namespace
 
 extern "C" int tf_hstu_output_fwd_cuda(const tf_hstu_output_fwd_params *p, void *stream) {
@@ -942,14 +955,14 @@ extern "C" int tf_hstu_output_fwd_cuda(const tf_hstu_output_fwd_params *p, void 
 extern "C" int64_t tf_hstu_output_bwd_cuda_partials(const tf_hstu_output_bwd_params *p) {
     if (p->rows == 0) return 1;
     const Launch l = bwd_launch(p);
-    const int64_t grid = grid_for(l, p->rows * p->groups, true);
+    const int64_t grid = bwd_grid(p);
     return l.tpr ? grid : grid * kWarps;
 }
 
 extern "C" int tf_hstu_output_bwd_cuda(const tf_hstu_output_bwd_params *p, void *stream) {
     if (p->rows == 0) return 0;
     const Launch l = bwd_launch(p);
-    const unsigned grid = grid_for(l, p->rows * p->groups, true);
+    const unsigned grid = bwd_grid(p);
     if ((l.tpr ? (int64_t)grid : (int64_t)grid * kWarps) != p->n_partials) return (int)cudaErrorInvalidValue;
     tf_hstu_output_bwd_params params = *p;
     int tpr = l.tpr;
