@@ -717,19 +717,35 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_bwd_fast_kernel(const tf_
         if (len[k] > 0) flush_partials<TWO>(p, slot, (int64_t)(k * tpr + tid) * TF_VEC, len[k], acc[k], true);
 }
 
-/* out[c] = sum_k part[k][c] in a fixed order. Block (32, 8): x picks the column, y strides over the
- * partial rows; the 8 sums are then added in y order. */
-__global__ void column_sum_kernel(const float *part, int64_t n_partials, int64_t cols, void *out, int out_dtype) {
-    __shared__ float acc[8][33];
+/* out[c] = sum_k part[k][c] in a fixed order. Block (32, kSumLanes): x picks the column, lane y sums
+ * the partial rows y, y + kSumLanes, ... with four loads in flight; the kSumLanes sums are then added
+ * in y order. Why so many lanes per column: a persistent grid leaves one partial row per row slot
+ * (about a thousand at 1024 columns) while few columns make few blocks, so each column's chain of
+ * loads must be short and overlapped. */
+constexpr int kSumLanes = 32;
+
+__global__ void __launch_bounds__(32 * kSumLanes) column_sum_kernel(const float *part, int64_t n_partials,
+                                                                    int64_t cols, void *out, int out_dtype) {
+    __shared__ float acc[kSumLanes][33];
     const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
     float a = 0.f;
-    if (c < cols)
-        for (int64_t k = threadIdx.y; k < n_partials; k += 8) a += part[k * cols + c];
+    if (c < cols) {
+        int64_t k = threadIdx.y;
+        for (; k + 3 * kSumLanes < n_partials; k += 4 * kSumLanes) {
+            const float v0 = part[k * cols + c], v1 = part[(k + kSumLanes) * cols + c];
+            const float v2 = part[(k + 2 * kSumLanes) * cols + c], v3 = part[(k + 3 * kSumLanes) * cols + c];
+            a += v0;
+            a += v1;
+            a += v2;
+            a += v3;
+        }
+        for (; k < n_partials; k += kSumLanes) a += part[k * cols + c];
+    }
     acc[threadIdx.y][threadIdx.x] = a;
     __syncthreads();
     if (threadIdx.y == 0 && c < cols) {
         float t = 0.f;
-        for (int y = 0; y < 8; ++y) t += acc[y][threadIdx.x];
+        for (int y = 0; y < kSumLanes; ++y) t += acc[y][threadIdx.x];
         if (out_dtype == TF_F32) ((float *)out)[c] = t;
         else if (out_dtype == TF_BF16) ((__nv_bfloat16 *)out)[c] = __float2bfloat16_rn(t);
         else ((__half *)out)[c] = __float2half_rn(t);
@@ -992,7 +1008,7 @@ extern "C" int tf_norm_bwd_cuda(const tf_norm_bwd_params *p, void *stream) {
 extern "C" int tf_column_sum_cuda(const float *part, int64_t n_partials, int64_t cols, void *out, int out_dtype,
                                   void *stream) {
     if (cols == 0) return 0;
-    const dim3 grid((unsigned)((cols + 31) / 32)), block(32, 8);
+    const dim3 grid((unsigned)((cols + 31) / 32)), block(32, kSumLanes);
     column_sum_kernel<<<grid, block, 0, (cudaStream_t)stream>>>(part, n_partials, cols, out, out_dtype);
     return (int)cudaGetLastError();
 }
