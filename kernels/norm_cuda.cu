@@ -5,7 +5,7 @@
  * thread j % blockDim.x. Groups of at most 32 threads pack blockDim.y rows into a 128-thread block
  * and reduce with warp shuffles; larger groups are a whole block and reduce through shared memory.
  *
- * Four tiers of kernels, chosen per call by fwd_launch / bwd_launch:
+ * Five tiers of kernels, chosen per call by fwd_launch / bwd_launch:
  *  - generic (norm_fwd_kernel, norm_bwd_kernel): any dtype combination and any row length. K > 0
  *    chunks per thread in registers, or K == 0 for long rows: several passes over the row, the later
  *    ones re-reading it from L2.
@@ -18,6 +18,8 @@
  *  - typed forward (norm_fwd_typed.cuh): the staged kernel's scheme with every dtype a template
  *    parameter, for x, residual and s of one 16-bit dtype; weights in registers across a block's
  *    rows, one group reduction and one barrier per row.
+ *  - typed backward (norm_bwd_typed.cuh): the same for the backward of one 16-bit dtype throughout;
+ *    s, dy and ds staged a row ahead, nothing of a row held in registers across its reduction.
  * The backward's weight gradients are summed per row slot into fp32 partial rows, then reduced by
  * column_sum_kernel in a fixed order: deterministic, no atomics.
  */
