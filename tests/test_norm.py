@@ -182,6 +182,31 @@ def test_aligned_16bit_rows(device, kind, dtype, residual, hidden, rows):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_backward_with_unaligned_gradients(device, kind):
+    # aligned 16-bit rows (CUDA's typed forward) whose incoming gradients are views starting 2 bytes into
+    # their storage, rows an odd number of elements apart: the backward must not take them for aligned
+    rows, n, dtype = 67, 1024, torch.bfloat16
+    x = make((rows, n), dtype, device, True)
+    r = make((rows, n), dtype, device, True, scale=2.0)
+    w = make((n,), dtype, device, True, scale=0.5)
+    b = make((n,), dtype, device, True, scale=0.5) if kind == "layer" else None
+    inputs = [t for t in (x, r, w, b) if t is not None]
+    y, s = call(kind, x, w, b, 1e-5, residual=r)
+    gy = torch.randn(rows, n + 3, device=device).to(dtype)[:, 1:n + 1]
+    gs = torch.randn(rows, n + 3, device=device).to(dtype)[:, 2:n + 2]
+    assert gy.storage_offset() == 1 and gy.stride(0) == n + 3
+    got = torch.autograd.grad((y, s), inputs, (gy, gs))
+    s_pt = x + r
+    y_pt = norm_lowp(kind, s_pt, w, b, 1e-5, dtype)
+    s64 = x.double() + r.double()
+    y64 = norm_f64(kind, s64, w, b, 1e-5)
+    g_pt = torch.autograd.grad((y_pt, s_pt), inputs, (gy, gs))
+    g64 = torch.autograd.grad((y64, s64), inputs, (gy.double(), gs.double()))
+    for name, a, r_pt, r64, t in zip(("dx", "dres", "dw", "db"), got, g_pt, g64, inputs):
+        check_close(name, a, r64, r_pt, t.dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_fp32_weights_of_16bit_rows(device, kind, residual):
     # fp32 parameters with bf16 activations (the llama cast's product is then not rounded to bf16)
