@@ -14,7 +14,8 @@
  *    copied, so no barrier guards the buffers;
  *  - nothing of the row is held in registers across its reduction: xhat and g = dy * w are formed from
  *    the stage before it (for the sums) and again after it (for dx), with the same operations, so the
- *    registers left over hold the weight and the weight-gradient sums (64 per thread: 32 warps per SM);
+ *    registers left over hold the weight and the weight-gradient sums (at most 64 per thread, 47-63
+ *    by ptxas for sm_90a: at least 32 warps per SM);
  *  - (sum g, sum g * xhat) take one group reduction and one barrier per row (the cross-warp buffer
  *    alternates with the row's parity, as in the forward).
  * Each row slot (a row group of a block) adds its rows' dw = dy * xhat and db = dy into fp32 registers
