@@ -23,6 +23,7 @@
 
 #include "hstu_output_act.cuh"
 #include "hstu_output_kernels.h"
+#include "norm_fwd_typed.cuh"
 #include "tf_cp_async.cuh"
 #include "tf_vec.cuh"
 
@@ -591,6 +592,144 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
     if constexpr (STAGED) asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
 }
 
+/* The typed forward: the common case with every choice known at compile time. attn, u and y of one
+ * 16-bit type T, LayerNorm rows of up to 1024 columns whose chunks are all whole and aligned, SiLU for
+ * both activations, the [u, attn, y] concatenation (CAT) or y alone, dropout on or off (DROP). Why a
+ * kernel of its own: the rows kernel is issue-bound (ncu, H100: an instruction on 66% of scheduler
+ * cycles, DRAM at 56-64%), on run-time dtype, activation and concatenation branches, alignment checks in
+ * every store and four barriers per row (two reductions of a block-wide group). Here:
+ *  - attn and u of the next row are staged with cp.async as in the staged rows kernel, and the row's
+ *    first attn element (the statistics' shift) is read a row ahead;
+ *  - the mean and variance come from one reduction of (sum, sum of squares) about that shift, one
+ *    barrier per row (the cross-warp buffer alternates with the row's parity), as in the norm's typed
+ *    forward; the stored mean and rstd are the ones y is computed from, so the backward's y agrees bit
+ *    for bit;
+ *  - stores are whole 16-byte vectors, and attn's part without dropout is the staged bits themselves. */
+template <typename T, bool CAT, bool DROP>
+__global__ void __launch_bounds__(kRowBlock, DROP ? 6 : 8) hstu_output_fwd_typed(const tf_hstu_output_fwd_params p, int tpr) {
+    __shared__ float2 red[2][kRowBlock / 32];
+    extern __shared__ uint4 stage_buf[];
+    const int t = threadIdx.x & (tpr - 1), rpb = kRowBlock / tpr;
+    const int64_t rows = p.rows, n = p.cols, ycols = p.y_cols, step = (int64_t)gridDim.x * rpb;
+    const int64_t col = (int64_t)t * TF_VEC;
+    const bool have = col < n;
+    const float inv = 1.f / (float)n;
+    Dropout d{};
+    d.on = DROP;
+    if constexpr (DROP) {
+        d.threshold = tf_philox_threshold16(p.p);
+        d.scale = 1.f / (1.f - p.p);
+        tf_philox_resolve(&p.rng, &d.seed, &d.offset);
+    }
+    if (p.rng_out && blockIdx.x == 0 && threadIdx.x == 0) {
+        uint64_t s, o;
+        tf_philox_resolve(&p.rng, &s, &o);
+        p.rng_out[0] = (int64_t)s;
+        p.rng_out[1] = (int64_t)o;
+    }
+    const int64_t oy = CAT ? 2 * n : 0;
+    float w[TF_VEC], b[TF_VEC];
+    if (have) load_params(p.w, p.b, p.w_dtype, 0, 0, col, TF_VEC, w, b);
+
+    uint4 *const mine = stage_buf + threadIdx.x;
+    const uint32_t mine_s = (uint32_t)__cvta_generic_to_shared(mine);
+    constexpr int kPlanes = 2; /* per stage: attn, u */
+    T c_next{};
+    auto issue = [&](int64_t row, int stage) {
+        if (row < rows) {
+            const T *arow = (const T *)p.attn + row * p.attn_stride;
+            if (have) {
+                const uint32_t dst = mine_s + (uint32_t)(stage * kPlanes * kRowBlock) * 16u;
+                tf_norm_typed::cp_async16_s(dst, arow + col);
+                tf_norm_typed::cp_async16_s(dst + kRowBlock * 16u, (const T *)p.u + row * p.u_stride + col);
+            }
+            c_next = arow[0];
+        }
+        cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
+    };
+    int stage = 0;
+    issue((int64_t)blockIdx.x * rpb + threadIdx.x / tpr, 0);
+    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < rows; r0 += step, stage ^= 1) {
+        const int64_t r = r0 + threadIdx.x / tpr;
+        const bool live = r < rows; /* dead groups still meet the others in the reduction */
+        const float c = tf_norm_typed::Pack<T>::to_f(c_next);
+        issue(r + step, stage ^ 1);
+        tf_norm_typed::cp_async_wait_but_newest(); /* this row's group has landed */
+        const uint4 *const staged = mine + stage * kPlanes * kRowBlock;
+        uint4 araw = make_uint4(0u, 0u, 0u, 0u); /* attn's chunk as staged: converted again for y */
+        float sum = 0.f, sumsq = 0.f;
+        if (live && have) {
+            float a[TF_VEC];
+            araw = staged[0];
+            tf_norm_typed::unpack8<T>(araw, a);
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) {
+                const float v = a[i] - c;
+                sum += v;
+                sumsq = fmaf(v, v, sumsq);
+            }
+        }
+        /* the group's sums: butterflies within a warp, then one barrier across its warps */
+        float2 g = make_float2(sum, sumsq);
+        const int width = tpr < 32 ? tpr : 32;
+        for (int off = width >> 1; off > 0; off >>= 1) {
+            g.x += __shfl_xor_sync(0xffffffffu, g.x, off);
+            g.y += __shfl_xor_sync(0xffffffffu, g.y, off);
+        }
+        if (tpr > 32) {
+            const int lane = threadIdx.x & 31, nw = tpr >> 5, first = (threadIdx.x / tpr) * nw;
+            if (lane == 0) red[stage][threadIdx.x >> 5] = g;
+            __syncthreads();
+            g = red[stage][first + (lane & (nw - 1))]; /* each aligned run of nw lanes folds the nw sums */
+            for (int off = nw >> 1; off > 0; off >>= 1) {
+                g.x += __shfl_xor_sync(0xffffffffu, g.x, off);
+                g.y += __shfl_xor_sync(0xffffffffu, g.y, off);
+            }
+        }
+        const float m = g.x * inv; /* mean - c */
+        const float mean = c + m, rstd = rsqrtf(fmaxf(fmaf(-m, m, g.y * inv), 0.f) + p.eps);
+        if (!live) continue;
+        if (t == 0) {
+            p.mean[r] = mean;
+            p.rstd[r] = rstd;
+        }
+        if (!have) continue;
+        /* u's part first, then y's over the activation in place, then attn's: few values live at once */
+        float f[TF_VEC];
+        tf_norm_typed::unpack8<T>(staged[kRowBlock], f);
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) f[i] = hstu_act(f[i], TF_ACT_SILU);
+        T *const yrow = (T *)p.y + r * ycols;
+        const uint64_t e_row = (uint64_t)r * (uint64_t)ycols;
+        if constexpr (CAT) {
+            if constexpr (DROP) {
+                float v[TF_VEC];
+#pragma unroll
+                for (int i = 0; i < TF_VEC; ++i) v[i] = f[i];
+                apply_mask(d, e_row + col, TF_VEC, v);
+                *(uint4 *)(yrow + col) = tf_norm_typed::pack8<T>(v);
+            } else {
+                *(uint4 *)(yrow + col) = tf_norm_typed::pack8<T>(f);
+            }
+        }
+        float a[TF_VEC];
+        tf_norm_typed::unpack8<T>(araw, a);
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) f[i] = y_of(xhat_of(a[i], mean, rstd), f[i], w[i], b[i]);
+        if constexpr (DROP) apply_mask(d, e_row + oy + col, TF_VEC, f);
+        *(uint4 *)(yrow + oy + col) = tf_norm_typed::pack8<T>(f);
+        if constexpr (CAT) {
+            if constexpr (DROP) {
+                apply_mask(d, e_row + n + col, TF_VEC, a);
+                *(uint4 *)(yrow + n + col) = tf_norm_typed::pack8<T>(a);
+            } else {
+                *(uint4 *)(yrow + n + col) = araw; /* attn as read */
+            }
+        }
+    }
+    asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
+}
+
 /* The staged backward (K == 1, every chunk of attn, u and dY whole and 16-byte aligned): the next row's
  * attn, u and dY chunks (y's part, and attn's and u's when concatenated) are copied into shared memory
  * with cp.async while this row is worked on, as in the staged forward. Planes per stage: (tensor,
@@ -851,8 +990,26 @@ bool fwd_stageable(const tf_hstu_output_fwd_params *p) {
            (p->u_stride * ub) % 16 == 0;
 }
 
+template <typename T>
+const void *fwd_typed_fn(bool cat, bool drop) {
+    if (cat) return drop ? (const void *)hstu_output_fwd_typed<T, true, true> : (const void *)hstu_output_fwd_typed<T, true, false>;
+    return drop ? (const void *)hstu_output_fwd_typed<T, false, true> : (const void *)hstu_output_fwd_typed<T, false, false>;
+}
+
+/* The typed forward where it applies (see its definition), else NULL. */
+const void *fwd_typed(const tf_hstu_output_fwd_params *p, const RowMap &m) {
+    const int dt = p->attn_dtype;
+    if (m.k != 1 || dt == TF_F32 || p->u_dtype != dt || p->y_dtype != dt || !fwd_stageable(p) || !aligned16(p->y))
+        return nullptr;
+    const bool cat = p->cat_u && p->cat_x;
+    if (p->mul_act != TF_ACT_SILU || (p->cat_u != p->cat_x) || (cat && p->cat_act != TF_ACT_SILU)) return nullptr;
+    const bool drop = p->dropout != 0;
+    return dt == TF_BF16 ? fwd_typed_fn<__nv_bfloat16>(cat, drop) : fwd_typed_fn<__half>(cat, drop);
+}
+
 Launch fwd_launch(const tf_hstu_output_fwd_params *p) {
     const RowMap m = row_map(p->cols, p->groups, p->group_weights);
+    if (const void *fn = fwd_typed(p, m)) return {fn, kRowBlock, m.tpr, (size_t)2 * 2 * kRowBlock * 16};
     const bool st = m.k > 0 && fwd_stageable(p);
     if (m.k == 1 && st)
         return {(const void *)hstu_output_fwd_rows<1, true>, kRowBlock, m.tpr, rows_fwd_stage_bytes<1>()};

@@ -36,12 +36,12 @@ def _parts(group_norm, concat_u, concat_x):
     return 1 + concat_u + concat_x
 
 
-def make(L, H, D, E, dtype, device, group_norm, concat_u, concat_x, requires_grad=True, wdtype=None):
+def make(L, H, D, E, dtype, device, group_norm, concat_u, concat_x, requires_grad=True, wdtype=None, shift=0.0):
     n = H * D
     k = n * _parts(group_norm, concat_u, concat_x)
     wn = H if group_norm else n
     t = {
-        "attn": torch.randn(L, n) * 2 + 0.5,
+        "attn": torch.randn(L, n) * 2 + 0.5 + shift,
         "u": torch.randn(L, n),
         "x": torch.randn(L, E),
         "norm_weight": torch.randn(wn) * 0.5 + 1,
@@ -71,12 +71,13 @@ def check_close(name, got, ref64, lowp, factor, terms=1, ulps=1):
 
 
 def run_case(device, dtype, L, H, D, E, *, group_norm, concat, act, silu_u, p, recompute, grad=True, seed=1234,
-             wdtype=None):
+             wdtype=None, shift=0.0):
     concat_u, concat_x = CONCATS[concat]
     eps = 1e-5
     kw = dict(num_heads=H, linear_dim=D, dropout_ratio=p, training=True, concat_u=concat_u, concat_x=concat_x,
               mul_u_activation_type=act, group_norm=group_norm, silu_u=silu_u)
-    ours = make(L, H, D, E, dtype, device, group_norm, concat_u, concat_x, requires_grad=grad, wdtype=wdtype)
+    ours = make(L, H, D, E, dtype, device, group_norm, concat_u, concat_x, requires_grad=grad, wdtype=wdtype,
+                shift=shift)
     lowp = {k: v.detach().clone().requires_grad_(grad) for k, v in ours.items()}
     ref = {k: v.detach().double().requires_grad_(grad) for k, v in ours.items()}
     mask = _dropout_mask(L, H * D, _parts(group_norm, concat_u, concat_x), p, seed=seed, device=device) if p else None
@@ -84,7 +85,7 @@ def run_case(device, dtype, L, H, D, E, *, group_norm, concat, act, silu_u, p, r
     out_lp = call(reference.hstu_compute_output, lowp, eps, dropout_mask=mask, **kw)
     out_ref = call(reference.hstu_compute_output, ref, eps, dropout_mask=mask, **kw)
     assert out.dtype == dtype and out.shape == (L, E)
-    what = f"{dtype} L={L} H={H} D={D} gn={group_norm} {concat} {act} silu_u={silu_u} p={p}"
+    what = f"{dtype} L={L} H={H} D={D} gn={group_norm} {concat} {act} silu_u={silu_u} p={p} shift={shift}"
     # out sums the concatenation's k products per element: with one row, PyTorch's own sum can land
     # within an ulp of the float64 value by luck (seed 1715464834: 1.2e-7 against ours 4.2e-7)
     k = H * D * _parts(group_norm, concat_u, concat_x)
@@ -204,6 +205,20 @@ def test_few_rows(device, L, group_norm):
 def test_many_rows(device, L, H, D):
     run_case(device, torch.bfloat16, L, H, D, 32, group_norm=False, concat="uxy", act="none", silu_u=False,
              p=0.1, recompute=False)
+
+
+# GR's configuration on CUDA's kernel specialised by dtype, concatenation and dropout (16-bit attn, u
+# and y of one dtype, LayerNorm rows of a multiple of 8 columns up to 1024, SiLU): more rows than the
+# resident blocks, 1, 15 and 128 chunks a row, rows centred at 0 and at 300 (the statistics are summed
+# about the row's first element; a plain sum of squares would cancel).
+@pytest.mark.parametrize("shift", [0.0, 300.0], ids=["centred", "mean300"])
+@pytest.mark.parametrize("H,D", [(4, 256), (3, 40), (1, 8)], ids=["1024", "120", "8"])
+@pytest.mark.parametrize("p", [0.0, 0.1], ids=["p0", "p0.1"])
+@pytest.mark.parametrize("concat", ["uxy", "y"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gr_configuration_many_rows(device, dtype, concat, p, H, D, shift):
+    run_case(device, dtype, 3001, H, D, 16, group_norm=False, concat=concat, act="silu", silu_u=True, p=p,
+             recompute=False, seed=int(torch.randint(1 << 30, ())), shift=shift)
 
 
 def test_inference_and_eval(device):
