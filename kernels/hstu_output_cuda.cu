@@ -112,12 +112,31 @@ __device__ __forceinline__ uint32_t mask_bits(const Dropout &d, uint64_t e0, int
     return bits >> ph;
 }
 
+/* mask_bits(d, e0, 8) for e0 a multiple of 8: one Philox block (the typed kernels' chunks, whose rows
+ * and parts all start at multiples of 8 elements). */
+__device__ __forceinline__ uint32_t mask_bits8(const Dropout &d, uint64_t e0) {
+    if (!d.on) return 0u;
+    uint32_t w[4], bits = 0u;
+    tf_philox4x32_10(d.seed, d.offset, e0 >> 3, w);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) bits |= (uint32_t)tf_philox_keep16(w[q], h, d.threshold) << (2 * q + h);
+    return bits;
+}
+
 /* v[i] *= keep(i) / (1 - p) for i < n, keep(i) bit i of mask_bits' word. */
 __device__ __forceinline__ void apply_bits(const Dropout &d, uint32_t bits, int n, float (&v)[TF_VEC]) {
     if (!d.on) return;
 #pragma unroll
     for (int i = 0; i < TF_VEC; ++i)
         if (i < n) v[i] = (bits >> i) & 1u ? v[i] * d.scale : 0.f;
+}
+
+/* v * keep(i) / (1 - p), keep(i) bit i of mask_bits' word: one element of apply_bits. */
+__device__ __forceinline__ float keep_scaled(const Dropout &d, uint32_t bits, int i, float v) {
+    if (!d.on) return v;
+    return (bits >> i) & 1u ? v * d.scale : 0.f;
 }
 
 __device__ __forceinline__ void apply_mask(const Dropout &d, uint64_t e0, int n, float (&v)[TF_VEC]) {
@@ -460,6 +479,55 @@ __device__ __forceinline__ void group_sum(float (&v)[NV], int tpr, float (*red)[
     }
 }
 
+/* (sum, sum of squares)-style pairs summed over each row group of tpr threads with one barrier at most:
+ * butterflies within a warp, then the warps' sums through red[parity], the buffer alternating with the
+ * row's parity (a warp can only overwrite a buffer after every warp has passed the barrier of the row
+ * between, i.e. after all have read it). The typed kernels' reduction; every thread gets the same bits. */
+__device__ __forceinline__ float2 group_sum2(float2 g, int tpr, float2 (*red)[kRowBlock / 32], int parity) {
+    const int width = tpr < 32 ? tpr : 32;
+    for (int off = width >> 1; off > 0; off >>= 1) {
+        g.x += __shfl_xor_sync(0xffffffffu, g.x, off);
+        g.y += __shfl_xor_sync(0xffffffffu, g.y, off);
+    }
+    if (tpr <= 32) return g;
+    const int lane = threadIdx.x & 31, nw = tpr >> 5, first = (threadIdx.x / tpr) * nw;
+    if (lane == 0) red[parity][threadIdx.x >> 5] = g;
+    __syncthreads();
+    g = red[parity][first + (lane & (nw - 1))]; /* each aligned run of nw lanes folds the nw sums */
+    for (int off = nw >> 1; off > 0; off >>= 1) {
+        g.x += __shfl_xor_sync(0xffffffffu, g.x, off);
+        g.y += __shfl_xor_sync(0xffffffffu, g.y, off);
+    }
+    return g;
+}
+
+/* A block's weight-gradient sums of one chunk per thread (tpr threads per row, kRowBlock / tpr row groups)
+ * into its partial rows: the row groups' sums added in group order, a fixed order. */
+__device__ __forceinline__ void store_partials_one_chunk(float *dwp, float *dbp, const float (&acc_w)[TF_VEC],
+                                                         const float (&acc_b)[TF_VEC], int tpr, int cn) {
+    __shared__ float part[kRowBlock * TF_VEC];
+    const int t = threadIdx.x & (tpr - 1), grp = threadIdx.x / tpr, rpb = kRowBlock / tpr;
+    for (int which = 0; which < 2; ++which) {
+        float *dst = which == 0 ? dwp : dbp;
+        if (!dst) continue;
+        if (rpb == 1) {
+            for (int i = 0; i < cn; ++i) dst[(int64_t)t * TF_VEC + i] = which == 0 ? acc_w[i] : acc_b[i];
+            continue;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) part[threadIdx.x * TF_VEC + i] = which == 0 ? acc_w[i] : acc_b[i];
+        __syncthreads();
+        if (grp == 0) {
+            for (int i = 0; i < cn; ++i) {
+                float v = 0.f;
+                for (int g = 0; g < rpb; ++g) v += part[(g * tpr + t) * TF_VEC + i];
+                dst[(int64_t)t * TF_VEC + i] = v;
+            }
+        }
+    }
+}
+
 /* STAGED (every chunk of attn and u whole and 16-byte aligned, the launch checks): each thread copies
  * its chunks of the next row into shared memory with cp.async while it works on this row, so a row's
  * loads are in flight during the previous row's reductions and writes, without registers to hold
@@ -669,23 +737,7 @@ __global__ void __launch_bounds__(kRowBlock, DROP ? 6 : 8) hstu_output_fwd_typed
                 sumsq = fmaf(v, v, sumsq);
             }
         }
-        /* the group's sums: butterflies within a warp, then one barrier across its warps */
-        float2 g = make_float2(sum, sumsq);
-        const int width = tpr < 32 ? tpr : 32;
-        for (int off = width >> 1; off > 0; off >>= 1) {
-            g.x += __shfl_xor_sync(0xffffffffu, g.x, off);
-            g.y += __shfl_xor_sync(0xffffffffu, g.y, off);
-        }
-        if (tpr > 32) {
-            const int lane = threadIdx.x & 31, nw = tpr >> 5, first = (threadIdx.x / tpr) * nw;
-            if (lane == 0) red[stage][threadIdx.x >> 5] = g;
-            __syncthreads();
-            g = red[stage][first + (lane & (nw - 1))]; /* each aligned run of nw lanes folds the nw sums */
-            for (int off = nw >> 1; off > 0; off >>= 1) {
-                g.x += __shfl_xor_sync(0xffffffffu, g.x, off);
-                g.y += __shfl_xor_sync(0xffffffffu, g.y, off);
-            }
-        }
+        const float2 g = group_sum2(make_float2(sum, sumsq), tpr, red, stage);
         const float m = g.x * inv; /* mean - c */
         const float mean = c + m, rstd = rsqrtf(fmaxf(fmaf(-m, m, g.y * inv), 0.f) + p.eps);
         if (!live) continue;
@@ -921,7 +973,9 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED, Y>()
     if (!p.dw_part && !p.db_part) return;
     float *dwp = p.dw_part ? p.dw_part + (int64_t)blockIdx.x * n : nullptr;
     float *dbp = p.db_part ? p.db_part + (int64_t)blockIdx.x * n : nullptr;
-    if (rpb == 1) {
+    if constexpr (K == 1) {
+        store_partials_one_chunk(dwp, dbp, acc_w[0], acc_b[0], tpr, cn[0]);
+    } else { /* two chunks a thread: 128 threads a row, one row group */
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int64_t c = (int64_t)(t + tpr * k) * TF_VEC;
@@ -932,27 +986,163 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED, Y>()
                 if (dbp) dbp[c + i] = acc_b[k][i];
             }
         }
-        return;
     }
-    if constexpr (K == 1) { /* several row groups (tpr < kRowBlock): their sums added in group order */
-        __shared__ float part[kRowBlock * TF_VEC];
-        const int grp = threadIdx.x / tpr;
-        for (int which = 0; which < 2; ++which) {
-            float *dst = which == 0 ? dwp : dbp;
-            if (!dst) continue;
-            __syncthreads();
+}
+
+/* The typed backward: the typed forward's configuration (attn, u, dY, d attn, d u and y of one 16-bit
+ * type T; LayerNorm rows of a multiple of 8 columns up to 1024; SiLU), CAT (the [u, attn, y] output) and
+ * DROP fixed at compile time, Y: y written again, bit for bit. Why: the staged rows kernel above is
+ * issue-bound on run-time dtype, activation and concatenation branches and per-store alignment checks
+ * (96 registers, 5 blocks per SM). Here one chunk of 8 per thread and tensor:
+ *  - the next row's attn, u and dY parts are staged with cp.async (16-bit: one plane each), its mean and
+ *    rstd read a row ahead;
+ *  - the first phase forms xhat, the activation and its derivative (one exponential), d u and the
+ *    weight-gradient terms, and writes d u (and y's parts); only dn * w stays live across the row's
+ *    reduction (one barrier: group_sum2); the second phase forms d attn from xhat again (from the
+ *    stage, bit for bit);
+ *  - every gradient term's rounding is spelled out (__fmaf_rn, __fmul_rn), so the instantiations with
+ *    and without Y, which share the grid, give the same gradients bit for bit. */
+constexpr int bwd_typed_planes(bool cat) { return cat ? 5 : 3; } /* attn, u, dY[y] (, dY[attn], dY[u]) */
+
+template <typename T, bool CAT, bool DROP, bool Y>
+__global__ void __launch_bounds__(kRowBlock, DROP ? 5 : 6) hstu_output_bwd_typed(const tf_hstu_output_bwd_params p, int tpr) {
+    constexpr int kPlanes = bwd_typed_planes(CAT);
+    __shared__ float2 red[2][kRowBlock / 32];
+    extern __shared__ uint4 stage_buf[];
+    const int t = threadIdx.x & (tpr - 1), rpb = kRowBlock / tpr;
+    const int64_t rows = p.rows, n = p.cols, step = (int64_t)gridDim.x * rpb;
+    const int64_t col = (int64_t)t * TF_VEC, oy = CAT ? 2 * n : 0;
+    const bool have = col < n;
+    const float inv = 1.f / (float)n;
+    const Dropout d = make_dropout(p.rng, DROP, p.p);
+    float acc_w[TF_VEC], acc_b[TF_VEC];
 #pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) part[threadIdx.x * TF_VEC + i] = which == 0 ? acc_w[0][i] : acc_b[0][i];
-            __syncthreads();
-            if (grp == 0) {
-                for (int i = 0; i < cn[0]; ++i) {
-                    float v = 0.f;
-                    for (int g = 0; g < rpb; ++g) v += part[(g * tpr + t) * TF_VEC + i];
-                    dst[(int64_t)t * TF_VEC + i] = v;
+    for (int i = 0; i < TF_VEC; ++i) acc_w[i] = acc_b[i] = 0.f;
+
+    uint4 *const mine = stage_buf + threadIdx.x;
+    float4 *const dx_buf = reinterpret_cast<float4 *>(stage_buf + 2 * kPlanes * kRowBlock); /* 2 planes */
+    const uint32_t mine_s = (uint32_t)__cvta_generic_to_shared(mine);
+    float mean_next = 0.f, rstd_next = 0.f;
+    auto issue = [&](int64_t row, int stage) {
+        if (row < rows) {
+            if (have) {
+                const uint32_t dst = mine_s + (uint32_t)(stage * kPlanes * kRowBlock) * 16u;
+                const T *dyr = (const T *)p.dy + row * p.dy_stride;
+                tf_norm_typed::cp_async16_s(dst, (const T *)p.attn + row * p.attn_stride + col);
+                tf_norm_typed::cp_async16_s(dst + kRowBlock * 16u, (const T *)p.u + row * p.u_stride + col);
+                tf_norm_typed::cp_async16_s(dst + 2 * kRowBlock * 16u, dyr + oy + col);
+                if constexpr (CAT) {
+                    tf_norm_typed::cp_async16_s(dst + 3 * kRowBlock * 16u, dyr + n + col);
+                    tf_norm_typed::cp_async16_s(dst + 4 * kRowBlock * 16u, dyr + col);
+                }
+            }
+            mean_next = p.mean[row];
+            rstd_next = p.rstd[row];
+        }
+        cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
+    };
+    int stage = 0;
+    issue((int64_t)blockIdx.x * rpb + threadIdx.x / tpr, 0);
+    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < rows; r0 += step, stage ^= 1) {
+        const int64_t r = r0 + threadIdx.x / tpr;
+        const bool live = r < rows; /* dead groups still meet the others in the reduction */
+        const float mean = mean_next, rstd = rstd_next;
+        issue(r + step, stage ^ 1);
+        tf_norm_typed::cp_async_wait_but_newest(); /* this row's group has landed */
+        const uint4 *const st = mine + stage * kPlanes * kRowBlock;
+        const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
+        /* dn * w, rounded (m1's terms and d attn's), waits for the second phase in this thread's own slots
+         * of the block's dx planes rather than in registers */
+        float4 *const dx4 = dx_buf + threadIdx.x;
+        float2 s = make_float2(0.f, 0.f);
+        uint32_t bx = 0u; /* Y with CAT and DROP: attn's keep bits, for y's part and then dY's */
+        if (live && have) {
+            /* element pairs from the staged words, results packed as they come: few values live at once */
+            using P = tf_norm_typed::Pack<T>;
+            const uint32_t by = DROP ? mask_bits8(d, e_row + oy + col) : 0u;
+            const uint32_t bu = CAT && DROP ? mask_bits8(d, e_row + col) : 0u;
+            /* the norm weight and bias (of type T) read per row, L1 hits, and kept packed */
+            const uint4 wraw = *(const uint4 *)((const T *)p.w + col), braw = *(const uint4 *)((const T *)p.b + col);
+            const uint32_t ww[4] = {wraw.x, wraw.y, wraw.z, wraw.w}, bw[4] = {braw.x, braw.y, braw.z, braw.w};
+            const uint4 araw = st[0], uraw = st[kRowBlock], graw = st[2 * kRowBlock];
+            const uint4 turaw = CAT ? st[4 * kRowBlock] : make_uint4(0u, 0u, 0u, 0u);
+            const uint32_t aw[4] = {araw.x, araw.y, araw.z, araw.w}, uw[4] = {uraw.x, uraw.y, uraw.z, uraw.w};
+            const uint32_t gw[4] = {graw.x, graw.y, graw.z, graw.w}, tw[4] = {turaw.x, turaw.y, turaw.z, turaw.w};
+            uint32_t du_p[4], yv_p[4], yu_p[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 a2 = P::to_f2(aw[j]), u2 = P::to_f2(uw[j]), g2 = P::to_f2(gw[j]), t2 = P::to_f2(tw[j]);
+                const float2 w2 = P::to_f2(ww[j]), b2 = P::to_f2(bw[j]);
+                float du2[2], yv2[2], yu2[2], dxv[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = 2 * j + h;
+                    const float av = h ? a2.y : a2.x, uv = h ? u2.y : u2.x, wv = h ? w2.y : w2.x, bv = h ? b2.y : b2.x;
+                    const float gy = keep_scaled(d, by, i, h ? g2.y : g2.x);
+                    float fm, gm;
+                    hstu_act_fg(uv, TF_ACT_SILU, fm, gm); /* the one exponential of this element */
+                    const float xh = xhat_of(av, mean, rstd), dn = __fmul_rn(gy, fm);
+                    const float dxi = __fmul_rn(dn, wv);
+                    dxv[h] = dxi;
+                    s.x = __fadd_rn(s.x, dxi);
+                    s.y = __fmaf_rn(dxi, xh, s.y);
+                    acc_w[i] = __fmaf_rn(dn, xh, acc_w[i]);
+                    acc_b[i] = __fadd_rn(acc_b[i], dn);
+                    du2[h] = __fmul_rn(__fmul_rn(gy, __fmaf_rn(xh, wv, bv)), gm);
+                    if constexpr (CAT) du2[h] = __fmaf_rn(keep_scaled(d, bu, i, h ? t2.y : t2.x), gm, du2[h]);
+                    if constexpr (Y) {
+                        yv2[h] = keep_scaled(d, by, i, y_of(xh, fm, wv, bv));
+                        yu2[h] = keep_scaled(d, bu, i, fm);
+                    }
+                }
+                reinterpret_cast<float2 *>(dx4 + (j >> 1) * kRowBlock)[j & 1] = make_float2(dxv[0], dxv[1]);
+                du_p[j] = P::from_f2(du2[0], du2[1]);
+                if constexpr (Y) {
+                    yv_p[j] = P::from_f2(yv2[0], yv2[1]);
+                    yu_p[j] = P::from_f2(yu2[0], yu2[1]);
+                }
+            }
+            /* d u needs no row statistic: written before the reduction, as are y's parts */
+            *(uint4 *)((T *)p.du + r * n + col) = make_uint4(du_p[0], du_p[1], du_p[2], du_p[3]);
+            if constexpr (Y) {
+                T *const yrow = (T *)p.y + r * p.y_cols;
+                *(uint4 *)(yrow + oy + col) = make_uint4(yv_p[0], yv_p[1], yv_p[2], yv_p[3]);
+                if constexpr (CAT) {
+                    *(uint4 *)(yrow + col) = make_uint4(yu_p[0], yu_p[1], yu_p[2], yu_p[3]);
+                    if constexpr (DROP) {
+                        float a[TF_VEC];
+                        tf_norm_typed::unpack8<T>(araw, a);
+                        bx = mask_bits8(d, e_row + n + col);
+                        apply_bits(d, bx, TF_VEC, a);
+                        *(uint4 *)(yrow + n + col) = tf_norm_typed::pack8<T>(a);
+                    } else {
+                        *(uint4 *)(yrow + n + col) = araw; /* attn as read */
+                    }
                 }
             }
         }
+        const float2 g = group_sum2(s, tpr, red, stage);
+        if (!live || !have) continue;
+        const float m1 = g.x * inv, m2 = g.y * inv;
+        float a[TF_VEC], da[TF_VEC];
+        tf_norm_typed::unpack8<T>(st[0], a);
+        const float4 d0 = dx4[0], d1 = dx4[kRowBlock];
+        const float dx[TF_VEC] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) da[i] = __fmul_rn(rstd, __fmaf_rn(-xhat_of(a[i], mean, rstd), m2, __fsub_rn(dx[i], m1)));
+        if constexpr (CAT) {
+            float tx[TF_VEC];
+            tf_norm_typed::unpack8<T>(st[3 * kRowBlock], tx);
+            if constexpr (DROP) apply_bits(d, Y ? bx : mask_bits8(d, e_row + n + col), TF_VEC, tx);
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) da[i] = __fadd_rn(da[i], tx[i]);
+        }
+        *(uint4 *)((T *)p.dattn + r * n + col) = tf_norm_typed::pack8<T>(da);
     }
+    asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
+    float *dwp = p.dw_part ? p.dw_part + (int64_t)blockIdx.x * n : nullptr;
+    float *dbp = p.db_part ? p.db_part + (int64_t)blockIdx.x * n : nullptr;
+    if (dwp || dbp) store_partials_one_chunk(dwp, dbp, acc_w, acc_b, tpr, have ? TF_VEC : 0);
 }
 
 /* The rows kernels' threads per row and chunks per thread for these params, or K = 0 when they do not
@@ -1033,8 +1223,34 @@ bool bwd_stageable(const tf_hstu_output_bwd_params *p) {
            (p->dy_stride * bytes(p->dy_dtype)) % 16 == 0;
 }
 
+template <typename T, bool Y>
+const void *bwd_typed_fn(bool cat, bool drop) {
+    if (cat)
+        return drop ? (const void *)hstu_output_bwd_typed<T, true, true, Y> : (const void *)hstu_output_bwd_typed<T, true, false, Y>;
+    return drop ? (const void *)hstu_output_bwd_typed<T, false, true, Y> : (const void *)hstu_output_bwd_typed<T, false, false, Y>;
+}
+
+/* The typed backward where it applies (see its definition), else a null fn. Without y (bwd_grid asks
+ * what the Y kernel would be for a call that writes none) the answer must be the one a call writing y
+ * gets, or the two would launch different grids: y is the attn-typed fresh tensor the op allocates. */
+template <bool Y>
+Launch bwd_typed(const tf_hstu_output_bwd_params *p, const RowMap &m) {
+    const int dt = p->attn_dtype;
+    const bool cat = p->cat_u && p->cat_x;
+    if (m.k != 1 || dt == TF_F32 || p->u_dtype != dt || p->dy_dtype != dt || p->dattn_dtype != dt ||
+        p->w_dtype != dt || !p->w || !p->b || !aligned16(p->w) || !aligned16(p->b) ||
+        p->du_dtype != dt || (Y && p->y && (p->y_dtype != dt || !aligned16(p->y))) || !bwd_stageable(p) ||
+        !aligned16(p->dattn) || !aligned16(p->du) || p->mul_act != TF_ACT_SILU || p->cat_u != p->cat_x ||
+        (cat && p->cat_act != TF_ACT_SILU))
+        return {nullptr, 0, 0, 0};
+    const bool drop = p->dropout != 0;
+    const void *fn = dt == TF_BF16 ? bwd_typed_fn<__nv_bfloat16, Y>(cat, drop) : bwd_typed_fn<__half, Y>(cat, drop);
+    return {fn, kRowBlock, m.tpr, (size_t)(2 * bwd_typed_planes(cat) + 2) * kRowBlock * 16};
+}
+
 template <bool Y>
 Launch bwd_rows_launch(const tf_hstu_output_bwd_params *p, const RowMap &m) {
+    if (const Launch l = bwd_typed<Y>(p, m); l.fn) return l;
     if (m.k == 1 && bwd_stageable(p))
         return {(const void *)hstu_output_bwd_rows<1, true, Y>, kRowBlock, m.tpr, rows_bwd_stage_bytes()};
     if (m.k == 1) return {(const void *)hstu_output_bwd_rows<1, false, Y>, kRowBlock, m.tpr, 0};
