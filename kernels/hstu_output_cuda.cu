@@ -989,17 +989,17 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED, Y>()
     }
 }
 
-/* The typed backward: the typed forward's configuration (attn, u, dY, d attn, d u and y of one 16-bit
- * type T; LayerNorm rows of a multiple of 8 columns up to 1024; SiLU), CAT (the [u, attn, y] output) and
- * DROP fixed at compile time, Y: y written again, bit for bit. Why: the staged rows kernel above is
- * issue-bound on run-time dtype, activation and concatenation branches and per-store alignment checks
- * (96 registers, 5 blocks per SM). Here one chunk of 8 per thread and tensor:
+/* The typed backward: the typed forward's configuration (attn, u, dY, d attn, d u, y and the norm weight
+ * and bias of one 16-bit type T; LayerNorm rows of a multiple of 8 columns up to 1024; SiLU), CAT (the
+ * [u, attn, y] output) and DROP fixed at compile time, Y: y written again, bit for bit. Why: the staged
+ * rows kernel above is issue-bound on run-time dtype, activation and concatenation branches and
+ * per-store alignment checks (96 registers, 5 blocks per SM). Here one chunk of 8 per thread and tensor:
  *  - the next row's attn, u and dY parts are staged with cp.async (16-bit: one plane each), its mean and
  *    rstd read a row ahead;
  *  - the first phase forms xhat, the activation and its derivative (one exponential), d u and the
- *    weight-gradient terms, and writes d u (and y's parts); only dn * w stays live across the row's
- *    reduction (one barrier: group_sum2); the second phase forms d attn from xhat again (from the
- *    stage, bit for bit);
+ *    weight-gradient terms, and writes d u (and y's parts); dn * w waits in the block's dx planes (shared
+ *    memory) across the row's reduction (one barrier: group_sum2), so no value of the row stays in
+ *    registers; the second phase forms d attn from xhat again (from the stage, bit for bit);
  *  - every gradient term's rounding is spelled out (__fmaf_rn, __fmul_rn), so the instantiations with
  *    and without Y, which share the grid, give the same gradients bit for bit. */
 constexpr int bwd_typed_planes(bool cat) { return cat ? 5 : 3; } /* attn, u, dY[y] (, dY[attn], dY[u]) */
