@@ -5,7 +5,9 @@ Large shapes (bf16): kernel time, GB/s over the fewest bytes the op must move, %
 measured in the same run. Decode shapes: wall time per call of back-to-back calls (the host's cost),
 against eager's add + norm and eager's plain add.
 
-    python benchmarks/bench_norm.py [--quick] [--out results.md]
+    python benchmarks/bench_norm.py [--quick] [--peers DIR] [--out results.md]
+
+DIR: a folder the liger_kernel package imports from (e.g. Liger-Kernel's wheel unzipped).
 """
 import sys
 
@@ -21,13 +23,14 @@ DECODE = [((1, 2560), torch.float16), ((8, 4096), torch.bfloat16)]
 EPS = 1e-6
 
 
-def liger_modules(hidden, dtype):
-    """Liger-Kernel's norms at this width: {"rms", "layer", "add+rms"} -> module, those that import."""
+def liger_modules(hidden, dtype, path=None):
+    """Liger-Kernel's norms at this width: {"rms", "layer", "add+rms"} -> module, those that import
+    (from `path` first when given: a folder holding the liger_kernel package)."""
     out = {}
     for key, mod, cls in (("rms", "liger_kernel.transformers.rms_norm", "LigerRMSNorm"),
                           ("layer", "liger_kernel.transformers.layer_norm", "LigerLayerNorm"),
                           ("add+rms", "liger_kernel.transformers.fused_add_rms_norm", "LigerFusedAddRMSNorm")):
-        m = C.import_peer(mod)
+        m = C.import_peer(mod, path)
         if m is not None and hasattr(m, cls):
             out[key] = getattr(m, cls)(hidden, eps=EPS).to("cuda", dtype)
     return out
@@ -67,13 +70,13 @@ def as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
-def bench_large(kind, residual, shape, copy_gbs, quick, rows, peers_seen):
+def bench_large(kind, residual, shape, copy_gbs, quick, rows, peers_seen, peer_path=None):
     dtype = torch.bfloat16
     x = torch.randn(shape, device="cuda", dtype=dtype)
     r = torch.randn(shape, device="cuda", dtype=dtype) if residual else None
     w = torch.randn(shape[-1], device="cuda", dtype=dtype)
     b = torch.randn(shape[-1], device="cuda", dtype=dtype) if kind == "layer" else None
-    liger = liger_modules(shape[-1], dtype)
+    liger = liger_modules(shape[-1], dtype, peer_path)
     peers_seen.update(liger and {"Liger-Kernel"} or set())
     fns = impls(kind, residual, x, r, w, b, liger)
     elem = x.numel() * x.element_size()
@@ -148,7 +151,7 @@ def run(args):
     for shape in LARGE[:1] if args.quick else LARGE:
         for kind in ("layer", "rms"):
             for residual in (True, False):
-                bench_large(kind, residual, shape, copy_gbs, args.quick, large, peers)
+                bench_large(kind, residual, shape, copy_gbs, args.quick, large, peers, args.peers)
                 torch.cuda.empty_cache()
     decode = []
     for shape, dt in DECODE:

@@ -269,6 +269,148 @@ __global__ void __launch_bounds__(kThreads, 2) norm_fwd_typed_kernel(const tf_no
     asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
 }
 
+/* Sums of N = 1 or 2 values over a group of any multiple of 32 threads (a whole block), or of a
+ * power of two below 32 (several groups a block): warp butterflies, then every thread adds the warp
+ * sums in warp order, so all threads get the same bits, run to run. */
+template <int N>
+__device__ __forceinline__ float2 row_group_sum(float2 v, float2 *red) {
+    const int tpr = blockDim.x;
+    if (tpr < 32) {
+        butterfly<N>(v, tpr / 2);
+        return v;
+    }
+    butterfly<N>(v, 16);
+    if (tpr == 32) return v;
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float2 t = red[0];
+    for (int w = 1; w < (tpr >> 5); ++w) {
+        t.x += red[w].x;
+        if (N == 2) t.y += red[w].y;
+    }
+    return t;
+}
+
+/* The same op with one row per thread group and no persistence: each thread loads its K chunks of x
+ * (and the residual) into registers at entry, and the SM's resident groups are what keep loads in
+ * flight (up to 2048 threads x K x 16 or 32 bytes per SM), against the persistent kernel's one
+ * staged row per slot. Block: (threads per row, rows per block); a row's chunks go to threads
+ * round-robin (chunk k * tpr + t to thread t), tpr a multiple of 32 (or a power of two below) so no
+ * warp of a 2560-column row idles. Registers are what bound the threads per SM, so the row's s and
+ * the weight and bias (of T or absent, re-read per row from L2) stay packed, 4 registers a chunk
+ * each, and s is unpacked again after the reduction; the caps are 32 registers at K = 1 and 40 at
+ * K = 2 (64 for LayerNorm with a residual, which would spill at 40). On an H100, bf16 32768x4096
+ * LayerNorm without a residual: 216 us holding s as floats with the 40 cap (spilling), 193 with a
+ * 64 cap, 181 packed with the 40 cap (the persistent kernel: 195). Same arithmetic per element as
+ * norm_fwd_typed_kernel; the reduction's order follows the thread count. */
+template <typename T, int K, bool RES, int NT>
+__global__ void __launch_bounds__(K == 1 ? 1024 : 512, K == 1 ? 2 : (RES && NT == TF_LAYER_NORM ? 2 : 3))
+norm_fwd_row_kernel(const tf_norm_fwd_params p) {
+    __shared__ float2 red[32];
+    constexpr bool LN = NT == TF_LAYER_NORM;
+    const int tid = threadIdx.x, tpr = blockDim.x;
+    const int64_t row = (int64_t)blockIdx.x * blockDim.y + threadIdx.y, cols = p.cols;
+    const bool active = row < p.rows;
+    const float inv_cols = 1.f / (float)cols;
+    const T *const xrow = (const T *)p.x + (active ? row : 0) * p.x_stride;
+    const T *const rrow = RES ? (const T *)p.res + (active ? row : 0) * p.res_stride : nullptr;
+
+    bool have[K];
+    uint4 ux[K], ur[K], uw[K], ub[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+        have[k] = active && col < cols;
+        ux[k] = ur[k] = uw[k] = ub[k] = make_uint4(0, 0, 0, 0);
+        if (have[k]) {
+            ux[k] = __ldg((const uint4 *)(xrow + col));
+            if constexpr (RES) ur[k] = __ldg((const uint4 *)(rrow + col));
+        }
+    }
+    /* the weights (of T) stay packed until the output: 4 registers a chunk, not 8 */
+    const bool hw = p.w != nullptr, hb = LN && p.b != nullptr;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int64_t col = (int64_t)(k * tpr + tid) * TF_VEC;
+        if (hw && have[k]) uw[k] = __ldg((const uint4 *)((const T *)p.w + col));
+        if (hb && have[k]) ub[k] = __ldg((const uint4 *)((const T *)p.b + col));
+    }
+    float c = 0.f;
+    if constexpr (LN) {
+        const float c0 = Pack<T>::to_f(xrow[0]);
+        c = RES ? Pack<T>::round(c0 + Pack<T>::to_f(rrow[0])) : c0;
+    }
+
+    /* s stays packed across the reduction and is unpacked again for the output: 4 registers a chunk */
+    float sum = 0.f, sumsq = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        float v[TF_VEC];
+        if constexpr (RES) {
+            float r[TF_VEC];
+            unpack8<T>(ux[k], v);
+            unpack8<T>(ur[k], r);
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) v[i] += r[i];
+            ux[k] = pack8<T>(v); /* s, rounded once as PyTorch's x + residual */
+            if (p.s && have[k]) *(uint4 *)((T *)p.s + row * cols + (int64_t)(k * tpr + tid) * TF_VEC) = ux[k];
+        }
+        unpack8<T>(ux[k], v);
+        if (have[k]) {
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) {
+                if constexpr (LN) v[i] -= c;
+                sum += v[i];
+                sumsq = fmaf(v[i], v[i], sumsq);
+            }
+        }
+    }
+    float mean = 0.f, rstd, shift_rstd = 0.f;
+    if constexpr (LN) {
+        const float2 t = row_group_sum<2>(make_float2(sum, sumsq), red);
+        const float m = t.x * inv_cols; /* mean - c */
+        rstd = rsqrtf(fmaxf(fmaf(-m, m, t.y * inv_cols), 0.f) + p.eps);
+        mean = c + m;
+        shift_rstd = -m * rstd;
+    } else {
+        rstd = rsqrtf(row_group_sum<1>(make_float2(sumsq, 0.f), red).x * inv_cols + p.eps);
+    }
+    if (!active) return;
+    T *const yrow = (T *)p.y + row * (p.y_stride ? p.y_stride : cols);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (!have[k]) continue;
+        float v[TF_VEC], o[TF_VEC], w[TF_VEC], b[TF_VEC];
+        unpack8<T>(ux[k], v);
+        if constexpr (LN) {
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) v[i] -= c;
+        }
+        unpack8<T>(uw[k], w);
+        unpack8<T>(ub[k], b);
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) {
+            if (!hw) w[i] = 1.f;
+            if (!LN) w[i] += p.weight_offset;
+        }
+#pragma unroll
+        for (int i = 0; i < TF_VEC; ++i) o[i] = LN ? fmaf(v[i], rstd, shift_rstd) : v[i] * rstd;
+        if constexpr (LN) {
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) o[i] = fmaf(o[i], w[i], b[i]);
+        } else {
+            if constexpr (NT == TF_RMS_NORM_LLAMA) unpack8<T>(pack8<T>(o), o);
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) o[i] *= w[i];
+        }
+        *(uint4 *)(yrow + (int64_t)(k * tpr + tid) * TF_VEC) = pack8<T>(o);
+    }
+    if (tid == 0) {
+        if (p.mean) p.mean[row] = mean;
+        if (p.rstd) p.rstd[row] = rstd;
+    }
+}
+
 } // namespace tf_norm_typed
 
 #endif /* TF_NORM_FWD_TYPED_CUH */

@@ -182,6 +182,37 @@ def test_aligned_16bit_rows(device, kind, dtype, residual, hidden, rows):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("hidden", [64, 560, 1024, 2560, 4096])
+def test_aligned_row_strides_and_weight_views(device, kind, residual, hidden):
+    # 16-bit rows that are aligned column slices of wider tensors give the contiguous result bit for
+    # bit (the typed forwards read rows by stride); a weight that is a misaligned view of a longer
+    # tensor, or of fp32, is read as it is (another kernel, so compared with the references)
+    rows, dtype = 301, torch.bfloat16
+    offset = 1.0 if kind == "gemma" else 0.0
+    wide_x = make((rows, hidden + 64), dtype, device)
+    wide_r = make((rows, hidden + 64), dtype, device, scale=2.0)
+    x, r = wide_x[:, 32:32 + hidden], (wide_r[:, 64:] if residual else None)
+    w = make((hidden,), dtype, device, scale=0.5)
+    b = make((hidden,), dtype, device, scale=0.5) if kind == "layer" else None
+    kw = {"residual": r} if residual else {}
+    got = call(kind, x, w, b, 1e-5, offset, **kw)
+    want = call(kind, x.contiguous(), w, b, 1e-5, offset, **({"residual": r.contiguous()} if residual else {}))
+    for a, e in zip(got if residual else (got,), want if residual else (want,)):
+        assert torch.equal(a, e)
+
+    s = (x + r) if residual else x
+    wbig = make((hidden + 1,), dtype, device, scale=0.5)
+    for wv in (wbig[1:], w.float()):
+        bv = None if b is None else (b.float() if wv.dtype == torch.float32 else make((hidden + 1,), dtype, device)[1:])
+        y = call(kind, x, wv, bv, 1e-5, offset, **kw)
+        y = y[0] if residual else y
+        ref64 = norm_f64(kind, s.double(), wv, bv, 1e-5, offset)
+        lowp = norm_lowp(kind, s, wv.to(dtype) if kind == "layer" else wv, bv, 1e-5, dtype, offset)
+        check_close("y", y, ref64, lowp, dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_backward_with_unaligned_gradients(device, kind):
     # aligned 16-bit rows (CUDA's typed forward) whose incoming gradients are views starting 2 bytes into
     # their storage, rows an odd number of elements apart: the backward must not take them for aligned
