@@ -1,11 +1,12 @@
 /* Fused residual add + LayerNorm / RMSNorm on CUDA (semantics: norm_kernels.h).
  *
  * Thread mapping. A row of `cols` elements is split into chunks of 8 (tf_vec.cuh). A group of
- * blockDim.x threads (a power of two, 1..1024) owns one row at a time; chunk j of the row belongs to
- * thread j % blockDim.x. Groups of at most 32 threads pack blockDim.y rows into a 128-thread block
- * and reduce with warp shuffles; larger groups are a whole block and reduce through shared memory.
+ * blockDim.x threads (a power of two, 1..1024; in the one-row forward a multiple of 32 above 32)
+ * owns one row at a time; chunk j of the row belongs to thread j % blockDim.x. Groups of at most 32
+ * threads pack blockDim.y rows into a 128-thread block and reduce with warp shuffles; larger groups
+ * are a whole block and reduce through shared memory.
  *
- * Five tiers of kernels, chosen per call by fwd_launch / bwd_launch:
+ * Six tiers of kernels, chosen per call by fwd_launch / bwd_launch:
  *  - generic (norm_fwd_kernel, norm_bwd_kernel): any dtype combination and any row length. K > 0
  *    chunks per thread in registers, or K == 0 for long rows: several passes over the row, the later
  *    ones re-reading it from L2.
@@ -18,6 +19,9 @@
  *  - typed forward (norm_fwd_typed.cuh): the staged kernel's scheme with every dtype a template
  *    parameter, for x, residual and s of one 16-bit dtype; weights in registers across a block's
  *    rows, one group reduction and one barrier per row.
+ *  - one-row typed forward (norm_fwd_row_kernel in norm_fwd_typed.cuh): the typed case with weights
+ *    of x's dtype, a block per row group instead of a persistent grid, the row in registers (see
+ *    row_launch for where it runs).
  *  - typed backward (norm_bwd_typed.cuh): the same for the backward of one 16-bit dtype throughout;
  *    s, dy and ds staged a row ahead, nothing of a row held in registers across its reduction.
  * The backward's weight gradients are summed per row slot into fp32 partial rows, then reduced by
@@ -859,14 +863,19 @@ const void *fwd_row_k(int k, bool res, int nt) {
 }
 
 /* The one-row forward (norm_fwd_row_kernel) for the typed case with a weight and bias of x's dtype
- * (16-byte aligned) or none, rows up to 8192 elements. Against the persistent typed kernel on an
- * H100, bf16, it took 0.92-0.96x the time with a residual (360 against 383 us at 32768x4096) and
- * 0.90-0.96x without one (181 against 195 at 32768x4096 LayerNorm). Launch: K chunks per thread
- * (2 past 2048 columns), a group of chunks / K threads rounded up to a multiple of 32 (a power of two
- * below 32, several rows per 128-thread block); not persistent. */
+ * (16-byte aligned) or none. Where it runs is measured against the persistent typed kernel, bf16:
+ * - with a residual, rows up to 8192 elements: 0.92-0.96x the time on an H100 (360 against 383 us at
+ *   32768x4096), 0.89-0.92x on an H200 (262 against 288);
+ * - without one, only rows of 2049-4096 elements: there 0.88-0.93x on an H100 and 0.92-0.98x on an
+ *   H200. Elsewhere it lost on the H200 (LayerNorm 87 against 77 us at 65536x1024, 185 against 143
+ *   at 65536x2048, 163 against 146 at 16384x8192), where one row's 16 or 32 bytes a thread are too
+ *   few in flight for its bandwidth, though it won on the H100 (94 against 103 us at 65536x1024).
+ * Launch: K chunks per thread (2 past 2048 columns), a group of chunks / K threads rounded up to a
+ * multiple of 32 (a power of two below 32, several rows per 128-thread block); not persistent. */
 bool row_launch(const tf_norm_fwd_params *p, Launch &l) {
     const int64_t chunks = p->cols / TF_VEC;
     if (chunks > 2 * kMaxRowThreads || !typed_case(p)) return false;
+    if (!p->res && (chunks <= 256 || chunks > 512)) return false; /* plain rows: 2049-4096 columns */
     if (p->w && (p->w_dtype != p->x_dtype || ((uintptr_t)p->w & 15u) != 0)) return false;
     if (p->norm_type == TF_LAYER_NORM && p->b && ((uintptr_t)p->b & 15u) != 0) return false;
     const int k = chunks > 256 ? 2 : 1;
