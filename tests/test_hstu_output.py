@@ -71,7 +71,7 @@ def check_close(name, got, ref64, lowp, factor, terms=1, ulps=1):
 
 
 def run_case(device, dtype, L, H, D, E, *, group_norm, concat, act, silu_u, p, recompute, grad=True, seed=1234,
-             wdtype=None, shift=0.0):
+             wdtype=None, shift=0.0, dout_scale=1.0):
     concat_u, concat_x = CONCATS[concat]
     eps = 1e-5
     kw = dict(num_heads=H, linear_dim=D, dropout_ratio=p, training=True, concat_u=concat_u, concat_x=concat_x,
@@ -92,7 +92,7 @@ def run_case(device, dtype, L, H, D, E, *, group_norm, concat, act, silu_u, p, r
     check_close(f"out ({what})", out, out_ref, out_lp, 2.0, terms=k)
     if not grad:
         return
-    dout = torch.randn_like(out_ref)
+    dout = torch.randn_like(out_ref) * dout_scale
     names = list(ours)
     g = torch.autograd.grad(out, [ours[k] for k in names], dout.to(dtype))
     g_lp = torch.autograd.grad(out_lp, [lowp[k] for k in names], dout.to(dtype))
@@ -219,8 +219,12 @@ def test_many_rows(device, L, H, D):
 @pytest.mark.parametrize("concat", ["uxy", "y"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gr_configuration_many_rows(device, dtype, concat, p, H, D, shift):
+    # rows centred at 300 put attn's part of [u, attn, y] at ~330 after dropout's scaling: the output
+    # weight's gradient then sums 3001 products of ~330 with dout, ~17000 at one sigma, and at unit dout
+    # its largest elements would pass fp16's 65504 (about 1 draw in 40); dout at 1/16 keeps them in range
     run_case(device, dtype, 3001, H, D, 16, group_norm=False, concat=concat, act="silu", silu_u=True, p=p,
-             recompute=p == 0, seed=int(torch.randint(1 << 30, ())), shift=shift)
+             recompute=p == 0, seed=int(torch.randint(1 << 30, ())), shift=shift,
+             dout_scale=1 / 16 if shift else 1.0)
 
 
 def test_inference_and_eval(device):
