@@ -864,9 +864,9 @@ const void *fwd_row_k(int k, bool res, int nt) {
 
 /* The one-row forward (norm_fwd_row_kernel) for the typed case with a weight and bias of x's dtype
  * (16-byte aligned) or none. Where it runs is measured against the persistent typed kernel, bf16:
- * - with a residual, rows up to 8192 elements: 0.92-0.96x the time on an H100 (360 against 383 us at
- *   32768x4096), 0.89-0.92x on an H200 (262 against 288);
- * - without one, only rows of 2049-4096 elements: there 0.88-0.93x on an H100 and 0.92-0.98x on an
+ * - with a residual, rows up to 8192 elements: 0.93-0.96x the time on an H100 (360 against 384 us at
+ *   32768x4096), 0.91-0.94x on an H200 (262 against 288);
+ * - without one, only rows of 2049-4096 elements: there 0.90-0.94x on an H100 and 0.91-0.98x on an
  *   H200. Elsewhere it lost on the H200 (LayerNorm 87 against 77 us at 65536x1024, 185 against 143
  *   at 65536x2048, 163 against 146 at 16384x8192), where one row's 16 or 32 bytes a thread are too
  *   few in flight for its bandwidth, though it won on the H100 (94 against 103 us at 65536x1024).
