@@ -105,19 +105,18 @@ __device__ __forceinline__ void butterfly(float2 &v, int from) {
         if (N == 2) v.y += __shfl_xor_sync(0xffffffffu, v.y, off);
     }
 }
+/* The first step of both group sums: each warp's sum (or each sub-warp group's); true when that is
+ * already the group's. */
+template <int N>
+__device__ __forceinline__ bool sum_within_warps(float2 &v) {
+    const int tpr = blockDim.x;
+    butterfly<N>(v, tpr < 32 ? tpr / 2 : 16);
+    return tpr <= 32;
+}
 template <int N>
 __device__ __forceinline__ float2 group_sum(float2 v, float2 *red) {
     const int tpr = blockDim.x;
-    if (tpr < 32) {
-        butterfly<N>(v, tpr / 2);
-        return v;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        v.x += __shfl_xor_sync(0xffffffffu, v.x, off);
-        if (N == 2) v.y += __shfl_xor_sync(0xffffffffu, v.y, off);
-    }
-    if (tpr == 32) return v;
+    if (sum_within_warps<N>(v)) return v;
     const int lane = threadIdx.x & 31, nw = tpr >> 5;
     if (lane == 0) red[threadIdx.x >> 5] = v;
     __syncthreads();
@@ -275,12 +274,7 @@ __global__ void __launch_bounds__(kThreads, 2) norm_fwd_typed_kernel(const tf_no
 template <int N>
 __device__ __forceinline__ float2 row_group_sum(float2 v, float2 *red) {
     const int tpr = blockDim.x;
-    if (tpr < 32) {
-        butterfly<N>(v, tpr / 2);
-        return v;
-    }
-    butterfly<N>(v, 16);
-    if (tpr == 32) return v;
+    if (sum_within_warps<N>(v)) return v;
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
     __syncthreads();
     float2 t = red[0];
