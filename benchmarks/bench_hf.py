@@ -10,12 +10,18 @@ hidden 2560, parallel residual, fp16) and a Llama-3.2-1B-shaped Llama (16 layers
 * kernel launches inside one decoder layer (a middle one), counted with torch.profiler from the
   launch calls made between that layer's forward pre-hook and forward hook, decode and prefill.
 
+With Liger-Kernel importable (pip, or ``--peers DIR``: a folder holding the liger_kernel package), the
+Llama is also run as Liger patches it (``apply_liger_kernel_to_llama``: RoPE, SwiGLU MLP, RMSNorm,
+fused linear + cross-entropy loss) against the same model with ``patch_hf`` on top (torchfuse's fused
+add + RMSNorm in place of Liger's RMSNorm, Liger's other kernels kept): prefill as above, and a
+training step (forward with the loss over every position, and backward; no optimizer step).
+
 Patched and unpatched alternate in rounds (A B A B ...); the median round of each is reported: whole
 model calls are timed by the host clock around a synchronized call (the host's dispatch is the decode
 step's cost). The norm + residual-add section of one layer is timed as every kernel benchmark is
 (benchmarks/_common.py).
 
-    python benchmarks/bench_hf.py [--quick] [--tiny] [--out results.md]
+    python benchmarks/bench_hf.py [--quick] [--tiny] [--peers DIR] [--out results.md]
 """
 import statistics
 import sys
@@ -188,7 +194,7 @@ def run_model(name, make_config, dtype, device, args):
     steps = 8 if args.tiny else 128
     ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
-    rounds = 2 if (args.quick or args.tiny) else 3
+    rounds = 2 if (args.quick or args.tiny) else 5
     res = {"pre": {False: [], True: []}, "dec": {False: [], True: []}, "tok": {}}
     with torch.no_grad():
         for patched in (False, True):  # warm up both (allocator, cuBLAS heuristics, SDPA)
@@ -242,6 +248,69 @@ def run_model(name, make_config, dtype, device, args):
                 raw={k: v for k, v in res.items() if k != "tok"})
 
 
+LIGER_MODEL = "Llama-1B-shaped Llama"
+
+
+def liger_apply(path):
+    """Liger-Kernel's apply_liger_kernel_to_llama (from `path` first when given), or None."""
+    m = C.import_peer("liger_kernel.transformers", path)
+    return getattr(m, "apply_liger_kernel_to_llama", None)
+
+
+def train_step(model, ids):
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def run_liger(apply, device, args):
+    """The Llama as Liger-Kernel patches it, against the same model with patch_hf on top: prefill tokens/s
+    and training-step time, interleaved rounds; the first step's loss of each (same weights, same ids)."""
+    from transformers.models.llama import modeling_llama
+    saved = {k: getattr(modeling_llama, k) for k in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")}
+    make_config, dtype = MODELS[LIGER_MODEL]
+    model = build(make_config, dtype, device, args.tiny)
+    batch, length = (2, 16) if args.tiny else (8, 512)
+    steps = 2 if args.tiny else 5
+    rounds = 2 if (args.quick or args.tiny) else 3
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+    res = {"pre": {False: [], True: []}, "train": {False: [], True: []}, "loss": {}}
+    try:  # Liger swaps transformers' classes and RoPE function too: put back afterwards
+        apply(rope=True, swiglu=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True,
+              model=model)
+        for timing in (False, True):  # the first pass warms both up
+            for _ in range(rounds if timing else 1):
+                for patched in (False, True):
+                    if patched:
+                        torchfuse.patch_hf(model)
+                    with torch.no_grad():
+                        model.eval()
+                        t, _ = timed(lambda: prefill(model, ids), device)
+                    model.train()
+                    u, loss = timed(lambda: [train_step(model, ids) for _ in range(steps)], device)
+                    if timing:
+                        res["pre"][patched].append(batch * length / t)
+                        res["train"][patched].append(u / steps * 1e3)
+                    else:
+                        res["loss"][patched] = float(loss[0])
+                    torchfuse.unpatch_hf(model)
+        torchfuse.patch_hf(model)
+        with torchfuse.stats() as calls:  # the patched layers ran in the training forward, Liger's loss kept
+            model(ids, labels=ids)
+        want = torchfuse.hf.expected_calls(model)
+        assert all(calls.get(k, 0) == v for k, v in want.items()), (dict(calls), want)
+        torchfuse.unpatch_hf(model)
+    finally:
+        for k, v in saved.items():
+            setattr(modeling_llama, k, v)
+    model = None
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    med = {k: {p: statistics.median(res[k][p]) for p in (False, True)} for k in ("pre", "train")}
+    return dict(name=LIGER_MODEL, batch=batch, length=length, steps=steps, loss=res["loss"], **med)
+
+
 def run(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rep = C.Report("hf", "HuggingFace decoders patched with torchfuse.patch_hf")
@@ -266,12 +335,31 @@ def run(args):
                 f"{r['launches'][('dec', False)]:g} -> {r['launches'][('dec', True)]:g}",
                 f"{r['launches'][('pre', False)]:g} -> {r['launches'][('pre', True)]:g}", r["agree"]]
                for r in rows])
+    liger = None
+    if not args.only or args.only in LIGER_MODEL:
+        apply = liger_apply(args.peers)
+        if apply is not None:
+            liger = run_liger(apply, device, args)
+            rep.peers.append("Liger-Kernel (apply_liger_kernel_to_llama), alone and under patch_hf")
+            print("done: Liger", file=sys.stderr, flush=True)
     rep.table("The norm + residual-add section of one layer (HF's eager code on the layer's own modules against the "
               "ops the patched layer calls): decode = wall time per call of back-to-back calls at one token, "
               "prefill = kernel time at the prefill rows.",
               ["model", "section", "decode HF us", "patched us", "prefill HF us", "patched us"],
               [[r["name"], what, C.fmt(d_hf), C.fmt(d_tf), C.fmt(p_hf), C.fmt(p_tf)]
                for r in rows for what, d_hf, d_tf, p_hf, p_tf in r["section"]])
+    if liger is not None:
+        r = liger
+        rep.table("With Liger-Kernel: the Llama patched by apply_liger_kernel_to_llama (RoPE, SwiGLU, RMSNorm, fused "
+                  "linear + cross-entropy) against the same model with patch_hf on top (torchfuse's fused add + "
+                  "RMSNorm in place of Liger's RMSNorm); training step = forward with the loss + backward, "
+                  f"wall time, the mean of {r['steps']} steps; medians of interleaved rounds.",
+                  ["model", "tokens", "prefill tok/s Liger", "Liger + torchfuse", "speedup", "training step ms Liger",
+                   "Liger + torchfuse", "speedup", "first-step loss Liger", "Liger + torchfuse"],
+                  [[r["name"], f"{r['batch']}x{r['length']}", f"{r['pre'][False]:,.0f}", f"{r['pre'][True]:,.0f}",
+                    f"{r['pre'][True] / r['pre'][False]:.3f}x", f"{r['train'][False]:.2f}",
+                    f"{r['train'][True]:.2f}", f"{r['train'][False] / r['train'][True]:.3f}x",
+                    f"{r['loss'][False]:.5f}", f"{r['loss'][True]:.5f}"]])
     return rep
 
 
