@@ -862,23 +862,45 @@ const void *fwd_row_k(int k, bool res, int nt) {
     return res ? fwd_row_nt<T, 2, true>(nt) : fwd_row_nt<T, 2, false>(nt);
 }
 
+/* Peak DRAM bandwidth of the current device in bytes/s (2 transfers a clock over the bus), once per
+ * device: what decides how many bytes a thread must keep in flight (latency x bandwidth). */
+double device_peak_bandwidth() {
+    static std::mutex mu;
+    static std::map<int, double> cache;
+    int dev = 0;
+    cudaGetDevice(&dev);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(dev);
+    if (it != cache.end()) return it->second;
+    int khz = 0, bits = 0;
+    cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, dev);
+    cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, dev);
+    return cache[dev] = 2.0 * khz * 1e3 * bits / 8.0;
+}
+
 /* The one-row forward (norm_fwd_row_kernel) for the typed case with a weight and bias of x's dtype
  * (16-byte aligned) or none. Where it runs is measured against the persistent typed kernel, bf16:
  * - with a residual, rows up to 8192 elements: 0.93-0.96x the time on an H100 (360 against 384 us at
  *   32768x4096), 0.91-0.94x on an H200 (262 against 288);
- * - without one, only rows of 2049-4096 elements: there 0.90-0.94x on an H100 and 0.91-0.98x on an
- *   H200. Elsewhere it lost on the H200 (LayerNorm 87 against 77 us at 65536x1024, 185 against 143
- *   at 65536x2048, 163 against 146 at 16384x8192), where one row's 16 or 32 bytes a thread are too
- *   few in flight for its bandwidth, though it won on the H100 (94 against 103 us at 65536x1024).
- * Launch: K chunks per thread (2 past 2048 columns), a group of chunks / K threads rounded up to a
- * multiple of 32 (a power of two below 32, several rows per 128-thread block); not persistent. */
+ * - without one, on a device of up to 4 TB/s (an H100: 3.35), rows of 512-8192 elements with two
+ *   chunks a thread (32 bytes in flight): 0.92-0.96x the time (RMSNorm 95 against 102 us at
+ *   65536x1024, 183 against 198 at 65536x2048, 181 against 193 at 16384x8192; one chunk a thread:
+ *   94, 191 and 181, and LayerNorm 99 against 96 and 204 against 185);
+ * - without one, on a faster device (an H200: 4.8 TB/s), only rows of 2049-4096 elements: there
+ *   0.91-0.98x. Elsewhere it lost on the H200 with one chunk a thread (LayerNorm 87 against 77 us at
+ *   65536x1024, 185 against 143 at 65536x2048) and with two at 8192 (163 against 146 at
+ *   16384x8192): more bytes a thread must be in flight there than one row holds.
+ * Launch: K chunks per thread (2 past 2048 columns, and for plain rows of 512 or more), a group of
+ * chunks / K threads rounded up to a multiple of 32 (a power of two below 32, several rows per
+ * 128-thread block); not persistent. */
 bool row_launch(const tf_norm_fwd_params *p, Launch &l) {
     const int64_t chunks = p->cols / TF_VEC;
     if (chunks > 2 * kMaxRowThreads || !typed_case(p)) return false;
-    if (!p->res && (chunks <= 256 || chunks > 512)) return false; /* plain rows: 2049-4096 columns */
+    const bool fast_dram = device_peak_bandwidth() > 4e12;
+    if (!p->res && fast_dram && (chunks <= 256 || chunks > 512)) return false; /* 2049-4096 columns */
     if (p->w && (p->w_dtype != p->x_dtype || ((uintptr_t)p->w & 15u) != 0)) return false;
     if (p->norm_type == TF_LAYER_NORM && p->b && ((uintptr_t)p->b & 15u) != 0) return false;
-    const int k = chunks > 256 ? 2 : 1;
+    const int k = chunks > 256 || (!p->res && chunks >= 64) ? 2 : 1;
     int tpr = (int)((chunks + k - 1) / k);
     tpr = tpr <= 32 ? next_pow2(tpr) : (tpr + 31) / 32 * 32;
     const bool res = p->res != nullptr;
