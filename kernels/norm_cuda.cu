@@ -818,18 +818,33 @@ bool aligned_rows(const void *base, int64_t stride, int dt) {
     return ((uintptr_t)base & 15u) == 0 && (stride * elem_size(dt)) % 16 == 0;
 }
 
-template <typename T, int K, bool RES>
-const void *fwd_typed_nt(int nt) {
-    using tf_norm_typed::norm_fwd_typed_kernel;
-    if (nt == TF_LAYER_NORM) return (const void *)norm_fwd_typed_kernel<T, K, RES, TF_LAYER_NORM>;
-    if (nt == TF_RMS_NORM_LLAMA) return (const void *)norm_fwd_typed_kernel<T, K, RES, TF_RMS_NORM_LLAMA>;
-    return (const void *)norm_fwd_typed_kernel<T, K, RES, TF_RMS_NORM_GEMMA>;
+/* The typed forwards' instances, picked by (K, residual, norm type) at run time: the persistent typed
+ * kernel (K 1 or 2) and the one-row kernel (K 1 or 2, and 4 without a residual). */
+struct TypedKernels {
+    static constexpr int kMaxK = 2;
+    template <typename T, int K, bool RES, int NT>
+    static const void *fn() { return (const void *)tf_norm_typed::norm_fwd_typed_kernel<T, K, RES, NT>; }
+};
+struct RowKernels {
+    static constexpr int kMaxK = 4;
+    template <typename T, int K, bool RES, int NT>
+    static const void *fn() { return (const void *)tf_norm_typed::norm_fwd_row_kernel<T, K, RES, NT>; }
+};
+
+template <class Kernels, typename T, int K, bool RES>
+const void *fwd_instance_nt(int nt) {
+    if (nt == TF_LAYER_NORM) return Kernels::template fn<T, K, RES, TF_LAYER_NORM>();
+    if (nt == TF_RMS_NORM_LLAMA) return Kernels::template fn<T, K, RES, TF_RMS_NORM_LLAMA>();
+    return Kernels::template fn<T, K, RES, TF_RMS_NORM_GEMMA>();
 }
 
-template <typename T>
-const void *fwd_typed_k(int k, bool res, int nt) {
-    if (k == 1) return res ? fwd_typed_nt<T, 1, true>(nt) : fwd_typed_nt<T, 1, false>(nt);
-    return res ? fwd_typed_nt<T, 2, true>(nt) : fwd_typed_nt<T, 2, false>(nt);
+template <class Kernels, typename T>
+const void *fwd_instance(int k, bool res, int nt) {
+    if (k == 1) return res ? fwd_instance_nt<Kernels, T, 1, true>(nt) : fwd_instance_nt<Kernels, T, 1, false>(nt);
+    if (k == 2) return res ? fwd_instance_nt<Kernels, T, 2, true>(nt) : fwd_instance_nt<Kernels, T, 2, false>(nt);
+    if constexpr (Kernels::kMaxK >= 4)
+        if (!res) return fwd_instance_nt<Kernels, T, 4, false>(nt);
+    return nullptr;
 }
 
 /* The compile-time-dtype kernel (norm_fwd_typed.cuh) where it applies: x, residual, s (and so y) of
@@ -845,68 +860,37 @@ const void *fwd_typed(const tf_norm_fwd_params *p, int k) {
     if (!typed_case(p)) return nullptr;
     const int dt = p->x_dtype;
     const bool res = p->res != nullptr;
-    return dt == TF_BF16 ? fwd_typed_k<__nv_bfloat16>(k, res, p->norm_type) : fwd_typed_k<__half>(k, res, p->norm_type);
-}
-
-template <typename T, int K, bool RES>
-const void *fwd_row_nt(int nt) {
-    using tf_norm_typed::norm_fwd_row_kernel;
-    if (nt == TF_LAYER_NORM) return (const void *)norm_fwd_row_kernel<T, K, RES, TF_LAYER_NORM>;
-    if (nt == TF_RMS_NORM_LLAMA) return (const void *)norm_fwd_row_kernel<T, K, RES, TF_RMS_NORM_LLAMA>;
-    return (const void *)norm_fwd_row_kernel<T, K, RES, TF_RMS_NORM_GEMMA>;
-}
-
-template <typename T>
-const void *fwd_row_k(int k, bool res, int nt) {
-    if (k == 1) return res ? fwd_row_nt<T, 1, true>(nt) : fwd_row_nt<T, 1, false>(nt);
-    return res ? fwd_row_nt<T, 2, true>(nt) : fwd_row_nt<T, 2, false>(nt);
-}
-
-/* Peak DRAM bandwidth of the current device in bytes/s (2 transfers a clock over the bus), once per
- * device: what decides how many bytes a thread must keep in flight (latency x bandwidth). */
-double device_peak_bandwidth() {
-    static std::mutex mu;
-    static std::map<int, double> cache;
-    int dev = 0;
-    cudaGetDevice(&dev);
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(dev);
-    if (it != cache.end()) return it->second;
-    int khz = 0, bits = 0;
-    cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, dev);
-    cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, dev);
-    return cache[dev] = 2.0 * khz * 1e3 * bits / 8.0;
+    return dt == TF_BF16 ? fwd_instance<TypedKernels, __nv_bfloat16>(k, res, p->norm_type)
+                         : fwd_instance<TypedKernels, __half>(k, res, p->norm_type);
 }
 
 /* The one-row forward (norm_fwd_row_kernel) for the typed case with a weight and bias of x's dtype
  * (16-byte aligned) or none. Where it runs is measured against the persistent typed kernel, bf16:
  * - with a residual, rows up to 8192 elements: 0.93-0.96x the time on an H100 (360 against 384 us at
  *   32768x4096), 0.91-0.94x on an H200 (262 against 288);
- * - without one, on a device of up to 3.6 TB/s peak (an H100 SXM: 3.35), rows of 512-8192
- *   elements with two chunks a thread (32 bytes in flight): 0.92-0.96x the time (RMSNorm 95 against
- *   102 us at 65536x1024, 183 against 198 at 65536x2048, 181 against 193 at 16384x8192; one chunk a
- *   thread: 94, 191 and 181, and LayerNorm 99 against 96 and 204 against 185);
- * - without one, on a faster device (an H200: 4.8 TB/s), only rows of 2049-4096 elements: there
- *   0.91-0.98x. Elsewhere it lost on the H200 with one chunk a thread (LayerNorm 87 against 77 us at
- *   65536x1024, 185 against 143 at 65536x2048) and with two at 8192 (163 against 146 at
- *   16384x8192): more bytes a thread must be in flight there than one row holds.
- * Launch: K chunks per thread (2 past 2048 columns, and for plain rows of 512 or more), a group of
- * chunks / K threads rounded up to a multiple of 32 (a power of two below 32, several rows per
- * 128-thread block); not persistent. */
+ * - without one, rows of 512-8192 elements with two chunks a thread, four past 4096 elements (32
+ *   or 64 bytes in flight a thread): on an H100 0.92-0.96x the time (RMSNorm 95 against 102 us at
+ *   65536x1024, 183 against 198 at 65536x2048; LayerNorm 182 against 194 at 16384x8192), on an
+ *   H200 0.90-0.95x (RMSNorm 69 against 77 us at 65536x1024, 131 against 144 at 65536x2048, 132
+ *   against 147 at 16384x8192). One chunk a thread lost on the H200 (LayerNorm 87 against 77 us at
+ *   65536x1024, 185 against 143 at 65536x2048), and two at 8192 (LayerNorm 161 against 148): the
+ *   faster memory needs more bytes in flight a thread than one row's chunk holds.
+ * Launch: K chunks per thread (2 past 2048 columns and for plain rows of 512 or more, 4 for plain
+ * rows past 4096), a group of chunks / K threads rounded up to a multiple of 32 (a power of two
+ * below 32, several rows per 128-thread block); not persistent. */
 bool row_launch(const tf_norm_fwd_params *p, Launch &l) {
     const int64_t chunks = p->cols / TF_VEC;
     if (chunks > 2 * kMaxRowThreads || !typed_case(p)) return false;
-    const bool fast_dram = device_peak_bandwidth() > 3.6e12; /* above the one measured to gain */
-    if (!p->res && fast_dram && (chunks <= 256 || chunks > 512)) return false; /* 2049-4096 columns */
     if (p->w && (p->w_dtype != p->x_dtype || ((uintptr_t)p->w & 15u) != 0)) return false;
     if (p->norm_type == TF_LAYER_NORM && p->b && ((uintptr_t)p->b & 15u) != 0) return false;
-    const int k = chunks > 256 || (!p->res && chunks >= 64) ? 2 : 1;
+    const int k = !p->res && chunks > 512 ? 4 : chunks > 256 || (!p->res && chunks >= 64) ? 2 : 1;
     int tpr = (int)((chunks + k - 1) / k);
     tpr = tpr <= 32 ? next_pow2(tpr) : (tpr + 31) / 32 * 32;
     const bool res = p->res != nullptr;
     l.block = dim3(tpr, tpr <= 32 ? kSmallBlock / tpr : 1);
     l.k = k;
-    l.fn = p->x_dtype == TF_BF16 ? fwd_row_k<__nv_bfloat16>(k, res, p->norm_type) : fwd_row_k<__half>(k, res, p->norm_type);
+    l.fn = p->x_dtype == TF_BF16 ? fwd_instance<RowKernels, __nv_bfloat16>(k, res, p->norm_type)
+                                 : fwd_instance<RowKernels, __half>(k, res, p->norm_type);
     l.persistent = false;
     l.smem = 0;
     return true;
