@@ -90,9 +90,21 @@ struct Dropout {
     bool on;
 };
 
+/* The keep bits of Philox block `blk`'s 8 elements (elements 8 * blk .. 8 * blk + 7): one draw, its
+ * eight 16-bit halves compared with the threshold; bit i for element 8 * blk + i. */
+__device__ __forceinline__ uint32_t block_bits(const Dropout &d, uint64_t blk) {
+    uint32_t w[4], bits = 0u;
+    tf_philox4x32_10(d.seed, d.offset, blk, w);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) bits |= (uint32_t)tf_philox_keep16(w[q], h, d.threshold) << (2 * q + h);
+    return bits;
+}
+
 /* keep(e0 + i) as bit i, for i < n <= 8. The chunk's elements span at most two Philox blocks of 8: each
- * is drawn once, its eight halves turned into keep bits at once (bit 8 * block + element, shifted by the
- * chunk's phase afterwards), so only four words and a bit mask are live at a time. */
+ * is drawn once (bit 8 * j + element for the j-th, shifted by the chunk's phase afterwards), so only
+ * four words and a bit mask are live at a time. */
 __device__ __forceinline__ uint32_t mask_bits(const Dropout &d, uint64_t e0, int n) {
     if (!d.on || n <= 0) return 0u;
     const uint64_t b0 = e0 >> 3;
@@ -101,13 +113,7 @@ __device__ __forceinline__ uint32_t mask_bits(const Dropout &d, uint64_t e0, int
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         if (8u * j >= end) break;
-        uint32_t w[4];
-        tf_philox4x32_10(d.seed, d.offset, b0 + j, w);
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                bits |= (uint32_t)tf_philox_keep16(w[q], h, d.threshold) << (8 * j + 2 * q + h);
+        bits |= block_bits(d, b0 + j) << (8 * j);
     }
     return bits >> ph;
 }
@@ -115,28 +121,20 @@ __device__ __forceinline__ uint32_t mask_bits(const Dropout &d, uint64_t e0, int
 /* mask_bits(d, e0, 8) for e0 a multiple of 8: one Philox block (the typed kernels' chunks, whose rows
  * and parts all start at multiples of 8 elements). */
 __device__ __forceinline__ uint32_t mask_bits8(const Dropout &d, uint64_t e0) {
-    if (!d.on) return 0u;
-    uint32_t w[4], bits = 0u;
-    tf_philox4x32_10(d.seed, d.offset, e0 >> 3, w);
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) bits |= (uint32_t)tf_philox_keep16(w[q], h, d.threshold) << (2 * q + h);
-    return bits;
+    return d.on ? block_bits(d, e0 >> 3) : 0u;
 }
 
-/* v[i] *= keep(i) / (1 - p) for i < n, keep(i) bit i of mask_bits' word. */
-__device__ __forceinline__ void apply_bits(const Dropout &d, uint32_t bits, int n, float (&v)[TF_VEC]) {
-    if (!d.on) return;
-#pragma unroll
-    for (int i = 0; i < TF_VEC; ++i)
-        if (i < n) v[i] = (bits >> i) & 1u ? v[i] * d.scale : 0.f;
-}
-
-/* v * keep(i) / (1 - p), keep(i) bit i of mask_bits' word: one element of apply_bits. */
+/* v * keep(i) / (1 - p), keep(i) bit i of mask_bits' word. */
 __device__ __forceinline__ float keep_scaled(const Dropout &d, uint32_t bits, int i, float v) {
     if (!d.on) return v;
     return (bits >> i) & 1u ? v * d.scale : 0.f;
+}
+
+/* v[i] = keep_scaled(v[i]) for i < n. */
+__device__ __forceinline__ void apply_bits(const Dropout &d, uint32_t bits, int n, float (&v)[TF_VEC]) {
+#pragma unroll
+    for (int i = 0; i < TF_VEC; ++i)
+        if (i < n) v[i] = keep_scaled(d, bits, i, v[i]);
 }
 
 __device__ __forceinline__ void apply_mask(const Dropout &d, uint64_t e0, int n, float (&v)[TF_VEC]) {
@@ -458,12 +456,16 @@ constexpr int rows_bwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 4) - (Y ? 1 
 /* v summed over the tpr threads of each row group (a fixed order: the same result in every thread of
  * the group, run to run). Every thread of the block calls it; above 32 threads per row it meets the
  * others at __syncthreads and goes through red. */
+/* v summed over aligned runs of `width` lanes (a power of two up to 32) by butterflies: every lane of a
+ * run gets the same bits. */
+__device__ __forceinline__ void butterfly_sum(float &v, int width) {
+    for (int off = width >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+}
+
 template <int NV>
 __device__ __forceinline__ void group_sum(float (&v)[NV], int tpr, float (*red)[NV]) {
-    const int width = tpr < 32 ? tpr : 32;
-    for (int off = width >> 1; off > 0; off >>= 1)
 #pragma unroll
-        for (int i = 0; i < NV; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+    for (int i = 0; i < NV; ++i) butterfly_sum(v[i], tpr < 32 ? tpr : 32);
     if (tpr <= 32) return;
     const int warp = threadIdx.x >> 5, nw = tpr >> 5, first = (threadIdx.x / tpr) * nw;
     __syncthreads(); /* the previous call's reads of red are done */
@@ -484,20 +486,15 @@ __device__ __forceinline__ void group_sum(float (&v)[NV], int tpr, float (*red)[
  * row's parity (a warp can only overwrite a buffer after every warp has passed the barrier of the row
  * between, i.e. after all have read it). The typed kernels' reduction; every thread gets the same bits. */
 __device__ __forceinline__ float2 group_sum2(float2 g, int tpr, float2 (*red)[kRowBlock / 32], int parity) {
-    const int width = tpr < 32 ? tpr : 32;
-    for (int off = width >> 1; off > 0; off >>= 1) {
-        g.x += __shfl_xor_sync(0xffffffffu, g.x, off);
-        g.y += __shfl_xor_sync(0xffffffffu, g.y, off);
-    }
+    butterfly_sum(g.x, tpr < 32 ? tpr : 32);
+    butterfly_sum(g.y, tpr < 32 ? tpr : 32);
     if (tpr <= 32) return g;
     const int lane = threadIdx.x & 31, nw = tpr >> 5, first = (threadIdx.x / tpr) * nw;
     if (lane == 0) red[parity][threadIdx.x >> 5] = g;
     __syncthreads();
     g = red[parity][first + (lane & (nw - 1))]; /* each aligned run of nw lanes folds the nw sums */
-    for (int off = nw >> 1; off > 0; off >>= 1) {
-        g.x += __shfl_xor_sync(0xffffffffu, g.x, off);
-        g.y += __shfl_xor_sync(0xffffffffu, g.y, off);
-    }
+    butterfly_sum(g.x, nw);
+    butterfly_sum(g.y, nw);
     return g;
 }
 
