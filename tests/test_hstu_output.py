@@ -210,11 +210,12 @@ def test_many_rows(device, L, H, D):
 
 # GR's configuration on CUDA's kernels specialised by dtype, concatenation and dropout (16-bit attn, u,
 # y and norm parameters of one dtype, LayerNorm rows of a multiple of 8 columns up to 1024, SiLU): more
-# rows than the resident blocks, 1, 15 and 128 chunks a row, rows centred at 0 and at 300 (the forward's
-# statistics are summed about the row's first element; a plain sum of squares would cancel); the
-# backward writing y again without dropout, and not with it.
+# rows than the resident blocks, 1, 15, 75 and 128 chunks a row (past 64 chunks a warp per row, the
+# lanes' last chunks partly past the row at 75), rows centred at 0 and at 300 (the forward's statistics
+# are summed about the row's first element; a plain sum of squares would cancel); the backward writing y
+# again without dropout, and not with it.
 @pytest.mark.parametrize("shift", [0.0, 300.0], ids=["centred", "mean300"])
-@pytest.mark.parametrize("H,D", [(4, 256), (3, 40), (1, 8)], ids=["1024", "120", "8"])
+@pytest.mark.parametrize("H,D", [(4, 256), (3, 200), (3, 40), (1, 8)], ids=["1024", "600", "120", "8"])
 @pytest.mark.parametrize("p", [0.0, 0.1], ids=["p0", "p0.1"])
 @pytest.mark.parametrize("concat", ["uxy", "y"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
