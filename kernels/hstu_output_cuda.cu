@@ -174,6 +174,30 @@ __device__ __forceinline__ Dropout make_dropout(const tf_philox_args &rng, int o
     return d;
 }
 
+/* make_dropout with dropout on or off known at compile time (the typed kernels). */
+template <bool DROP>
+__device__ __forceinline__ Dropout make_dropout_fixed(const tf_philox_args &rng, float p) {
+    Dropout d{};
+    d.on = DROP;
+    if constexpr (DROP) {
+        d.threshold = tf_philox_threshold16(p);
+        d.scale = 1.f / (1.f - p);
+        tf_philox_resolve(&rng, &d.seed, &d.offset);
+    }
+    return d;
+}
+
+/* The forward's resolved (seed, offset), from which its backward draws the same mask, written by the
+ * grid's first thread where asked for. */
+__device__ __forceinline__ void write_rng_out(const tf_philox_args &rng, int64_t *out) {
+    if (out && blockIdx.x == 0 && threadIdx.x == 0) {
+        uint64_t s, o;
+        tf_philox_resolve(&rng, &s, &o);
+        out[0] = (int64_t)s;
+        out[1] = (int64_t)o;
+    }
+}
+
 /* y's element from attn's normalized value, u's activation and the norm parameters, each rounding
  * spelled out: the backward writes y again (recompute_y_in_backward) and must land on the same bits,
  * whatever contraction the compiler would choose in each kernel (ptxas fused a rematerialized
@@ -227,12 +251,7 @@ __global__ void __launch_bounds__(kWarps * 32, fwd_min_blocks<K>()) hstu_output_
     const int64_t warp0 = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
     const int64_t n_warps = (int64_t)gridDim.x * kWarps;
     const Dropout d = make_dropout(p.rng, p.dropout, p.p);
-    if (p.rng_out && blockIdx.x == 0 && threadIdx.x == 0) {
-        uint64_t s, o;
-        tf_philox_resolve(&p.rng, &s, &o);
-        p.rng_out[0] = (int64_t)s;
-        p.rng_out[1] = (int64_t)o;
-    }
+    write_rng_out(p.rng, p.rng_out);
     const int64_t G = p.groups, n = p.cols, gs = n / G, nch = (gs + TF_VEC - 1) / TF_VEC;
     const int64_t ou = p.cat_u ? 0 : -1, ox = p.cat_x ? (p.cat_u ? n : 0) : -1, oy = (p.cat_u + p.cat_x) * n;
     const float inv = 1.f / (float)gs;
@@ -455,15 +474,15 @@ constexpr int rows_fwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 6) : 4; }
 template <int K, bool STAGED, bool Y>
 constexpr int rows_bwd_min_blocks() { return K == 1 ? (STAGED ? 5 : 4) - (Y ? 1 : 0) : 2; }
 
-/* v summed over the tpr threads of each row group (a fixed order: the same result in every thread of
- * the group, run to run). Every thread of the block calls it; above 32 threads per row it meets the
- * others at __syncthreads and goes through red. */
 /* v summed over aligned runs of `width` lanes (a power of two up to 32) by butterflies: every lane of a
  * run gets the same bits. */
 __device__ __forceinline__ void butterfly_sum(float &v, int width) {
     for (int off = width >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
 }
 
+/* v summed over the tpr threads of each row group (a fixed order: the same result in every thread of
+ * the group, run to run). Every thread of the block calls it; above 32 threads per row it meets the
+ * others at __syncthreads and goes through red. */
 template <int NV>
 __device__ __forceinline__ void group_sum(float (&v)[NV], int tpr, float (*red)[NV]) {
 #pragma unroll
@@ -571,12 +590,7 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
     extern __shared__ uint4 stage_buf[];
     const int t = threadIdx.x & (tpr - 1), rpb = kRowBlock / tpr;
     const Dropout d = make_dropout(p.rng, p.dropout, p.p);
-    if (p.rng_out && blockIdx.x == 0 && threadIdx.x == 0) {
-        uint64_t s, o;
-        tf_philox_resolve(&p.rng, &s, &o);
-        p.rng_out[0] = (int64_t)s;
-        p.rng_out[1] = (int64_t)o;
-    }
+    write_rng_out(p.rng, p.rng_out);
     const int64_t n = p.cols;
     const int64_t ou = p.cat_u ? 0 : -1, ox = p.cat_x ? (p.cat_u ? n : 0) : -1, oy = (p.cat_u + p.cat_x) * n;
     const float inv = 1.f / (float)n;
@@ -682,19 +696,8 @@ __global__ void __launch_bounds__(kRowBlock, DROP ? 6 : 8) hstu_output_fwd_typed
     const int64_t col = (int64_t)t * TF_VEC;
     const bool have = col < n;
     const float inv = 1.f / (float)n;
-    Dropout d{};
-    d.on = DROP;
-    if constexpr (DROP) {
-        d.threshold = tf_philox_threshold16(p.p);
-        d.scale = 1.f / (1.f - p.p);
-        tf_philox_resolve(&p.rng, &d.seed, &d.offset);
-    }
-    if (p.rng_out && blockIdx.x == 0 && threadIdx.x == 0) {
-        uint64_t s, o;
-        tf_philox_resolve(&p.rng, &s, &o);
-        p.rng_out[0] = (int64_t)s;
-        p.rng_out[1] = (int64_t)o;
-    }
+    const Dropout d = make_dropout_fixed<DROP>(p.rng, p.p);
+    write_rng_out(p.rng, p.rng_out);
     const int64_t oy = CAT ? 2 * n : 0;
     float w[TF_VEC], b[TF_VEC];
     if (have) load_params(p.w, p.b, p.w_dtype, 0, 0, col, TF_VEC, w, b);
@@ -798,19 +801,8 @@ __global__ void __launch_bounds__(kRowBlock, 6) hstu_output_fwd_warp(const tf_hs
     const int64_t rows = p.rows, n = p.cols, ycols = p.y_cols;
     const int64_t nwarps = (int64_t)gridDim.x * (kRowBlock / 32);
     const float inv = 1.f / (float)n;
-    Dropout d{};
-    d.on = DROP;
-    if constexpr (DROP) {
-        d.threshold = tf_philox_threshold16(p.p);
-        d.scale = 1.f / (1.f - p.p);
-        tf_philox_resolve(&p.rng, &d.seed, &d.offset);
-    }
-    if (p.rng_out && blockIdx.x == 0 && threadIdx.x == 0) {
-        uint64_t s, o;
-        tf_philox_resolve(&p.rng, &s, &o);
-        p.rng_out[0] = (int64_t)s;
-        p.rng_out[1] = (int64_t)o;
-    }
+    const Dropout d = make_dropout_fixed<DROP>(p.rng, p.p);
+    write_rng_out(p.rng, p.rng_out);
     const int64_t oy = CAT ? 2 * n : 0;
     for (int64_t r = (int64_t)blockIdx.x * (kRowBlock / 32) + threadIdx.x / 32; r < rows; r += nwarps) {
         const T *arow = (const T *)p.attn + r * p.attn_stride, *urow = (const T *)p.u + r * p.u_stride;

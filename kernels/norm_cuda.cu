@@ -47,7 +47,7 @@ constexpr int kMaxFwdK = 4;        /* chunks per thread held in registers by the
 constexpr int kMaxBwdK = 2;        /* ... and by the backward */
 constexpr int kMaxRegThreads = 512; /* group size of the register variants (128 registers each) */
 constexpr int kMaxThreads = 1024;  /* group size of the looping variants */
-constexpr int kMaxRowThreads = 512; /* group size of the one-row typed forward (one or two chunks a thread) */
+constexpr int kMaxRowThreads = 512; /* group size of the one-row typed forward (1, 2 or 4 chunks a thread) */
 
 __device__ __forceinline__ int64_t y_stride(const tf_norm_fwd_params &p) { return p.y_stride ? p.y_stride : p.cols; }
 
