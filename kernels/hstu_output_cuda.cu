@@ -673,6 +673,52 @@ __global__ void __launch_bounds__(kRowBlock, rows_fwd_min_blocks<K, STAGED>()) h
     if constexpr (STAGED) asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
 }
 
+/* A 16-byte store, streaming (evict first) with STREAM. */
+template <bool STREAM>
+__device__ __forceinline__ void store16(void *dst, const uint4 &v) {
+    if constexpr (STREAM) __stcs((uint4 *)dst, v);
+    else *(uint4 *)dst = v;
+}
+
+/* The typed forwards' writes of one whole chunk of a row (the [u, attn, y] concatenation with CAT, y alone
+ * at oy = 0 without), from the chunk's raw attn and u, dropped out and rounded: u's part first, then
+ * y's over the activation in place, then attn's (as read, without dropout), so few values are live at
+ * once. STREAM: streaming stores. */
+template <typename T, bool CAT, bool DROP, bool STREAM>
+__device__ __forceinline__ void typed_write_chunk(const Dropout &d, T *yrow, uint64_t e_row, int64_t n, int64_t oy,
+                                                  int64_t col, const uint4 araw, const uint4 uraw, float mean,
+                                                  float rstd, const float (&w)[TF_VEC], const float (&b)[TF_VEC]) {
+    float f[TF_VEC];
+    tf_norm_typed::unpack8<T>(uraw, f);
+#pragma unroll
+    for (int i = 0; i < TF_VEC; ++i) f[i] = hstu_act(f[i], TF_ACT_SILU);
+    if constexpr (CAT) {
+        if constexpr (DROP) {
+            float v[TF_VEC];
+#pragma unroll
+            for (int i = 0; i < TF_VEC; ++i) v[i] = f[i];
+            apply_mask(d, e_row + col, TF_VEC, v);
+            store16<STREAM>(yrow + col, tf_norm_typed::pack8<T>(v));
+        } else {
+            store16<STREAM>(yrow + col, tf_norm_typed::pack8<T>(f));
+        }
+    }
+    float a[TF_VEC];
+    tf_norm_typed::unpack8<T>(araw, a);
+#pragma unroll
+    for (int i = 0; i < TF_VEC; ++i) f[i] = y_of(xhat_of(a[i], mean, rstd), f[i], w[i], b[i]);
+    if constexpr (DROP) apply_mask(d, e_row + oy + col, TF_VEC, f);
+    store16<STREAM>(yrow + oy + col, tf_norm_typed::pack8<T>(f));
+    if constexpr (CAT) {
+        if constexpr (DROP) {
+            apply_mask(d, e_row + n + col, TF_VEC, a);
+            store16<STREAM>(yrow + n + col, tf_norm_typed::pack8<T>(a));
+        } else {
+            store16<STREAM>(yrow + n + col, araw);
+        }
+    }
+}
+
 /* The typed forward: the common case with every choice known at compile time. attn, u and y of one
  * 16-bit type T, LayerNorm rows of up to 1024 columns whose chunks are all whole and aligned, SiLU for
  * both activations, the [u, attn, y] concatenation (CAT) or y alone, dropout on or off (DROP); rows of
@@ -749,38 +795,8 @@ __global__ void __launch_bounds__(kRowBlock, DROP ? 6 : 8) hstu_output_fwd_typed
             p.rstd[r] = rstd;
         }
         if (!have) continue;
-        /* u's part first, then y's over the activation in place, then attn's: few values live at once */
-        float f[TF_VEC];
-        tf_norm_typed::unpack8<T>(staged[kRowBlock], f);
-#pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) f[i] = hstu_act(f[i], TF_ACT_SILU);
-        T *const yrow = (T *)p.y + r * ycols;
-        const uint64_t e_row = (uint64_t)r * (uint64_t)ycols;
-        if constexpr (CAT) {
-            if constexpr (DROP) {
-                float v[TF_VEC];
-#pragma unroll
-                for (int i = 0; i < TF_VEC; ++i) v[i] = f[i];
-                apply_mask(d, e_row + col, TF_VEC, v);
-                *(uint4 *)(yrow + col) = tf_norm_typed::pack8<T>(v);
-            } else {
-                *(uint4 *)(yrow + col) = tf_norm_typed::pack8<T>(f);
-            }
-        }
-        float a[TF_VEC];
-        tf_norm_typed::unpack8<T>(araw, a);
-#pragma unroll
-        for (int i = 0; i < TF_VEC; ++i) f[i] = y_of(xhat_of(a[i], mean, rstd), f[i], w[i], b[i]);
-        if constexpr (DROP) apply_mask(d, e_row + oy + col, TF_VEC, f);
-        *(uint4 *)(yrow + oy + col) = tf_norm_typed::pack8<T>(f);
-        if constexpr (CAT) {
-            if constexpr (DROP) {
-                apply_mask(d, e_row + n + col, TF_VEC, a);
-                *(uint4 *)(yrow + n + col) = tf_norm_typed::pack8<T>(a);
-            } else {
-                *(uint4 *)(yrow + n + col) = araw; /* attn as read */
-            }
-        }
+        typed_write_chunk<T, CAT, DROP, false>(d, (T *)p.y + r * ycols, (uint64_t)r * (uint64_t)ycols, n, oy, col,
+                                               araw, staged[kRowBlock], mean, rstd, w, b);
     }
     asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
 }
@@ -848,36 +864,7 @@ __global__ void __launch_bounds__(kRowBlock, 6) hstu_output_fwd_warp(const tf_hs
             if (col >= n) continue;
             float w[TF_VEC], b[TF_VEC];
             load_params(p.w, p.b, p.w_dtype, 0, 0, col, TF_VEC, w, b);
-            /* u's part first, then y's over the activation in place, then attn's, as the staged kernel */
-            float f[TF_VEC];
-            tf_norm_typed::unpack8<T>(ur[k], f);
-#pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) f[i] = hstu_act(f[i], TF_ACT_SILU);
-            if constexpr (CAT) {
-                if constexpr (DROP) {
-                    float v[TF_VEC];
-#pragma unroll
-                    for (int i = 0; i < TF_VEC; ++i) v[i] = f[i];
-                    apply_mask(d, e_row + col, TF_VEC, v);
-                    __stcs((uint4 *)(yrow + col), tf_norm_typed::pack8<T>(v));
-                } else {
-                    __stcs((uint4 *)(yrow + col), tf_norm_typed::pack8<T>(f));
-                }
-            }
-            float a[TF_VEC];
-            tf_norm_typed::unpack8<T>(ar[k], a);
-#pragma unroll
-            for (int i = 0; i < TF_VEC; ++i) f[i] = y_of(xhat_of(a[i], mean, rstd), f[i], w[i], b[i]);
-            if constexpr (DROP) apply_mask(d, e_row + oy + col, TF_VEC, f);
-            __stcs((uint4 *)(yrow + oy + col), tf_norm_typed::pack8<T>(f));
-            if constexpr (CAT) {
-                if constexpr (DROP) {
-                    apply_mask(d, e_row + n + col, TF_VEC, a);
-                    __stcs((uint4 *)(yrow + n + col), tf_norm_typed::pack8<T>(a));
-                } else {
-                    __stcs((uint4 *)(yrow + n + col), ar[k]); /* attn as read */
-                }
-            }
+            typed_write_chunk<T, CAT, DROP, true>(d, yrow, e_row, n, oy, col, ar[k], ur[k], mean, rstd, w, b);
         }
     }
 }
