@@ -1,8 +1,8 @@
 /* Jagged ops, CUDA kernels.
  *
- * jagged_copy_kernel<U>: a persistent grid over the op's task rows (jagged_kernels.h). A group of G threads
- * (a power of two up to 32, so small rows share a warp) owns TFJ_RUN_ROWS (8) consecutive rows per
- * iteration. tfj_resolve (jagged_map.h) finds a row's sample (a step or two forward from the group's
+ * jagged_copy_kernel<U>: a grid of one pass over the op's task rows (jagged_kernels.h; the loop is there
+ * for grids past the launch limit). A group of G threads (a power of two up to 32, so small rows share a
+ * warp) owns TFJ_RUN_ROWS (8) consecutive rows per iteration. tfj_resolve (jagged_map.h) finds a row's sample (a step or two forward from the group's
  * previous one, a binary search over the offsets when that fails) and returns the source and
  * destination row addresses, plus the run: how many of the following rows continue both
  * contiguously inside the same tensors. For rows of >= TFJ_RUN_MIN_UNITS units, when the group's 8
@@ -104,6 +104,14 @@ static int group_log2_for(int64_t units) {
     return g;
 }
 
+/* Blocks for one pass over the tasks, at most the launch limit: a persistent grid of one resident wave
+ * moved the same rows 3% slower (H100, docs/design/jagged.md). */
+static unsigned copy_grid(int64_t tasks, int group_log2) {
+    const int64_t rows_per_block = (int64_t)(TFJ_THREADS >> group_log2) * TFJ_RUN_ROWS;
+    const int64_t blocks = (tasks + rows_per_block - 1) / rows_per_block;
+    return (unsigned)(blocks < 0x7fffffff ? blocks : 0x7fffffff);
+}
+
 /* Enough blocks for the tasks, at most one resident wave (blocks_per_sm from the occupancy API). */
 static int64_t grid_for(int64_t tasks, int group_log2, int rows_per_group, int blocks_per_sm) {
     int dev = 0, sms = 132;
@@ -130,10 +138,8 @@ static int launch_copy(const tfj_copy_params *p, cudaStream_t stream) {
     memcpy(&fill, bytes, U);
     const int64_t units = p->row_bytes / U;
     const int g = group_log2_for(units);
-    static const int per_sm = blocks_per_sm(jagged_copy_kernel<U>);
     const int use_runs = units >= TFJ_RUN_MIN_UNITS;
-    jagged_copy_kernel<U><<<(unsigned)grid_for(p->tasks, g, TFJ_RUN_ROWS, per_sm), TFJ_THREADS, 0, stream>>>(*p, g, units, fill,
-                                                                                               use_runs);
+    jagged_copy_kernel<U><<<copy_grid(p->tasks, g), TFJ_THREADS, 0, stream>>>(*p, g, units, fill, use_runs);
     return (int)cudaGetLastError();
 }
 
