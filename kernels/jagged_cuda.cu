@@ -2,14 +2,15 @@
  *
  * jagged_copy_kernel<U>: a grid of one pass over the op's task rows (jagged_kernels.h; the loop is there
  * for grids past the launch limit). A group of G threads (a power of two up to 32, so small rows share a
- * warp) owns TFJ_RUN_ROWS (8) consecutive rows per iteration. tfj_resolve (jagged_map.h) finds a row's sample (a step or two forward from the group's
- * previous one, a binary search over the offsets when that fails) and returns the source and
- * destination row addresses, plus the run: how many of the following rows continue both
- * contiguously inside the same tensors. For rows of >= TFJ_RUN_MIN_UNITS units, when the group's 8
- * rows are one run (away from sample and piece boundaries) one resolve serves them all and each
- * thread has 8 loads in flight before its first store. Otherwise the rows are resolved one by one,
- * TFJ_ROWS at a time, all before the first load. The G threads move a row as U-byte units (16-byte
- * vectors whenever the row length and every base pointer allow, else the widest unit that does).
+ * warp) owns TFJ_RUN_ROWS (8) consecutive rows per iteration. tfj_resolve (jagged_map.h) finds a row's
+ * sample (a step or two forward from the group's previous one, a binary search over the offsets when
+ * that fails) and returns the source and destination row addresses, plus the run: how many of the
+ * following rows continue both contiguously inside the same tensors. For rows of >= TFJ_RUN_MIN_UNITS
+ * units, when the group's 8 rows are one run (away from sample and piece boundaries) one resolve serves
+ * them all and each thread has 8 loads in flight before its first store. Otherwise the rows are
+ * resolved one by one, TFJ_ROWS at a time, all before the first load. The G threads move a row as
+ * U-byte units (16-byte vectors whenever the row length and every base pointer allow, else the widest
+ * unit that does).
  * Rows are raw bytes: one instantiation per unit width (5 in all) serves every dtype and op. Row and
  * byte indices are 64-bit.
  *

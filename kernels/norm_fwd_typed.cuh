@@ -295,8 +295,8 @@ __device__ __forceinline__ float2 row_group_sum(float2 v, float2 *red) {
  * each, and s is unpacked again after the reduction; the caps are 32 registers at K = 1, 40 at
  * K = 2 (64 for LayerNorm with a residual, which would spill at 40) and 64 at K = 4 (no residual).
  * On an H100, bf16 32768x4096 LayerNorm without a residual: 216 us holding s as floats with the 40
- * cap (spilling), 193 with a 64 cap, 181 packed with the 40 cap (the persistent kernel: 195). Same arithmetic per element as
- * norm_fwd_typed_kernel; the reduction's order follows the thread count. */
+ * cap (spilling), 193 with a 64 cap, 181 packed with the 40 cap (the persistent kernel: 195). Same
+ * arithmetic per element as norm_fwd_typed_kernel; the reduction's order follows the thread count. */
 template <typename T, int K, bool RES, int NT>
 __global__ void __launch_bounds__(K == 1 ? 1024 : K == 4 ? 256 : 512, K == 1 ? 2 : K == 4 ? 4 : (RES && NT == TF_LAYER_NORM ? 2 : 3))
 norm_fwd_row_kernel(const tf_norm_fwd_params p) {
