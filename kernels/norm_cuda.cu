@@ -868,7 +868,7 @@ const void *fwd_typed(const tf_norm_fwd_params *p, int k) {
  * (16-byte aligned) or none. Where it runs is measured against the persistent typed kernel, bf16:
  * - with a residual, rows up to 8192 elements: 0.93-0.96x the time on an H100 (360 against 384 us at
  *   32768x4096), 0.91-0.94x on an H200 (262 against 288);
- * - without one, rows of 512-8192 elements with two chunks a thread, four past 4096 elements (32
+ * - without one, rows of 512-8192 elements with two chunks a thread, four past 2048 elements (32
  *   or 64 bytes in flight a thread): on an H100 0.92-0.96x the time (RMSNorm 95 against 102 us at
  *   65536x1024, 183 against 198 at 65536x2048; LayerNorm 182 against 194 at 16384x8192), on an
  *   H200 0.90-0.95x (RMSNorm 69 against 77 us at 65536x1024, 131 against 144 at 65536x2048, 132
@@ -876,14 +876,14 @@ const void *fwd_typed(const tf_norm_fwd_params *p, int k) {
  *   65536x1024, 185 against 143 at 65536x2048), and two at 8192 (LayerNorm 161 against 148): the
  *   faster memory needs more bytes in flight a thread than one row's chunk holds.
  * Launch: K chunks per thread (2 past 2048 columns and for plain rows of 512 or more, 4 for plain
- * rows past 4096), a group of chunks / K threads rounded up to a multiple of 32 (a power of two
+ * rows past 2048), a group of chunks / K threads rounded up to a multiple of 32 (a power of two
  * below 32, several rows per 128-thread block); not persistent. */
 bool row_launch(const tf_norm_fwd_params *p, Launch &l) {
     const int64_t chunks = p->cols / TF_VEC;
     if (chunks > 2 * kMaxRowThreads || !typed_case(p)) return false;
     if (p->w && (p->w_dtype != p->x_dtype || ((uintptr_t)p->w & 15u) != 0)) return false;
     if (p->norm_type == TF_LAYER_NORM && p->b && ((uintptr_t)p->b & 15u) != 0) return false;
-    const int k = !p->res && chunks > 512 ? 4 : chunks > 256 || (!p->res && chunks >= 64) ? 2 : 1;
+    const int k = !p->res && chunks > 256 ? 4 : chunks > 256 || (!p->res && chunks >= 64) ? 2 : 1;
     int tpr = (int)((chunks + k - 1) / k);
     tpr = tpr <= 32 ? next_pow2(tpr) : (tpr + 31) / 32 * 32;
     const bool res = p->res != nullptr;

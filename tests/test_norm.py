@@ -166,7 +166,7 @@ def test_no_residual(device, kind):
     run_case(kind, device, torch.bfloat16, 33, 300, res_dtype=None)
 
 
-ALIGNED_ROWS = [(64, 300), (256, 129), (1024, 2051), (2560, 33), (8192, 17), (8192, 301)]
+ALIGNED_ROWS = [(64, 300), (256, 129), (1024, 2051), (2560, 33), (4096, 9), (8192, 17), (8192, 301)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
