@@ -5,7 +5,8 @@ as it prints it), and a training step against nn.EmbeddingBag(sparse=True) + tor
 
 Protocol (HierarchicalKV's benchmark): a table of `capacity` slots, max_capacity = capacity, LRU;
 filled with distinct random keys to the load factor; each timed call gets 1M keys of which 60% are
-in the table and 40% are new (find: 40% misses). find returns rows + found flags; find_or_insert returns
+in the table and 40% are new (find: 40% misses); an op's time is the median of 5 calls (CUDA events,
+L2 flushed) after an untimed one. find returns rows + found flags; find_or_insert returns
 rows (inserting the new keys); insert_or_assign writes given rows. The new keys of an inserting call are
 erased after it (untimed) below load factor 1, so that each call sees the table at the load factor
 named; a full table stays full. Both inserting ops twice: with the table's default eviction record (the
@@ -29,6 +30,7 @@ import _common as C
 
 M = 1 << 20
 CAPACITY = 16 * M
+REPS = 5  # timed calls per table operation, each on fresh keys
 
 
 def rand_keys(n, dev):
@@ -53,6 +55,17 @@ def batch_60(existing, dev):
     return torch.cat([hit, rand_keys(M - hit.numel(), dev)])[torch.randperm(M, device=dev)]
 
 
+def timed_us(fn, before=None, after=None):
+    """C.calls_us over REPS calls after one untimed call (each table's first call of an op pays for
+    allocator growth and first launches)."""
+    if before is not None:
+        before()
+    fn()
+    if after is not None:
+        after()
+    return C.calls_us(fn, before, after, REPS)
+
+
 def table_ops(cap, dims, lfs, tiers, rows_out):
     dev = "cuda"
     for tier in tiers:
@@ -65,11 +78,11 @@ def table_ops(cap, dims, lfs, tiers, rows_out):
                 real_lf = t.load_factor
                 # distinct keys per call, as HierarchicalKV's benchmark (no dedup sort on our side)
                 # fresh keys for every call: an inserting call would otherwise make the next one all hits
-                qs = [torch.unique(batch_60(existing, dev)) for _ in range(15)]
+                qs = [torch.unique(batch_60(existing, dev)) for _ in range(5 * (REPS + 1))]
                 vals = torch.ones(M, dim, device=dev)
-                it = iter(range(15))
+                it = iter(range(len(qs)))
                 res = {}
-                res["find"] = C.calls_us(lambda: t.find(qs[next(it)]), reps=3) * 1e-6
+                res["find"] = timed_us(lambda: t.find(qs[next(it)])) * 1e-6
                 n_find = qs[0].numel()
                 # the caller drains (spills) what each call evicted, untimed, as a trainer would: the
                 # record's memory is then reused instead of growing to its limit across the calls
@@ -86,9 +99,8 @@ def table_ops(cap, dims, lfs, tiers, rows_out):
 
                 def inserting(norec):
                     t.evicted_record_limit = 0 if norec else 1 << 20
-                    fi = C.calls_us(lambda: t.find_or_insert(cur["q"], unique=True), pick, settle, 3) * 1e-6
-                    ia = C.calls_us(lambda: t.insert(cur["q"], vals[: cur["q"].numel()], unique=True), pick, settle,
-                                    3) * 1e-6
+                    fi = timed_us(lambda: t.find_or_insert(cur["q"], unique=True), pick, settle) * 1e-6
+                    ia = timed_us(lambda: t.insert(cur["q"], vals[: cur["q"].numel()], unique=True), pick, settle) * 1e-6
                     return fi, ia
 
                 res["find_or_insert"], res["insert_or_assign"] = inserting(False)
@@ -166,6 +178,23 @@ def hkv_table(peers):
     return [line for line in out.splitlines() if line.startswith("|") or line.startswith("* dim")]
 
 
+def hkv_rates(lines):
+    """{(dim, load factor): {column: Gi keys/s}} from HierarchicalKV's printed tables."""
+    rates, dim, cols = {}, None, None
+    for line in lines:
+        if line.startswith("* dim"):
+            dim = int(line.split("=")[1].split(",")[0])
+        elif line.startswith("|") and "λ" in line:
+            cols = [c.strip() for c in line.strip("|").split("|")]
+        elif line.startswith("|") and dim is not None and cols and not line.startswith("|-"):
+            vals = [c.strip() for c in line.strip("|").split("|")]
+            try:
+                rates[(dim, float(vals[0]))] = {c: float(v) for c, v in zip(cols[1:], vals[1:])}
+            except ValueError:
+                continue
+    return rates
+
+
 def run(args):
     rep = C.Report("dynamic_embedding", "Dynamic embeddings (GPU hash-table embedding)")
     copy_gbs = C.copy_bandwidth_gbs(args.quick)
@@ -182,7 +211,9 @@ def run(args):
     hkv = hkv_table(args.peers)
     rep.peers = ["nn.EmbeddingBag(sparse=True) + torch.optim.SGD / SparseAdam", "static F.embedding gather"] + (
         ["HierarchicalKV (its own benchmark binary, same run)"] if hkv else [])
-    rep.notes = [f"table of {CAPACITY // M}M slots, fp32 rows, LRU; 1M-key batches (60% hits); Gi keys/s"]
+    rep.notes = [f"table of {CAPACITY // M}M slots, fp32 rows, LRU; 1M-key batches (60% hits); Gi keys/s",
+                 f"table operations timed as single calls on fresh keys (CUDA events, L2 flushed): the median of "
+                 f"{REPS} after an untimed one; the gather and the training step by the timing above"]
     rep.table("Table operations, Gi keys/s (higher is better); tier half_host: half the rows in mapped host memory.",
               ["tier", "dim", "load factor", "find", "find_or_insert", "insert_or_assign", "find_or_insert, no record",
                "insert_or_assign, no record"],
@@ -198,6 +229,14 @@ def run(args):
               [[r["opt"], f"{r['ours_ms']:.2f}", f"{r['ref_ms']:.2f}", f"{r['ref_ms'] / r['ours_ms']:.2f}x"]
                for r in train])
     if hkv:
+        theirs = hkv_rates(hkv)
+        pairs = [(r, theirs[(r["dim"], r["lf"])]) for r in ops if r["tier"] == "hbm" and (r["dim"], r["lf"]) in theirs]
+        rep.table("Against HierarchicalKV (same run): torchfuse's Gi keys/s over HierarchicalKV's (its find, and its "
+                  "find_or_insert / insert_or_assign against ours without an eviction record, as its own keep none).",
+                  ["dim", "load factor", "find", "find_or_insert", "insert_or_assign"],
+                  [[r["dim"], f"{r['lf']:.2f}", f"{r['find'] / h['find']:.2f}x",
+                    f"{r['find_or_insert_norec'] / h['find_or_insert']:.2f}x",
+                    f"{r['insert_or_assign_norec'] / h['insert_or_assign']:.2f}x"] for r, h in pairs])
         rep.tables.append(("HierarchicalKV's benchmark, as it prints it (same run).", None, hkv))
     return rep
 
