@@ -78,6 +78,7 @@ def table_ops(cap, dims, lfs, tiers, rows_out):
                 real_lf = t.load_factor
                 # distinct keys per call, as HierarchicalKV's benchmark (no dedup sort on our side)
                 # fresh keys for every call: an inserting call would otherwise make the next one all hits
+                # five ops below (find, and two inserting ops twice), each REPS + 1 calls
                 qs = [torch.unique(batch_60(existing, dev)) for _ in range(5 * (REPS + 1))]
                 vals = torch.ones(M, dim, device=dev)
                 it = iter(range(len(qs)))
