@@ -883,7 +883,7 @@ bool row_launch(const tf_norm_fwd_params *p, Launch &l) {
     if (chunks > 2 * kMaxRowThreads || !typed_case(p)) return false;
     if (p->w && (p->w_dtype != p->x_dtype || ((uintptr_t)p->w & 15u) != 0)) return false;
     if (p->norm_type == TF_LAYER_NORM && p->b && ((uintptr_t)p->b & 15u) != 0) return false;
-    const int k = !p->res && chunks > 256 ? 4 : chunks > 256 || (!p->res && chunks >= 64) ? 2 : 1;
+    const int k = p->res ? (chunks > 256 ? 2 : 1) : (chunks > 256 ? 4 : chunks >= 64 ? 2 : 1);
     int tpr = (int)((chunks + k - 1) / k);
     tpr = tpr <= 32 ? next_pow2(tpr) : (tpr + 31) / 32 * 32;
     const bool res = p->res != nullptr;
