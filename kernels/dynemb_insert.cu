@@ -414,28 +414,29 @@ __device__ __forceinline__ Claim quarter_claim(const tf_dynemb_table &t, const t
     // costs a lost swap), instead of reading 128 scores again. The marks need not be read: the
     // atomicExch below refuses a marked slot, and the slots this call marked rarely hold the least
     // score (under LRU they hold the newest); not reading them saves 512 bytes of loads per key.
+    // Lane ql holds slots 8k + ql, so each load of the quarter is 64 contiguous bytes (two whole
+    // sectors); 16 consecutive slots a lane made every 8-byte load its own sector, 4x the L2 traffic.
     int64_t sc[16];
-    unsigned eligible = 0xffffu;  // bit k: slot j0 + k not yet lost to another quarter
-    const int64_t j0 = base + 16 * ql;
+    unsigned eligible = 0xffffu;  // bit k: slot base + 8k + ql not yet lost to another quarter
 #pragma unroll
-    for (int k = 0; k < 16; ++k) sc[k] = __ldcg(&t.scores[j0 + k]);
+    for (int k = 0; k < 16; ++k) sc[k] = __ldcg(&t.scores[base + 8 * k + ql]);
     for (;;) {
         int64_t vs = 0, vj = -1;
 #pragma unroll
         for (int k = 0; k < 16; ++k)
-            if ((eligible >> k) & 1u) min_victim(vs, vj, sc[k], j0 + k);
+            if ((eligible >> k) & 1u) min_victim(vs, vj, sc[k], base + 8 * k + ql);
         for (int o = 4; o > 0; o >>= 1) {
             const int64_t s2 = __shfl_xor_sync(qmask, vs, o), j2 = __shfl_xor_sync(qmask, vj, o);
             min_victim(vs, vj, s2, j2);
         }
         if (vj < 0) return Claim{-1, 0, 0, false};  // full of this call's keys
-        const int owner = static_cast<int>((vj - base) >> 4);
+        const int owner = static_cast<int>((vj - base) & 7);
         bool won = false;
         int64_t vkey = 0;
         if (ql == owner) {
             won = atomicExch(&t.marks[vj], p.epoch) != p.epoch;
             if (won) vkey = __ldcg(&t.keys[vj]);
-            else eligible &= ~(1u << (vj - j0));
+            else eligible &= ~(1u << ((vj - base) >> 3));
         }
         if (__shfl_sync(qmask, won, 8 * q + owner))
             return Claim{vj, __shfl_sync(qmask, vkey, 8 * q + owner), vs, true};
