@@ -45,6 +45,22 @@ def _randomize(layer):
             p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 0.5) + (1.0 if "norm_weight" in name else 0.0))
 
 
+def _in_dtype(cfg, x, P, offsets, N, nt, g, dtype, nudge):
+    """The plain formulation in dtype, forward and backward against g: {"out", "x", parameter names}.
+    nudge: x and the parameters first moved by about one rounding each (relative eps, random signs)."""
+    def prep(t):
+        t = t.detach()
+        if nudge:
+            sign = torch.randint(0, 2, t.shape, device=t.device, dtype=torch.float64) * 2 - 1
+            t = (t.double() * (1 + torch.finfo(dtype).eps * sign)).to(dtype)
+        return t.clone().requires_grad_(True)
+
+    xs, Ps = prep(x), {k: prep(v) for k, v in P.items()}
+    out = ref_layer(Ps, cfg, xs, offsets, N, nt, dtype)
+    out.backward(g.to(dtype))
+    return {"out": out.detach(), "x": xs.grad, **{k: Ps[k].grad for k in GR_KEYS}}
+
+
 @pytest.mark.parametrize("cfg_kw", CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_layer_forward_backward_matches_gr(device, cfg_kw, dtype):
@@ -62,14 +78,16 @@ def test_layer_forward_backward_matches_gr(device, cfg_kw, dtype):
     x64 = x.detach().double().requires_grad_(True)
     P64 = {k: v.double().requires_grad_(True) for k, v in P.items()}
     ref = ref_layer(P64, cfg, x64, offsets.cpu() if device == "cpu" else offsets, N, nt, torch.float64)
-    # the same formulation in the layer's dtype: its distance to float64 is the tolerance's unit
-    x_lp = x.detach().clone().requires_grad_(True)
-    P_lp = {k: v.clone().requires_grad_(True) for k, v in P.items()}
-    lp = ref_layer(P_lp, cfg, x_lp, offsets, N, nt, dtype)
     g = torch.randn_like(ref)
     out.backward(g.to(dtype))
     ref.backward(g)
-    lp.backward(g.to(dtype))
+    # the same formulation in the layer's dtype: its distance to float64 is the tolerance's unit, sampled
+    # three times, on the inputs as they are and on two twins moved by about one rounding. A row that a
+    # norm divides by a tiny spread (a sequence's first row attends to itself alone, so under group norm
+    # its attention output can be near 0) multiplies every rounding by 1 / std, and one evaluation can
+    # land close by luck: at one seed the formulation in fp32 was 1.1e-6 from float64 in x's gradient,
+    # its twins 3.8e-6 to 6.1e-5, this layer 1.3e-5.
+    samples = [_in_dtype(cfg, x, P, offsets, N, nt, g, dtype, nudge) for nudge in (False, True, True)]
     floor = 1e-5 if dtype == torch.float32 else 1e-3  # relative to each tensor's scale
     # a norm parameter's or a bias's gradient is a sum over every row of products of dtype-rounded
     # factors, rounded to dtype: an ulp of its largest entry apart from float64 is rounding, not error
@@ -80,12 +98,14 @@ def test_layer_forward_backward_matches_gr(device, cfg_kw, dtype):
     def rel(a, b):
         return (a.double() - b).abs().max().item() / (b.abs().max().item() + 1e-6)
 
-    assert rel(out, ref) <= max(3 * rel(lp, ref), floor), (rel(out, ref), rel(lp, ref))
+    def own(name, want):
+        return max(rel(sample[name], want) for sample in samples)
+
+    assert rel(out, ref) <= max(3 * own("out", ref), floor), (rel(out, ref), own("out", ref))
     params = dict(layer.named_parameters())
-    for name, got, want, own in [("x", x.grad, x64.grad, x_lp.grad)] + [
-            (k, params[k].grad, P64[k].grad, P_lp[k].grad) for k in GR_KEYS]:
+    for name, got, want in [("x", x.grad, x64.grad)] + [(k, params[k].grad, P64[k].grad) for k in GR_KEYS]:
         fl = sum_floor if name in sums else floor
-        assert rel(got, want) <= max(3 * rel(own, want), fl), (name, rel(got, want), rel(own, want))
+        assert rel(got, want) <= max(3 * own(name, want), fl), (name, rel(got, want), own(name, want))
 
 
 @pytest.mark.parametrize("cfg_kw", [CONFIGS[0], CONFIGS[1]])
