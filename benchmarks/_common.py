@@ -54,15 +54,21 @@ def bench_us(fn, quick=False):
     return statistics.median(event_time_us(fn, _flush_l2) for _ in range(10 if quick else 30))
 
 
-def calls_us(fn, before=None, after=None, reps=5):
+def calls_us(fn, before=None, after=None, reps=5, warmup=0):
     """Median of `reps` single calls of fn() in microseconds, CUDA events around each, the L2 flushed
     before each: for calls that change what the next one sees (a table's inserts), with before() and
-    after() run untimed around every call."""
+    after() run untimed around every call. `warmup` calls go first, untimed (a first call that pays for
+    allocator growth and first launches)."""
     def prepare():
         if before is not None:
             before()
         _flush_l2()
 
+    for _ in range(warmup):
+        prepare()
+        fn()
+        if after is not None:
+            after()
     times = []
     for _ in range(reps):
         times.append(event_time_us(fn, prepare))

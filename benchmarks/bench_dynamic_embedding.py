@@ -56,14 +56,7 @@ def batch_60(existing, dev):
 
 
 def timed_us(fn, before=None, after=None):
-    """C.calls_us over REPS calls after one untimed call (each table's first call of an op pays for
-    allocator growth and first launches)."""
-    if before is not None:
-        before()
-    fn()
-    if after is not None:
-        after()
-    return C.calls_us(fn, before, after, REPS)
+    return C.calls_us(fn, before, after, REPS, warmup=1)
 
 
 def table_ops(cap, dims, lfs, tiers, rows_out):

@@ -875,8 +875,8 @@ const void *fwd_typed(const tf_norm_fwd_params *p, int k) {
  *   against 147 at 16384x8192). One chunk a thread lost on the H200 (LayerNorm 87 against 77 us at
  *   65536x1024, 185 against 143 at 65536x2048), and two at 8192 (LayerNorm 161 against 148): the
  *   faster memory needs more bytes in flight a thread than one row's chunk holds.
- * Launch: K chunks per thread (2 past 2048 columns and for plain rows of 512 or more, 4 for plain
- * rows past 2048), a group of chunks / K threads rounded up to a multiple of 32 (a power of two
+ * Launch: K chunks per thread (with a residual 2 past 2048 columns; plain rows 2 from 512 columns
+ * and 4 past 2048), a group of chunks / K threads rounded up to a multiple of 32 (a power of two
  * below 32, several rows per 128-thread block); not persistent. */
 bool row_launch(const tf_norm_fwd_params *p, Launch &l) {
     const int64_t chunks = p->cols / TF_VEC;
