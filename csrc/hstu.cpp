@@ -252,8 +252,8 @@ void prepare_hstu_bwd(Hstu &g, const at::Tensor &dout, bool bias_grad, bool cuda
     p.dk_sr = g.dk.stride(0);
     p.dv_sr = g.dv.stride(0);
     if (cuda) {
-        g.dq = at::zeros({p.L, p.H, p.dqk}, opt.dtype(at::kFloat));  // fp32 accumulator, cast after
-        p.dq_acc = g.dq.data_ptr<float>();
+        // dq's form depends on the kernels that will run: the CUDA glue sets it (hstu_cuda.cpp)
+        p.dq_acc = nullptr;
         p.dq = nullptr;
         p.dq_sr = p.H * p.dqk;
     } else {

@@ -160,8 +160,12 @@ struct BwdArgs {
     const std::optional<at::Tensor> &rng_state;
 };
 
-// The backward of a (with dq as the kernels leave it, fp32, and dbias in its own dtype), dk and dv
-// written into the caller's `outs` when given.
+// The two-part backward's dZ tiles (head dims 129-256, sm_90a): 8 KB per (64 x 64 tile, sequence, head) of
+// max_seq_len's square, for as many sequences at a time as fit in this (the rest in later chunks).
+constexpr int64_t kDzScratchBytes = int64_t(2) << 30;
+
+// The backward of a (with dq as the kernels leave it: q's dtype, and then in the caller's outs->dq when
+// given, or fp32; dbias in its own dtype), dk and dv written into the caller's `outs` when given.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_kernels(const BwdArgs &a, bool bias_grad,
                                                                             const HstuGradOuts *outs = nullptr) {
     const char *op = outs ? "torchfuse.hstu_bwd_into" : "torchfuse.hstu_bwd";
@@ -178,7 +182,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_kernels(cons
     // the persistent sm_90a backward's work counter, its own (zeroed by the launch on the stream)
     const at::Tensor sched = at::empty({1}, a.q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
-    zero_uncovered_rows(g, {g.dk, g.dv});
+    // dQ: at head dims 129-256 on sm_90a the two-part backward writes it in q's dtype (into the caller's dq
+    // when given), its dZ tiles in a scratch of at most kDzScratchBytes; elsewhere the kernels add into a
+    // zeroed fp32 accumulator, converted by the callers
+    g.dq = outs ? outs->dq : at::empty({g.p.L, g.p.H, g.p.dqk}, g.q.options().memory_format(at::MemoryFormat::Contiguous));
+    g.p.dq = g.dq.data_ptr();
+    g.p.dq_sr = g.dq.size(0) > 1 ? g.dq.stride(0) : g.p.H * g.p.dqk;
+    int64_t dz_seqs = 0;
+    const int64_t dz_bytes = tf_hstu_bwd_sm90_dz_bytes(&g.p, kDzScratchBytes, &dz_seqs);
+    at::Tensor dz;
+    if (dz_bytes > 0) {
+        dz = at::empty({dz_bytes}, g.q.options().dtype(at::kByte));
+        g.p.dz = dz.data_ptr();
+        g.p.dz_seqs = dz_seqs;
+        zero_uncovered_rows(g, {g.dq, g.dk, g.dv});
+    } else {
+        g.dq = at::zeros({g.p.L, g.p.H, g.p.dqk}, g.q.options().dtype(at::kFloat));
+        g.p.dq_acc = g.dq.data_ptr<float>();
+        g.p.dq = nullptr;
+        g.p.dq_sr = g.p.H * g.p.dqk;
+        zero_uncovered_rows(g, {g.dk, g.dv});
+    }
     check_launch(tf_hstu_bwd_cuda(&g.p, c10::cuda::getCurrentCUDAStream().stream()), "HSTU backward kernel");
     at::Tensor db = g.dbias.defined() ? g.dbias.to(g.bias.scalar_type()) : no_output(g.o);
     return {g.dq, g.dk, g.dv, db};
@@ -241,6 +265,7 @@ void hstu_bwd_into_cuda(const at::Tensor &dout, const at::Tensor &q, const at::T
         return;
     }
     auto [acc, gk, gv, db] = hstu_bwd_kernels(a, false, &outs);
+    if (acc.is_same(dq)) return;  // written in place
     if (acc.scalar_type() == dq.scalar_type()) {
         dq.copy_(acc);
         return;

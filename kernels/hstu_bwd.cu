@@ -417,6 +417,7 @@ extern "C" int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream_) {
     cudaStream_t stream = (cudaStream_t)stream_;
     const int sm90 = p->dropout_p > 0 ? -1 : tf_hstu_bwd_sm90(p, stream_);
     if (sm90 != -1) return sm90;
+    if (p->dz) return (int)cudaErrorInvalidValue;  // set only where the two-part sm_90a backward applies
     if (p->dtype == TF_BF16) return (int)dispatch_bwd<__nv_bfloat16>(*p, stream);
     if (p->dtype == TF_F16) return (int)dispatch_bwd<__half>(*p, stream);
     if (p->L == 0 || p->H == 0) return 0;

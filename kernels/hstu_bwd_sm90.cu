@@ -23,7 +23,9 @@
  *                                               shared memory, see below), dO / Q transposed
  *       dQ  = dZ K                              wgmma from shared memory: dZ^T is stored transposed
  *                                               (stmatrix) into a 128-byte-swizzled tile, double-buffered
- *     and add dQ into the fp32 buffer p.dq_acc (the caller casts it). Head dims up to 128: each warpgroup
+ *     and add dQ into the fp32 buffer p.dq_acc (the caller casts it); at head dims 129-256 with p.dz set
+     (tf_hstu_bwd_sm90_dz_bytes) the DZ form stores dZ's tiles instead and hstu_bwd_dq_sm90.cu computes
+     dQ = dZ K from them (see hstu_bwd_ws). Head dims up to 128: each warpgroup
  *     writes its 64 x 64 fp32 dQ into its own 128-byte-swizzled staging tile in shared memory, and one of
  *     its threads adds that to p.dq_acc with TMA bulk reduce-adds (two boxes of 32 columns), as
  *     FlashAttention-3 does; per-thread red.global.add straight from the accumulator (16 vector reductions
@@ -165,7 +167,7 @@ __device__ __forceinline__ void dq_red(float *dq_acc, int64_t row0, int64_t H, i
  * handed over in shared memory (offsets and num_targets are global loads, the order divisions). */
 struct BwdItem {
     int64_t start;                  // the sequence's first row
-    int h, k0, n, t, nctx, lo_t, total;  // head, first key, length, targets; the query tiles (below)
+    int b, h, k0, n, t, nctx, lo_t, total;  // sequence, head, first key, length, targets; the query tiles (below)
     int active;                     // 0: k0 >= n (skipped) / in the hand-over: no more items, the block ends
 };
 template <int kBN>
@@ -177,6 +179,7 @@ __device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles
     const HstuSeq s = hstu_seq(p, bh / H);
     BwdItem w;
     w.start = s.start;
+    w.b = bh / H;
     w.h = bh % H;
     w.k0 = (r / in_sec) * kBN;
     w.n = s.n;
@@ -197,7 +200,13 @@ __device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles
 }
 __device__ __forceinline__ __attribute__((unused)) int q_tile(const BwdItem &w, int i) { return i < w.nctx ? i : w.lo_t + i - w.nctx; }
 
-template <typename T, int D>
+/* DZ (head dims 129-256): the first part of the two-part backward. Each query tile's 64 x 64 dZ tile, once
+ * both consumers have stored their halves (barrier 2), leaves as it lies in shared memory (128-byte
+ * swizzled, 8 KB) by one bulk copy into p.dz at slot ((b H + h) k_tiles + key tile) k_tiles + query tile,
+ * and the tile does no dQ work; hstu_bwd_dq_sm90.cu then computes dQ = dZ K from those slots. The issuing
+ * thread (the first consumer thread) waits until its previous copy has read the tile before barrier 2,
+ * which every consumer passes before it stores the Z buffer again (two tiles later). */
+template <typename T, int D, bool DZ>
 __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -205,6 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 int items, int flags) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
+    static_assert(!DZ || C::COL_SPLIT, "the stored dZ tiles: the column split's 64 x 64 tiles");
     constexpr int kBN = C::BN, NC = C::NC, ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
     constexpr int QN = C::COL_SPLIT ? kBQ / 2 : kBQ;  // query rows of a tile per consumer in S^T and dP^T
     extern __shared__ uint8_t smem_raw[];
@@ -436,7 +446,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
                 fence_proxy_async();
                 // the column split: both warpgroups' halves of P and dZ stored before either reads them
-                if constexpr (C::COL_SPLIT) named_bar_sync(2);
+                if constexpr (DZ) {
+                    if (threadIdx.x == 128) bulk_wait_group_read0();  // the previous tile's copy has read its Z buffer
+                    named_bar_sync(2);
+                    if (threadIdx.x == 128) {
+                        const int64_t slot = ((int64_t)(w.b * (int)p.H + h) * k_tiles + k0 / kBN) * k_tiles + q0 / kBQ;
+                        bulk_store(p.dz, slot * C::Z_BYTES, smem_u32(Zt), C::Z_BYTES);
+                        bulk_commit_group();
+                    }
+                } else if constexpr (C::COL_SPLIT) {
+                    named_bar_sync(2);
+                }
                 tf_wgmma_fence();
                 // dV[:, nc0..] += P^T dO[:, nc0..], dK[:, nc0..] += dZ^T Q[:, nc0..]: a column half at D = 256 is
                 // panels 2 cw, 2 cw + 1 (kBQ rows each), contiguous; P^T and dZ^T from the stored tiles there
@@ -448,6 +468,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                     tf_gemm_rs<T, NC, kBQ>(dk, pz, smem_u32(Qt) + (nc0 / 64) * kBQ * 128);
                 }
                 tf_wgmma_commit();
+                if constexpr (DZ) {  // no dQ here: the stage goes back once dK and dV have read it
+                    tf_wgmma_wait<0>();
+                    tf_wgmma_reg_fence(dk);
+                    tf_wgmma_reg_fence(dv);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(&empty_bar[st]);
+                    continue;  // the tile
+                }
                 // dQ = dZ K: every warp's dZ must be in Zt first (both warpgroups' when they split the columns).
                 // TMA dQ path: the barrier also orders this warpgroup's staging writes below after the read of
                 // the previous tile's reduce, which its issuing thread waits for here (long done: a tile ago).
@@ -639,34 +667,38 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         }
         // the block's last dQ reduces: complete before it ends (they read its shared memory until then)
-        if (dq_tma && threadIdx.x % 128 == 0) bulk_wait_group0();
+        if ((dq_tma && threadIdx.x % 128 == 0) || (DZ && threadIdx.x == 128)) bulk_wait_group0();
     }
 #endif
 }
 
 #if defined(TF_BUILT_SM90A)
 /* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
-template <typename T, int D>
+/* The tensor maps of q, k, v and dout (false: the copy engine cannot address them). */
+bool qkvo_maps(const tf_hstu_params &p, int kBN, CUtensorMap *tq, CUtensorMap *tk, CUtensorMap *tv, CUtensorMap *tdo) {
+    return tensor_map(tq, p.dtype, p.q, p.L, p.H, p.dqk, p.q_sr, p.q_sh, kBQ) &&
+           tensor_map(tk, p.dtype, p.k, p.L, p.H, p.dqk, p.k_sr, p.k_sh, kBN) &&
+           tensor_map(tv, p.dtype, p.v, p.L, p.H, p.dv, p.v_sr, p.v_sh, kBN) &&
+           tensor_map(tdo, p.dtype, p.dout, p.L, p.H, p.dv, p.do_sr, p.do_sh, kBQ);
+}
+
+template <typename T, int D, bool DZ>
 int launch(const tf_hstu_params &p, cudaStream_t stream) {
     constexpr int kBN = BwdSm90Cfg<D>::BN;
     const int64_t k_tiles = (p.max_seq_len + kBN - 1) / kBN, items = k_tiles * p.B * p.H;
     if (items == 0) return 0;
     if (items > 0x7fff0000 || !p.sched) return -1;  // item numbers (and the counter, up to items + grid) are ints
     CUtensorMap tq, tk, tv, tdo;
-    if (!tensor_map(&tq, p.dtype, p.q, p.L, p.H, p.dqk, p.q_sr, p.q_sh, kBQ) ||
-        !tensor_map(&tk, p.dtype, p.k, p.L, p.H, p.dqk, p.k_sr, p.k_sh, kBN) ||
-        !tensor_map(&tv, p.dtype, p.v, p.L, p.H, p.dv, p.v_sr, p.v_sh, kBN) ||
-        !tensor_map(&tdo, p.dtype, p.dout, p.L, p.H, p.dv, p.do_sr, p.do_sh, kBQ))
-        return -1;
+    if (!qkvo_maps(p, kBN, &tq, &tk, &tv, &tdo)) return -1;
     // dQ: staged in shared memory and added by TMA reduce-adds where p.dq_acc's map can be made (staging
     // tiles of its own up to head dim 128, the ring's panels at 192 / 256), else red.global.add from the
     // registers
     CUtensorMap tdq;
     memset(&tdq, 0, sizeof(tdq));  // unread on the red path
-    const bool dq_tma = (BwdSm90Cfg<D>::DQ_TMA || BwdSm90Cfg<D>::COL_SPLIT) &&
+    const bool dq_tma = !DZ && (BwdSm90Cfg<D>::DQ_TMA || BwdSm90Cfg<D>::COL_SPLIT) &&
                         tensor_map_f32_reduce(&tdq, p.dq_acc, p.L, p.H, p.dqk, kBQ);
     const int smem = dq_tma ? BwdSm90Cfg<D>::SMEM_TMA : BwdSm90Cfg<D>::SMEM;
-    cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t err = cudaFuncSetAttribute(hstu_bwd_ws<T, D, DZ>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     const int section = l2_section(p.max_seq_len * (p.dqk + p.dv) * 2, p.B * p.H, (int)k_tiles);
     // persistent: one block per SM (one fits: shared memory), each taking items from p.sched, zeroed
@@ -678,15 +710,35 @@ int launch(const tf_hstu_params &p, cudaStream_t stream) {
     // outputs), else 4-byte stores
     const bool vec = p.dqk % 8 == 0 && p.dv % 8 == 0 && p.dk_sr % 8 == 0 && p.dv_sr % 8 == 0 &&
                      reinterpret_cast<uintptr_t>(p.dk) % 16 == 0 && reinterpret_cast<uintptr_t>(p.dvv) % 16 == 0;
-    hstu_bwd_ws<T, D><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, p, (int)k_tiles, section,
-                                                                  (int)items, (dq_tma ? 1 : 0) | (vec ? 2 : 0));
+    hstu_bwd_ws<T, D, DZ><<<(unsigned)grid, kThreads, smem, stream>>>(tq, tk, tv, tdo, tdq, p, (int)k_tiles, section,
+                                                                      (int)items, (dq_tma ? 1 : 0) | (vec ? 2 : 0));
     return cudaGetLastError();
+}
+
+/* The two-part backward (p.dz set: tf_hstu_bwd_sm90_dz_bytes said it applies): per chunk of p.dz_seqs
+ * sequences (the offsets and targets pointers moved to the chunk's first; rows stay absolute), the
+ * backward storing dZ's tiles into p.dz, then dQ = dZ K from them. The chunks run one after another on
+ * the stream, reusing p.dz. */
+template <typename T>
+int launch_two_part(const tf_hstu_params &p, cudaStream_t stream) {
+    for (int64_t b0 = 0; b0 < p.B; b0 += p.dz_seqs) {
+        tf_hstu_params c = p;
+        c.B = p.B - b0 < p.dz_seqs ? p.B - b0 : p.dz_seqs;
+        c.offsets = (const char *)p.offsets + b0 * (p.offsets_i64 ? 8 : 4);
+        if (p.num_targets) c.num_targets = (const char *)p.num_targets + b0 * (p.targets_i64 ? 8 : 4);
+        int err = launch<T, 256, true>(c, stream);
+        if (err != 0) return err == -1 ? (int)cudaErrorInvalidValue : err;  // dz_bytes checked what launch needs
+        err = tf_hstu_bwd_dq_sm90(&c, stream);
+        if (err != 0) return err;
+    }
+    return 0;
 }
 
 template <typename T>
 int dispatch(const tf_hstu_params &p, cudaStream_t stream) {
+    if (p.dz) return launch_two_part<T>(p, stream);
     return hstu_with_head_dim(p, [&](auto D) {
-        return launch<T, decltype(D)::value>(p, stream);
+        return launch<T, decltype(D)::value, false>(p, stream);
     });
 }
 #endif
@@ -697,7 +749,7 @@ extern "C" int tf_hstu_bwd_sm90(const tf_hstu_params *p, void *stream) {
 #if defined(TF_BUILT_SM90A)
     if (p->dtype != TF_BF16 && p->dtype != TF_F16) return -1;
     if (p->backend == TF_HSTU_MMA) return -1;
-    if (p->bias || !p->dq_acc || p->delta > 0) return -1;
+    if (p->bias || (!p->dq_acc && !p->dz) || p->delta > 0) return -1;
     if ((p->dqk > p->dv ? p->dqk : p->dv) > 256 || !device_is_sm90()) return -1;
     if (p->dtype == TF_BF16) return dispatch<__nv_bfloat16>(*p, (cudaStream_t)stream);
     return dispatch<__half>(*p, (cudaStream_t)stream);
@@ -705,5 +757,27 @@ extern "C" int tf_hstu_bwd_sm90(const tf_hstu_params *p, void *stream) {
     (void)p;
     (void)stream;
     return -1;
+#endif
+}
+
+extern "C" int64_t tf_hstu_bwd_sm90_dz_bytes(const tf_hstu_params *p, int64_t cap, int64_t *seqs) {
+    *seqs = 0;
+#if defined(TF_BUILT_SM90A)
+    const int64_t d = p->dqk > p->dv ? p->dqk : p->dv;
+    if ((p->dtype != TF_BF16 && p->dtype != TF_F16) || p->backend == TF_HSTU_MMA || p->bias || p->delta > 0 ||
+        p->dropout_p > 0 || d <= 128 || d > 256 || p->B <= 0 || p->H <= 0 || p->L <= 0 || !p->dq ||
+        !device_is_sm90())
+        return 0;
+    // one (sequence, head) pair's square of 64 x 64 tiles (those its mask reaches are written)
+    const int64_t k_tiles = (p->max_seq_len + 63) / 64, per_seq = p->H * k_tiles * k_tiles * (int64_t)(kBQ * 64 * 2);
+    if (k_tiles <= 0 || per_seq > cap || k_tiles * p->B * p->H > 0x7fff0000) return 0;
+    CUtensorMap tq, tk, tv, tdo;
+    if (!qkvo_maps(*p, 64, &tq, &tk, &tv, &tdo)) return 0;
+    *seqs = cap / per_seq < p->B ? cap / per_seq : p->B;
+    return *seqs * per_seq;
+#else
+    (void)p;
+    (void)cap;
+    return 0;
 #endif
 }

@@ -67,6 +67,9 @@ typedef struct {
     void *dq, *dk, *dvv;                         /* dq/dk/dv: heads contiguous within a row, rows */
     int64_t dq_sr, dk_sr, dv_sr;                 /* dq_sr, dk_sr, dv_sr elements apart (>= H x dim) */
     float *dq_acc;                               /* CUDA: fp32 (rows, H, dqk) zeroed, or NULL */
+    /* CUDA, the two-part sm_90a backward (tf_hstu_bwd_sm90_dz_bytes): scratch for the dZ tiles of dz_seqs
+     * sequences at a time; set, dQ is written into dq (q's dtype) and dq_acc is not used */
+    void *dz; int64_t dz_seqs;
     int *sched;    /* CUDA: one int of device scratch (the sm_90a kernels' work queue), or NULL */
     void *dbias;   /* NULL: no bias gradient; else zeroed, bias's (contiguous) shape: double on the CPU, fp32 on CUDA */
     /* dropout on P (delta == 0 only): off when dropout_p is 0 */
@@ -282,11 +285,19 @@ typedef struct {
     int n;
 } tf_hstu_head_copy_params;
 int tf_hstu_head_copy_cuda(const tf_hstu_head_copy_params *p, void *stream);
-/* Needs p->dq_acc (fp32, zeroed) and, with a bias gradient, p->dbias (fp32, zeroed). */
+/* Needs p->dq_acc (fp32, zeroed), or p->dz and p->dq (tf_hstu_bwd_sm90_dz_bytes), and, with a bias gradient,
+ * p->dbias (fp32, zeroed). */
 int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream);
 /* The sm_90a (TMA + wgmma) backward, 16-bit dtypes, head dims up to 256, no attn_bias: -1 when it does
  * not apply (as tf_hstu_fwd_sm90); tf_hstu_bwd_cuda tries it first. */
 int tf_hstu_bwd_sm90(const tf_hstu_params *p, void *stream);
+/* Head dims 129-256 on sm_90a: the backward in two parts, dZ's 64 x 64 tiles stored by the first and
+ * dQ = dZ K by a GEMM of its own (hstu_bwd_dq_sm90.cu), instead of dQ's fp32 reduce-adds. The bytes of dZ
+ * scratch it needs, at most cap, for *seqs sequences at a time; 0 where it does not apply (then the
+ * caller sets dq_acc as for tf_hstu_bwd_cuda). */
+int64_t tf_hstu_bwd_sm90_dz_bytes(const tf_hstu_params *p, int64_t cap, int64_t *seqs);
+/* dQ = dZ K over the stored tiles of p's sequences (p: one chunk of them), into p->dq. */
+int tf_hstu_bwd_dq_sm90(const tf_hstu_params *p, void *stream);
 
 #ifdef __cplusplus
 }

@@ -66,6 +66,18 @@ static __device__ __forceinline__ void tma_store(const CUtensorMap *map, uint32_
                  "r"(src), "r"(c0), "r"(c1), "r"(c2)
                  : "memory");
 }
+/* Plain (non-tensor) bulk copies of `bytes` (a multiple of 16, 16-byte aligned ends): shared memory ->
+ * global (base + off; bulk group, as tma_store), and global -> shared memory (completes on bar's tx count). */
+static __device__ __forceinline__ void bulk_store(void *base, int64_t off, uint32_t src, int bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"((char *)base + off), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+static __device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, int bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(tf_smem_u32(bar))
+                 : "memory");
+}
 static __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 /* this thread's bulk groups have finished reading their shared-memory sources (which may be rewritten) */
 static __device__ __forceinline__ void bulk_wait_group_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
