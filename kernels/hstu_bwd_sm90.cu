@@ -24,8 +24,8 @@
  *       dQ  = dZ K                              wgmma from shared memory: dZ^T is stored transposed
  *                                               (stmatrix) into a 128-byte-swizzled tile, double-buffered
  *     and add dQ into the fp32 buffer p.dq_acc (the caller casts it); at head dims 129-256 with p.dz set
-     (tf_hstu_bwd_sm90_dz_bytes) the DZ form stores dZ's tiles instead and hstu_bwd_dq_sm90.cu computes
-     dQ = dZ K from them (see hstu_bwd_ws). Head dims up to 128: each warpgroup
+ *     (tf_hstu_bwd_sm90_dz_bytes) the DZ form stores dZ's tiles instead and hstu_bwd_dq_sm90.cu computes
+ *     dQ = dZ K from them (see hstu_bwd_ws). Head dims up to 128: each warpgroup
  *     writes its 64 x 64 fp32 dQ into its own 128-byte-swizzled staging tile in shared memory, and one of
  *     its threads adds that to p.dq_acc with TMA bulk reduce-adds (two boxes of 32 columns), as
  *     FlashAttention-3 does; per-thread red.global.add straight from the accumulator (16 vector reductions
@@ -673,7 +673,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 #if defined(TF_BUILT_SM90A)
-/* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
 /* The tensor maps of q, k, v and dout (false: the copy engine cannot address them). */
 bool qkvo_maps(const tf_hstu_params &p, int kBN, CUtensorMap *tq, CUtensorMap *tk, CUtensorMap *tv, CUtensorMap *tdo) {
     return tensor_map(tq, p.dtype, p.q, p.L, p.H, p.dqk, p.q_sr, p.q_sh, kBQ) &&
@@ -682,6 +681,7 @@ bool qkvo_maps(const tf_hstu_params &p, int kBN, CUtensorMap *tq, CUtensorMap *t
            tensor_map(tdo, p.dtype, p.dout, p.L, p.H, p.dv, p.do_sr, p.do_sh, kBQ);
 }
 
+/* -1: the copy engine cannot address these tensors (the caller falls back to mma.sync) */
 template <typename T, int D, bool DZ>
 int launch(const tf_hstu_params &p, cudaStream_t stream) {
     constexpr int kBN = BwdSm90Cfg<D>::BN;
