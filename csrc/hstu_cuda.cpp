@@ -185,13 +185,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_kernels(cons
     // dQ: at head dims 129-256 on sm_90a the two-part backward writes it in q's dtype (into the caller's dq
     // when given), its dZ tiles in a scratch of at most kDzScratchBytes; elsewhere the kernels add into a
     // zeroed fp32 accumulator, converted by the callers
-    g.dq = outs ? outs->dq : at::empty({g.p.L, g.p.H, g.p.dqk}, g.q.options().memory_format(at::MemoryFormat::Contiguous));
-    g.p.dq = g.dq.data_ptr();
-    g.p.dq_sr = g.dq.size(0) > 1 ? g.dq.stride(0) : g.p.H * g.p.dqk;
     int64_t dz_seqs = 0;
     const int64_t dz_bytes = tf_hstu_bwd_sm90_dz_bytes(&g.p, kDzScratchBytes, &dz_seqs);
     at::Tensor dz;
     if (dz_bytes > 0) {
+        g.dq = outs ? outs->dq : at::empty({g.p.L, g.p.H, g.p.dqk}, g.q.options());
+        g.p.dq = g.dq.data_ptr();
+        g.p.dq_sr = g.dq.size(0) > 1 ? g.dq.stride(0) : g.p.H * g.p.dqk;
         dz = at::empty({dz_bytes}, g.q.options().dtype(at::kByte));
         g.p.dz = dz.data_ptr();
         g.p.dz_seqs = dz_seqs;
@@ -199,7 +199,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_kernels(cons
     } else {
         g.dq = at::zeros({g.p.L, g.p.H, g.p.dqk}, g.q.options().dtype(at::kFloat));
         g.p.dq_acc = g.dq.data_ptr<float>();
-        g.p.dq = nullptr;
         g.p.dq_sr = g.p.H * g.p.dqk;
         zero_uncovered_rows(g, {g.dk, g.dv});
     }

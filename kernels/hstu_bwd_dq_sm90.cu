@@ -45,10 +45,8 @@ static_assert(DqCfg<256>::PANELS * 64 == 256 && DqCfg<256>::SMEM <= 232448 / 2, 
 __device__ __forceinline__ bool dz_stored(const tf_hstu_mask &mask, int n, int kt, int qt) {
     const int k0 = kt * kTile;
     if (k0 >= n) return false;
-    int ctx_end, lo, hi;
-    tf_hstu_row_range(&mask, k0, min(k0 + kTile, n), &ctx_end, &lo, &hi);
-    const int lo_t = lo / kTile, hi_t = hi / kTile, nctx = min((ctx_end + kTile - 1) / kTile, lo_t);
-    return qt < nctx || (qt >= lo_t && qt <= hi_t);
+    const HstuQueryTiles q = hstu_query_tiles<kTile>(mask, k0, min(k0 + kTile, n));
+    return qt < q.nctx || (qt >= q.lo_t && qt <= q.hi_t);
 }
 /* The first key tile >= kt whose dZ tile the backward stored for query tile qt, or tiles. */
 __device__ __forceinline__ int next_stored(const tf_hstu_mask &mask, int n, int tiles, int kt, int qt) {
@@ -100,11 +98,7 @@ __global__ void __launch_bounds__(128, 2)
         mbar_wait(&full[st], (it >> 1) & 1);
         uint8_t *ks = smem + st * C::STAGE;
         if (kt * kTile + kTile > n) {  // K's rows past the end: zeroed (every panel)
-            const int r0 = n - kt * kTile, chunks = (kTile - r0) * 8;
-            for (int i = tid; i < chunks * C::PANELS; i += 128) {
-                const int c = i / chunks, x = i % chunks;
-                *(uint4 *)(ks + c * kTile * 128 + (r0 + x / 8) * 128 + (x % 8) * 16) = make_uint4(0, 0, 0, 0);
-            }
+            zero_rows<D, kTile>(ks, n - kt * kTile);
             fence_proxy_async();
             __syncthreads();
         }

@@ -104,16 +104,6 @@ struct BwdSm90Cfg {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* Zero rows [r0, ROWS) of a tile (all D / 64 panels) in shared memory, by one warpgroup; the caller
- * fences (fence_proxy_async) and synchronizes before the wgmmas read it. */
-template <int D, int ROWS>
-__device__ __forceinline__ void zero_rows(uint8_t *tile, int r0) {
-    const int chunks = (ROWS - r0) * 8;  // 16-byte chunks per panel
-    for (int i = threadIdx.x % 128; i < chunks * (D / 64); i += 128) {
-        const int c = i / chunks, x = i % chunks;
-        *(uint4 *)(tile + c * ROWS * 128 + (r0 + x / 8) * 128 + (x % 8) * 16) = make_uint4(0, 0, 0, 0);
-    }
-}
 /* four 8 x 8 16-bit matrices (mma.sync fragment layout) stored transposed: lane 8 m + i gives the
  * address of row i of matrix m as stored */
 __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
@@ -189,12 +179,10 @@ __device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles
     if (w.active) {
         // the query tiles that can see these keys: context rows first (nctx tiles from 0), then the
         // causal (or windowed) range from tile lo_t; query tile of step i: q_tile(w, i)
-        int ctx_end, lo, hi;
-        tf_hstu_row_range(&s.mask, w.k0, min(w.k0 + kBN, s.n), &ctx_end, &lo, &hi);
-        const int lo_t = lo / kBQ, hi_t = hi / kBQ;
-        w.lo_t = lo_t;
-        w.nctx = min((ctx_end + kBQ - 1) / kBQ, lo_t);
-        w.total = w.nctx + max(0, hi_t - lo_t + 1);
+        const HstuQueryTiles qt = hstu_query_tiles<kBQ>(s.mask, w.k0, min(w.k0 + kBN, s.n));
+        w.lo_t = qt.lo_t;
+        w.nctx = qt.nctx;
+        w.total = qt.nctx + max(0, qt.hi_t - qt.lo_t + 1);
     }
     return w;
 }
@@ -765,8 +753,7 @@ extern "C" int64_t tf_hstu_bwd_sm90_dz_bytes(const tf_hstu_params *p, int64_t ca
 #if defined(TF_BUILT_SM90A)
     const int64_t d = p->dqk > p->dv ? p->dqk : p->dv;
     if ((p->dtype != TF_BF16 && p->dtype != TF_F16) || p->backend == TF_HSTU_MMA || p->bias || p->delta > 0 ||
-        p->dropout_p > 0 || d <= 128 || d > 256 || p->B <= 0 || p->H <= 0 || p->L <= 0 || !p->dq ||
-        !device_is_sm90())
+        p->dropout_p > 0 || d <= 128 || d > 256 || p->B <= 0 || p->H <= 0 || p->L <= 0 || !device_is_sm90())
         return 0;
     // one (sequence, head) pair's square of 64 x 64 tiles (those its mask reaches are written)
     const int64_t k_tiles = (p->max_seq_len + 63) / 64, per_seq = p->H * k_tiles * k_tiles * (int64_t)(kBQ * 64 * 2);

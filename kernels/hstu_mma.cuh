@@ -186,6 +186,37 @@ __device__ __forceinline__ HstuSeq hstu_seq(const tf_hstu_params &p, int64_t b) 
     return s;
 }
 
+/* The query tiles (of QT rows) that see keys [k0, k1) of a sequence: context tiles [0, nctx), then the
+ * causal (or windowed) range [lo_t, hi_t] (empty when hi_t < lo_t). The sm_90a backward visits a key
+ * tile's query tiles by it, and its two-part dQ kernel finds by it the dZ tiles that backward stored:
+ * one definition, so the two cannot disagree. */
+struct HstuQueryTiles {
+    int nctx, lo_t, hi_t;
+};
+template <int QT>
+__device__ __forceinline__ HstuQueryTiles hstu_query_tiles(const tf_hstu_mask &m, int k0, int k1) {
+    int ctx_end, lo, hi;
+    tf_hstu_row_range(&m, k0, k1, &ctx_end, &lo, &hi);
+    HstuQueryTiles r;
+    r.lo_t = lo / QT;
+    r.hi_t = hi / QT;
+    r.nctx = min((ctx_end + QT - 1) / QT, r.lo_t);
+    return r;
+}
+
+/* Zeroes rows [r0, ROWS) of a tile of D / 64 panels of 64 16-bit columns (128-byte rows) in shared
+ * memory, by one warpgroup. TMA reads whole tiles, so rows past a sequence's end hold the next
+ * sequence's rows: masked elements are 0, but 0 x inf is not. The caller fences (fence_proxy_async) and
+ * synchronizes before the wgmmas read it. */
+template <int D, int ROWS>
+__device__ __forceinline__ void zero_rows(uint8_t *tile, int r0) {
+    const int chunks = (ROWS - r0) * 8;  // 16-byte chunks per panel
+    for (int i = threadIdx.x % 128; i < chunks * (D / 64); i += 128) {
+        const int c = i / chunks, x = i % chunks;
+        *(uint4 *)(tile + c * ROWS * 128 + (r0 + x / 8) * 128 + (x % 8) * 16) = make_uint4(0, 0, 0, 0);
+    }
+}
+
 /* Loads a tile of a (rows, H, d) tensor's head h into smem (ROWS x LDS elements): tile row r comes
  * from global row base + r when r_lo <= r < nrows, columns below d; everything else is zero. */
 template <int ROWS, int D, int LDS, int NT>
