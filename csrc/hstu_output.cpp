@@ -194,12 +194,13 @@ HstuOutputBwd prepare_hstu_output_bwd(const at::Tensor &dy, const at::Tensor &at
     return g;
 }
 
-at::Tensor alloc_hstu_output_partials(HstuOutputBwd &g, int64_t n_partials) {
+at::Tensor alloc_hstu_output_partials(HstuOutputBwd &g, int64_t n_partials, bool zero) {
     tf_hstu_output_bwd_params &p = g.p;
     p.n_partials = n_partials;
     if (!g.want_wgrad) return at::Tensor();
     const int64_t wcols = p.group_weights ? p.groups : p.cols;
-    at::Tensor buf = at::zeros({2, n_partials, wcols}, g.attn.options().dtype(at::kFloat));
+    const auto opts = g.attn.options().dtype(at::kFloat);
+    at::Tensor buf = zero ? at::zeros({2, n_partials, wcols}, opts) : at::empty({2, n_partials, wcols}, opts);
     p.dw_part = buf[0].data_ptr<float>();
     p.db_part = buf[1].data_ptr<float>();
     return buf;
@@ -237,7 +238,7 @@ HstuOutputBwdResult hstu_output_bwd_cpu(const at::Tensor &dy, const at::Tensor &
                                               recompute_y);
     // fixed blocks of rows, each summing into its own partial row: the result does not depend on threads
     const int64_t blocks = std::max<int64_t>(1, (g.p.rows + kCpuRowsPerPartial - 1) / kCpuRowsPerPartial);
-    at::Tensor partials = alloc_hstu_output_partials(g, blocks);
+    at::Tensor partials = alloc_hstu_output_partials(g, blocks, /*zero=*/true);
     const tf_hstu_output_bwd_params p = g.p;
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; ++b)

@@ -50,7 +50,8 @@ HstuOutputBwd prepare_hstu_output_bwd(const at::Tensor &dy, const at::Tensor &at
                                       int64_t mul_act, int64_t cat_act, bool concat_u, bool concat_x,
                                       double dropout_ratio, bool weight_grad, bool recompute_y);
 
-// Zeroed fp32 partial sums (2 x n_partials x wcols), wired into g.p when weight gradients are wanted.
-at::Tensor alloc_hstu_output_partials(HstuOutputBwd &g, int64_t n_partials);
+// fp32 partial sums (2 x n_partials x wcols; zeroed when `zero`: the kernels that add into them), wired
+// into g.p when weight gradients are wanted.
+at::Tensor alloc_hstu_output_partials(HstuOutputBwd &g, int64_t n_partials, bool zero);
 
 }  // namespace torchfuse

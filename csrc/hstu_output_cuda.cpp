@@ -42,16 +42,16 @@ HstuOutputBwdResult hstu_output_bwd_cuda(const at::Tensor &dy, const at::Tensor 
                                               cat_act, concat_u, concat_x, dropout_ratio, weight_grad,
                                               recompute_y);
     const int64_t n_partials = tf_hstu_output_bwd_cuda_partials(&g.p);
-    at::Tensor partials = alloc_hstu_output_partials(g, n_partials);
+    at::Tensor partials =
+        alloc_hstu_output_partials(g, n_partials, /*zero=*/!tf_hstu_output_bwd_cuda_writes_partials(&g.p));
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
     check_launch(tf_hstu_output_bwd_cuda(&g.p, stream), "hstu_compute_output backward kernel");
-    if (g.want_wgrad) {
+    if (g.want_wgrad) {  // both planes of partials (dw's, then db's) in one launch
         const int64_t wcols = g.p.group_weights ? g.p.groups : g.p.cols;
         const int dt = kernel_dtype(g.dw.scalar_type(), "torchfuse.hstu_compute_output", "norm_weight");
-        check_launch(tf_column_sum_cuda(g.p.dw_part, n_partials, wcols, g.dw.data_ptr(), dt, stream),
-                     "weight-gradient reduction kernel");
-        check_launch(tf_column_sum_cuda(g.p.db_part, n_partials, wcols, g.db.data_ptr(), dt, stream),
-                     "bias-gradient reduction kernel");
+        check_launch(
+            tf_column_sum2_cuda(g.p.dw_part, n_partials, wcols, g.dw.data_ptr(), g.db.data_ptr(), dt, stream),
+            "weight- and bias-gradient reduction kernel");
     }
     return g.result();
 }

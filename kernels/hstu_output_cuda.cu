@@ -520,10 +520,11 @@ __device__ __forceinline__ float2 group_sum2(float2 g, int tpr, float2 (*red)[kR
 }
 
 /* A block's weight-gradient sums of one chunk per thread (tpr threads per row, kRowBlock / tpr row groups)
- * into its partial rows: the row groups' sums added in group order, a fixed order. */
+ * into its partial rows: the row groups' sums added in group order, a fixed order. `part`: kRowBlock x
+ * TF_VEC floats of shared memory, used when a block holds several rows (the kernel's own stages, free by
+ * then, where it has them: a static array would cost a block's worth of occupancy). */
 __device__ __forceinline__ void store_partials_one_chunk(float *dwp, float *dbp, const float (&acc_w)[TF_VEC],
-                                                         const float (&acc_b)[TF_VEC], int tpr, int cn) {
-    __shared__ float part[kRowBlock * TF_VEC];
+                                                         const float (&acc_b)[TF_VEC], int tpr, int cn, float *part) {
     const int t = threadIdx.x & (tpr - 1), grp = threadIdx.x / tpr, rpb = kRowBlock / tpr;
     for (int which = 0; which < 2; ++which) {
         float *dst = which == 0 ? dwp : dbp;
@@ -1061,7 +1062,8 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED, Y>()
     float *dwp = p.dw_part ? p.dw_part + (int64_t)blockIdx.x * n : nullptr;
     float *dbp = p.db_part ? p.db_part + (int64_t)blockIdx.x * n : nullptr;
     if constexpr (K == 1) {
-        store_partials_one_chunk(dwp, dbp, acc_w[0], acc_b[0], tpr, cn[0]);
+        __shared__ float part[kRowBlock * TF_VEC];
+        store_partials_one_chunk(dwp, dbp, acc_w[0], acc_b[0], tpr, cn[0], part);
     } else { /* two chunks a thread: 128 threads a row, one row group */
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -1090,6 +1092,8 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED, Y>()
  *  - every gradient term's rounding is spelled out (__fmaf_rn, __fmul_rn), so the instantiations with
  *    and without Y, which share the grid, give the same gradients bit for bit. */
 constexpr int bwd_typed_planes(bool cat) { return cat ? 5 : 3; } /* attn, u, dY[y] (, dY[attn], dY[u]) */
+constexpr int kBwdTypedStages = 2; /* rows staged: the one being worked on and kBwdTypedStages - 1 ahead */
+constexpr size_t bwd_typed_smem(bool cat) { return (size_t)(kBwdTypedStages * bwd_typed_planes(cat) + 2) * kRowBlock * 16; }
 
 template <typename T, bool CAT, bool DROP, bool Y>
 __global__ void __launch_bounds__(kRowBlock, DROP ? 5 : 6) hstu_output_bwd_typed(const tf_hstu_output_bwd_params p, int tpr) {
@@ -1107,9 +1111,12 @@ __global__ void __launch_bounds__(kRowBlock, DROP ? 5 : 6) hstu_output_bwd_typed
     for (int i = 0; i < TF_VEC; ++i) acc_w[i] = acc_b[i] = 0.f;
 
     uint4 *const mine = stage_buf + threadIdx.x;
-    float4 *const dx_buf = reinterpret_cast<float4 *>(stage_buf + 2 * kPlanes * kRowBlock); /* 2 planes */
+    constexpr int S = kBwdTypedStages;
+    float4 *const dx_buf = reinterpret_cast<float4 *>(stage_buf + S * kPlanes * kRowBlock); /* 2 planes */
     const uint32_t mine_s = (uint32_t)__cvta_generic_to_shared(mine);
-    float mean_next = 0.f, rstd_next = 0.f;
+    float mean_q[S - 1], rstd_q[S - 1]; /* the statistics of the rows staged ahead, oldest first */
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) mean_q[i] = rstd_q[i] = 0.f;
     auto issue = [&](int64_t row, int stage) {
         if (row < rows) {
             if (have) {
@@ -1123,19 +1130,27 @@ __global__ void __launch_bounds__(kRowBlock, DROP ? 5 : 6) hstu_output_bwd_typed
                     tf_norm_typed::cp_async16_s(dst + 4 * kRowBlock * 16u, dyr + col);
                 }
             }
-            mean_next = p.mean[row];
-            rstd_next = p.rstd[row];
+            mean_q[S - 2] = p.mean[row];
+            rstd_q[S - 2] = p.rstd[row];
         }
         cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
     };
-    int stage = 0;
-    issue((int64_t)blockIdx.x * rpb + threadIdx.x / tpr, 0);
-    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < rows; r0 += step, stage ^= 1) {
+    const int64_t first = (int64_t)blockIdx.x * rpb + threadIdx.x / tpr;
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) {
+#pragma unroll
+        for (int j = 0; j + 1 < S - 1; ++j) mean_q[j] = mean_q[j + 1], rstd_q[j] = rstd_q[j + 1];
+        issue(first + i * step, i);
+    }
+    int stage = 0, parity = 0;
+    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < rows; r0 += step, stage = stage + 1 == S ? 0 : stage + 1, parity ^= 1) {
         const int64_t r = r0 + threadIdx.x / tpr;
         const bool live = r < rows; /* dead groups still meet the others in the reduction */
-        const float mean = mean_next, rstd = rstd_next;
-        issue(r + step, stage ^ 1);
-        tf_norm_typed::cp_async_wait_but_newest(); /* this row's group has landed */
+        const float mean = mean_q[0], rstd = rstd_q[0];
+#pragma unroll
+        for (int j = 0; j + 1 < S - 1; ++j) mean_q[j] = mean_q[j + 1], rstd_q[j] = rstd_q[j + 1];
+        issue(r + (S - 1) * step, stage == 0 ? S - 1 : stage - 1);
+        cp_async_wait<S - 1>(); /* this row's group has landed */
         const uint4 *const st = mine + stage * kPlanes * kRowBlock;
         const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
         /* dn * w, rounded (m1's terms and d attn's), waits for the second phase in this thread's own slots
@@ -1208,7 +1223,7 @@ __global__ void __launch_bounds__(kRowBlock, DROP ? 5 : 6) hstu_output_bwd_typed
                 }
             }
         }
-        const float2 g = group_sum2(s, tpr, red, stage);
+        const float2 g = group_sum2(s, tpr, red, parity);
         if (!live || !have) continue;
         const float m1 = g.x * inv, m2 = g.y * inv;
         float a[TF_VEC], da[TF_VEC];
@@ -1229,7 +1244,9 @@ __global__ void __launch_bounds__(kRowBlock, DROP ? 5 : 6) hstu_output_bwd_typed
     asm volatile("cp.async.wait_all;\n" ::); /* nothing left in flight at exit */
     float *dwp = p.dw_part ? p.dw_part + (int64_t)blockIdx.x * n : nullptr;
     float *dbp = p.db_part ? p.db_part + (int64_t)blockIdx.x * n : nullptr;
-    if (dwp || dbp) store_partials_one_chunk(dwp, dbp, acc_w, acc_b, tpr, have ? TF_VEC : 0);
+    /* the stages are free: every thread's copies have landed, and the first barrier there orders the
+     * last reads of them before the partial sums' writes */
+    if (dwp || dbp) store_partials_one_chunk(dwp, dbp, acc_w, acc_b, tpr, have ? TF_VEC : 0, reinterpret_cast<float *>(stage_buf));
 }
 
 /* The rows kernels' threads per row and chunks per thread for these params, or K = 0 when they do not
@@ -1345,7 +1362,7 @@ Launch bwd_typed(const tf_hstu_output_bwd_params *p, const RowMap &m) {
         return {nullptr, 0, 0, 0};
     const bool drop = p->dropout != 0;
     const void *fn = dt == TF_BF16 ? bwd_typed_fn<__nv_bfloat16, Y>(cat, drop) : bwd_typed_fn<__half, Y>(cat, drop);
-    return {fn, kRowBlock, m.tpr, (size_t)(2 * bwd_typed_planes(cat) + 2) * kRowBlock * 16};
+    return {fn, kRowBlock, m.tpr, bwd_typed_smem(cat)};
 }
 
 template <bool Y>
@@ -1433,6 +1450,10 @@ extern "C" int64_t tf_hstu_output_bwd_cuda_partials(const tf_hstu_output_bwd_par
     const Launch l = bwd_launch(p);
     const int64_t grid = bwd_grid(p);
     return l.tpr ? grid : grid * kWarps;
+}
+
+extern "C" int tf_hstu_output_bwd_cuda_writes_partials(const tf_hstu_output_bwd_params *p) {
+    return p->rows > 0 && bwd_launch(p).tpr != 0; /* the rows kernels store whole partial rows at their end */
 }
 
 extern "C" int tf_hstu_output_bwd_cuda(const tf_hstu_output_bwd_params *p, void *stream) {

@@ -15,7 +15,7 @@
  *
  * Backward: from dY (the gradient of that concatenated output) to d attn, d u and the weight/bias
  * gradients, which are summed in fp32 into `partials` (n_partials rows of wcols = group_weights ?
- * groups : cols entries each, zeroed by the caller) and reduced in a fixed order afterwards (tf_column_sum_*
+ * groups : cols entries each, zeroed by the caller unless the kernel stores them whole) and reduced in a fixed order afterwards (tf_column_sum_*
  * of norm_kernels.h): deterministic, no atomics.
  *
  * Inputs are row-major with a row stride (elements) and unit column stride; outputs are contiguous. */
@@ -77,6 +77,8 @@ void tf_hstu_output_bwd_cpu(const tf_hstu_output_bwd_params *p, int64_t row_begi
 int tf_hstu_output_fwd_cuda(const tf_hstu_output_fwd_params *p, void *stream);
 /* The number of partial rows the backward uses for these params on the current device. */
 int64_t tf_hstu_output_bwd_cuda_partials(const tf_hstu_output_bwd_params *p);
+/* 1 when the backward stores every entry of its partial rows (they need no zeroing), else 0. */
+int tf_hstu_output_bwd_cuda_writes_partials(const tf_hstu_output_bwd_params *p);
 int tf_hstu_output_bwd_cuda(const tf_hstu_output_bwd_params *p, void *stream);
 
 #ifdef __cplusplus

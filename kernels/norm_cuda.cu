@@ -724,27 +724,34 @@ __global__ void __launch_bounds__(kMaxRegThreads) norm_bwd_fast_kernel(const tf_
         if (len[k] > 0) flush_partials<TWO>(p, slot, (int64_t)(k * tpr + tid) * TF_VEC, len[k], acc[k], true);
 }
 
-/* out[c] = sum_k part[k][c] in a fixed order. Block (32, kSumLanes): x picks the column, lane y sums
- * the partial rows y, y + kSumLanes, ... with four loads in flight; the kSumLanes sums are then added
- * in y order. Why so many lanes per column: a persistent grid leaves one partial row per row slot
- * (about a thousand at 1024 columns) while few columns make few blocks, so each column's chain of
- * loads must be short and overlapped. */
+/* out[c] = sum_k part[k][c] in a fixed order, for each of gridDim.y planes of partial rows (plane z at
+ * part + z * plane, summed into outs[z]). Block (32, kSumLanes): x picks the column, lane y sums the
+ * partial rows y, y + kSumLanes, ... in order, eight loads in flight; the kSumLanes sums are then added in
+ * y order. Why so many lanes per column: a persistent grid leaves one partial row per row slot (about a
+ * thousand at 1024 columns) while few columns make few blocks, so each column's chain of loads must be
+ * short and overlapped; the weight's and the bias's planes go in one launch for the same reason. */
 constexpr int kSumLanes = 32;
+constexpr int kSumInFlight = 8;
 
-__global__ void __launch_bounds__(32 * kSumLanes) column_sum_kernel(const float *part, int64_t n_partials,
-                                                                    int64_t cols, void *out, int out_dtype) {
+struct SumOuts {
+    void *out[2];
+};
+
+__global__ void __launch_bounds__(32 * kSumLanes) column_sum_kernel(const float *part, int64_t plane,
+                                                                    int64_t n_partials, int64_t cols, SumOuts outs,
+                                                                    int out_dtype) {
     __shared__ float acc[kSumLanes][33];
     const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
+    part += (int64_t)blockIdx.y * plane;
     float a = 0.f;
     if (c < cols) {
         int64_t k = threadIdx.y;
-        for (; k + 3 * kSumLanes < n_partials; k += 4 * kSumLanes) {
-            const float v0 = part[k * cols + c], v1 = part[(k + kSumLanes) * cols + c];
-            const float v2 = part[(k + 2 * kSumLanes) * cols + c], v3 = part[(k + 3 * kSumLanes) * cols + c];
-            a += v0;
-            a += v1;
-            a += v2;
-            a += v3;
+        for (; k + (kSumInFlight - 1) * kSumLanes < n_partials; k += kSumInFlight * kSumLanes) {
+            float v[kSumInFlight];
+#pragma unroll
+            for (int i = 0; i < kSumInFlight; ++i) v[i] = part[(k + i * kSumLanes) * cols + c];
+#pragma unroll
+            for (int i = 0; i < kSumInFlight; ++i) a += v[i];
         }
         for (; k < n_partials; k += kSumLanes) a += part[k * cols + c];
     }
@@ -753,6 +760,7 @@ __global__ void __launch_bounds__(32 * kSumLanes) column_sum_kernel(const float 
     if (threadIdx.y == 0 && c < cols) {
         float t = 0.f;
         for (int y = 0; y < kSumLanes; ++y) t += acc[y][threadIdx.x];
+        void *out = outs.out[blockIdx.y];
         if (out_dtype == TF_F32) ((float *)out)[c] = t;
         else if (out_dtype == TF_BF16) ((__nv_bfloat16 *)out)[c] = __float2bfloat16_rn(t);
         else ((__half *)out)[c] = __float2half_rn(t);
@@ -1070,6 +1078,16 @@ extern "C" int tf_column_sum_cuda(const float *part, int64_t n_partials, int64_t
                                   void *stream) {
     if (cols == 0) return 0;
     const dim3 grid((unsigned)((cols + 31) / 32)), block(32, kSumLanes);
-    column_sum_kernel<<<grid, block, 0, (cudaStream_t)stream>>>(part, n_partials, cols, out, out_dtype);
+    column_sum_kernel<<<grid, block, 0, (cudaStream_t)stream>>>(part, 0, n_partials, cols, SumOuts{{out, out}},
+                                                                 out_dtype);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int tf_column_sum2_cuda(const float *part, int64_t n_partials, int64_t cols, void *out0, void *out1,
+                                   int out_dtype, void *stream) {
+    if (cols == 0) return 0;
+    const dim3 grid((unsigned)((cols + 31) / 32), 2), block(32, kSumLanes);
+    column_sum_kernel<<<grid, block, 0, (cudaStream_t)stream>>>(part, n_partials * cols, n_partials, cols,
+                                                                 SumOuts{{out0, out1}}, out_dtype);
     return (int)cudaGetLastError();
 }

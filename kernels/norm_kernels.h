@@ -81,8 +81,13 @@ int tf_norm_fwd_cuda(const tf_norm_fwd_params *p, void *stream);
 int64_t tf_norm_bwd_cuda_partials(const tf_norm_bwd_params *p);
 /* p->n_partials must equal tf_norm_bwd_cuda_partials(...); partial buffers need no zeroing. */
 int tf_norm_bwd_cuda(const tf_norm_bwd_params *p, void *stream);
+/* out[c] = sum over k of part[k * cols + c], k < n_partials, in a fixed order (deterministic). */
 int tf_column_sum_cuda(const float *part, int64_t n_partials, int64_t cols, void *out, int out_dtype,
                        void *stream);
+/* The same for two planes of partial rows in one launch: part[0 .. n_partials) into out0, the n_partials
+ * rows after them into out1 (both of out_dtype). */
+int tf_column_sum2_cuda(const float *part, int64_t n_partials, int64_t cols, void *out0, void *out1,
+                        int out_dtype, void *stream);
 
 #ifdef __cplusplus
 }
