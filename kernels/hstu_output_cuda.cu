@@ -1092,8 +1092,6 @@ __global__ void __launch_bounds__(kRowBlock, rows_bwd_min_blocks<K, STAGED, Y>()
  *  - every gradient term's rounding is spelled out (__fmaf_rn, __fmul_rn), so the instantiations with
  *    and without Y, which share the grid, give the same gradients bit for bit. */
 constexpr int bwd_typed_planes(bool cat) { return cat ? 5 : 3; } /* attn, u, dY[y] (, dY[attn], dY[u]) */
-constexpr int kBwdTypedStages = 2; /* rows staged: the one being worked on and kBwdTypedStages - 1 ahead */
-constexpr size_t bwd_typed_smem(bool cat) { return (size_t)(kBwdTypedStages * bwd_typed_planes(cat) + 2) * kRowBlock * 16; }
 
 template <typename T, bool CAT, bool DROP, bool Y>
 __global__ void __launch_bounds__(kRowBlock, DROP ? 5 : 6) hstu_output_bwd_typed(const tf_hstu_output_bwd_params p, int tpr) {
@@ -1111,12 +1109,9 @@ __global__ void __launch_bounds__(kRowBlock, DROP ? 5 : 6) hstu_output_bwd_typed
     for (int i = 0; i < TF_VEC; ++i) acc_w[i] = acc_b[i] = 0.f;
 
     uint4 *const mine = stage_buf + threadIdx.x;
-    constexpr int S = kBwdTypedStages;
-    float4 *const dx_buf = reinterpret_cast<float4 *>(stage_buf + S * kPlanes * kRowBlock); /* 2 planes */
+    float4 *const dx_buf = reinterpret_cast<float4 *>(stage_buf + 2 * kPlanes * kRowBlock); /* 2 planes */
     const uint32_t mine_s = (uint32_t)__cvta_generic_to_shared(mine);
-    float mean_q[S - 1], rstd_q[S - 1]; /* the statistics of the rows staged ahead, oldest first */
-#pragma unroll
-    for (int i = 0; i < S - 1; ++i) mean_q[i] = rstd_q[i] = 0.f;
+    float mean_next = 0.f, rstd_next = 0.f;
     auto issue = [&](int64_t row, int stage) {
         if (row < rows) {
             if (have) {
@@ -1130,27 +1125,19 @@ __global__ void __launch_bounds__(kRowBlock, DROP ? 5 : 6) hstu_output_bwd_typed
                     tf_norm_typed::cp_async16_s(dst + 4 * kRowBlock * 16u, dyr + col);
                 }
             }
-            mean_q[S - 2] = p.mean[row];
-            rstd_q[S - 2] = p.rstd[row];
+            mean_next = p.mean[row];
+            rstd_next = p.rstd[row];
         }
         cp_async_commit(); /* one group per row, empty or not, so wait_group counts rows */
     };
-    const int64_t first = (int64_t)blockIdx.x * rpb + threadIdx.x / tpr;
-#pragma unroll
-    for (int i = 0; i < S - 1; ++i) {
-#pragma unroll
-        for (int j = 0; j + 1 < S - 1; ++j) mean_q[j] = mean_q[j + 1], rstd_q[j] = rstd_q[j + 1];
-        issue(first + i * step, i);
-    }
-    int stage = 0, parity = 0;
-    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < rows; r0 += step, stage = stage + 1 == S ? 0 : stage + 1, parity ^= 1) {
+    int stage = 0;
+    issue((int64_t)blockIdx.x * rpb + threadIdx.x / tpr, 0);
+    for (int64_t r0 = (int64_t)blockIdx.x * rpb; r0 < rows; r0 += step, stage ^= 1) {
         const int64_t r = r0 + threadIdx.x / tpr;
         const bool live = r < rows; /* dead groups still meet the others in the reduction */
-        const float mean = mean_q[0], rstd = rstd_q[0];
-#pragma unroll
-        for (int j = 0; j + 1 < S - 1; ++j) mean_q[j] = mean_q[j + 1], rstd_q[j] = rstd_q[j + 1];
-        issue(r + (S - 1) * step, stage == 0 ? S - 1 : stage - 1);
-        cp_async_wait<S - 1>(); /* this row's group has landed */
+        const float mean = mean_next, rstd = rstd_next;
+        issue(r + step, stage ^ 1);
+        tf_norm_typed::cp_async_wait_but_newest(); /* this row's group has landed */
         const uint4 *const st = mine + stage * kPlanes * kRowBlock;
         const uint64_t e_row = (uint64_t)r * (uint64_t)p.y_cols;
         /* dn * w, rounded (m1's terms and d attn's), waits for the second phase in this thread's own slots
@@ -1223,7 +1210,7 @@ __global__ void __launch_bounds__(kRowBlock, DROP ? 5 : 6) hstu_output_bwd_typed
                 }
             }
         }
-        const float2 g = group_sum2(s, tpr, red, parity);
+        const float2 g = group_sum2(s, tpr, red, stage);
         if (!live || !have) continue;
         const float m1 = g.x * inv, m2 = g.y * inv;
         float a[TF_VEC], da[TF_VEC];
@@ -1362,7 +1349,7 @@ Launch bwd_typed(const tf_hstu_output_bwd_params *p, const RowMap &m) {
         return {nullptr, 0, 0, 0};
     const bool drop = p->dropout != 0;
     const void *fn = dt == TF_BF16 ? bwd_typed_fn<__nv_bfloat16, Y>(cat, drop) : bwd_typed_fn<__half, Y>(cat, drop);
-    return {fn, kRowBlock, m.tpr, bwd_typed_smem(cat)};
+    return {fn, kRowBlock, m.tpr, (size_t)(2 * bwd_typed_planes(cat) + 2) * kRowBlock * 16};
 }
 
 template <bool Y>
