@@ -160,8 +160,9 @@ struct BwdArgs {
     const std::optional<at::Tensor> &rng_state;
 };
 
-// The two-part backward's dZ tiles (head dims 129-256, sm_90a): 8 KB per (64 x 64 tile, sequence, head) of
-// max_seq_len's square, for as many sequences at a time as fit in this (the rest in later chunks).
+// The two-part backward's dZ tiles (head dims 65-256, sm_90a): 2 bytes per (query, key, head) of
+// max_seq_len's square, in 64-row tiles, for as many sequences at a time as fit in this (the rest in later
+// chunks).
 constexpr int64_t kDzScratchBytes = int64_t(2) << 30;
 
 // The backward of a (with dq as the kernels leave it: q's dtype, and then in the caller's outs->dq when
@@ -182,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_bwd_kernels(cons
     // the persistent sm_90a backward's work counter, its own (zeroed by the launch on the stream)
     const at::Tensor sched = at::empty({1}, a.q.options().dtype(at::kInt));
     g.p.sched = sched.data_ptr<int>();
-    // dQ: at head dims 129-256 on sm_90a the two-part backward writes it in q's dtype (into the caller's dq
+    // dQ: at head dims 65-256 on sm_90a the two-part backward writes it in q's dtype (into the caller's dq
     // when given), its dZ tiles in a scratch of at most kDzScratchBytes; elsewhere the kernels add into a
     // zeroed fp32 accumulator, converted by the callers
     int64_t dz_seqs = 0;

@@ -1,8 +1,9 @@
-/* HSTU attention backward on Hopper (sm_90a), part two of the head-dim 129-256 backward: dQ = dZ K.
+/* HSTU attention backward on Hopper (sm_90a), part two of the head-dim 65-256 backward: dQ = dZ K.
  *
- * hstu_bwd_sm90.cu's DZ form leaves, for every (key tile, query tile) its mask reaches, the 64 x 64 dZ tile
- * (query rows, keys along the row) in p.dz as it lay in shared memory (128-byte swizzled, 8 KB) at slot
- * ((b H + h) k_tiles + key tile) k_tiles + query tile, and computes no dQ. Here:
+ * hstu_bwd_sm90.cu's DZ form leaves, for every (key tile, query tile) its mask reaches, the 64 x KT dZ tile
+ * (query rows, keys along the row; KT = the backward's key tile: 64 keys at head dims 129-256, 128 at
+ * 65-128, in 64-key panels) in p.dz as it lay in shared memory (128-byte swizzled, 8 or 16 KB) at slot
+ * ((b H + h) k_tiles + key tile) q_tiles + query tile, and computes no dQ. Here:
  *   - work item = (64-row query tile, sequence, head), one block of one warpgroup (128 threads) each, the
  *     query tiles of a (sequence, head) pair side by side in the grid, longest first, so that the pair's
  *     K tiles are read from L2 by all of them (taken query tile first across all pairs, K left L2 and
@@ -10,7 +11,7 @@
  *   - the key tiles are exactly those the backward stored for this query tile: tf_hstu_row_range per key
  *     tile, as bwd_item lists a key tile's query tiles (context tiles first, then the causal or windowed
  *     range);
- *   - thread 0 loads each key tile's K (TMA, D / 64 swizzled panels of 64 keys) and its raw dZ tile (one
+ *   - thread 0 loads each key tile's K (TMA, D / 64 swizzled panels of KT keys) and its raw dZ tile (one
  *     bulk copy, already in the operand layout) into one of two stages, the next tile's while the
  *     warpgroup runs dQ += dZ K (wgmma, both operands in shared memory: A = dZ K-major, B = K MN-major,
  *     as the backward's own dQ step); K's rows past the sequence's end are zeroed before use (they are
@@ -26,45 +27,48 @@
 
 namespace {
 
-constexpr int kTile = 64;  // query rows and keys of a dZ tile
-constexpr int kZBytes = kTile * kTile * 2;
+constexpr int kTile = 64;  // query rows of a dZ tile
 
 template <int D>
 struct DqCfg {
+    static constexpr int KT = D > 128 ? 64 : 128;        // keys of a dZ tile: the backward's key tile
     static constexpr int PANELS = D / 64;                 // K's 64-column panels
-    static constexpr int K_BYTES = kTile * D * 2;
-    static constexpr int STAGE = K_BYTES + kZBytes;      // K, then dZ
+    static constexpr int K_BYTES = KT * D * 2, Z_BYTES = kTile * KT * 2;
+    static constexpr int STAGE = K_BYTES + Z_BYTES;      // K, then dZ
     static constexpr int SMEM = 2 * STAGE + 1024;        // +1024: stages start on the swizzle's period
 };
 
-static_assert(DqCfg<256>::PANELS * 64 == 256 && DqCfg<256>::SMEM <= 232448 / 2, "two blocks an SM at head dim 256");
+static_assert(DqCfg<256>::SMEM <= 232448 / 2 && DqCfg<128>::SMEM <= 232448 / 2, "two blocks an SM");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* Whether the backward stored the tile (key tile kt, query tile qt): qt is among the query tiles
- * bwd_item lists for key tile kt (a key tile starting at or past n has none). */
+/* Whether the backward stored the tile (key tile kt of KT keys, query tile qt): qt is among the query
+ * tiles bwd_item lists for key tile kt (a key tile starting at or past n has none). */
+template <int KT>
 __device__ __forceinline__ bool dz_stored(const tf_hstu_mask &mask, int n, int kt, int qt) {
-    const int k0 = kt * kTile;
+    const int k0 = kt * KT;
     if (k0 >= n) return false;
-    const HstuQueryTiles q = hstu_query_tiles<kTile>(mask, k0, min(k0 + kTile, n));
+    const HstuQueryTiles q = hstu_query_tiles<kTile>(mask, k0, min(k0 + KT, n));
     return qt < q.nctx || (qt >= q.lo_t && qt <= q.hi_t);
 }
 /* The first key tile >= kt whose dZ tile the backward stored for query tile qt, or tiles. */
+template <int KT>
 __device__ __forceinline__ int next_stored(const tf_hstu_mask &mask, int n, int tiles, int kt, int qt) {
-    while (kt < tiles && !dz_stored(mask, n, kt, qt)) ++kt;
+    while (kt < tiles && !dz_stored<KT>(mask, n, kt, qt)) ++kt;
     return kt;
 }
 #endif
 
 template <typename T, int D>
 __global__ void __launch_bounds__(128, 2)
-    hstu_bwd_dq(const __grid_constant__ CUtensorMap tm_k, const tf_hstu_params p, int k_tiles, int vec) {
+    hstu_bwd_dq(const __grid_constant__ CUtensorMap tm_k, const tf_hstu_params p, int k_tiles, int q_tiles, int vec) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = DqCfg<D>;
+    constexpr int KT = C::KT;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     __shared__ __align__(8) uint64_t full[2];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-    const int pair = (int)(blockIdx.x / k_tiles), qt = k_tiles - 1 - (int)(blockIdx.x % k_tiles);
+    const int pair = (int)(blockIdx.x / q_tiles), qt = q_tiles - 1 - (int)(blockIdx.x % q_tiles);
     const int H = (int)p.H, h = pair % H;
     const HstuSeq s = hstu_seq(p, pair / H);
     const int n = s.n, q0 = qt * kTile;
@@ -75,16 +79,16 @@ __global__ void __launch_bounds__(128, 2)
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    const char *dz = (const char *)p.dz + ((int64_t)pair * k_tiles * k_tiles + qt) * kZBytes;
+    const char *dz = (const char *)p.dz + ((int64_t)pair * k_tiles * q_tiles + qt) * C::Z_BYTES;
     auto issue = [&](int kt, int st) {  // thread 0: key tile kt's K and dZ into stage st
         uint8_t *ks = smem + st * C::STAGE;
         mbar_expect_tx(&full[st], C::STAGE);
 #pragma unroll
-        for (int c = 0; c < C::PANELS; ++c) tma_load(ks + c * kTile * 128, &tm_k, 64 * c, h, (int)(s.start + kt * kTile), &full[st]);
-        bulk_load(smem_u32(ks + C::K_BYTES), dz + (int64_t)kt * k_tiles * kZBytes, kZBytes, &full[st]);
+        for (int c = 0; c < C::PANELS; ++c) tma_load(ks + c * KT * 128, &tm_k, 64 * c, h, (int)(s.start + kt * KT), &full[st]);
+        bulk_load(smem_u32(ks + C::K_BYTES), dz + (int64_t)kt * q_tiles * C::Z_BYTES, C::Z_BYTES, &full[st]);
     };
-    const int tiles = (n + kTile - 1) / kTile;
-    int kt = next_stored(s.mask, n, tiles, 0, qt);
+    const int tiles = (n + KT - 1) / KT;
+    int kt = next_stored<KT>(s.mask, n, tiles, 0, qt);
     if (tid == 0 && kt < tiles) issue(kt, 0);
     float acc[C::PANELS][32];
 #pragma unroll
@@ -92,13 +96,13 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc[c][i] = 0.f;
     for (int it = 0; kt < tiles; ++it) {
-        const int st = it & 1, nk = next_stored(s.mask, n, tiles, kt + 1, qt);
+        const int st = it & 1, nk = next_stored<KT>(s.mask, n, tiles, kt + 1, qt);
         // stage st ^ 1 was last read by the previous tile's wgmmas, complete at its closing barrier
         if (tid == 0 && nk < tiles) issue(nk, st ^ 1);
         mbar_wait(&full[st], (it >> 1) & 1);
         uint8_t *ks = smem + st * C::STAGE;
-        if (kt * kTile + kTile > n) {  // K's rows past the end: zeroed (every panel)
-            zero_rows<D, kTile>(ks, n - kt * kTile);
+        if (kt * KT + KT > n) {  // K's rows past the end: zeroed (every panel)
+            zero_rows<D, KT>(ks, n - kt * KT);
             fence_proxy_async();
             __syncthreads();
         }
@@ -107,9 +111,9 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
         for (int c = 0; c < C::PANELS; ++c)
 #pragma unroll
-            for (int kk = 0; kk < kTile / 16; ++kk)
-                wgmma_ss_tb<T, 64>(acc[c], tf_wgmma_desc(z_addr + kk * 32, 0),
-                                   tf_wgmma_desc(k_addr + c * kTile * 128 + kk * 16 * 128, kTile * 128), 1);
+            for (int kk = 0; kk < KT / 16; ++kk)  // dZ: key panel kk / 4 (64 rows of 128 bytes), 16 keys at (kk % 4) 32 bytes
+                wgmma_ss_tb<T, 64>(acc[c], tf_wgmma_desc(z_addr + (kk / 4) * kTile * 128 + (kk % 4) * 32, 0),
+                                   tf_wgmma_desc(k_addr + c * KT * 128 + kk * 16 * 128, KT * 128), 1);
         tf_wgmma_commit();
         tf_wgmma_wait<0>();
 #pragma unroll
@@ -150,19 +154,20 @@ __global__ void __launch_bounds__(128, 2)
 }
 
 #if defined(TF_BUILT_SM90A)
-template <typename T>
+template <typename T, int D>
 int launch_dq(const tf_hstu_params &p, cudaStream_t stream) {
-    constexpr int D = 256;
-    const int64_t k_tiles = (p.max_seq_len + kTile - 1) / kTile, blocks = k_tiles * p.B * p.H;
+    constexpr int KT = DqCfg<D>::KT;
+    const int64_t k_tiles = (p.max_seq_len + KT - 1) / KT, q_tiles = (p.max_seq_len + kTile - 1) / kTile;
+    const int64_t blocks = q_tiles * p.B * p.H;
     if (blocks == 0) return 0;
     if (blocks > 0x7fffffff) return (int)cudaErrorInvalidConfiguration;
     CUtensorMap tk;
-    if (!tensor_map(&tk, p.dtype, p.k, p.L, p.H, p.dqk, p.k_sr, p.k_sh, kTile)) return (int)cudaErrorInvalidValue;
+    if (!tensor_map(&tk, p.dtype, p.k, p.L, p.H, p.dqk, p.k_sr, p.k_sh, KT)) return (int)cudaErrorInvalidValue;
     cudaError_t err = cudaFuncSetAttribute(hstu_bwd_dq<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, DqCfg<D>::SMEM);
     if (err != cudaSuccess) return (int)err;
     // 16-byte stores where every row's head starts 16-byte aligned and whole chunks reach dqk
     const int vec = p.dqk % 8 == 0 && p.dq_sr % 8 == 0 && reinterpret_cast<uintptr_t>(p.dq) % 16 == 0;
-    hstu_bwd_dq<T, D><<<(unsigned)blocks, 128, DqCfg<D>::SMEM, stream>>>(tk, p, (int)k_tiles, vec);
+    hstu_bwd_dq<T, D><<<(unsigned)blocks, 128, DqCfg<D>::SMEM, stream>>>(tk, p, (int)k_tiles, (int)q_tiles, vec);
     return (int)cudaGetLastError();
 }
 #endif
@@ -172,8 +177,12 @@ int launch_dq(const tf_hstu_params &p, cudaStream_t stream) {
 extern "C" int tf_hstu_bwd_dq_sm90(const tf_hstu_params *p, void *stream) {
 #if defined(TF_BUILT_SM90A)
     if (!p->dz || !p->dq) return (int)cudaErrorInvalidValue;
-    if (p->dtype == TF_BF16) return launch_dq<__nv_bfloat16>(*p, (cudaStream_t)stream);
-    if (p->dtype == TF_F16) return launch_dq<__half>(*p, (cudaStream_t)stream);
+    // the key tile of the backward that stored the tiles: head dims up to 128 or past it
+    const bool wide = (p->dqk > p->dv ? p->dqk : p->dv) > 128;
+    if (p->dtype == TF_BF16)
+        return wide ? launch_dq<__nv_bfloat16, 256>(*p, (cudaStream_t)stream) : launch_dq<__nv_bfloat16, 128>(*p, (cudaStream_t)stream);
+    if (p->dtype == TF_F16)
+        return wide ? launch_dq<__half, 256>(*p, (cudaStream_t)stream) : launch_dq<__half, 128>(*p, (cudaStream_t)stream);
 #else
     (void)p;
     (void)stream;

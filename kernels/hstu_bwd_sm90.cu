@@ -23,7 +23,7 @@
  *                                               shared memory, see below), dO / Q transposed
  *       dQ  = dZ K                              wgmma from shared memory: dZ^T is stored transposed
  *                                               (stmatrix) into a 128-byte-swizzled tile, double-buffered
- *     and add dQ into the fp32 buffer p.dq_acc (the caller casts it); at head dims 129-256 with p.dz set
+ *     and add dQ into the fp32 buffer p.dq_acc (the caller casts it); at head dims 65-256 with p.dz set
  *     (tf_hstu_bwd_sm90_dz_bytes) the DZ form stores dZ's tiles instead and hstu_bwd_dq_sm90.cu computes
  *     dQ = dZ K from them (see hstu_bwd_ws). Head dims up to 128: each warpgroup
  *     writes its 64 x 64 fp32 dQ into its own 128-byte-swizzled staging tile in shared memory, and one of
@@ -188,12 +188,13 @@ __device__ __forceinline__ BwdItem bwd_item(const tf_hstu_params &p, int k_tiles
 }
 __device__ __forceinline__ __attribute__((unused)) int q_tile(const BwdItem &w, int i) { return i < w.nctx ? i : w.lo_t + i - w.nctx; }
 
-/* DZ (head dims 129-256): the first part of the two-part backward. Each query tile's 64 x 64 dZ tile, once
- * both consumers have stored their halves (barrier 2), leaves as it lies in shared memory (128-byte
- * swizzled, 8 KB) by one bulk copy into p.dz at slot ((b H + h) k_tiles + key tile) k_tiles + query tile,
- * and the tile does no dQ work; hstu_bwd_dq_sm90.cu then computes dQ = dZ K from those slots. The issuing
- * thread (the first consumer thread) waits until its previous copy has read the tile before barrier 2,
- * which every consumer passes before it stores the Z buffer again (two tiles later). */
+/* DZ (head dims 65-256): the first part of the two-part backward. Each query tile's 64 x kBN dZ tile (64
+ * keys, 8 KB, at head dims 129-256; 128 keys in two 64-key panels, 16 KB, at 65-128), once both consumers
+ * have stored their parts (barrier 2), leaves as it lies in shared memory (128-byte swizzled) by one bulk
+ * copy into p.dz at slot ((b H + h) k_tiles + key tile) q_tiles + query tile (q_tiles: max_seq_len's
+ * 64-row tiles), and the tile does no dQ work; hstu_bwd_dq_sm90.cu then computes dQ = dZ K from those
+ * slots. The issuing thread (the first consumer thread) waits until its previous copy has read the tile
+ * before barrier 2, which every consumer passes before it stores the Z buffer again (two tiles later). */
 template <typename T, int D, bool DZ>
 __global__ void __launch_bounds__(kThreads, 1)
     hstu_bwd_ws(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -202,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 int items, int flags) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using C = BwdSm90Cfg<D>;
-    static_assert(!DZ || C::COL_SPLIT, "the stored dZ tiles: the column split's 64 x 64 tiles");
+    static_assert(!DZ || D >= 128, "the stored dZ tiles: head dims 65-256 (hstu_bwd_dq_sm90.cu's tiles)");
     constexpr int kBN = C::BN, NC = C::NC, ST = C::ST, KV_BYTES = C::KV_BYTES, QO_BYTES = C::QO_BYTES;
     constexpr int QN = C::COL_SPLIT ? kBQ / 2 : kBQ;  // query rows of a tile per consumer in S^T and dP^T
     extern __shared__ uint8_t smem_raw[];
@@ -433,12 +434,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                     }
                 }
                 fence_proxy_async();
-                // the column split: both warpgroups' halves of P and dZ stored before either reads them
+                // the column split: both warpgroups' halves of P and dZ stored before either reads them; DZ:
+                // both warpgroups' parts of dZ stored before the copy reads them
                 if constexpr (DZ) {
                     if (threadIdx.x == 128) bulk_wait_group_read0();  // the previous tile's copy has read its Z buffer
                     named_bar_sync(2);
                     if (threadIdx.x == 128) {
-                        const int64_t slot = ((int64_t)(w.b * (int)p.H + h) * k_tiles + k0 / kBN) * k_tiles + q0 / kBQ;
+                        const int q_tiles = (int)((p.max_seq_len + kBQ - 1) / kBQ);
+                        const int64_t slot = ((int64_t)(w.b * (int)p.H + h) * k_tiles + k0 / kBN) * q_tiles + q0 / kBQ;
                         bulk_store(p.dz, slot * C::Z_BYTES, smem_u32(Zt), C::Z_BYTES);
                         bulk_commit_group();
                     }
@@ -714,7 +717,8 @@ int launch_two_part(const tf_hstu_params &p, cudaStream_t stream) {
         c.B = p.B - b0 < p.dz_seqs ? p.B - b0 : p.dz_seqs;
         c.offsets = (const char *)p.offsets + b0 * (p.offsets_i64 ? 8 : 4);
         if (p.num_targets) c.num_targets = (const char *)p.num_targets + b0 * (p.targets_i64 ? 8 : 4);
-        int err = launch<T, 256, true>(c, stream);
+        const int64_t d = p.dqk > p.dv ? p.dqk : p.dv;
+        int err = d > 128 ? launch<T, 256, true>(c, stream) : launch<T, 128, true>(c, stream);
         if (err != 0) return err == -1 ? (int)cudaErrorInvalidValue : err;  // dz_bytes checked what launch needs
         err = tf_hstu_bwd_dq_sm90(&c, stream);
         if (err != 0) return err;
@@ -753,13 +757,16 @@ extern "C" int64_t tf_hstu_bwd_sm90_dz_bytes(const tf_hstu_params *p, int64_t ca
 #if defined(TF_BUILT_SM90A)
     const int64_t d = p->dqk > p->dv ? p->dqk : p->dv;
     if ((p->dtype != TF_BF16 && p->dtype != TF_F16) || p->backend == TF_HSTU_MMA || p->bias || p->delta > 0 ||
-        p->dropout_p > 0 || d <= 128 || d > 256 || p->B <= 0 || p->H <= 0 || p->L <= 0 || !device_is_sm90())
+        p->dropout_p > 0 || d <= 64 || d > 256 || p->B <= 0 || p->H <= 0 || p->L <= 0 || !device_is_sm90())
         return 0;
-    // one (sequence, head) pair's square of 64 x 64 tiles (those its mask reaches are written)
-    const int64_t k_tiles = (p->max_seq_len + 63) / 64, per_seq = p->H * k_tiles * k_tiles * (int64_t)(kBQ * 64 * 2);
-    if (k_tiles <= 0 || per_seq > cap || k_tiles * p->B * p->H > 0x7fff0000) return 0;
+    // one (sequence, head) pair's (key tile, 64-row query tile) grid of kBN x 64 dZ tiles (those its mask
+    // reaches are written); kBN: the backward's key tile (BwdSm90Cfg)
+    const int kBN = d > 128 ? BwdSm90Cfg<256>::BN : BwdSm90Cfg<128>::BN;
+    const int64_t k_tiles = (p->max_seq_len + kBN - 1) / kBN, q_tiles = (p->max_seq_len + kBQ - 1) / kBQ;
+    const int64_t per_seq = p->H * k_tiles * q_tiles * (int64_t)(kBQ * kBN * 2);
+    if (k_tiles <= 0 || per_seq > cap || q_tiles * p->B * p->H > 0x7fff0000) return 0;
     CUtensorMap tq, tk, tv, tdo;
-    if (!qkvo_maps(*p, 64, &tq, &tk, &tv, &tdo)) return 0;
+    if (!qkvo_maps(*p, kBN, &tq, &tk, &tv, &tdo)) return 0;
     *seqs = cap / per_seq < p->B ? cap / per_seq : p->B;
     return *seqs * per_seq;
 #else

@@ -291,10 +291,11 @@ int tf_hstu_bwd_cuda(const tf_hstu_params *p, void *stream);
 /* The sm_90a (TMA + wgmma) backward, 16-bit dtypes, head dims up to 256, no attn_bias: -1 when it does
  * not apply (as tf_hstu_fwd_sm90); tf_hstu_bwd_cuda tries it first. */
 int tf_hstu_bwd_sm90(const tf_hstu_params *p, void *stream);
-/* Head dims 129-256 on sm_90a: the backward in two parts, dZ's 64 x 64 tiles stored by the first and
- * dQ = dZ K by a GEMM of its own (hstu_bwd_dq_sm90.cu), instead of dQ's fp32 reduce-adds. The bytes of dZ
- * scratch it needs, at most cap, for *seqs sequences at a time (the caller then sets dz, dz_seqs and dq, in
- * q's dtype); 0 where it does not apply (the caller sets dq_acc as for tf_hstu_bwd_cuda). */
+/* Head dims 65-256 on sm_90a: the backward in two parts, dZ's tiles (64 query rows x the backward's key
+ * tile) stored by the first and dQ = dZ K by a GEMM of its own (hstu_bwd_dq_sm90.cu), instead of dQ's
+ * fp32 reduce-adds. The bytes of dZ scratch it needs, at most cap, for *seqs sequences at a time (the
+ * caller then sets dz, dz_seqs and dq, in q's dtype); 0 where it does not apply (the caller sets dq_acc as
+ * for tf_hstu_bwd_cuda). */
 int64_t tf_hstu_bwd_sm90_dz_bytes(const tf_hstu_params *p, int64_t cap, int64_t *seqs);
 /* dQ = dZ K over the stored tiles of p's sequences (p: one chunk of them), into p->dq. */
 int tf_hstu_bwd_dq_sm90(const tf_hstu_params *p, void *stream);

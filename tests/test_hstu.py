@@ -334,7 +334,8 @@ def test_backward_persistent_grid(d, key_tile):
 @pytest.mark.parametrize("backend, d, bias, want", [
     ("auto", 128, False, "hstu_bwd_ws"), ("auto", 64, False, "hstu_bwd_ws"), ("auto", 96, False, "hstu_bwd_ws"),
     ("auto", 256, False, "hstu_bwd_ws"), ("auto", 192, False, "hstu_bwd_ws"), ("sm90", 256, False, "hstu_bwd_ws"),
-    ("auto", 256, False, "hstu_bwd_dq"), ("auto", 192, False, "hstu_bwd_dq"),
+    ("auto", 256, False, "hstu_bwd_dq"), ("auto", 192, False, "hstu_bwd_dq"), ("auto", 128, False, "hstu_bwd_dq"),
+    ("auto", 96, False, "hstu_bwd_dq"),
     ("mma", 128, False, "hstu_bwd_mma"), ("mma", 256, False, "hstu_bwd_mma"), ("auto", 64, True, "hstu_bwd_mma"),
     ("sm90", 256, True, "hstu_bwd_mma")])
 def test_backward_kernel_choice(backend, d, bias, want):
@@ -355,14 +356,26 @@ def test_backward_kernel_choice(backend, d, bias, want):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the two-part wgmma backward runs on compute capability 9.0 only")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).split(".")[-1])
-def test_backward_two_part_in_chunks(dtype):
-    """Head dims 129-256 on sm_90a: the backward stores dZ's tiles and dQ = dZ K runs as its own kernel, over
-    sequences in chunks when max_seq_len's tile squares outgrow the scratch (8 KB per 64 x 64 tile: at
+@pytest.mark.parametrize("dqk, dv", [(128, 100), (256, 200)])
+def test_backward_two_part_in_chunks(dtype, dqk, dv):
+    """Head dims 65-256 on sm_90a: the backward stores dZ's tiles and dQ = dZ K runs as its own kernel, over
+    sequences in chunks when max_seq_len's tiles outgrow the scratch (2 bytes per query, key and head: at
     max_seq_len 8192 and 2 heads 256 MiB a sequence, 8 sequences to a 2 GiB chunk, so 13 sequences take
     two). Short sequences (lengths 0, 1 and up to 150), targets, context and a window, against the
     reference."""
-    run_shape("cuda", dtype, 13, 2, 256, 200, 150, {"targets": True, "max_seq_len": 8192},
+    run_shape("cuda", dtype, 13, 2, dqk, dv, 150, {"targets": True, "max_seq_len": 8192},
               {"contextual_seq_len": 3, "max_attn_len": 70, "scaling_seqlen": 150}, grad=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma backward runs on compute capability 9.0 only")
+@pytest.mark.parametrize("dqk, dv", [(128, 100), (256, 200)])
+def test_backward_one_part_where_a_sequence_outgrows_the_scratch(dqk, dv):
+    """Where one sequence's dZ tiles do not fit the two-part backward's 2 GiB scratch (72 heads at
+    max_seq_len 4096: 2.25 GiB), the one-part backward (dQ added in fp32) runs instead, against the
+    reference."""
+    run_shape("cuda", torch.bfloat16, 3, 72, dqk, dv, 150, {"targets": True, "max_seq_len": 4096},
+              {"contextual_seq_len": 2, "max_attn_len": 40}, grad=True)
 
 
 def test_float64_cpu_matches_reference_tightly():
