@@ -1,18 +1,19 @@
 /* Jagged ops, CUDA kernels.
  *
- * jagged_copy_kernel<U>: a grid of one pass over the op's task rows (jagged_kernels.h; the loop is there
- * for grids past the launch limit). A group of G threads (a power of two up to 32, so small rows share a
- * warp) owns TFJ_RUN_ROWS (8) consecutive rows per iteration. tfj_resolve (jagged_map.h) finds a row's
- * sample (a step or two forward from the group's previous one, a binary search over the offsets when
- * that fails) and returns the source and destination row addresses, plus the run: how many of the
- * following rows continue both contiguously inside the same tensors. For rows of >= TFJ_RUN_MIN_UNITS
- * units, when the group's 8 rows are one run (away from sample and piece boundaries) one resolve serves
- * them all and each thread has 8 loads in flight before its first store. Otherwise the rows are
- * resolved one by one, TFJ_ROWS at a time, all before the first load. The G threads move a row as
- * U-byte units (16-byte vectors whenever the row length and every base pointer allow, else the widest
- * unit that does).
- * Rows are raw bytes: one instantiation per unit width (5 in all) serves every dtype and op. Row and
- * byte indices are 64-bit.
+ * jagged_copy_kernel<U, SEARCH>: a grid of one pass over the op's task rows (jagged_kernels.h; the loop
+ * is there for grids past the launch limit). A group of G threads (a power of two up to 32, so small
+ * rows share a warp) owns TFJ_RUN_ROWS (8) consecutive rows per iteration. tfj_resolve (jagged_map.h)
+ * finds a row's sample (a step or two forward from a hint, the block's first row's sample, which the
+ * block's first warp finds; a binary search over the offsets when that fails) and returns the source
+ * and destination row addresses, plus the run: how many of the following rows continue both
+ * contiguously inside the same tensors. For rows of >= TFJ_RUN_MIN_UNITS units, when the group's 8 rows
+ * are one run (away from sample and piece boundaries) one resolve serves them all and each thread has 8
+ * loads in flight before its first store. Otherwise the rows are resolved one by one, TFJ_ROWS at a
+ * time, all before the first load. The G threads move a row as U-byte units (16-byte vectors whenever
+ * the row length and every base pointer allow, else the widest unit that does).
+ * Rows are raw bytes: one instantiation per unit width (5), with and without the search (SEARCH: the
+ * modes whose sample is found in the offsets), serves every dtype and op. Row and byte indices are
+ * 64-bit.
  *
  * jagged_arith_kernel: jagged_dense_add / mul, the same row mapping, element by element in fp32
  * (fp64 for double), rounded once to the dtype, as PyTorch's own add / mul. */
@@ -43,7 +44,27 @@ template <> struct TfjUnit<4> { typedef uint32_t T; };
 template <> struct TfjUnit<8> { typedef uint2 T; };
 template <> struct TfjUnit<16> { typedef uint4 T; };
 
-template <int U>
+/* The sample of row r, found by a warp together: each round the 32 lanes test 32 offsets spread over
+ * the range left and keep the span from the last one at or below r to the next, so B = 1024 samples
+ * take 2 rounds of dependent loads where tfj_find takes 10. The same answer as tfj_find for monotone
+ * offsets (the last b with off[b] <= r, 0 when none); for any offsets some b in [0, n). 1 <= n < 2^30. */
+__device__ __forceinline__ int tfj_find_warp(const int64_t *off, int n, int64_t r, int lane) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {  /* b in [lo, hi]; off[lo] <= r unless lo == 0 */
+        const int step = (hi - lo + 31) / 32, q = lo + 1 + lane * step;  /* q < 2 n: no overflow */
+        const unsigned m = __ballot_sync(0xffffffffu, q <= hi && off[q] <= r);
+        if (m == 0) {
+            hi = lo;
+        } else {
+            const int qj = lo + 1 + (31 - __clz(m)) * step;
+            lo = qj;
+            hi = qj + step - 1 < hi ? qj + step - 1 : hi;
+        }
+    }
+    return lo;
+}
+
+template <int U, bool SEARCH>
 __global__ void __launch_bounds__(TFJ_THREADS, 4)
     jagged_copy_kernel(const __grid_constant__ tfj_copy_params p, int group_log2, int64_t units,
                        typename TfjUnit<U>::T fill, int use_runs) {
@@ -54,6 +75,20 @@ __global__ void __launch_bounds__(TFJ_THREADS, 4)
     const int64_t n_groups = ((int64_t)gridDim.x * blockDim.x) >> group_log2;
     const int64_t group = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> group_log2;
     int64_t hint = -1;
+    if (SEARCH) {
+        /* The block's first row's sample, found by its first warp and shared: each group's rows start
+         * from it (tfj_resolve checks it and steps forward). A group alone would search from nothing:
+         * in a one-pass grid every group resolves a single run, so tfj_find's 10 dependent loads (B =
+         * 1024) stood before its first row load. */
+        __shared__ int block_hint;
+        if (threadIdx.x < 32) {
+            const int64_t r = tfj_min(((int64_t)blockIdx.x * blockDim.x >> group_log2) * TFJ_RUN_ROWS, p.tasks - 1);
+            const int b = tfj_find_warp(p.offsets, (int)p.n_samples, r, threadIdx.x);
+            if (threadIdx.x == 0) block_hint = b;
+        }
+        __syncthreads();
+        hint = block_hint;
+    }
     for (int64_t r0 = group * TFJ_RUN_ROWS; r0 < p.tasks; r0 += TFJ_RUN_ROWS * n_groups) {
         /* Fast path: the group's TFJ_RUN_ROWS rows are one run (tfj_resolve: consecutive rows of the
          * same tensors, all inside them), so one resolve serves them all and all their loads are
@@ -140,7 +175,12 @@ static int launch_copy(const tfj_copy_params *p, cudaStream_t stream) {
     const int64_t units = p->row_bytes / U;
     const int g = group_log2_for(units);
     const int use_runs = units >= TFJ_RUN_MIN_UNITS;
-    jagged_copy_kernel<U><<<copy_grid(p->tasks, g), TFJ_THREADS, 0, stream>>>(*p, g, units, fill, use_runs);
+    /* the modes that search the offsets for a row's sample */
+    const bool search = p->mode != TFJ_TO_PADDED && p->n_samples > 0 && p->n_samples < (1 << 30);
+    if (search)
+        jagged_copy_kernel<U, true><<<copy_grid(p->tasks, g), TFJ_THREADS, 0, stream>>>(*p, g, units, fill, use_runs);
+    else
+        jagged_copy_kernel<U, false><<<copy_grid(p->tasks, g), TFJ_THREADS, 0, stream>>>(*p, g, units, fill, use_runs);
     return (int)cudaGetLastError();
 }
 

@@ -208,6 +208,31 @@ def test_jagged_concat_split(device, dtype, n):
         assert_same(p, v)
 
 
+@pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 32), (torch.float32, 24), (torch.bfloat16, 64),
+                                      (torch.bfloat16, 128), (torch.bfloat16, 256)], ids=str)
+def test_row_search_over_many_samples(device, dtype, D):
+    """Thousands of samples, about half of them empty (runs of equal offsets), at row widths whose CUDA
+    copy groups have 4 to 32 lanes (a block's first warp searches the offsets for its first row's sample,
+    its groups step on from there): concat / split, to_jagged and index_select against the references."""
+    B = int(torch.randint(700, 3001, ()))
+    ll = torch.randint(0, 4, (B,)) * torch.randint(0, 2, (B,))
+    lr = rand_lengths(B, 3)
+    ol, orr = offsets_of(ll).to(device), offsets_of(lr, torch.int32).to(device)
+    vl = rand_values(int(ll.sum()), (D,), dtype, device)
+    vr = rand_values(int(lr.sum()), (D,), dtype, device)
+    out, out_off = torchfuse.concat_2d_jagged(vl, ol, vr, orr, 3, 3)
+    ref_v, ref_o = ref_concat_2d(vl, ol, vr, orr)
+    assert_same(out, ref_v)
+    assert_same(out_off.long(), ref_o)
+    a, b = torchfuse.split_2d_jagged(out, ol, orr, 3, 3)
+    assert_same(a, vl)
+    assert_same(b, vr)
+    dense = rand_values(B * 3, (D,), dtype, device).view(B, 3, D)
+    assert_same(torchfuse.dense_to_jagged(dense, ol, total_length=vl.shape[0]), ref_to_jagged(dense, ol, vl.shape[0]))
+    idx = torch.randint(0, B, (B // 2,), device=device)
+    assert_same(torchfuse.jagged_index_select(vl, ll.to(device), idx)[0], ref_index_select(vl, ll.to(device), idx)[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32], ids=_name)
 @pytest.mark.parametrize("ldt", [torch.int32, torch.int64], ids=_name)
 def test_jagged_index_select(device, dtype, ldt):
