@@ -51,7 +51,7 @@ template <> struct TfjUnit<16> { typedef uint4 T; };
 __device__ __forceinline__ int tfj_find_warp(const int64_t *off, int n, int64_t r, int lane) {
     int lo = 0, hi = n - 1;
     while (lo < hi) {  /* b in [lo, hi]; off[lo] <= r unless lo == 0 */
-        const int step = (hi - lo + 31) / 32, q = lo + 1 + lane * step;  /* q < 2 n: no overflow */
+        const int step = (hi - lo + 31) / 32, q = lo + 1 + lane * step;  /* q <= hi + 32: no overflow */
         const unsigned m = __ballot_sync(0xffffffffu, q <= hi && off[q] <= r);
         if (m == 0) {
             hi = lo;
