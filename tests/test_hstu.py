@@ -188,7 +188,7 @@ def test_forward(target, dtype, case):
 # they take in partly zero-filled tiles (8, 16, 40, 200), and Dqk != Dv pairs of both kinds;
 # generative-recommenders' tests use 16, its MovieLens config 25.
 HEAD_DIMS = [(1, 1), (8, 8), (16, 16), (25, 25), (40, 40), (50, 50), (100, 100), (200, 200), (256, 256),
-             (25, 50), (16, 200), (100, 1), (256, 25), (7, 64), (8, 136)]
+             (25, 50), (16, 200), (100, 1), (256, 25), (7, 64), (8, 136), (16, 100)]
 
 
 @pytest.mark.parametrize("dqk, dv", HEAD_DIMS, ids=lambda d: str(d))
