@@ -15,8 +15,9 @@
  *
  * Backward: from dY (the gradient of that concatenated output) to d attn, d u and the weight/bias
  * gradients, which are summed in fp32 into `partials` (n_partials rows of wcols = group_weights ?
- * groups : cols entries each, zeroed by the caller unless the kernel stores them whole) and reduced in a fixed order afterwards (tf_column_sum_*
- * of norm_kernels.h): deterministic, no atomics.
+ * groups : cols entries each; zeroed by the caller unless tf_hstu_output_bwd_cuda_writes_partials says
+ * the kernel stores them whole) and reduced in a fixed order afterwards (tf_column_sum_* of
+ * norm_kernels.h): deterministic, no atomics.
  *
  * Inputs are row-major with a row stride (elements) and unit column stride; outputs are contiguous. */
 #ifndef TF_HSTU_OUTPUT_KERNELS_H
