@@ -130,7 +130,7 @@ at::Tensor segsum_cuda(const at::Tensor &grad, const at::Tensor &perm, const at:
     at::Tensor out;
     tf_dynemb_segsum_params p = dynemb_segsum_params(grad, perm, seg, bag_of, scale, &out);
     // scratch for the chunk sums of ids cut by a chunk edge (kernels/dynemb_kernels.h)
-    const at::Tensor partial = at::empty({2 * tf_dynemb_seg_chunks(p.n_occ), p.dim}, out.options());
+    const at::Tensor partial = at::empty({tf_dynemb_seg_partial_rows(p.n_occ), p.dim}, out.options());
     p.partial = partial.data_ptr<float>();
     check_launch(tf_dynemb_segsum_cuda(&p, stream()), "dynemb segment-sum kernel");
     return out;
@@ -153,7 +153,7 @@ void segment_update_cuda(const at::Tensor &grad, const at::Tensor &perm, const a
     TORCH_CHECK(slots.numel() == sp.n_unique, op, ": slots must have one entry per unique id (", sp.n_unique, "), got ",
                 slots.numel());
     TORCH_CHECK(grad.size(1) == st.c.dim, op, ": grad must have ", st.c.dim, " columns, got ", grad.size(1));
-    const at::Tensor partial = at::empty({2 * tf_dynemb_seg_chunks(sp.n_occ), sp.dim}, grad.options().dtype(at::kFloat));
+    const at::Tensor partial = at::empty({tf_dynemb_seg_partial_rows(sp.n_occ), sp.dim}, grad.options().dtype(at::kFloat));
     sp.partial = partial.data_ptr<float>();
     check_launch(tf_dynemb_segsum_update_cuda(&sp, &up, stream()), "dynemb segment-sum + update kernels");
 }

@@ -230,10 +230,19 @@ TF_HD int64_t tf_dynemb_pool_out_index(const tf_dynemb_pool_params *p, int64_t b
  * scale[perm[j]] * grad[src(perm[j])] (src(i) = bag_of[i], or i when bag_of is NULL), fp32. perm
  * lists the ids grouped by unique id (a stable sort). The CPU sums in j order; CUDA cuts the
  * occurrence list into fixed chunks of TF_DYNEMB_SEG_CHUNK (a hot id of a skewed batch is spread over
- * many warps instead of one) and adds an id's chunk sums in chunk order: a fixed order too, so
- * the result is the same run to run. */
+ * many warps instead of one) and adds an id's chunk sums as a fixed tree: chunks one by one up to a
+ * multiple of TF_DYNEMB_SEG_FAN, then sums of TF_DYNEMB_SEG_FAN chunks, then of TF_DYNEMB_SEG_FAN^2,
+ * each taken where it lies wholly inside the id's run. The order depends only on where the run lies,
+ * so the result is the same run to run. */
 #define TF_DYNEMB_SEG_CHUNK 32
+#define TF_DYNEMB_SEG_FAN 32
 TF_HD int64_t tf_dynemb_seg_chunks(int64_t n_occ) { return (n_occ + TF_DYNEMB_SEG_CHUNK - 1) / TF_DYNEMB_SEG_CHUNK; }
+/* Rows of tf_dynemb_segsum_params.partial: two per chunk, then one per whole group of FAN chunks,
+ * then one per whole group of FAN^2 chunks. */
+TF_HD int64_t tf_dynemb_seg_partial_rows(int64_t n_occ) {
+    const int64_t c = tf_dynemb_seg_chunks(n_occ);
+    return 2 * c + c / TF_DYNEMB_SEG_FAN + c / (TF_DYNEMB_SEG_FAN * TF_DYNEMB_SEG_FAN);
+}
 typedef struct {
     int64_t n_unique, dim;
     int64_t n_occ;                        /* entries of perm (= seg[n_unique]) */
@@ -241,7 +250,7 @@ typedef struct {
     const float *scale;                   /* NULL: ones */
     const void *grad; int grad_dtype;     /* rows of dim, contiguous */
     float *out;                           /* n_unique x dim */
-    float *partial;                       /* CUDA only: 2 x tf_dynemb_seg_chunks(n_occ) x dim scratch */
+    float *partial;                       /* CUDA only: tf_dynemb_seg_partial_rows(n_occ) x dim scratch */
 } tf_dynemb_segsum_params;
 
 /* The i-th per-key random number in [0, 1) of init for `key`; identical on CPU and CUDA. */

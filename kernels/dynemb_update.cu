@@ -144,11 +144,78 @@ __device__ __forceinline__ int64_t seg_cut_run(const tf_dynemb_segsum_params &p,
     return u;
 }
 
-// The run's gradient at column c: its first chunk's slot-1 sum, then each later chunk's slot 0, in order.
-__device__ __forceinline__ float seg_joined(const tf_dynemb_segsum_params &p, int64_t k, int64_t k1, int64_t c) {
-    float acc = p.partial[(2 * k + 1) * p.dim + c];
-    for (int64_t kk = k + 1; kk <= k1; ++kk) acc += p.partial[(2 * kk) * p.dim + c];
-    return acc;
+// Rows of p.partial (tf_dynemb_seg_partial_rows): slot s of chunk k at 2k + s, then the sums of
+// whole groups of FAN chunks (level 1), then of FAN^2 chunks (level 2).
+__device__ __forceinline__ const float *seg_level_row(const tf_dynemb_segsum_params &p, int level, int64_t i) {
+    const int64_t c = tf_dynemb_seg_chunks(p.n_occ);
+    const int64_t row = level == 0 ? 2 * i : level == 1 ? 2 * c + i : 2 * c + c / TF_DYNEMB_SEG_FAN + i;
+    return p.partial + row * p.dim;
+}
+
+// The gradient of a run cut by chunk edges, from its first chunk k to chunk k1, at the columns
+// c0 + 32 j (j < NC) of this lane: chunk k's slot-1 sum, then the later chunks' slot-0 sums, taken a
+// level-2 or level-1 group at a time where the group lies wholly in (k, k1] (seg_level_kernel wrote
+// those sums), else one chunk at a time. A hot id's run of 10^5 occurrences is then a chain of about
+// a hundred adds, not thousands (one warp walking 1.7k chunk sums took 1.9 of a 3.3 ms SGD step on a
+// Zipf batch).
+template <int NC>
+__device__ __forceinline__ void seg_joined(const tf_dynemb_segsum_params &p, int64_t k, int64_t k1, int64_t c0,
+                                           float acc[NC]) {
+    constexpr int64_t kFan = TF_DYNEMB_SEG_FAN, kFan2 = kFan * kFan;
+    const float *first = seg_level_row(p, 0, k) + p.dim;  // slot 1
+#pragma unroll
+    for (int j = 0; j < NC; ++j) acc[j] = c0 + 32 * j < p.dim ? first[c0 + 32 * j] : 0.f;
+    for (int64_t kk = k + 1; kk <= k1;) {
+        const float *row;
+        if (kk % kFan2 == 0 && kk + kFan2 - 1 <= k1) {
+            row = seg_level_row(p, 2, kk / kFan2);
+            kk += kFan2;
+        } else if (kk % kFan == 0 && kk + kFan - 1 <= k1) {
+            row = seg_level_row(p, 1, kk / kFan);
+            kk += kFan;
+        } else {
+            row = seg_level_row(p, 0, kk);  // slot 0
+            kk += 1;
+        }
+#pragma unroll
+        for (int j = 0; j < NC; ++j)
+            if (c0 + 32 * j < p.dim) acc[j] += row[c0 + 32 * j];
+    }
+}
+
+/* The level sums seg_joined reads: one warp per group g of FAN chunks (level 1: chunks [FAN g,
+ * FAN g + FAN)) or of FAN level-1 groups (level 2), lanes over columns. A group is summed, in order,
+ * only when every chunk in it begins inside one run that began in an earlier chunk (then each chunk's
+ * slot 0 is a part of that run); other groups are never read. */
+__global__ void seg_level_kernel(tf_dynemb_segsum_params p, int level) {
+    const int64_t g = warp_index();
+    const int lane = threadIdx.x & 31;
+    const int64_t span = level == 1 ? TF_DYNEMB_SEG_FAN : TF_DYNEMB_SEG_FAN * TF_DYNEMB_SEG_FAN;
+    if (g >= tf_dynemb_seg_chunks(p.n_occ) / span) return;
+    const int64_t q = g * span * TF_DYNEMB_SEG_CHUNK;  // the group's first occurrence
+    const int64_t u = seg_id_of(p, q, lane);
+    if (!(p.seg[u] < q && (p.seg[u + 1] - 1) / TF_DYNEMB_SEG_CHUNK >= (g + 1) * span - 1)) return;
+    float *out = const_cast<float *>(seg_level_row(p, level, g));
+    const int64_t first = g * TF_DYNEMB_SEG_FAN;  // its first chunk's slot 0 (level 1) or level-1 row (level 2)
+    for (int64_t c = lane; c < p.dim; c += 32) {
+        float v[TF_DYNEMB_SEG_FAN];
+#pragma unroll
+        for (int t = 0; t < TF_DYNEMB_SEG_FAN; ++t) v[t] = seg_level_row(p, level - 1, first + t)[c];
+        float acc = v[0];
+#pragma unroll
+        for (int t = 1; t < TF_DYNEMB_SEG_FAN; ++t) acc += v[t];
+        out[c] = acc;
+    }
+}
+
+// Launches seg_level_kernel for the levels a batch of n_occ occurrences can use: a level-1 group
+// lies inside a run only after that run's first chunk, so the first group never does.
+static void seg_levels_launch(const tf_dynemb_segsum_params &p, cudaStream_t s) {
+    const int64_t chunks = tf_dynemb_seg_chunks(p.n_occ);
+    for (int level = 1; level <= 2; ++level) {
+        const int64_t groups = chunks / (level == 1 ? TF_DYNEMB_SEG_FAN : TF_DYNEMB_SEG_FAN * TF_DYNEMB_SEG_FAN);
+        if (groups >= 2) seg_level_kernel<<<grid_for_warps(groups), kBlock, 0, s>>>(p, level);
+    }
 }
 
 // Columns per lane per pass over a chunk (a pass covers 32 kSegCols columns; wider rows take more).
@@ -212,8 +279,8 @@ __global__ void segsum_chunk_kernel(tf_dynemb_segsum_params p) {
 }
 
 /* Step 2: the ids whose run crosses a chunk edge, one warp per chunk: the chunk where such a run
- * begins adds its slot-1 sum and each later chunk's slot-0 sum, in chunk order, into out. (A warp per
- * unique id cost ~120 us at a million ids, nearly all of them finished by step 1.) */
+ * begins writes seg_joined's sum into out (after seg_level_kernel). (A warp per unique id cost
+ * ~120 us at a million ids, nearly all of them finished by step 1.) */
 __global__ void segsum_join_kernel(tf_dynemb_segsum_params p) {
     const int64_t k = warp_index();
     const int lane = threadIdx.x & 31;
@@ -222,7 +289,13 @@ __global__ void segsum_join_kernel(tf_dynemb_segsum_params p) {
     int64_t k1;
     const int64_t u = seg_cut_run(p, q0, seg_chunk_end(p, q0), lane, &k1);
     if (u < 0) return;
-    for (int64_t c = lane; c < p.dim; c += 32) p.out[u * p.dim + c] = seg_joined(p, k, k1, c);
+    for (int64_t c0 = lane; c0 < p.dim; c0 += 32 * kSegCols) {
+        float acc[kSegCols];
+        seg_joined<kSegCols>(p, k, k1, c0, acc);
+#pragma unroll
+        for (int j = 0; j < kSegCols; ++j)
+            if (c0 + 32 * j < p.dim) p.out[u * p.dim + c0 + 32 * j] = acc[j];
+    }
 }
 
 /* Ids with an empty run (seg[u] == seg[u + 1]: not produced by unique ids, but defined) get zeros;
@@ -383,8 +456,7 @@ __global__ void segsum_update_join_kernel(tf_dynemb_segsum_params p, tf_dynemb_u
     if (id < 0 || u.slots[id] < 0) return;
     const int64_t slot = u.slots[id];
     float g[kSegCols], w[kSegCols], s1[kSegCols], s2[kSegCols];
-#pragma unroll
-    for (int j = 0; j < kSegCols; ++j) g[j] = lane + 32 * j < p.dim ? seg_joined(p, k, k1, lane + 32 * j) : 0.f;
+    seg_joined<kSegCols>(p, k, k1, lane, g);
     load_cols<kOpt>(u, slot, lane, w, s1, s2);
     apply_cols<kOpt>(u, slot, lane, g, w, s1, s2);
 }
@@ -425,7 +497,10 @@ int tf_dynemb_segsum_cuda(const tf_dynemb_segsum_params *p, void *stream) {
         const cudaError_t err = cudaGetLastError();
         if (err != cudaSuccess) return static_cast<int>(err);
     }
-    if (p->n_occ > 0) segsum_join_kernel<<<grid_for_warps(tf_dynemb_seg_chunks(p->n_occ)), kBlock, 0, s>>>(*p);
+    if (p->n_occ > 0) {
+        seg_levels_launch(*p, s);
+        segsum_join_kernel<<<grid_for_warps(tf_dynemb_seg_chunks(p->n_occ)), kBlock, 0, s>>>(*p);
+    }
     segsum_empty_kernel<<<grid_for_threads(p->n_unique), kBlock, 0, s>>>(*p);
     return static_cast<int>(cudaGetLastError());
 }
@@ -451,6 +526,7 @@ int tf_dynemb_segsum_update_cuda(const tf_dynemb_segsum_params *p, const tf_dyne
 #define TF_SEGUPD(OPT)                                                                           \
     if (p->n_occ > 0) {                                                                          \
         segsum_update_kernel<OPT><<<grid128, 128, 0, s>>>(*p, *u);                                \
+        seg_levels_launch(*p, s);                                                                \
         segsum_update_join_kernel<OPT><<<grid, kBlock, 0, s>>>(*p, *u);                           \
     }                                                                                            \
     segsum_update_empty_kernel<OPT><<<grid_for_threads(p->n_unique), kBlock, 0, s>>>(*p, *u);

@@ -1421,6 +1421,34 @@ def test_find_or_insert_reuses_erased_slots(device, policy):
     _check_model(t, model, device, dim, extra_absent=erased)
 
 
+@pytest.mark.parametrize("dim", [3, 128, 300])
+def test_segment_sum_long_runs(device, dim):
+    """dynemb_segment_sum against a float64 sum per id, with runs whose lengths straddle CUDA's
+    chunk (32 occurrences), level-1 (32 chunks) and level-2 (1024 chunks) edges at odd offsets: exact
+    for gradients in eighths (every order sums them exactly), to fp32 rounding for random ones, and
+    the same bits on a second call."""
+    ops = torch.ops.torchfuse
+    counts = [random.randint(1, 40) for _ in range(7)] + [31, 32, 33, 1023, 1024, 1025, 32 * 33, 32 * 64 + 5,
+                                                           32768, 32768 * 2 + 33, 100003] + [1] * 5
+    random.shuffle(counts)
+    n_occ = sum(counts)
+    seg = torch.tensor([0] + list(itertools.accumulate(counts)), device=device)
+    perm = torch.randperm(n_occ, device=device)
+    id_of = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+    eighths = torch.randint(-8, 9, (n_occ, dim), device=device).float() / 8
+    for grad, exact in ((eighths, True), (torch.randn(n_occ, dim, device=device), False)):
+        want = torch.zeros(len(counts), dim, dtype=torch.float64, device=device)
+        want.index_add_(0, id_of, grad.double().index_select(0, perm))
+        got = ops.dynemb_segment_sum(grad, perm, seg, None, None)
+        assert torch.equal(got, ops.dynemb_segment_sum(grad, perm, seg, None, None))
+        if exact:
+            assert torch.equal(got.double(), want)
+        else:
+            # fp32 sums of up to 1e5 terms of N(0, 1), in any order: well under 1e-6 of sum |g|
+            mag = torch.zeros_like(want).index_add_(0, id_of, grad.double().abs().index_select(0, perm))
+            assert ((got.double() - want).abs() <= 1e-6 * mag + 1e-6).all()
+
+
 @pytest.mark.parametrize("bags", [False, True])
 @pytest.mark.parametrize("dim", [5, 128, 130])
 @pytest.mark.parametrize("opt", [0, 1, 2, 3])
@@ -1430,7 +1458,8 @@ def test_segment_update_matches_sum_then_update(device, opt, dim, bags):
     occurrence, and a hot id whose run crosses several 32-occurrence chunks, and an id cut by a chunk
     edge, with bag sources and scales or without."""
     ops = torch.ops.torchfuse
-    counts = [1] * 20 + [150] + [3] * 7 + [40] + [1] * 9 + [2]
+    # 70000: a run over more than two whole groups of 1024 chunks (CUDA's level-2 sums)
+    counts = [1] * 20 + [150] + [3] * 7 + [40] + [1] * 9 + [2] + [70000]
     random.shuffle(counts)
     n_occ, n_u = sum(counts), len(counts)
     seg = torch.tensor([0] + list(itertools.accumulate(counts)), device=device)
