@@ -31,7 +31,7 @@ constexpr int kTile = 64;  // query rows of a dZ tile
 
 template <int D>
 struct DqCfg {
-    static constexpr int KT = D > 128 ? 64 : 128;        // keys of a dZ tile: the backward's key tile
+    static constexpr int KT = hstu_sm90_key_tile(D);     // keys of a dZ tile: the backward's key tile
     static constexpr int PANELS = D / 64;                 // K's 64-column panels
     static constexpr int K_BYTES = KT * D * 2, Z_BYTES = kTile * KT * 2;
     static constexpr int STAGE = K_BYTES + Z_BYTES;      // K, then dZ
@@ -177,12 +177,12 @@ int launch_dq(const tf_hstu_params &p, cudaStream_t stream) {
 extern "C" int tf_hstu_bwd_dq_sm90(const tf_hstu_params *p, void *stream) {
 #if defined(TF_BUILT_SM90A)
     if (!p->dz || !p->dq) return (int)cudaErrorInvalidValue;
-    // the key tile of the backward that stored the tiles: head dims up to 128 or past it
-    const bool wide = (p->dqk > p->dv ? p->dqk : p->dv) > 128;
+    // the head dim the backward that stored the tiles ran at, so its key tile
+    const cudaStream_t s = (cudaStream_t)stream;
     if (p->dtype == TF_BF16)
-        return wide ? launch_dq<__nv_bfloat16, 256>(*p, (cudaStream_t)stream) : launch_dq<__nv_bfloat16, 128>(*p, (cudaStream_t)stream);
+        return hstu_two_part_head_dim(*p, [&](auto D) { return launch_dq<__nv_bfloat16, decltype(D)::value>(*p, s); });
     if (p->dtype == TF_F16)
-        return wide ? launch_dq<__half, 256>(*p, (cudaStream_t)stream) : launch_dq<__half, 128>(*p, (cudaStream_t)stream);
+        return hstu_two_part_head_dim(*p, [&](auto D) { return launch_dq<__half, decltype(D)::value>(*p, s); });
 #else
     (void)p;
     (void)stream;

@@ -77,7 +77,7 @@ struct BwdSm90Cfg {
     // and dV); at 256 they share 64 keys and split dK and dV's columns (D / 2 each): 64 + 64 accumulator
     // registers per thread either way
     static constexpr bool COL_SPLIT = D > 128;
-    static constexpr int BN = COL_SPLIT ? 64 : 128;  // keys per block
+    static constexpr int BN = hstu_sm90_key_tile(D);  // keys per block: 64 at the column split
     static constexpr int NC = COL_SPLIT ? D / 2 : D;  // dK / dV columns per consumer warpgroup
     static constexpr int ST = D <= 64 ? 4 : D <= 128 ? 3 : 2;  // Q / dO ring stages
     static constexpr int KV_BYTES = BN * D * 2, QO_BYTES = kBQ * D * 2, Z_BYTES = kBQ * BN * 2;
@@ -717,8 +717,7 @@ int launch_two_part(const tf_hstu_params &p, cudaStream_t stream) {
         c.B = p.B - b0 < p.dz_seqs ? p.B - b0 : p.dz_seqs;
         c.offsets = (const char *)p.offsets + b0 * (p.offsets_i64 ? 8 : 4);
         if (p.num_targets) c.num_targets = (const char *)p.num_targets + b0 * (p.targets_i64 ? 8 : 4);
-        const int64_t d = p.dqk > p.dv ? p.dqk : p.dv;
-        int err = d > 128 ? launch<T, 256, true>(c, stream) : launch<T, 128, true>(c, stream);
+        int err = hstu_two_part_head_dim(p, [&](auto D) { return launch<T, decltype(D)::value, true>(c, stream); });
         if (err != 0) return err == -1 ? (int)cudaErrorInvalidValue : err;  // dz_bytes checked what launch needs
         err = tf_hstu_bwd_dq_sm90(&c, stream);
         if (err != 0) return err;
@@ -760,8 +759,8 @@ extern "C" int64_t tf_hstu_bwd_sm90_dz_bytes(const tf_hstu_params *p, int64_t ca
         p->dropout_p > 0 || d <= 64 || d > 256 || p->B <= 0 || p->H <= 0 || p->L <= 0 || !device_is_sm90())
         return 0;
     // one (sequence, head) pair's (key tile, 64-row query tile) grid of kBN x 64 dZ tiles (those its mask
-    // reaches are written); kBN: the backward's key tile (BwdSm90Cfg)
-    const int kBN = d > 128 ? BwdSm90Cfg<256>::BN : BwdSm90Cfg<128>::BN;
+    // reaches are written); kBN: the backward's key tile
+    const int kBN = hstu_two_part_head_dim(*p, [](auto D) { return BwdSm90Cfg<decltype(D)::value>::BN; });
     const int64_t k_tiles = (p->max_seq_len + kBN - 1) / kBN, q_tiles = (p->max_seq_len + kBQ - 1) / kBQ;
     const int64_t per_seq = p->H * k_tiles * q_tiles * (int64_t)(kBQ * kBN * 2);
     if (k_tiles <= 0 || per_seq > cap || q_tiles * p->B * p->H > 0x7fff0000) return 0;

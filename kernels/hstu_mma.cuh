@@ -67,6 +67,20 @@ auto hstu_with_head_dim(const tf_hstu_params &p, F &&f) {
     return f(std::integral_constant<int, 256>{});
 }
 
+/* The sm_90a backward's key tile at head dim D (64, 128 or 256): 128 keys up to 128, 64 past it (the
+ * consumers split dK and dV's columns there). The two-part backward stores dZ tiles of this many keys
+ * and hstu_bwd_dq_sm90.cu reads them with the same count. */
+constexpr int hstu_sm90_key_tile(int D) { return D > 128 ? 64 : 128; }
+
+/* f(std::integral_constant<int, D>{}) for the head dim the two-part sm_90a backward runs (dZ stored,
+ * then dQ = dZ K; head dims 65-256): 128, or 256 past 128. */
+template <typename F>
+auto hstu_two_part_head_dim(const tf_hstu_params &p, F &&f) {
+    const int64_t d = p.dqk > p.dv ? p.dqk : p.dv;
+    if (d <= 128) return f(std::integral_constant<int, 128>{});
+    return f(std::integral_constant<int, 256>{});
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
