@@ -31,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 ZIPF_S = 1.05
-CONFIGS = [("sgd", "rows"), ("adam", "rows"), ("sgd", "partial_sums"), ("adam", "partial_sums")]
+# (optimizer, bags' exchange, rows' and gradients' dtype on the wire: None = the table's fp32)
+CONFIGS = [("sgd", "rows", None), ("adam", "rows", None), ("sgd", "partial_sums", None), ("adam", "partial_sums", None),
+           ("sgd", "rows", torch.bfloat16), ("adam", "rows", torch.bfloat16)]
 
 
 def zipf_ids(n, universe, g, dev):
@@ -101,10 +103,10 @@ def worker(rank, world, tmp, args, out_path):
     n, dim, L = args.ids_per_rank, args.dim, 64
     B = n // L
     results = []
-    for opt, exchange in CONFIGS:
+    for opt, exchange, comm in CONFIGS:
         emb = ShardedDynamicEmbeddingBag(dim, args.capacity, max_capacity=args.capacity, device=dev,
                                          optimizer=tfo.SGD(0.01) if opt == "sgd" else tfo.Adam(0.001),
-                                         eviction="lru", evicted_record_limit=0, exchange=exchange)
+                                         eviction="lru", evicted_record_limit=0, exchange=exchange, comm_dtype=comm)
         g = torch.Generator().manual_seed(1000 * rank + 1)
         batches = [zipf_ids(B * L, args.universe, g, dev).view(B, L) for _ in range(4)]
         grad = torch.randn(B, dim, generator=g).to(dev)
@@ -228,7 +230,9 @@ def main():
     rep = C.Report("distributed", "Sharded dynamic embeddings: training step on 1 and N GPUs")
     rep.notes.append(f"{args.ids_per_rank} ids per rank in bags of 64, dim {args.dim}, Zipf(s={ZIPF_S}) ids over "
                      f"1e9 keys, {args.capacity} slots per rank (LRU), fp32 rows, sum pooling; "
-                     f"{'gloo on CPU' if args.cpu else 'NCCL'}; step: wall time, median of {args.steps} steps")
+                     f"{'gloo on CPU' if args.cpu else 'NCCL'}; step: wall time, median of {args.steps} steps; "
+                     "rows on the wire: the rows' and gradients' dtype in the exchange (comm_dtype; bfloat16 "
+                     "rounds them, fp32 is exact); vs 1 GPU: against one GPU's fp32 step")
     rep.notes.append("a2a: the step's all-to-alls (counts, ids, rows, gradients), each timed from a barrier "
                      "with the device synchronized around it, in separate steps (median of 5); raw a2a: "
                      "all_to_all_single on plain buffers of each exchange's own split sizes, timed the same way "
@@ -237,7 +241,7 @@ def main():
     rows = []
     base = {}
     for w in worlds:
-        for i, (opt, exchange) in enumerate(CONFIGS):
+        for i, (opt, exchange, comm) in enumerate(CONFIGS):
             rs = [per[w][r][i] for r in range(w)]
             step = max(r["step_s"] for r in rs)
             ids = sum(r["n"] for r in rs)
@@ -248,16 +252,18 @@ def main():
             gbs = a2a_b / a2a / 1e9 if w > 1 and a2a > 0 else None
             raw_gbs = raw_b / raw_s / 1e9 if w > 1 and raw_s > 0 else None
             uniq = sum(r["uniq"] for r in rs) / w
+            # against one GPU's step with the exact exchange (at one GPU the rows' rounding is all it adds)
             key = (opt, exchange)
-            if w == 1:
+            if w == 1 and comm is None:
                 base[key] = ids / step
-            rows.append([w, opt, exchange, C.fmt(step * 1e3, 2), C.fmt(ids / step / w / 1e6, 2),
+            wire = "fp32" if comm is None else str(comm).replace("torch.", "")
+            rows.append([w, opt, exchange, wire, C.fmt(step * 1e3, 2), C.fmt(ids / step / w / 1e6, 2),
                          C.fmt(ids / step / 1e6, 2), f"{ids / step / base[key]:.2f}x" if key in base else "-",
                          C.fmt(a2a * 1e3, 2), C.fmt(a2a_b / 1e6, 1), C.fmt(gbs, 1), C.fmt(raw_gbs, 1),
                          f"{gbs / raw_gbs:.0%}" if gbs and raw_gbs else "-",
                          C.fmt(uniq, 0), C.fmt(rs[0]["partial_rows"], 0)])
     rep.table("Training step (per-GPU batch fixed)",
-              ["GPUs", "opt", "bags' exchange", "step ms", "M ids/s per GPU", "M ids/s", "vs 1 GPU", "a2a ms", "a2a MB sent",
+              ["GPUs", "opt", "bags' exchange", "rows on the wire", "step ms", "M ids/s per GPU", "M ids/s", "vs 1 GPU", "a2a ms", "a2a MB sent",
                "a2a GB/s", "raw a2a GB/s", "a2a / raw", "distinct ids per rank", "partial-sum rows per rank"],
               rows)
     C.TIMER = "wall time per step with the device synchronized, median of the timed steps"

@@ -218,6 +218,38 @@ def _check_union_bags(rank, world, seed, dev, mode, exchange="rows", dtype=torch
     _check_same_rows(emb.local, [ref], rank, world, f"union bags {mode}")
 
 
+def _check_comm_dtype(rank, world, seed, dev):
+    """comm_dtype on an fp32 table (bfloat16 with the rows' exchange, float16 with the partial sums'):
+    the rows' (partial bags') and gradients' exchanges move half the exact module's bytes, each output
+    is within that dtype's rounding of one device's (a rounding per row, or per owner's partial bag), and
+    the tables equal one device's bit for bit (the dyadic gradient sums here are exact in 16 bits)."""
+    for comm, exchange, eps in ((torch.bfloat16, "rows", 2.0**-8), (torch.float16, "partial_sums", 2.0**-11)):
+        g = torch.Generator().manual_seed(seed + 5)
+        pool = _pool(g, 200)
+        cfg = dict(capacity=16, max_capacity=1 << 14, device=dev, optimizer=tfo.SGD(lr=0.25), seed=3, bucket_size=8,
+                   eviction="none")
+        emb = ShardedDynamicEmbeddingBag(4, exchange=exchange, comm_dtype=comm, **cfg)
+        exact = ShardedDynamicEmbeddingBag(4, exchange=exchange, **cfg)
+        ref = DynamicEmbeddingBag(4, **cfg)
+        for step in range(3):
+            ids = [b[: b.numel() // 4 * 4].view(-1, 4) for b in _batches(g, pool, world, 40, step)]
+            gw = [_dyadic(g, i.shape[0], 4) for i in ids]
+            emb.exchange_log, exact.exchange_log = [], []
+            out = emb(ids[rank].to(dev))
+            (out * gw[rank].to(dev)).sum().backward()
+            (exact(ids[rank].to(dev)) * gw[rank].to(dev)).sum().backward()
+            ref_out = ref(torch.cat(ids).to(dev))
+            m = max((v.abs().max().item() for _, v, _, _ in ref.export() if v.numel()), default=0.0)
+            (ref_out * torch.cat(gw).to(dev)).sum().backward()
+            lo = sum(x.shape[0] for x in gw[:rank])
+            want = ref_out[lo:lo + gw[rank].shape[0]]
+            assert ((out - want).abs() <= 8 * eps * m).all(), f"{comm} step {step}"
+            moved = {e[0]: e[1] for e in emb.exchange_log}
+            for what, sent in ((w, b) for w, b, *_ in exact.exchange_log):
+                assert moved[what] == (sent // 2 if what in ("rows", "grads", "partial bags", "partial grads") else sent), what
+        _check_same_rows(emb.local, [ref], rank, world, f"comm_dtype {comm}")
+
+
 def _check_eviction(rank, world, seed, dev):
     """Tables at max_capacity evicting (LRU, Adam): against one single-device table per owner. On CUDA
     the victims among equal scores are chosen by slot, and the GPU's insert kernels do not fix which
@@ -300,6 +332,8 @@ def _check_bad_inputs(dev):
     with pytest.raises(ValueError, match="per_sample_weights need mode='sum'"):
         ShardedDynamicEmbeddingBag(4, 64, device=dev, mode="mean")(ids, torch.tensor([0], device=dev),
                                                                    per_sample_weights=torch.ones(6, device=dev))
+    with pytest.raises(ValueError, match="comm_dtype must be None, torch.float32, torch.bfloat16 or torch.float16"):
+        ShardedDynamicEmbeddingBag(4, 64, device=dev, comm_dtype=torch.int16)
     with pytest.raises(ValueError, match="exchange must be"):
         ShardedDynamicEmbeddingBag(4, 64, device=dev, exchange="bags")
     with pytest.raises(ValueError, match="owner_rank must be"):
@@ -390,6 +424,7 @@ def _world_checks(rank, world, seed, backend):
         _check_union_per_id(rank, world, seed + 11, dev, tfo.Adam(lr=0.1), torch.bfloat16)
         _check_union_bags(rank, world, seed + 11, dev, "sum", "rows", torch.float16)
     _check_union_bags(rank, world, seed, dev, "mean", "partial_sums")
+    _check_comm_dtype(rank, world, seed, dev)
     _check_eviction(rank, world, seed, dev)
     _check_table_wise(rank, world, seed, dev)
     _check_frozen_and_nograd(rank, world, seed, dev)

@@ -10,7 +10,7 @@ from torch import Tensor
 from ..dynamic_embedding import DynamicEmbedding, DynamicEmbeddingBag
 from ._checkpoint import ShardCheckpointMixin
 from ..dynamic_embedding._table import _ops
-from ._exchange import PartialPlan, PartialSums, PerId, PooledBags, all_to_all, sharded_rows
+from ._exchange import PartialPlan, PartialSums, PerId, PooledBags, all_to_all_as, sharded_rows
 from ._hash import owner_of
 
 
@@ -37,6 +37,13 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
     table-wise sharding: the other ranks' tables stay empty, of 128 slots, and their ids are
     exchanged with that rank as in the row-wise case).
 
+    ``comm_dtype``: the dtype rows and their gradients cross the exchange in (TorchRec's quantized
+    communications, QCommsConfig's forward and backward precision). None (default): the table's own,
+    and the results equal one device's bit for bit. ``torch.bfloat16`` or ``torch.float16`` with an
+    fp32 table halve the rows' and gradients' bytes: the rows arrive rounded to it (each rank's own
+    rows too) and each rank's per-id gradient sums leave rounded to it, so outputs and updates equal
+    one device's to that rounding. float16 saturates past 65504; bfloat16 keeps fp32's range.
+
     ``exchange_log``: set to a list to record each all-to-all as (what, bytes sent to other ranks,
     bytes received, seconds, bytes sent to each rank, bytes received from each rank); timing aligns
     the ranks (a barrier) and synchronizes the device around each exchange.
@@ -45,9 +52,13 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
     _local_cls = DynamicEmbedding
 
     def __init__(self, embedding_dim: int, capacity: int, *, process_group=None, owner_rank: Optional[int] = None,
-                 **options):
+                 comm_dtype: Optional[torch.dtype] = None, **options):
         super().__init__()
         name = f"torchfuse.distributed.{type(self).__name__}"
+        if comm_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name}: comm_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
+                             f"got {comm_dtype!r}")
+        self.comm_dtype = comm_dtype
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{name}: torch.distributed is not initialized "
                                "(call torch.distributed.init_process_group first)")
@@ -92,7 +103,8 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
 
     def extra_repr(self) -> str:
         where = "row-wise" if self.owner_rank is None else f"table-wise on rank {self.owner_rank}"
-        return f"rank={self.rank}, world_size={self.world_size}, {where}"
+        comm = "" if self.comm_dtype is None else f", comm_dtype={self.comm_dtype}"
+        return f"rank={self.rank}, world_size={self.world_size}, {where}{comm}"
 
     def requires_grad_(self, requires_grad: bool = True):
         self.local.requires_grad_(requires_grad)
@@ -111,7 +123,7 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
         need_grad = torch.is_grad_enabled() and self.local._trainable
         lookup = functools.partial(DynamicEmbedding.forward, self.local)  # per-id rows, bag tables too
         return sharded_rows(self.local, lookup, flat, self.owner, self.world_size, self.process_group,
-                            need_grad, self.exchange_log)
+                            need_grad, self.exchange_log, self.comm_dtype)
 
     def _per_id_rows(self, ids) -> Tensor:
         return PerId.apply(*self._sharded_rows(self.local._check_keys(ids)))
@@ -210,7 +222,7 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
         n_bags = lengths.numel()
         w = weights.to(torch.float32).contiguous() if weights is not None else None
         plan = PartialPlan(flat, bag_of, w, n_bags, self.owner, self.world_size, self.process_group,
-                           self.exchange_log)
+                           self.exchange_log, self.comm_dtype)
         pool = functools.partial(DynamicEmbeddingBag.forward, self.local)
         if torch.is_grad_enabled() and self.local._trainable:
             anchor = torch.empty(0, device=flat.device, requires_grad=True)
@@ -228,5 +240,6 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
 def _partial_no_grad(pool, plan) -> Tensor:
     ids, offsets, w = plan.owner_batch()
     partial = pool(ids, offsets, w)
-    back = all_to_all(partial, [plan.n_bags] * plan.world, plan.src_bags, plan.group, plan.log, "partial bags")
+    back = all_to_all_as(partial, plan.comm_dtype, [plan.n_bags] * plan.world, plan.src_bags, plan.group, plan.log,
+                         "partial bags")
     return back.view(plan.world, plan.n_bags, partial.shape[1])

@@ -15,7 +15,7 @@ def _options(m: DynamicEmbedding) -> dict:
                 bucket_size=m.bucket_size, evicted_record_limit=m.evicted_record_limit)
 
 
-def shard(module: torch.nn.Module, process_group=None, owner_rank=None) -> torch.nn.Module:
+def shard(module: torch.nn.Module, process_group=None, owner_rank=None, comm_dtype=None) -> torch.nn.Module:
     """The sharded form of `module` over `process_group` (default: the world group), holding the keys
     of `module` that this rank owns (call it on every rank with the same module, e.g. built with the
     same seed or loaded from the same checkpoint):
@@ -27,8 +27,9 @@ def shard(module: torch.nn.Module, process_group=None, owner_rank=None) -> torch
 
     owner_rank: None shards row-wise by the shard hash; for one table, a rank places it whole there
     (table-wise); for a collection, a mapping of table names to ranks places those tables table-wise
-    (the others row-wise). Training mode and requires_grad follow the module. The module itself is
-    left unchanged."""
+    (the others row-wise). comm_dtype: the dtype rows and gradients cross the exchange in (see
+    ShardedDynamicEmbedding; None: the tables' own, exact). Training mode and requires_grad follow the
+    module. The module itself is left unchanged."""
     from ..torchrec import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
     if isinstance(module, (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)):
         placed = dict(owner_rank or {})
@@ -42,17 +43,18 @@ def shard(module: torch.nn.Module, process_group=None, owner_rank=None) -> torch
             out = copy.deepcopy(module)
         finally:
             module.tables = tables
-        out.tables = type(tables)({k: shard(t, process_group, placed.get(k)) for k, t in tables.items()}, tables())
+        out.tables = type(tables)({k: shard(t, process_group, placed.get(k), comm_dtype) for k, t in tables.items()}, tables())
         if hasattr(out, "table_batched"):
             out.table_batched = False
         return out
     if isinstance(module, DynamicEmbeddingBag):
         out = ShardedDynamicEmbeddingBag(module.embedding_dim, module.capacity, mode=module.mode,
                                          include_last_offset=module.include_last_offset,
-                                         process_group=process_group, owner_rank=owner_rank, **_options(module))
+                                         process_group=process_group, owner_rank=owner_rank, comm_dtype=comm_dtype,
+                                         **_options(module))
     elif isinstance(module, DynamicEmbedding):
         out = ShardedDynamicEmbedding(module.embedding_dim, module.capacity, process_group=process_group,
-                                      owner_rank=owner_rank, **_options(module))
+                                      owner_rank=owner_rank, comm_dtype=comm_dtype, **_options(module))
     else:
         raise TypeError("torchfuse.distributed.shard: module must be a DynamicEmbedding, DynamicEmbeddingBag or a "
                         f"torchfuse.torchrec collection, got {type(module).__name__}")
