@@ -15,11 +15,17 @@ import torch
 
 def function_for(name: str, op, setup_context: Callable, backward: Callable):
     """An autograd.Function whose forward is ``op(*args)`` followed by ``setup_context(ctx, args,
-    output)`` and whose backward is ``backward(ctx, *grads)``: register_autograd's contract. Inside
-    forward grad mode is off, so the op dispatches straight to its kernels."""
+    output)`` and whose backward is ``backward(ctx, *grads)``: register_autograd's contract. In eager
+    mode the forward calls the op below the Autograd dispatch key, straight to its kernels: with grad
+    mode off the op's inputs that require grad still reach its registered autograd, whose no-grad
+    redispatch is another Python layer. (Traced by torch.compile, the op is called as it is.)"""
 
     def forward(ctx, *args):
-        out = op(*args)
+        if torch.compiler.is_compiling():
+            out = op(*args)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                out = op(*args)
         setup_context(ctx, args, out)
         return out
 
