@@ -95,11 +95,13 @@ def sum_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tenso
     return fut.then(lambda f: f.value()[0])
 
 
-def distribute(model: torch.nn.Module, process_group, ddp_group: Optional[object] = None):
+def distribute(model: torch.nn.Module, process_group, ddp_group: Optional[object] = None,
+               comm_dtype: Optional[torch.dtype] = None):
     """Shard ``model``'s dynamic tables over ``process_group`` (in place: ``model.items`` and
-    ``model.users`` become ``ShardedDynamicEmbedding``s holding this rank's keys) and return the model
-    under ``DistributedDataParallel`` over ``ddp_group`` (default: a new group of the same ranks, so
-    that the gradients' all-reduces never interleave with the tables' all-to-alls on one communicator).
+    ``model.users`` become ``ShardedDynamicEmbedding``s holding this rank's keys, exchanging rows and
+    gradients in ``comm_dtype``, default their own dtype) and return the model under
+    ``DistributedDataParallel`` over ``ddp_group`` (default: a new group of the same ranks, so that the
+    gradients' all-reduces never interleave with the tables' all-to-alls on one communicator).
     Collective: every rank of the group calls it with the same model."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -107,7 +109,7 @@ def distribute(model: torch.nn.Module, process_group, ddp_group: Optional[object
     for name in ("items", "users"):
         t = getattr(model, name, None)
         if t is not None:
-            setattr(model, name, shard(t, process_group))
+            setattr(model, name, shard(t, process_group, comm_dtype=comm_dtype))
     if ddp_group is None:
         ddp_group = dist.new_group(ranks=dist.get_process_group_ranks(process_group or dist.group.WORLD))
     dev = model.positions.weight.device

@@ -36,6 +36,9 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
+    # with a process_group: the dtype the sharded tables' rows and gradients cross the exchange in
+    # (torchfuse.distributed.ShardedDynamicEmbedding's comm_dtype; None: the tables' own, exact)
+    comm_dtype: Optional[torch.dtype] = None
 
 
 def _fused_loss(*args, **kwargs):
@@ -67,7 +70,7 @@ class Trainer:
             if cfg.batch_size < self.world:
                 raise ValueError(f"Trainer: batch_size {cfg.batch_size} (the global batch) is smaller than the "
                                  f"{self.world} ranks")
-            self.ddp = distribute(model, process_group)
+            self.ddp = distribute(model, process_group, comm_dtype=cfg.comm_dtype)
             self._forward = self.ddp
         self.opt = dense_optimizer or torch.optim.Adam(model.dense_parameters(), lr=cfg.lr,
                                                         weight_decay=cfg.weight_decay)
@@ -198,6 +201,9 @@ def _parse(argv):
     p.add_argument("--nproc", type=int, default=1,
                    help="data-parallel processes (one per GPU, NCCL; gloo on CPU): the tables sharded, the dense "
                         "part under DistributedDataParallel, --batch-size the global batch split over them")
+    p.add_argument("--comm-dtype", choices=["bfloat16", "float16"], default=None,
+                   help="with --nproc > 1: the sharded tables' rows and gradients exchanged in this dtype (half "
+                        "the bytes; rounded) instead of their own")
     return p.parse_args(argv)
 
 
@@ -261,7 +267,8 @@ def _run(a, process_group=None) -> int:
                                  item_capacity=max(1 << 12, 2 * catalog.numel()), compute_dtype=dtype, seed=a.seed)
     model = HSTURecommender(mcfg, device=device)
     tcfg = TrainConfig(batch_size=a.batch_size, max_len=a.max_len, num_negatives=a.negatives,
-                       temperature=a.temperature, lr=a.lr, seed=a.seed)
+                       temperature=a.temperature, lr=a.lr, seed=a.seed,
+                       comm_dtype=getattr(torch, a.comm_dtype) if a.comm_dtype else None)
     trainer = Trainer(model, train, catalog, tcfg, process_group=process_group)
     if a.resume:
         trainer.load_state_dict(torch.load(a.resume, map_location=device, weights_only=False))
