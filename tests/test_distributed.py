@@ -219,11 +219,13 @@ def _check_union_bags(rank, world, seed, dev, mode, exchange="rows", dtype=torch
 
 
 def _check_comm_dtype(rank, world, seed, dev):
-    """comm_dtype on an fp32 table (bfloat16 with the rows' exchange, float16 with the partial sums'):
-    the rows' (partial bags') and gradients' exchanges move half the exact module's bytes, each output
-    is within that dtype's rounding of one device's (a rounding per row, or per owner's partial bag), and
-    the tables equal one device's bit for bit (the dyadic gradient sums here are exact in 16 bits)."""
-    for comm, exchange, eps in ((torch.bfloat16, "rows", 2.0**-8), (torch.float16, "partial_sums", 2.0**-11)):
+    """comm_dtype on an fp32 table (bfloat16 with the rows' exchange, float16 with the partial sums',
+    and a (bfloat16 forward, float16 backward) pair): the rows' (partial bags') and gradients'
+    exchanges move half the exact module's bytes, each output is within the forward dtype's rounding
+    of one device's (a rounding per row, or per owner's partial bag), and the tables equal one
+    device's bit for bit (the dyadic gradient sums here are exact in 16 bits)."""
+    for comm, exchange, eps in ((torch.bfloat16, "rows", 2.0**-8), (torch.float16, "partial_sums", 2.0**-11),
+                                ((torch.bfloat16, torch.float16), "rows", 2.0**-8)):
         g = torch.Generator().manual_seed(seed + 5)
         pool = _pool(g, 200)
         cfg = dict(capacity=16, max_capacity=1 << 14, device=dev, optimizer=tfo.SGD(lr=0.25), seed=3, bucket_size=8,
@@ -332,8 +334,9 @@ def _check_bad_inputs(dev):
     with pytest.raises(ValueError, match="per_sample_weights need mode='sum'"):
         ShardedDynamicEmbeddingBag(4, 64, device=dev, mode="mean")(ids, torch.tensor([0], device=dev),
                                                                    per_sample_weights=torch.ones(6, device=dev))
-    with pytest.raises(ValueError, match="comm_dtype must be None, torch.float32, torch.bfloat16 or torch.float16"):
-        ShardedDynamicEmbeddingBag(4, 64, device=dev, comm_dtype=torch.int16)
+    for bad in (torch.int16, (torch.bfloat16,), (torch.bfloat16, torch.int8)):
+        with pytest.raises(ValueError, match="comm_dtype must be None, torch.float32, torch.bfloat16 or torch.float16"):
+            ShardedDynamicEmbeddingBag(4, 64, device=dev, comm_dtype=bad)
     with pytest.raises(ValueError, match="exchange must be"):
         ShardedDynamicEmbeddingBag(4, 64, device=dev, exchange="bags")
     with pytest.raises(ValueError, match="owner_rank must be"):
@@ -685,6 +688,54 @@ def _dmp_checks(rank, world, seed, table_wise):
             assert int(n) == len(ref.ebc.tables[name])
         ec_local = [m for m in ec_dmp.modules() if isinstance(m, ShardedDynamicEmbeddingCollection)][0]
         _check_same_rows(ec_local._inner.tables["t2"].local, [ec_ref.ec.tables["t2"]], rank, world, "EC")
+    if world == 2 and not table_wise:  # TorchRec's qcomm registry reaches the tables' exchange
+        from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+        reg = get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16),
+                                        device=torch.device("cpu"))
+        torch.manual_seed(0)
+        qmodel = Model()
+        torch.manual_seed(0)
+        qref = Model()
+        qdmp = DistributedModelParallel(qmodel, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                        device=torch.device("cpu"), sharders=[DynamicEmbeddingSharder(qcomm_codecs_registry=reg)])
+        qs = [m for m in qdmp.modules() if isinstance(m, ShardedDynamicEmbeddingCollection)][0]
+        assert all(t._comm == (torch.float16, torch.float16) for t in qs._inner.tables.values())
+        feats = [[(pool[torch.randint(0, pool.numel(), (int(n.sum()),), generator=g)], n)
+                  for n in (torch.randint(0, 4, (B,), generator=g) for _ in keys)] for _ in range(world)]
+        union = [(torch.cat([feats[r][f][0] for r in range(world)]), torch.cat([feats[r][f][1] for r in range(world)]))
+                 for f in range(len(keys))]
+        out = qdmp(_kjt(keys, feats[rank], KeyedJaggedTensor))
+        want = qref(_kjt(keys, union, KeyedJaggedTensor))[rank * B:(rank + 1) * B]
+        # each row rounded once to fp16 (2^-11 relative) before pooling and the dense layer: near the
+        # unsharded output, and not within fp32 rounding of it (the rows took the fp16 path)
+        torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+        gap = torch.tensor([(out - want).abs().max().item()])
+        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+        assert gap.item() > 1e-6
+
+
+def test_sharder_reads_qcomm_registry():
+    """DynamicEmbeddingSharder takes the wire dtypes from TorchRec's qcomm codecs registry (the pooled
+    or sequence embeddings' all-to-all entry, forward and backward apart) and refuses precisions and
+    loss scales the exchange does not have, naming the argument."""
+    pytest.importorskip("torchrec")
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+
+    from torchfuse.torchrec import DynamicEmbeddingCollection, DynamicEmbeddingSharder
+    cuda = torch.device("cuda")  # the registry's target backend (no GPU needed to build it)
+    reg = get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.BF16, backward_precision=CommType.FP16),
+                                    device=cuda)
+    assert DynamicEmbeddingSharder(qcomm_codecs_registry=reg)._comm == (torch.bfloat16, torch.float16)
+    assert DynamicEmbeddingSharder(DynamicEmbeddingCollection, qcomm_codecs_registry=reg)._comm == (torch.bfloat16,
+                                                                                                    torch.float16)
+    assert DynamicEmbeddingSharder()._comm is None
+    int8 = get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.INT8), device=cuda)
+    with pytest.raises(ValueError, match="qcomm_codecs_registry's forward precision"):
+        DynamicEmbeddingSharder(qcomm_codecs_registry=int8)
+    scaled = get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16,
+                                                    backward_loss_scale=128.0), device=cuda)
+    with pytest.raises(ValueError, match="qcomm_codecs_registry's backward loss scale"):
+        DynamicEmbeddingSharder(qcomm_codecs_registry=scaled)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -75,7 +75,7 @@ class Plan:
     ids to the batch's length, and the padding, owned by no rank, sorts last and is cut off after
     that read."""
 
-    def __init__(self, flat: Tensor, owner_fn, world: int, group, log=None, comm_dtype=None):
+    def __init__(self, flat: Tensor, owner_fn, world: int, group, log=None, comm=(None, None)):
         perm, uniq, seg, self.inv, n_unique = _ops.dynemb_sort_segments(flat)
         n = flat.numel()
         # the padding past n_unique is given owner `world`, after every rank's ids
@@ -90,7 +90,7 @@ class Plan:
         # perm: the batch's ids grouped by unique id, batch order within a group (a stable sort's);
         # seg: the groups' bounds
         self._segments = (perm, seg[:n_u + 1])
-        self.group, self.log, self.n, self.comm_dtype = group, log, n, comm_dtype
+        self.group, self.log, self.n, self.comm = group, log, n, comm  # (rows', gradients') wire dtypes
         self._pos = None
 
     def segments(self) -> Tuple[Tensor, Tensor]:
@@ -127,30 +127,30 @@ class ShardedRows(torch.autograd.Function):
         with torch.enable_grad():
             local_rows = local_lookup(recv_ids)
         ctx.plan, ctx.local_rows = plan, local_rows
-        return all_to_all_as(local_rows.detach(), plan.comm_dtype, plan.send_splits, plan.recv_splits, plan.group,
+        return all_to_all_as(local_rows.detach(), plan.comm[0], plan.send_splits, plan.recv_splits, plan.group,
                              plan.log, "rows")
 
     @staticmethod
     def backward(ctx, grad):
         plan, local_rows = ctx.plan, ctx.local_rows
         ctx.local_rows = None
-        g = all_to_all_as(grad, plan.comm_dtype, plan.recv_splits, plan.send_splits, plan.group, plan.log, "grads")
+        g = all_to_all_as(grad, plan.comm[1], plan.recv_splits, plan.send_splits, plan.group, plan.log, "grads")
         if local_rows.requires_grad:
             torch.autograd.backward(local_rows, g.to(local_rows.dtype))
         return None, None, None
 
 
 def sharded_rows(local, local_lookup, flat: Tensor, owner_fn, world: int, group, need_grad: bool,
-                 log=None, comm_dtype=None) -> Tuple[Tensor, Plan]:
+                 log=None, comm=(None, None)) -> Tuple[Tensor, Plan]:
     """(rows of plan.send_ids, plan): the exchange of one batch; owner_fn(keys) gives each key's
-    rank. need_grad: build the backward. comm_dtype: the rows and gradients' dtype on the wire."""
-    plan = Plan(flat, owner_fn, world, group, log, comm_dtype)
+    rank. need_grad: build the backward. comm: the rows' and the gradients' dtypes on the wire."""
+    plan = Plan(flat, owner_fn, world, group, log, comm)
     if need_grad:
         anchor = torch.empty(0, device=flat.device, requires_grad=True)
         rows = ShardedRows.apply(anchor, local_lookup, plan)
     else:
         recv_ids = all_to_all(plan.send_ids, plan.recv_splits, plan.send_splits, group, log, "ids")
-        rows = all_to_all_as(local_lookup(recv_ids), comm_dtype, plan.send_splits, plan.recv_splits, group, log,
+        rows = all_to_all_as(local_lookup(recv_ids), comm[0], plan.send_splits, plan.recv_splits, group, log,
                              "rows")
     return rows, plan
 
@@ -215,7 +215,7 @@ class PartialPlan:
     source's ids in bag order. The counts' exchange also carries each rank's number of bags."""
 
     def __init__(self, flat: Tensor, bag_of: Tensor, weights: Optional[Tensor], n_bags: int, owner_fn, world: int,
-                 group, log=None, comm_dtype=None):
+                 group, log=None, comm=(None, None)):
         owner = owner_fn(flat)
         order = torch.argsort(owner, stable=True)
         if n_bags >= 2**31:
@@ -229,7 +229,7 @@ class PartialPlan:
         host = torch.cat([meta.reshape(-1), recv_meta.reshape(-1)]).tolist()  # the one host sync
         self.send_splits, self.recv_splits = host[0:2 * world:2], host[2 * world::2]
         self.src_bags = host[2 * world + 1::2]  # each source rank's number of bags
-        self.n_bags, self.world, self.group, self.log, self.comm_dtype = n_bags, world, group, log, comm_dtype
+        self.n_bags, self.world, self.group, self.log, self.comm = n_bags, world, group, log, comm
 
     def owner_batch(self):
         """(ids, offsets, weights) the owner pools: the sources' bags one after another (source
@@ -259,7 +259,7 @@ class PartialSums(torch.autograd.Function):
         with torch.enable_grad():
             partial = local_pool(ids, offsets, w)
         ctx.plan, ctx.partial = plan, partial
-        back = all_to_all_as(partial.detach(), plan.comm_dtype, [plan.n_bags] * plan.world, plan.src_bags, plan.group,
+        back = all_to_all_as(partial.detach(), plan.comm[0], [plan.n_bags] * plan.world, plan.src_bags, plan.group,
                              plan.log, "partial bags")
         return back.view(plan.world, plan.n_bags, partial.shape[1])
 
@@ -267,7 +267,7 @@ class PartialSums(torch.autograd.Function):
     def backward(ctx, grad):
         plan, partial = ctx.plan, ctx.partial
         ctx.partial = None
-        g = all_to_all_as(grad.reshape(-1, grad.shape[-1]), plan.comm_dtype, plan.src_bags, [plan.n_bags] * plan.world,
+        g = all_to_all_as(grad.reshape(-1, grad.shape[-1]), plan.comm[1], plan.src_bags, [plan.n_bags] * plan.world,
                           plan.group, plan.log, "partial grads")
         if partial.requires_grad:
             torch.autograd.backward(partial, g.to(partial.dtype))

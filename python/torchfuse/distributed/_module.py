@@ -14,6 +14,18 @@ from ._exchange import PartialPlan, PartialSums, PerId, PooledBags, all_to_all_a
 from ._hash import owner_of
 
 
+_WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _comm_pair(name: str, comm_dtype):
+    """(forward, backward) wire dtypes from comm_dtype: one dtype for both, or a pair."""
+    pair = tuple(comm_dtype) if isinstance(comm_dtype, (tuple, list)) else (comm_dtype, comm_dtype)
+    if len(pair) != 2 or any(d not in _WIRE_DTYPES for d in pair):
+        raise ValueError(f"{name}: comm_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, or a "
+                         f"(forward, backward) pair of them, got {comm_dtype!r}")
+    return pair
+
+
 class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
     """A :class:`torchfuse.DynamicEmbedding` sharded row-wise over a process group: the rank
     ``torchfuse.distributed.owner_of(key, world_size)`` owns a key (a hash independent of the
@@ -37,12 +49,13 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
     table-wise sharding: the other ranks' tables stay empty, of 128 slots, and their ids are
     exchanged with that rank as in the row-wise case).
 
-    ``comm_dtype``: the dtype rows and their gradients cross the exchange in (TorchRec's quantized
-    communications, QCommsConfig's forward and backward precision). None (default): the table's own,
-    and the results equal one device's bit for bit. ``torch.bfloat16`` or ``torch.float16`` with an
-    fp32 table halve the rows' and gradients' bytes: the rows arrive rounded to it (each rank's own
-    rows too) and each rank's per-id gradient sums leave rounded to it, so outputs and updates equal
-    one device's to that rounding. float16 saturates past 65504; bfloat16 keeps fp32's range.
+    ``comm_dtype``: the dtype rows and their gradients cross the exchange in, or a (forward, backward)
+    pair (TorchRec's quantized communications, QCommsConfig's forward and backward precision). None
+    (default): the table's own, and the results equal one device's bit for bit. ``torch.bfloat16`` or
+    ``torch.float16`` with an fp32 table halve the rows' and gradients' bytes: the rows arrive rounded
+    to it (each rank's own rows too) and each rank's per-id gradient sums leave rounded to it, so
+    outputs and updates equal one device's to that rounding. float16 saturates past 65504; bfloat16
+    keeps fp32's range.
 
     ``exchange_log``: set to a list to record each all-to-all as (what, bytes sent to other ranks,
     bytes received, seconds, bytes sent to each rank, bytes received from each rank); timing aligns
@@ -52,12 +65,10 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
     _local_cls = DynamicEmbedding
 
     def __init__(self, embedding_dim: int, capacity: int, *, process_group=None, owner_rank: Optional[int] = None,
-                 comm_dtype: Optional[torch.dtype] = None, **options):
+                 comm_dtype=None, **options):
         super().__init__()
         name = f"torchfuse.distributed.{type(self).__name__}"
-        if comm_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"{name}: comm_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
-                             f"got {comm_dtype!r}")
+        self._comm = _comm_pair(name, comm_dtype)  # (rows', gradients') wire dtypes
         self.comm_dtype = comm_dtype
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{name}: torch.distributed is not initialized "
@@ -123,7 +134,7 @@ class ShardedDynamicEmbedding(ShardCheckpointMixin, torch.nn.Module):
         need_grad = torch.is_grad_enabled() and self.local._trainable
         lookup = functools.partial(DynamicEmbedding.forward, self.local)  # per-id rows, bag tables too
         return sharded_rows(self.local, lookup, flat, self.owner, self.world_size, self.process_group,
-                            need_grad, self.exchange_log, self.comm_dtype)
+                            need_grad, self.exchange_log, self._comm)
 
     def _per_id_rows(self, ids) -> Tensor:
         return PerId.apply(*self._sharded_rows(self.local._check_keys(ids)))
@@ -222,7 +233,7 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
         n_bags = lengths.numel()
         w = weights.to(torch.float32).contiguous() if weights is not None else None
         plan = PartialPlan(flat, bag_of, w, n_bags, self.owner, self.world_size, self.process_group,
-                           self.exchange_log, self.comm_dtype)
+                           self.exchange_log, self._comm)
         pool = functools.partial(DynamicEmbeddingBag.forward, self.local)
         if torch.is_grad_enabled() and self.local._trainable:
             anchor = torch.empty(0, device=flat.device, requires_grad=True)
@@ -240,6 +251,6 @@ class ShardedDynamicEmbeddingBag(ShardedDynamicEmbedding):
 def _partial_no_grad(pool, plan) -> Tensor:
     ids, offsets, w = plan.owner_batch()
     partial = pool(ids, offsets, w)
-    back = all_to_all_as(partial, plan.comm_dtype, [plan.n_bags] * plan.world, plan.src_bags, plan.group, plan.log,
+    back = all_to_all_as(partial, plan.comm[0], [plan.n_bags] * plan.world, plan.src_bags, plan.group, plan.log,
                          "partial bags")
     return back.view(plan.world, plan.n_bags, partial.shape[1])

@@ -27,8 +27,8 @@ def shard(module: torch.nn.Module, process_group=None, owner_rank=None, comm_dty
 
     owner_rank: None shards row-wise by the shard hash; for one table, a rank places it whole there
     (table-wise); for a collection, a mapping of table names to ranks places those tables table-wise
-    (the others row-wise). comm_dtype: the dtype rows and gradients cross the exchange in (see
-    ShardedDynamicEmbedding; None: the tables' own, exact). Training mode and requires_grad follow the
+    (the others row-wise). comm_dtype: the dtype rows and gradients cross the exchange in, or a
+    (forward, backward) pair (see ShardedDynamicEmbedding; None: the tables' own, exact). Training mode and requires_grad follow the
     module. The module itself is left unchanged."""
     from ..torchrec import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
     if isinstance(module, (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)):

@@ -22,7 +22,7 @@ class ShardedDynamicEmbeddingCollection(ShardedModule):
     (all_to_all_single, grouped by owner) inside compute, and its rows come back there, so
     output_dist has nothing left to move."""
 
-    def __init__(self, module, plan, env: ShardingEnv, device: Optional[torch.device] = None):
+    def __init__(self, module, plan, env: ShardingEnv, device: Optional[torch.device] = None, comm_dtype=None):
         super().__init__()
         pg = env.process_group
         world = env.world_size
@@ -36,7 +36,7 @@ class ShardedDynamicEmbeddingCollection(ShardedModule):
                                  f"{ps.sharding_type} on ranks {ps.ranks}; row-wise over all ranks and table-wise "
                                  "on one rank are supported")
         self._unsharded_type = type(module)
-        self._inner = shard(module, pg, table_wise)
+        self._inner = shard(module, pg, table_wise, comm_dtype)
 
     @property
     def unsharded_module_type(self):
@@ -55,6 +55,26 @@ class ShardedDynamicEmbeddingCollection(ShardedModule):
         return LazyNoWait(output)
 
 
+def _wire_dtypes(name: str, registry, pooled: bool):
+    """(forward, backward) wire dtypes (None: fp32, the exact exchange) from a TorchRec qcomm codecs
+    registry's embeddings all-to-all entry, or None without one."""
+    from torchrec.distributed.types import CommOp
+    op = (CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL if pooled else CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL).name
+    codecs = (registry or {}).get(op)
+    if codecs is None:
+        return None
+    out = []
+    for what, codec in (("forward", codecs.forward), ("backward", codecs.backward)):
+        dtype = getattr(codec, "quantized_dtype", torch.float32)
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"{name}: qcomm_codecs_registry's {what} precision ({dtype}) is not supported: the "
+                             "dynamic tables' exchange takes fp32, fp16 or bf16")
+        if getattr(codec, "_loss_scale", None) not in (None, 1.0):
+            raise ValueError(f"{name}: qcomm_codecs_registry's {what} loss scale is not supported")
+        out.append(None if dtype == torch.float32 else dtype)
+    return tuple(out)
+
+
 class DynamicEmbeddingSharder(ModuleSharder[nn.Module]):
     """TorchRec ``ModuleSharder`` for :class:`torchfuse.torchrec.DynamicEmbeddingBagCollection`
     (default) or, with ``module_type=DynamicEmbeddingCollection``, :class:`DynamicEmbeddingCollection`:
@@ -68,7 +88,12 @@ class DynamicEmbeddingSharder(ModuleSharder[nn.Module]):
     Row-wise, the sharded module
     keys rows by the shard hash (``torchfuse.distributed.owner_of``), not by TorchRec's row ranges,
     and each rank's table keeps the collection's per-table capacity; table-wise, the planned rank
-    holds the whole table."""
+    holds the whole table.
+
+    ``qcomm_codecs_registry`` (``torchrec.distributed.fbgemm_qcomm_codec.get_qcomm_codecs_registry``)
+    is honoured as TorchRec's own sharders do: the pooled (bags) or sequence (per-id) embeddings'
+    all-to-all codecs give the rows' (forward) and gradients' (backward) dtypes on the wire
+    (``comm_dtype``); fp32, fp16 and bf16 are supported, other precisions and loss scales refused."""
 
     def __init__(self, module_type: Type[nn.Module] = DynamicEmbeddingBagCollection, qcomm_codecs_registry=None,
                  sharding_types: Sequence[str] = (ShardingType.ROW_WISE.value,)):
@@ -77,6 +102,7 @@ class DynamicEmbeddingSharder(ModuleSharder[nn.Module]):
         if module_type not in (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection):
             raise TypeError(f"{name}: module_type must be DynamicEmbeddingBagCollection "
                             f"or DynamicEmbeddingCollection, got {module_type!r}")
+        self._comm = _wire_dtypes(name, qcomm_codecs_registry, module_type is DynamicEmbeddingBagCollection)
         supported = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
         types = [getattr(t, "value", t) for t in sharding_types]
         if not types or any(t not in supported for t in types):
@@ -99,4 +125,4 @@ class DynamicEmbeddingSharder(ModuleSharder[nn.Module]):
         return [EmbeddingComputeKernel.FUSED.value]
 
     def shard(self, module, params, env, device=None, module_fqn=None):
-        return ShardedDynamicEmbeddingCollection(module, params, env, device)
+        return ShardedDynamicEmbeddingCollection(module, params, env, device, self._comm)
