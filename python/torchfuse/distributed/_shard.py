@@ -28,8 +28,8 @@ def shard(module: torch.nn.Module, process_group=None, owner_rank=None, comm_dty
     owner_rank: None shards row-wise by the shard hash; for one table, a rank places it whole there
     (table-wise); for a collection, a mapping of table names to ranks places those tables table-wise
     (the others row-wise). comm_dtype: the dtype rows and gradients cross the exchange in, or a
-    (forward, backward) pair (see ShardedDynamicEmbedding; None: the tables' own, exact). Training mode and requires_grad follow the
-    module. The module itself is left unchanged."""
+    (forward, backward) pair (see ShardedDynamicEmbedding; None: the tables' own, exact). Training
+    mode and requires_grad follow the module. The module itself is left unchanged."""
     from ..torchrec import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
     if isinstance(module, (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)):
         placed = dict(owner_rank or {})
@@ -43,7 +43,8 @@ def shard(module: torch.nn.Module, process_group=None, owner_rank=None, comm_dty
             out = copy.deepcopy(module)
         finally:
             module.tables = tables
-        out.tables = type(tables)({k: shard(t, process_group, placed.get(k), comm_dtype) for k, t in tables.items()}, tables())
+        out.tables = type(tables)({k: shard(t, process_group, placed.get(k), comm_dtype) for k, t in tables.items()},
+                                  tables())
         if hasattr(out, "table_batched"):
             out.table_batched = False
         return out
