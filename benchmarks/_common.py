@@ -126,6 +126,14 @@ def compile_fn(fn):
     return torch.compile(fn, dynamic=False)
 
 
+def zipf_ranks(n, universe, s, generator=None, device="cpu"):
+    """n ranks in [1, universe] with P(k) ~ k^-s (continuous inverse CDF, floored): the skewed ids of
+    recommendation traffic, where the hottest holds several percent of a batch (s = 1.05)."""
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=device)
+    a = 1.0 - s
+    return torch.floor(((universe ** a - 1.0) * u + 1.0) ** (1.0 / a)).to(torch.int64)
+
+
 def ratio(base, ours):
     """base / ours as 'N.NNx', '-' when either is missing."""
     return "-" if base is None or ours is None else f"{base / ours:.2f}x"

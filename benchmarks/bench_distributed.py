@@ -37,11 +37,9 @@ CONFIGS = [("sgd", "rows", None), ("adam", "rows", None), ("sgd", "partial_sums"
 
 
 def zipf_ids(n, universe, g, dev):
-    """n ids with P(rank k) ~ k^-s over `universe` ranks (continuous inverse CDF, floored), each
-    rank mapped to a spread-out int64 key (an odd multiplier modulo 2**64)."""
-    u = torch.rand(n, generator=g, dtype=torch.float64)
-    a = 1.0 - ZIPF_S
-    ranks = torch.floor(((universe ** a - 1.0) * u + 1.0) ** (1.0 / a)).to(torch.int64)
+    """n ids of Zipf(ZIPF_S) ranks over `universe` (_common.zipf_ranks), each rank mapped to a
+    spread-out int64 key (an odd multiplier modulo 2**64)."""
+    ranks = C.zipf_ranks(n, universe, ZIPF_S, generator=g)
     return (ranks * -7046029254386353131).to(dev)  # 0x9E3779B97F4A7C15 as int64
 
 

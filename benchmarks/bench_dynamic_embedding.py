@@ -121,15 +121,6 @@ def static_gather(cap, dims, rows_out):
 ZIPF_S = 1.05
 
 
-def zipf_index(n, universe, dev):
-    """n indices in [0, universe) with P(k) ~ (k + 1)^-s (continuous inverse CDF, floored): the
-    skewed batches of recommendation traffic, where one hot id holds several percent of the batch."""
-    u = torch.rand(n, dtype=torch.float64, device=dev)
-    a = 1.0 - ZIPF_S
-    rank = torch.floor(((universe ** a - 1.0) * u + 1.0) ** (1.0 / a)).to(torch.int64)
-    return (rank - 1).clamp_(0, universe - 1)
-
-
 def training_step(opt, n_ids, universe, dim, skewed=False, dev="cuda"):
     """(ours, theirs): one training step each over the same n_ids ids in bags of 64 (sum), ids drawn
     from `universe` keys already in our table (uniformly, or Zipf-distributed when skewed):
@@ -148,7 +139,10 @@ def training_step(opt, n_ids, universe, dim, skewed=False, dev="cuda"):
             torchfuse.DynamicEmbedding.forward(bag, keys[i:i + M])
     ref = torch.nn.EmbeddingBag(universe, dim, mode="sum", sparse=True).to(dev)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.01) if opt == "sgd" else torch.optim.SparseAdam(ref.parameters())
-    idx = zipf_index(n_ids, universe, dev) if skewed else torch.randint(0, universe, (n_ids,), device=dev)
+    if skewed:  # key index k - 1 for Zipf rank k
+        idx = (C.zipf_ranks(n_ids, universe, ZIPF_S, device=dev) - 1).clamp_(0, universe - 1)
+    else:
+        idx = torch.randint(0, universe, (n_ids,), device=dev)
     ids = keys[idx]
 
     def ours():
