@@ -96,13 +96,13 @@ def sum_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tenso
 
 
 def distribute(model: torch.nn.Module, process_group, ddp_group: Optional[object] = None,
-               comm_dtype: Optional[torch.dtype] = None):
+               comm_dtype=None):
     """Shard ``model``'s dynamic tables over ``process_group`` (in place: ``model.items`` and
-    ``model.users`` become ``ShardedDynamicEmbedding``s holding this rank's keys, exchanging rows and
-    gradients in ``comm_dtype``, default their own dtype) and return the model under
-    ``DistributedDataParallel`` over ``ddp_group`` (default: a new group of the same ranks, so that the
-    gradients' all-reduces never interleave with the tables' all-to-alls on one communicator).
-    Collective: every rank of the group calls it with the same model."""
+    ``model.users`` become ``ShardedDynamicEmbedding``s holding this rank's keys) and return the model
+    under ``DistributedDataParallel`` over ``ddp_group`` (default: a new group of the same ranks, so
+    that the gradients' all-reduces never interleave with the tables' all-to-alls on one communicator).
+    ``comm_dtype``: the tables' rows and gradients on the wire, a dtype or a (forward, backward) pair
+    (default: their own dtype, exact). Collective: every rank of the group calls it with the same model."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ..distributed import shard

@@ -36,9 +36,10 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
-    # with a process_group: the dtype the sharded tables' rows and gradients cross the exchange in
-    # (torchfuse.distributed.ShardedDynamicEmbedding's comm_dtype; None: the tables' own, exact)
-    comm_dtype: Optional[torch.dtype] = None
+    # with a process_group: the dtype the sharded tables' rows and gradients cross the exchange in, or a
+    # (forward, backward) pair (torchfuse.distributed.ShardedDynamicEmbedding's comm_dtype; None: the
+    # tables' own, exact)
+    comm_dtype: Optional[object] = None
 
 
 def _fused_loss(*args, **kwargs):
